@@ -1,0 +1,72 @@
+"""The exceptions relaunch raises, each with a message a user can act on.
+
+Every error a user can cause derives from :class:`RelaunchError`. Input errors carry one
+:class:`Problem` per offending key, so that a file with three mistakes reports all three at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["FaultTableError", "InputError", "Problem", "RelaunchError", "SpecError"]
+
+
+class RelaunchError(Exception):
+    """Base class of every error relaunch reports to a user."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One invalid input: where it is, what was given, and what is allowed instead."""
+
+    key: str
+    value: Any
+    allowed: str
+
+    def __str__(self) -> str:
+        if self.value is _MISSING:
+            return f"{self.key}: missing; {self.allowed}"
+        return f"{self.key}: {_show(self.value)} is not allowed; {self.allowed}"
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+_MISSING: Any = _Missing()
+MISSING: Any = _MISSING
+"""Sentinel for :attr:`Problem.value` when the key is absent."""
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+class InputError(RelaunchError):
+    """A file or request the user wrote is invalid; :attr:`problems` lists every mistake."""
+
+    what = "input"
+
+    def __init__(self, source: str, problems: Iterable[Problem]) -> None:
+        self.source = source
+        self.problems: tuple[Problem, ...] = tuple(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        count = len(self.problems)
+        noun = "problem" if count == 1 else "problems"
+        super().__init__(f"{source}: invalid {self.what}, {count} {noun}:\n{lines}")
+
+
+class SpecError(InputError):
+    """A job spec is invalid."""
+
+    what = "job spec"
+
+
+class FaultTableError(InputError):
+    """A fault code table file is invalid."""
+
+    what = "fault table"

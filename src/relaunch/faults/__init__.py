@@ -1,0 +1,31 @@
+"""The fault model: kinds, the code table, classification and escalation. Pure: no I/O, no clock."""
+
+from relaunch.faults.assessment import Assessment, Cause, assess
+from relaunch.faults.codes import (
+    FaultCode,
+    FaultCodeTable,
+    FaultTableFile,
+    HandlingLevel,
+    parse_fault_table,
+)
+from relaunch.faults.default_codes import DEFAULT_TABLE
+from relaunch.faults.escalation import EscalationRules, release_due
+from relaunch.faults.kinds import Fault, FaultKind, Severity, normalize_code
+
+__all__ = [
+    "DEFAULT_TABLE",
+    "Assessment",
+    "Cause",
+    "EscalationRules",
+    "Fault",
+    "FaultCode",
+    "FaultCodeTable",
+    "FaultKind",
+    "FaultTableFile",
+    "HandlingLevel",
+    "Severity",
+    "assess",
+    "normalize_code",
+    "parse_fault_table",
+    "release_due",
+]

@@ -1,0 +1,110 @@
+"""Fault kinds (R-08) and the fault record every detector produces."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum, StrEnum
+
+__all__ = ["Fault", "FaultKind", "Severity"]
+
+
+class FaultKind(StrEnum):
+    """What was observed. Detectors emit these; classification decides what they mean."""
+
+    PROCESS_EXIT = "process-exit"  # a rank exited non-zero or by a signal
+    CHIP = "chip"  # an accelerator reported a fault code
+    NODE_LOST = "node-lost"  # a node's agent stopped answering (heartbeat timeout)
+    HANG = "hang"  # no progress for the hang window (suspension)
+    NETWORK = "network"  # a link went down, for duration_s seconds
+    MEMORY_UCE = "memory-uce"  # on-chip memory uncorrectable error
+
+
+class Severity(IntEnum):
+    """ModelArts fault severities. Warning: record only; Minor and Major: self-healable;
+    Critical: not self-healable (R-09)."""
+
+    WARNING = 0
+    MINOR = 1
+    MAJOR = 2
+    CRITICAL = 3
+
+    @property
+    def self_healable(self) -> bool:
+        return self in (Severity.MINOR, Severity.MAJOR)
+
+    @classmethod
+    def parse(cls, text: str) -> Severity:
+        return cls[text.strip().upper()]
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One observed fault. `at` is seconds on the controller's clock, given, never read here.
+
+    The record checks itself: each kind carries the fields that locate it.
+    """
+
+    kind: FaultKind
+    at: float
+    node: str | None = None
+    chip: int | None = None
+    pod: int | None = None
+    rank: int | None = None
+    code: str | None = None
+    reported_severity: Severity | None = None
+    exit_code: int | None = None
+    signal: int | None = None
+    duration_s: float | None = None
+    detail: str = ""
+
+    def __post_init__(self) -> None:
+        needs: dict[FaultKind, tuple[str, ...]] = {
+            FaultKind.CHIP: ("node", "chip", "code"),
+            FaultKind.NODE_LOST: ("node",),
+            FaultKind.NETWORK: ("node",),
+            FaultKind.MEMORY_UCE: ("node",),
+        }
+        missing = [name for name in needs.get(self.kind, ()) if getattr(self, name) is None]
+        if missing:
+            raise ValueError(f"a {self.kind.value} fault needs {', '.join(missing)}")
+        if self.kind is FaultKind.PROCESS_EXIT:
+            if self.exit_code is None and self.signal is None:
+                raise ValueError("a process-exit fault needs exit_code or signal")
+            if self.exit_code == 0 and self.signal is None:
+                raise ValueError("exit code 0 is a success, not a fault")
+        if self.code is not None:
+            object.__setattr__(self, "code", normalize_code(self.code))
+
+    @property
+    def chip_key(self) -> tuple[str, int] | None:
+        if self.node is None or self.chip is None:
+            return None
+        return (self.node, self.chip)
+
+    def describe(self) -> str:
+        """One line a person reads: kind and where."""
+        parts = [self.kind.value]
+        if self.code:
+            parts.append(self.code)
+        where = [f"node {self.node}"] if self.node else []
+        if self.chip is not None:
+            where.append(f"chip {self.chip}")
+        if self.pod is not None:
+            where.append(f"pod {self.pod}")
+        if self.rank is not None:
+            where.append(f"rank {self.rank}")
+        if self.exit_code is not None:
+            where.append(f"exit code {self.exit_code}")
+        if self.signal is not None:
+            where.append(f"signal {self.signal}")
+        if self.duration_s is not None:
+            where.append(f"{self.duration_s:g} s")
+        return " ".join(parts) + (f" ({', '.join(where)})" if where else "")
+
+
+def normalize_code(code: str | int) -> str:
+    """Fault codes are 8 hex digits; YAML reads an all-digit code as an int."""
+    text = f"{code:08d}" if isinstance(code, int) else str(code).strip()
+    if len(text) != 8 or any(c not in "0123456789abcdefABCDEF" for c in text):
+        raise ValueError(f"fault code {code!r} is not 8 hexadecimal digits")
+    return text.upper()

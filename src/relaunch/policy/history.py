@@ -1,0 +1,124 @@
+"""A job's recovery history as the policy sees it: earlier faults and the recoveries they got.
+
+Budgets used and streaks are derived from the records, never stored beside them, so that they
+cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from relaunch.faults import Cause, Fault
+from relaunch.policy.decision import Action, Budget, Counters, Decision, Streaks
+
+__all__ = ["JobHistory", "RecoveryRecord"]
+
+
+@dataclass(frozen=True)
+class RecoveryRecord:
+    """One recovery carried out (or being carried out) for one fault."""
+
+    at: float
+    fault: Fault
+    cause: Cause
+    action: Action
+    pods: tuple[int, ...] = ()
+    consumes: frozenset[Budget] = frozenset()
+    isolated: tuple[str, ...] = ()
+    succeeded: bool | None = None
+    """None while it runs; True once progress resumed; False when it did not work."""
+
+
+@dataclass(frozen=True)
+class JobHistory:
+    """Everything the policy needs to know about the past of one job."""
+
+    pods: int
+    faults: tuple[Fault, ...] = ()
+    records: tuple[RecoveryRecord, ...] = ()
+    counters: tuple[Counters, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.counters:
+            object.__setattr__(self, "counters", tuple(Counters() for _ in range(self.pods)))
+        if len(self.counters) != self.pods:
+            raise ValueError(f"{len(self.counters)} counters for {self.pods} pods")
+
+    # -- changes (each returns a new history) --------------------------------------------------
+
+    def with_fault(self, fault: Fault) -> JobHistory:
+        return replace(self, faults=(*self.faults, fault))
+
+    def with_decision(self, decision: Decision, at: float) -> JobHistory:
+        """Record a decision being carried out; its counters take effect."""
+        record = RecoveryRecord(
+            at=at,
+            fault=decision.assessment.fault,
+            cause=decision.assessment.cause,
+            action=decision.action,
+            pods=decision.pods,
+            consumes=decision.consumes,
+            isolated=decision.isolate_nodes,
+            succeeded=True if decision.action.final else None,
+        )
+        counters = decision.counters or self.counters
+        return replace(self, records=(*self.records, record), counters=counters)
+
+    def with_outcome(self, succeeded: bool) -> JobHistory:
+        """Settle the last record: did the recovery work?"""
+        if not self.records:
+            raise ValueError("no recovery to settle")
+        last = replace(self.records[-1], succeeded=succeeded)
+        return replace(self, records=(*self.records[:-1], last))
+
+    # -- derived ------------------------------------------------------------------------------
+
+    def used(self, budget: Budget) -> int:
+        """How much of a budget the records have spent."""
+        if budget is Budget.FAULT_RETRY:
+            return sum(1 for r in self.records if budget in r.consumes and r.succeeded is True)
+        return sum(1 for r in self.records if budget in r.consumes)
+
+    def process_restarts(self, pod: int) -> int:
+        """Process restarts in the pod's current container (a rebuild starts a new count)."""
+        count = 0
+        for r in self.records:
+            if pod not in r.pods and not r.action.rebuilds_all_pods:
+                continue
+            if r.action in (Action.PROCESS_IN_PLACE,):
+                count += 1
+            elif r.action.rebuilds_all_pods or r.action in (
+                Action.POD_RESCHEDULE,
+                Action.PROCESS_RESCHEDULE,
+            ):
+                count = 0
+        return count
+
+    @property
+    def streaks(self) -> Streaks:
+        return _streaks(self.records)
+
+    def streaks_with(self, decision: Decision) -> Streaks:
+        extra = RecoveryRecord(
+            0.0, decision.assessment.fault, decision.assessment.cause, decision.action
+        )
+        return _streaks((*self.records, extra))
+
+
+def _streaks(records: tuple[RecoveryRecord, ...]) -> Streaks:
+    """Trailing runs: unconditional reschedules of software faults, and hang restarts. Records
+    that changed nothing (ignore) do not break a run; any other recovery does."""
+    relevant = [r for r in records if r.action is not Action.IGNORE]
+    unconditional = 0
+    for r in reversed(relevant):
+        if r.action is Action.JOB_RESCHEDULE and r.cause is Cause.SOFTWARE:
+            unconditional += 1
+        else:
+            break
+    hang = 0
+    for r in reversed(relevant):
+        if r.action is Action.HANG_RESTART:
+            hang += 1
+        else:
+            break
+    return Streaks(unconditional=unconditional, hang=hang)
