@@ -45,9 +45,11 @@ def _root(
 
 
 def _fail_input(error: InputError) -> typer.Exit:
-    err.print(f"[bold red]error:[/] {error.source}: invalid {error.what}", highlight=False)
+    err.print(
+        f"[bold red]error:[/] {error.source}: invalid {error.what}", highlight=False, soft_wrap=True
+    )
     for problem in error.problems:
-        err.print(f"  - {problem}", markup=False, highlight=False)
+        err.print(f"  - {problem}", markup=False, highlight=False, soft_wrap=True)
     return typer.Exit(EXIT_INVALID)
 
 
@@ -164,6 +166,8 @@ def _print_settings(file: Path, job: JobSpec) -> None:
 
 
 def _duration(seconds: float) -> str:
+    if seconds >= 3600 and seconds % 3600 == 0:
+        return f"{seconds / 3600:g} h"
     if seconds >= 60 and seconds % 60 == 0:
         return f"{seconds / 60:g} min"
     return f"{seconds:g} s"

@@ -24,8 +24,12 @@ class Problem:
     key: str
     value: Any
     allowed: str
+    found: str | None = None
+    """Says what is wrong in words, where showing the value would not (a syntax error)."""
 
     def __str__(self) -> str:
+        if self.found is not None:
+            return f"{self.key}: {self.found}; expected {self.allowed}"
         if self.value is _MISSING:
             return f"{self.key}: missing; {self.allowed}"
         return f"{self.key}: {_show(self.value)} is not allowed; {self.allowed}"

@@ -26,26 +26,29 @@ def read_document(path: Path) -> Any:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise InputError(source, [Problem("(file)", MISSING, "the file does not exist")]) from None
+        raise _unreadable(source, "no such file", "the path of an existing file") from None
     except IsADirectoryError:
-        raise InputError(source, [Problem("(file)", source, "a file, not a directory")]) from None
+        raise _unreadable(source, "a directory", "a file") from None
     except PermissionError:
-        raise InputError(source, [Problem("(file)", source, "a file you may read")]) from None
+        raise _unreadable(source, "permission denied", "a file you may read") from None
     except UnicodeDecodeError as error:
-        where = f"byte {error.start}"
-        raise InputError(source, [Problem("(file)", where, "UTF-8 text")]) from None
+        raise _unreadable(source, f"not UTF-8 at byte {error.start}", "UTF-8 text") from None
     try:
         if path.suffix.lower() == ".json":
             return json.loads(text)
         return yaml.safe_load(text)
     except json.JSONDecodeError as error:
         where = f"line {error.lineno}, column {error.colno}"
-        raise InputError(source, [Problem(where, error.msg, "valid JSON")]) from None
+        raise InputError(source, [Problem(where, None, "valid JSON", found=error.msg)]) from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "(file)"
         what = getattr(error, "problem", None) or str(error)
-        raise InputError(source, [Problem(where, what, "valid YAML")]) from None
+        raise InputError(source, [Problem(where, None, "valid YAML", found=what)]) from None
+
+
+def _unreadable(source: str, found: str, allowed: str) -> InputError:
+    return InputError(source, [Problem("(file)", MISSING, allowed, found=found)])
 
 
 def load_job(path: Path) -> JobSpec:

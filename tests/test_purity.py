@@ -1,0 +1,98 @@
+"""The pure core stays pure: spec, faults and policy do no I/O, read no clock and import no engine,
+store or CLI (ARCHITECTURE.md). Checked on the source and at run time."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import relaunch
+from relaunch.policy import plan
+from tests.builders import MODELARTS_ALL, chip, cluster, history, settings
+
+SRC = Path(relaunch.__file__).parent
+PURE = [
+    SRC / "spec.py",
+    *sorted((SRC / "faults").glob("*.py")),
+    *sorted((SRC / "policy").glob("*.py")),
+]
+IMPURE_MODULES = {
+    "time",
+    "datetime",
+    "os",
+    "io",
+    "pathlib",
+    "socket",
+    "subprocess",
+    "random",
+    "threading",
+    "asyncio",
+    "sqlite3",
+    "shutil",
+    "tempfile",
+    "yaml",
+    "json",
+    "psutil",
+    "ray",
+    "typer",
+    "rich",
+}
+RELAUNCH_ALLOWED = {"relaunch.errors", "relaunch.spec", "relaunch.faults", "relaunch.policy"}
+FORBIDDEN_CALLS = {"open", "print", "input", "exec", "eval", "__import__"}
+
+
+def imports_of(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+@pytest.mark.parametrize("path", PURE, ids=lambda p: str(p.relative_to(SRC)))
+def test_pure_modules_import_no_io_clock_engine_store_or_cli(path: Path) -> None:
+    for name in imports_of(path):
+        top = name.split(".")[0]
+        assert top not in IMPURE_MODULES, f"{path.name} imports {name}"
+        if top == "relaunch":
+            assert any(name == a or name.startswith(a + ".") for a in RELAUNCH_ALLOWED), (
+                f"{path.name} imports {name}"
+            )
+
+
+@pytest.mark.parametrize("path", PURE, ids=lambda p: str(p.relative_to(SRC)))
+def test_pure_modules_call_no_builtin_io(path: Path) -> None:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            assert node.func.id not in FORBIDDEN_CALLS, f"{path.name} calls {node.func.id}()"
+
+
+def test_importing_the_policy_loads_no_outer_layer() -> None:
+    code = (
+        "import sys, relaunch.policy, relaunch.faults, relaunch.spec;"
+        "print(sorted(m for m in sys.modules if m.startswith('relaunch')));"
+        "print(sorted(m for m in ('yaml', 'typer', 'rich', 'sqlite3', 'ray', 'psutil') if m in sys.modules))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    loaded, outer = result.stdout.splitlines()
+    assert "relaunch.cli" not in loaded and "relaunch.files" not in loaded
+    assert outer == "[]"
+
+
+def test_decide_reads_no_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    def clock() -> float:
+        raise AssertionError("the policy read the clock")
+
+    for name in ("time", "monotonic", "perf_counter", "time_ns", "monotonic_ns"):
+        monkeypatch.setattr(time, name, clock)
+    steps = plan(settings(MODELARTS_ALL), chip("80E18005"), history(), cluster(), 123.0)
+    assert steps[-1].action.final

@@ -1,0 +1,375 @@
+"""Job spec: section 1 of RECOVERY_RULES.md (R-01..R-03) and R-07's injected environment."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from relaunch.errors import SpecError
+from relaunch.spec import (
+    FaultScheduling,
+    Framework,
+    ProcessRecoverEnable,
+    RecoverStrategy,
+    parse_job,
+    process_recovery_env,
+)
+from tests.builders import AUTO, MODELARTS_ALL, PROCESS_LABELS, job, settings
+
+
+def problems(
+    annotations: dict[str, Any] | None = None, labels: dict[str, Any] | None = None, **spec: Any
+) -> dict[str, str]:
+    with pytest.raises(SpecError) as caught:
+        job(annotations, labels, **spec)
+    return {p.key: str(p) for p in caught.value.problems}
+
+
+# -- R-01 ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["0", "129", "-1", "eight", "8.5", "", True, 3.5, None, [8]])
+def test_r01_job_retry_num_outside_1_to_128_or_not_an_integer_is_an_error(value: Any) -> None:
+    found = problems({"fault-tolerance/job-retry-num": value})
+    key = "metadata.annotations.fault-tolerance/job-retry-num"
+    assert list(found) == [key]
+    assert "an integer from 1 to 128" in found[key]
+    assert repr(value) in found[key]
+
+
+@pytest.mark.parametrize("value, budget", [("1", 1), ("128", 128), (8, 8), (" 8 ", 8), (8.0, 8)])
+def test_r01_job_retry_num_accepts_1_to_128_as_number_or_string(value: Any, budget: int) -> None:
+    recovery = settings({"fault-tolerance/job-retry-num": value})
+    assert recovery.auto_restart
+    assert recovery.job_retry_budget == budget
+
+
+def test_r01_unknown_fault_tolerance_key_is_named_with_the_known_ones() -> None:
+    found = problems({**AUTO, "fault-tolerance/hang-retries": "true"})
+    message = found["metadata.annotations.fault-tolerance/hang-retries"]
+    assert "unknown key" in message
+    assert "fault-tolerance/hang-retry" in message
+
+
+def test_r01_other_annotations_and_labels_are_left_alone() -> None:
+    spec = job(
+        {**AUTO, "job_template": "Template RL", "tensorboard/enable": "true"}, {"team": "nlp"}
+    )
+    assert spec.annotations["job_template"] == "Template RL"
+    assert spec.labels["team"] == "nlp"
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("fault-tolerance/job-unconditional-retry", "true"),
+        ("fault-tolerance/hang-retry", "true"),
+        ("fault-tolerance/pod-retry-num", "3"),
+    ],
+)
+def test_r01_switches_without_job_retry_num_are_errors(key: str, value: str) -> None:
+    found = problems({key: value})
+    assert "needs fault-tolerance/job-retry-num" in found[f"metadata.annotations.{key}"]
+
+
+def test_r01_switches_set_to_false_without_job_retry_num_are_fine() -> None:
+    recovery = settings({"fault-tolerance/hang-retry": "false"})
+    assert not recovery.hang_retry and not recovery.auto_restart
+
+
+@pytest.mark.parametrize("value", ["yes", "1", "on", 1, "truth"])
+def test_r01_boolean_annotations_accept_only_true_and_false(value: Any) -> None:
+    found = problems({**AUTO, "fault-tolerance/hang-retry": value})
+    assert "true or false" in found["metadata.annotations.fault-tolerance/hang-retry"]
+
+
+@pytest.mark.parametrize("value", ["true", "True", "TRUE", True])
+def test_r01_boolean_annotations_accept_the_api_strings(value: Any) -> None:
+    assert settings({**AUTO, "fault-tolerance/hang-retry": value}).hang_retry
+
+
+def test_r01_every_problem_in_a_file_is_reported_at_once() -> None:
+    found = problems(
+        {"fault-tolerance/job-retry-num": "200", "recover-strategy": "retry,teleport"},
+        {"fault-scheduling": "soft", "pod-rescheduling": "yes"},
+        replicas=0,
+    )
+    assert set(found) == {
+        "metadata.annotations.fault-tolerance/job-retry-num",
+        "metadata.annotations.recover-strategy",
+        "metadata.labels.fault-scheduling",
+        "metadata.labels.pod-rescheduling",
+        "spec.replicas",
+    }
+
+
+# -- R-02 (settings side): auto restart alone does not retry software faults --------------------
+
+
+def test_r02_auto_restart_without_unconditional_retry() -> None:
+    recovery = settings(AUTO)
+    assert recovery.auto_restart and not recovery.unconditional
+
+
+# -- R-03 and the other cross-key rules -------------------------------------------------------------
+
+
+def test_r03_process_level_recovery_with_graceful_fault_tolerance_is_an_error() -> None:
+    found = problems({"recover-strategy": "recover"}, PROCESS_LABELS, graceful_fault_tolerance=True)
+    assert "R-03" in found["spec.graceful_fault_tolerance"]
+
+
+def test_r03_graceful_fault_tolerance_alone_is_fine() -> None:
+    assert not settings(AUTO, graceful_fault_tolerance=True).process_level
+
+
+def test_process_level_needs_fault_scheduling_grace() -> None:
+    found = problems({"recover-strategy": "recover"}, {"fault-scheduling": "force"})
+    assert "needs fault-scheduling: grace" in found["metadata.labels.fault-scheduling"]
+
+
+def test_process_recover_enable_on_needs_a_strategy_list() -> None:
+    found = problems({}, PROCESS_LABELS)
+    assert "missing" in found["metadata.annotations.recover-strategy"]
+
+
+def test_fault_scheduling_off_contradicts_rescheduling_switches() -> None:
+    found = problems(AUTO, {"fault-scheduling": "off", "pod-rescheduling": "on"})
+    assert set(found) == {
+        "metadata.annotations.fault-tolerance/job-retry-num",
+        "metadata.labels.pod-rescheduling",
+    }
+
+
+def test_mindcluster_switches_need_rescheduling_on() -> None:
+    found = problems({}, {"pod-rescheduling": "on", "fault-retry-times": "2"})
+    assert set(found) == {"metadata.labels.pod-rescheduling", "metadata.labels.fault-retry-times"}
+
+
+# -- Section 1 keys, one by one -----------------------------------------------------------------
+
+
+def test_pod_retry_num_enables_pod_rescheduling_with_its_own_budget() -> None:
+    recovery = settings(MODELARTS_ALL)
+    assert recovery.pod_reschedule and recovery.pod_retry_budget == 3
+    assert recovery.job_retry_budget == 8
+
+
+def test_pod_rescheduling_label_uses_the_job_budget() -> None:
+    recovery = settings({}, {"fault-scheduling": "grace", "pod-rescheduling": "on"})
+    assert recovery.pod_reschedule and recovery.pod_retry_budget == recovery.job_retry_budget == 3
+
+
+def test_pod_rescheduling_label_other_than_on_off_is_an_error() -> None:
+    found = problems(AUTO, {"pod-rescheduling": "true"})
+    assert "'on' or 'off'" in found["metadata.labels.pod-rescheduling"]
+
+
+def test_recover_policy_path_pod_forbids_falling_back_to_job_level() -> None:
+    recovery = settings({**MODELARTS_ALL, "huawei.com/recover_policy_path": "pod"})
+    assert not recovery.pod_may_fall_back_to_job
+    assert settings(MODELARTS_ALL).pod_may_fall_back_to_job
+
+
+def test_fault_scheduling_grace_uses_grace_over_time_and_force_kills_at_once() -> None:
+    assert settings({}, {"fault-scheduling": "grace"}).termination_grace_s == 900
+    assert (
+        settings({}, {"fault-scheduling": "grace", "grace-over-time": "5"}).termination_grace_s == 5
+    )
+    force = settings({}, {"fault-scheduling": "force"})
+    assert force.termination_grace_s == 0 and force.fault_scheduling is FaultScheduling.FORCE
+    assert force.auto_restart  # MindCluster direct rescheduling (R-40)
+
+
+@pytest.mark.parametrize("value", ["0", "100", 7])
+def test_fault_retry_times_takes_0_to_100(value: Any) -> None:
+    recovery = settings({}, {"fault-scheduling": "force", "fault-retry-times": value})
+    assert recovery.fault_retry_times == int(value)
+    assert recovery.unconditional == (int(value) > 0)
+
+
+@pytest.mark.parametrize("value", ["-1", "101", "many"])
+def test_fault_retry_times_outside_0_to_100_is_an_error(value: str) -> None:
+    found = problems({}, {"fault-scheduling": "force", "fault-retry-times": value})
+    assert "0 to 100" in found["metadata.labels.fault-retry-times"]
+
+
+def test_process_recover_enable_values() -> None:
+    on = settings({"recover-strategy": "dump"}, PROCESS_LABELS)
+    assert on.process_recovery is ProcessRecoverEnable.ON and on.process_level
+    pause = settings(
+        {"recover-strategy": "dump"}, {**PROCESS_LABELS, "process-recover-enable": "pause"}
+    )
+    assert pause.process_recovery is ProcessRecoverEnable.PAUSE and not pause.process_level
+    off = settings({}, {"fault-scheduling": "grace", "process-recover-enable": "off"})
+    assert not off.process_level
+
+
+def test_recover_strategy_is_kept_in_r36_priority_order_whatever_the_order_given() -> None:
+    recovery = settings(
+        {"recover-strategy": "exit, dump,recover,retry ,recover-in-place"}, PROCESS_LABELS
+    )
+    assert recovery.recover_strategies == (
+        RecoverStrategy.RETRY,
+        RecoverStrategy.RECOVER_IN_PLACE,
+        RecoverStrategy.RECOVER,
+        RecoverStrategy.DUMP,
+        RecoverStrategy.EXIT,
+    )
+
+
+def test_recover_strategy_with_unknown_names_names_them() -> None:
+    found = problems({"recover-strategy": "retry,restart,reboot"}, PROCESS_LABELS)
+    message = found["metadata.annotations.recover-strategy"]
+    assert "'restart', 'reboot'" in message and "elastic-training" in message
+
+
+def test_max_restarts_zero_or_absent_means_32767() -> None:
+    assert settings().max_restarts == 32767
+    assert settings(max_restarts=0).max_restarts == 32767
+    assert settings(max_restarts="4").max_restarts == 4
+
+
+def test_monitor_interval_defaults_to_5_seconds() -> None:
+    assert settings().monitor_interval_s == 5
+    assert settings(monitor_interval="0.5").monitor_interval_s == 0.5
+
+
+def test_hang_detect_time_is_minutes_and_hang_detect_seconds_overrides_it() -> None:
+    assert settings().hang_detect_s == 30 * 60
+    assert settings(env={"MA_HANG_DETECT_TIME": "2"}).hang_detect_s == 120
+    both = settings(env={"MA_HANG_DETECT_TIME": "2"}, hang_detect_seconds=1.5)
+    assert both.hang_detect_s == 1.5
+
+
+def test_termination_grace_period_env_is_read_when_positive() -> None:
+    assert settings().volume_teardown_grace_s is None
+    assert (
+        settings(env={"MA_FAILOVER_TERMINATION_GRACE_PERIOD_SECONDS": "10"}).volume_teardown_grace_s
+        == 10
+    )
+    found = problems(env={"MA_FAILOVER_TERMINATION_GRACE_PERIOD_SECONDS": "-5"})
+    assert "spec.env.MA_FAILOVER_TERMINATION_GRACE_PERIOD_SECONDS" in found
+
+
+def test_workload_fields_and_defaults() -> None:
+    spec = job(replicas="4", procs_per_pod=2, env={"SEED": 7, "DEBUG": True}, working_dir="/tmp")
+    assert (spec.replicas, spec.procs_per_pod, spec.chips_per_pod, spec.world_size) == (4, 2, 2, 8)
+    assert spec.env == {"SEED": "7", "DEBUG": "true"}
+    assert spec.command == ("/bin/sh", "-c", "python train.py")
+    assert job(command=["python", "-u", "t.py"]).command == ("python", "-u", "t.py")
+    assert job(chips_per_pod=0).chips_per_pod == 0
+
+
+def test_no_fault_tolerance_at_all_is_a_valid_job() -> None:
+    recovery = settings()
+    assert not (recovery.auto_restart or recovery.unconditional or recovery.hang_retry)
+    assert recovery.job_retry_budget == 0
+
+
+def test_backoff_limit_caps_the_job_budget() -> None:
+    assert settings(AUTO, backoff_limit=2).job_retry_budget == 2
+    assert settings({}, {"fault-scheduling": "grace"}).job_retry_budget == 3  # maxRetry default
+    assert settings({}, {"fault-scheduling": "grace"}, backoff_limit=5).job_retry_budget == 5
+
+
+def test_a_name_is_checked_and_defaulted() -> None:
+    assert parse_job({"spec": {"command": "x"}}).name == "job"
+    with pytest.raises(SpecError, match=r"metadata\.name"):
+        parse_job({"metadata": {"name": "Bad_Name"}, "spec": {"command": "x"}})
+
+
+# -- R-07: environment for process-level recovery (seed 004, Table 3) -------------------------------
+
+
+@pytest.mark.parametrize(
+    "strategy, expected",
+    [
+        (
+            "recover",
+            {
+                "PROCESS_RECOVER": "on",
+                "ELASTIC_PROCESS_RECOVER_ENABLE": "1",
+                "HIGH_AVAILABILITY": "recover",
+            },
+        ),
+        (
+            "retry",
+            {
+                "PROCESS_RECOVER": "on",
+                "ELASTIC_PROCESS_RECOVER_ENABLE": "1",
+                "HIGH_AVAILABILITY": "retry",
+            },
+        ),
+        (
+            "recover-in-place",
+            {
+                "PROCESS_RECOVER": "on",
+                "ELASTIC_PROCESS_RECOVER_ENABLE": "1",
+                "ENABLE_RESTART_FAULT_PROCESS": "on",
+                "HIGH_AVAILABILITY": "recover",
+            },
+        ),
+        ("elastic-training", {"PROCESS_RECOVER": "on", "HIGH_AVAILABILITY": "elastic-training"}),
+        (
+            "dump",
+            {
+                "PROCESS_RECOVER": "on",
+                "ELASTIC_PROCESS_RECOVER_ENABLE": "1",
+                "HIGH_AVAILABILITY": "dump",
+            },
+        ),
+        ("exit", {}),
+    ],
+)
+def test_r07_pytorch_environment_per_strategy(strategy: str, expected: dict[str, str]) -> None:
+    recovery = settings({"recover-strategy": strategy}, PROCESS_LABELS)
+    assert process_recovery_env(recovery) == expected
+
+
+@pytest.mark.parametrize(
+    "strategy, tft",
+    [
+        ("recover", "{ARF:1}"),
+        ("retry", "{UCE:1,HCCE:1}"),
+        ("recover-in-place", "{ARF:1}"),
+        ("dump", "{TTP:1}"),
+    ],
+)
+def test_r07_mindspore_environment_per_strategy(strategy: str, tft: str) -> None:
+    recovery = settings(
+        {"recover-strategy": strategy}, {**PROCESS_LABELS, "framework": "mindspore"}
+    )
+    env = process_recovery_env(recovery)
+    assert recovery.framework is Framework.MINDSPORE
+    assert env["MS_ENABLE_TFT"] == tft
+    assert env["MINDIO_FOR_MINDSPORE"] == "1" and env["PROCESS_RECOVER"] == "on"
+    assert ("ENABLE_RESTART_FAULT_PROCESS" in env) == (strategy == "recover-in-place")
+
+
+def test_r07_mindspore_pod_rescheduling_sets_rsc() -> None:
+    recovery = settings(
+        {}, {"fault-scheduling": "grace", "pod-rescheduling": "on", "framework": "mindspore"}
+    )
+    assert process_recovery_env(recovery) == {"MS_ENABLE_TFT": "{RSC:1}"}
+
+
+def test_r07_several_strategies_merge() -> None:
+    recovery = settings({"recover-strategy": "retry,recover-in-place,dump"}, PROCESS_LABELS)
+    env = process_recovery_env(recovery)
+    assert env["HIGH_AVAILABILITY"] == "retry,recover,dump"
+    assert env["ENABLE_RESTART_FAULT_PROCESS"] == "on"
+
+
+def test_r07_process_recover_enable_on_is_added_when_recover_strategy_is_set() -> None:
+    spec = job({"recover-strategy": "recover"}, {"fault-scheduling": "grace"})
+    assert spec.labels["process-recover-enable"] == "on"
+    assert spec.recovery.process_level
+
+
+def test_r07_paused_process_recovery_injects_nothing() -> None:
+    recovery = settings(
+        {"recover-strategy": "recover"}, {**PROCESS_LABELS, "process-recover-enable": "pause"}
+    )
+    assert process_recovery_env(recovery) == {}
