@@ -42,7 +42,13 @@ IMPURE_MODULES = {
     "typer",
     "rich",
 }
-RELAUNCH_ALLOWED = {"relaunch.errors", "relaunch.spec", "relaunch.faults", "relaunch.policy"}
+RELAUNCH_ALLOWED = {
+    "relaunch.errors",
+    "relaunch.validation",
+    "relaunch.spec",
+    "relaunch.faults",
+    "relaunch.policy",
+}
 FORBIDDEN_CALLS = {"open", "print", "input", "exec", "eval", "__import__"}
 
 

@@ -21,14 +21,13 @@ reads. This module is pure: it never touches files, the clock or an engine.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated, Any, Final
 
 from pydantic import (
     BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -36,6 +35,17 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from relaunch.errors import MISSING, Problem, SpecError
+from relaunch.validation import (
+    boolean,
+    choice,
+    integer,
+    lookup,
+    problems_from,
+    raise_,
+    reject,
+    seconds,
+    v,
+)
 
 __all__ = [
     "JOB_RETRY_NUM_MAX",
@@ -121,84 +131,10 @@ class Framework(StrEnum):
 # ---------------------------------------------------------------------------------------------
 
 
-def _reject(allowed: str) -> PydanticCustomError:
-    return PydanticCustomError("relaunch", "{allowed}", {"allowed": allowed})
-
-
-def _integer(lo: int | None, hi: int | None, what: str = "") -> Callable[[Any], int]:
-    if lo is not None and hi is not None:
-        span = f"an integer from {lo} to {hi}"
-    elif lo is not None:
-        span = f"an integer >= {lo}"
-    else:
-        span = "an integer"
-    allowed = span + (f" ({what})" if what else "") + ', given as a number or a string like "8"'
-
-    def read(value: Any) -> int:
-        if isinstance(value, bool):
-            raise _reject(allowed)
-        if isinstance(value, int):
-            number = value
-        elif (isinstance(value, str) and re.fullmatch(r"\s*[-+]?\d+\s*", value)) or (
-            isinstance(value, float) and value.is_integer()
-        ):
-            number = int(value)
-        else:
-            raise _reject(allowed)
-        if (lo is not None and number < lo) or (hi is not None and number > hi):
-            raise _reject(allowed)
-        return number
-
-    return read
-
-
-def _seconds(lo_exclusive: float, hi: float | None = None) -> Callable[[Any], float]:
-    allowed = f"a number of seconds > {lo_exclusive:g}" + (f" and <= {hi:g}" if hi else "")
-
-    def read(value: Any) -> float:
-        if isinstance(value, bool):
-            raise _reject(allowed)
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            raise _reject(allowed) from None
-        if not number > lo_exclusive or (hi is not None and number > hi) or number != number:
-            raise _reject(allowed)
-        return number
-
-    return read
-
-
-_BOOL_ALLOWED = 'true or false (a boolean or the string "true" / "false")'
-
-
-def _boolean(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
-        return value.strip().lower() == "true"
-    raise _reject(_BOOL_ALLOWED)
-
-
-def _choice(enum: type[StrEnum], *, extra: str = "") -> Callable[[Any], StrEnum]:
-    names = ", ".join(repr(m.value) for m in enum)
-    allowed = f"one of {names}" + (f"; {extra}" if extra else "")
-
-    def read(value: Any) -> StrEnum:
-        if isinstance(value, str):
-            try:
-                return enum(value.strip())
-            except ValueError:
-                pass
-        raise _reject(allowed)
-
-    return read
-
-
 def _on_off(value: Any) -> bool:
     if isinstance(value, str) and value.strip() in ("on", "off"):
         return value.strip() == "on"
-    raise _reject("'on' or 'off' (MindCluster spelling; 'true' is not accepted)")
+    raise reject("'on' or 'off' (MindCluster spelling; 'true' is not accepted)")
 
 
 def _strategies(value: Any) -> tuple[RecoverStrategy, ...]:
@@ -209,12 +145,12 @@ def _strategies(value: Any) -> tuple[RecoverStrategy, ...]:
     elif isinstance(value, list | tuple):
         items = [str(item).strip() for item in value]
     else:
-        raise _reject(allowed)
+        raise reject(allowed)
     if not items:
-        raise _reject(allowed + " (at least one)")
+        raise reject(allowed + " (at least one)")
     unknown = [item for item in items if item not in {m.value for m in RecoverStrategy}]
     if unknown:
-        raise _reject(f"unknown strategy {', '.join(map(repr, unknown))}; {allowed}")
+        raise reject(f"unknown strategy {', '.join(map(repr, unknown))}; {allowed}")
     chosen = {RecoverStrategy(item) for item in items}
     return tuple(sorted(chosen, key=lambda s: s.priority))
 
@@ -229,7 +165,7 @@ def _command(value: Any) -> tuple[str, ...]:
         and all(isinstance(a, str | int | float) and not isinstance(a, bool) for a in value)
     ):
         return tuple(str(a) for a in value)
-    raise _reject(allowed)
+    raise reject(allowed)
 
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -238,17 +174,17 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 def _env(value: Any) -> dict[str, str]:
     allowed = "a mapping of environment variable names to string, number or boolean values"
     if not isinstance(value, Mapping):
-        raise _reject(allowed)
+        raise reject(allowed)
     env: dict[str, str] = {}
     for name, item in value.items():
         if not isinstance(name, str) or not _ENV_NAME.fullmatch(name):
-            raise _reject(f"{allowed}; {name!r} is not a valid variable name")
+            raise reject(f"{allowed}; {name!r} is not a valid variable name")
         if isinstance(item, bool):
             env[name] = "true" if item else "false"
         elif isinstance(item, str | int | float):
             env[name] = str(item)
         else:
-            raise _reject(f"{allowed}; the value of {name} is a {type(item).__name__}")
+            raise reject(f"{allowed}; the value of {name} is a {type(item).__name__}")
     return env
 
 
@@ -258,14 +194,10 @@ _NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 def _job_name(value: Any) -> str:
     if isinstance(value, str) and _NAME.fullmatch(value):
         return value
-    raise _reject(
+    raise reject(
         "a name of lowercase letters, digits and '-', starting and ending with a letter or "
         "digit, at most 63 characters"
     )
-
-
-def _v(reader: Callable[[Any], Any]) -> BeforeValidator:
-    return BeforeValidator(reader)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,46 +209,46 @@ def _v(reader: Callable[[Any], Any]) -> BeforeValidator:
 class Annotations(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True, populate_by_name=True)
 
-    job_retry_num: Annotated[int | None, _v(_integer(1, JOB_RETRY_NUM_MAX, "restarts"))] = Field(
+    job_retry_num: Annotated[int | None, v(integer(1, JOB_RETRY_NUM_MAX, "restarts"))] = Field(
         None, alias=JOB_RETRY_NUM
     )
-    job_unconditional_retry: Annotated[bool, _v(_boolean)] = Field(
+    job_unconditional_retry: Annotated[bool, v(boolean)] = Field(
         False, alias=JOB_UNCONDITIONAL_RETRY
     )
-    hang_retry: Annotated[bool, _v(_boolean)] = Field(False, alias=HANG_RETRY)
-    pod_retry_num: Annotated[int | None, _v(_integer(1, None, "pod reschedules"))] = Field(
+    hang_retry: Annotated[bool, v(boolean)] = Field(False, alias=HANG_RETRY)
+    pod_retry_num: Annotated[int | None, v(integer(1, None, "pod reschedules"))] = Field(
         None, alias=POD_RETRY_NUM
     )
-    recover_strategy: Annotated[tuple[RecoverStrategy, ...], _v(_strategies)] = Field(
+    recover_strategy: Annotated[tuple[RecoverStrategy, ...], v(_strategies)] = Field(
         (), alias=RECOVER_STRATEGY
     )
     recover_policy_path: Annotated[
         str | None,
-        _v(lambda v: v if v in ("pod", "job") else _raise(_reject("'pod' or 'job'"))),
+        v(lambda v: v if v in ("pod", "job") else raise_(reject("'pod' or 'job'"))),
     ] = Field(None, alias=RECOVER_POLICY_PATH)
     wait_reschedule_timeout: Annotated[
-        int, _v(_integer(30, 270, "seconds to wait for a replacement"))
+        int, v(integer(30, 270, "seconds to wait for a replacement"))
     ] = Field(270, alias=WAIT_RESCHEDULE_TIMEOUT)
 
 
 class Labels(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True, populate_by_name=True)
 
-    pod_rescheduling: Annotated[bool, _v(_on_off)] = Field(False, alias=POD_RESCHEDULING)
+    pod_rescheduling: Annotated[bool, v(_on_off)] = Field(False, alias=POD_RESCHEDULING)
     fault_scheduling: Annotated[
         FaultScheduling | None,
-        _v(_choice(FaultScheduling, extra="grace: SIGTERM then SIGKILL; force: SIGKILL at once")),
+        v(choice(FaultScheduling, extra="grace: SIGTERM then SIGKILL; force: SIGKILL at once")),
     ] = Field(None, alias=FAULT_SCHEDULING)
-    grace_over_time: Annotated[int, _v(_integer(1, 86400, "seconds"))] = Field(
+    grace_over_time: Annotated[int, v(integer(1, 86400, "seconds"))] = Field(
         900, alias=GRACE_OVER_TIME
     )
-    fault_retry_times: Annotated[int, _v(_integer(0, 100, "unconditional retries"))] = Field(
+    fault_retry_times: Annotated[int, v(integer(0, 100, "unconditional retries"))] = Field(
         0, alias=FAULT_RETRY_TIMES
     )
     process_recover_enable: Annotated[
-        ProcessRecoverEnable | None, _v(_choice(ProcessRecoverEnable))
+        ProcessRecoverEnable | None, v(choice(ProcessRecoverEnable))
     ] = Field(None, alias=PROCESS_RECOVER_ENABLE)
-    framework: Annotated[Framework, _v(_choice(Framework))] = Field(
+    framework: Annotated[Framework, v(choice(Framework))] = Field(
         Framework.PYTORCH, alias=FRAMEWORK
     )
 
@@ -324,7 +256,7 @@ class Labels(BaseModel):
 class Metadata(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: Annotated[str, _v(_job_name)] = "job"
+    name: Annotated[str, v(_job_name)] = "job"
     namespace: str | None = None
     description: str = ""
     annotations: Annotations = Annotations()
@@ -336,21 +268,17 @@ class Workload(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    command: Annotated[tuple[str, ...], _v(_command)]
-    replicas: Annotated[int, _v(_integer(1, 4096, "pods"))] = 1
-    procs_per_pod: Annotated[int, _v(_integer(1, 1024, "processes per pod"))] = 1
-    chips_per_pod: Annotated[int | None, _v(_integer(0, 1024, "chips per pod"))] = None
-    env: Annotated[dict[str, str], _v(_env)] = Field(default_factory=dict)
+    command: Annotated[tuple[str, ...], v(_command)]
+    replicas: Annotated[int, v(integer(1, 4096, "pods"))] = 1
+    procs_per_pod: Annotated[int, v(integer(1, 1024, "processes per pod"))] = 1
+    chips_per_pod: Annotated[int | None, v(integer(0, 1024, "chips per pod"))] = None
+    env: Annotated[dict[str, str], v(_env)] = Field(default_factory=dict)
     working_dir: str | None = None
-    max_restarts: Annotated[int, _v(_integer(0, MAX_RESTARTS_UNSET, "0 means 32767"))] = 0
-    monitor_interval: Annotated[float, _v(_seconds(0, 3600))] = 5.0
-    hang_detect_seconds: Annotated[float | None, _v(_seconds(0))] = None
-    backoff_limit: Annotated[int | None, _v(_integer(0, 1000, "total reschedules"))] = None
-    graceful_fault_tolerance: Annotated[bool, _v(_boolean)] = False
-
-
-def _raise(error: Exception) -> Any:
-    raise error
+    max_restarts: Annotated[int, v(integer(0, MAX_RESTARTS_UNSET, "0 means 32767"))] = 0
+    monitor_interval: Annotated[float, v(seconds(0, 3600))] = 5.0
+    hang_detect_seconds: Annotated[float | None, v(seconds(0))] = None
+    backoff_limit: Annotated[int | None, v(integer(0, 1000, "total reschedules"))] = None
+    graceful_fault_tolerance: Annotated[bool, v(boolean)] = False
 
 
 class _File(BaseModel):
@@ -359,11 +287,9 @@ class _File(BaseModel):
     api_version: str | None = Field(None, alias="apiVersion")
     kind: Annotated[
         str,
-        _v(
+        v(
             lambda v: (
-                v
-                if v == "job"
-                else _raise(_reject("'job' (the only ModelArts kind relaunch runs)"))
+                v if v == "job" else raise_(reject("'job' (the only ModelArts kind relaunch runs)"))
             )
         ),
     ] = "job"
@@ -463,7 +389,7 @@ def parse_job(data: Any, *, source: str = "<job>") -> JobSpec:
     try:
         parsed = _File.model_validate(dict(data))
     except ValidationError as error:
-        problems.extend(_problems_from(error, data))
+        problems.extend(problems_from(error, data, _File, _FIELD_HINTS))
         raise SpecError(source, problems) from None
     if problems:
         raise SpecError(source, problems)
@@ -486,57 +412,10 @@ def _unknown_fault_tolerance_keys(data: Mapping[str, Any]) -> list[Problem]:
     ]
 
 
-def _lookup(data: Any, loc: tuple[str | int, ...]) -> Any:
-    node = data
-    for part in loc:
-        if isinstance(node, Mapping) and part in node:
-            node = node[part]
-        elif isinstance(node, list | tuple) and isinstance(part, int) and part < len(node):
-            node = node[part]
-        else:
-            return MISSING
-    return node
-
-
 _FIELD_HINTS: Final = {
     ("spec",): "a mapping with at least `command` (what each process runs)",
     ("spec", "command"): "a non-empty shell command string or a non-empty list of strings",
 }
-
-
-def _problems_from(error: ValidationError, data: Any) -> list[Problem]:
-    problems: list[Problem] = []
-    for item in error.errors(include_url=False):
-        loc = tuple(p for p in item["loc"] if not (isinstance(p, str) and "[" in p))
-        key = ".".join(str(p) for p in loc) or "(top level)"
-        kind = item["type"]
-        if kind == "relaunch":
-            allowed = str(item["ctx"]["allowed"])
-        elif kind == "missing":
-            allowed = "required: " + _FIELD_HINTS.get(
-                tuple(map(str, loc)), "this key must be given"
-            )
-        elif kind == "extra_forbidden":
-            allowed = "unknown key; allowed here: " + ", ".join(_allowed_keys(loc[:-1]))
-        elif kind.endswith("_type") and kind.startswith("model"):
-            allowed = "a mapping"
-        else:
-            allowed = str(item["msg"])
-        value = MISSING if kind == "missing" else _lookup(data, loc)
-        problems.append(Problem(key, value, allowed))
-    return problems
-
-
-def _allowed_keys(parent: tuple[str | int, ...]) -> list[str]:
-    model: type[BaseModel] = _File
-    for part in parent:
-        field = model.model_fields.get(str(part))
-        if field is None or not (
-            isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
-        ):
-            return list(_TOP_KEYS)
-        model = field.annotation
-    return [f.alias or name for name, f in model.model_fields.items()]
 
 
 def _cross_checks(parsed: _File, data: Mapping[str, Any]) -> list[Problem]:
@@ -544,8 +423,8 @@ def _cross_checks(parsed: _File, data: Mapping[str, Any]) -> list[Problem]:
     ann = parsed.metadata.annotations
     lab = parsed.metadata.labels
     work = parsed.spec
-    raw_ann = _lookup(data, ("metadata", "annotations"))
-    raw_lab = _lookup(data, ("metadata", "labels"))
+    raw_ann = lookup(data, ("metadata", "annotations"))
+    raw_lab = lookup(data, ("metadata", "labels"))
     problems: list[Problem] = []
 
     def ann_key(key: str) -> str:
@@ -654,8 +533,8 @@ def _cross_checks(parsed: _File, data: Mapping[str, Any]) -> list[Problem]:
     return problems
 
 
-_HANG_MINUTES = _integer(1, 7 * 24 * 60, "minutes")
-_TEARDOWN_SECONDS = _integer(-1, 86400, "seconds; -1 disables")
+_HANG_MINUTES = integer(1, 7 * 24 * 60, "minutes")
+_TEARDOWN_SECONDS = integer(-1, 86400, "seconds; -1 disables")
 
 
 def _env_checks(env: Mapping[str, str]) -> list[Problem]:
@@ -693,8 +572,8 @@ def _build(parsed: _File, data: Mapping[str, Any]) -> JobSpec:
     pod_on = auto_restart and (ann.pod_retry_num is not None or lab.pod_rescheduling)
     pod_budget = ann.pod_retry_num if ann.pod_retry_num is not None else job_budget
 
-    labels = _string_map(_lookup(data, ("metadata", "labels")))
-    annotations = _string_map(_lookup(data, ("metadata", "annotations")))
+    labels = _string_map(lookup(data, ("metadata", "labels")))
+    annotations = _string_map(lookup(data, ("metadata", "annotations")))
     process = lab.process_recover_enable
     if process is None:
         process = ProcessRecoverEnable.ON if ann.recover_strategy else ProcessRecoverEnable.OFF

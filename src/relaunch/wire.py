@@ -1,0 +1,83 @@
+"""The wire between the controller and its agents: newline-delimited JSON over loopback TCP.
+
+The controller listens; node agents and pod launchers connect to it and say who they are. When the
+controller goes away, a peer reconnects to whichever controller next writes its address into the
+state directory (`controller.json`), so a controller restart loses no peer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Connection", "controller_address", "write_controller_address"]
+
+ADDRESS_FILE = "controller.json"
+Message = dict[str, Any]
+
+
+class Connection:
+    """One peer's socket: thread-safe `send`, blocking iteration over received messages."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock = sock
+        self._reader = sock.makefile("r", encoding="utf-8", newline="\n")
+        self._lock = threading.Lock()
+        self.closed = False
+
+    @classmethod
+    def connect(cls, host: str, port: int, timeout: float = 2.0) -> Connection:
+        sock = socket.create_connection((host, port), timeout=timeout)
+        sock.settimeout(None)
+        return cls(sock)
+
+    def send(self, message: Message) -> bool:
+        """False if the peer is gone; never raises for a closed connection."""
+        data = (json.dumps(message, separators=(",", ":")) + "\n").encode()
+        with self._lock:
+            if self.closed:
+                return False
+            try:
+                self._sock.sendall(data)
+                return True
+            except OSError:
+                self.closed = True
+                return False
+
+    def __iter__(self) -> Iterator[Message]:
+        try:
+            for line in self._reader:
+                if line.strip():
+                    yield json.loads(line)
+        except (OSError, ValueError):
+            pass
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+
+
+def write_controller_address(state_dir: Path, host: str, port: int, pid: int) -> None:
+    path = state_dir / ADDRESS_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"host": host, "port": port, "pid": pid}))
+    tmp.replace(path)
+
+
+def controller_address(state_dir: Path) -> tuple[str, int] | None:
+    try:
+        data = json.loads((state_dir / ADDRESS_FILE).read_text())
+        return str(data["host"]), int(data["port"])
+    except (OSError, ValueError, KeyError):
+        return None
