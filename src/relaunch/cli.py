@@ -2,21 +2,33 @@
 
 from __future__ import annotations
 
+import dataclasses
+import fcntl
 import json
+import os
+import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from relaunch import __version__
-from relaunch.errors import InputError
+from relaunch.chaos import parse_plan
+from relaunch.cluster.config import ClusterConfig
+from relaunch.cluster.local import LocalCluster
+from relaunch.controller import Controller, RunOptions, create_pods
+from relaunch.errors import MISSING, InputError, Problem
 from relaunch.faults import DEFAULT_TABLE, EscalationRules, Fault, FaultCodeTable, FaultKind
-from relaunch.files import load_fault_table, load_job
+from relaunch.files import load_cluster, load_fault_table, load_job, read_document
 from relaunch.policy import ClusterView, Decision, JobHistory, PodView, plan
-from relaunch.spec import JobSpec, process_recovery_env
+from relaunch.report import build_report
+from relaunch.spec import JobSpec, parse_job, process_recovery_env
+from relaunch.store import JobStatus, NodeState, Store
 
 app = typer.Typer(
     name="relaunch",
@@ -25,7 +37,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-out = Console()
+out = Console(width=None if sys.stdout.isatty() else 120)
 err = Console(stderr=True)
 
 EXIT_INVALID = 2
@@ -250,3 +262,310 @@ def faults(fault_table: FaultTableOption = None) -> None:
         f"node; released after {_duration(rules.release_after_s)} without a fault",
         highlight=False,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Running jobs on the embedded cluster
+# ---------------------------------------------------------------------------------------------
+
+StateDirOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--state-dir",
+        envvar="RELAUNCH_STATE_DIR",
+        help="Where jobs, nodes and records are kept (default ~/.local/state/relaunch).",
+    ),
+]
+
+
+def _state_dir(path: Path | None) -> Path:
+    if path is None:
+        base = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
+        path = base / "relaunch"
+    path.mkdir(parents=True, exist_ok=True)
+    return path.resolve()
+
+
+def _store(state_dir: Path | None) -> Store:
+    return Store(_state_dir(state_dir) / "relaunch.db")
+
+
+@app.command()
+def run(
+    job_file: Annotated[Path | None, typer.Argument(help="Job spec, YAML or JSON.")] = None,
+    cluster_file: Annotated[
+        Path | None, typer.Option("--cluster", help="Cluster file (nodes, chips, timings).")
+    ] = None,
+    faults_file: Annotated[
+        Path | None, typer.Option("--faults", help="Fault plan to inject.")
+    ] = None,
+    report: Annotated[
+        Path | None, typer.Option("--report", help="Write a JSON report here at the end.")
+    ] = None,
+    state_dir: StateDirOption = None,
+    fault_table: FaultTableOption = None,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Re-adopt the unfinished job of the state directory.")
+    ] = False,
+    startup_s: Annotated[
+        float | None,
+        typer.Option(
+            "--startup-seconds", help="Allowance before a (re)started job must show progress."
+        ),
+    ] = None,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", help="Do not echo the processes' output.")
+    ] = False,
+) -> None:
+    """Run a job on the embedded cluster until it succeeds or fails (exit 0 / 1; 2 for bad input)."""
+    directory = _state_dir(state_dir)
+    try:
+        lock = _lock(directory)
+    except RuntimeError as error:
+        err.print(f"[bold red]error:[/] {error}", highlight=False)
+        raise typer.Exit(EXIT_INVALID) from None
+    try:
+        table, rules = _table_from(fault_table)
+        cluster = load_cluster(cluster_file) if cluster_file else ClusterConfig()
+        store = Store(directory / "relaunch.db")
+        store.ensure_nodes([(n.name, n.chips) for n in cluster.nodes])
+        if resume:
+            job_row = _unfinished(store, job_file)
+            job = parse_job(job_row.spec["raw"], source=job_row.spec["source"])
+            plan = parse_plan(job_row.plan, source="stored fault plan") if job_row.plan else ()
+            job_id = job_row.id
+        else:
+            if job_file is None:
+                raise InputError("relaunch run", [Problem("JOB", MISSING, "a job file to run")])
+            raw = read_document(job_file)
+            job = parse_job(raw, source=str(job_file))
+            plan_raw = read_document(faults_file) if faults_file else None
+            plan = parse_plan(plan_raw, source=str(faults_file)) if faults_file else ()
+            plan_list = (
+                plan_raw.get("faults", []) if isinstance(plan_raw, dict) else (plan_raw or [])
+            )
+            submitted = {"raw": raw, "source": str(job_file), "cwd": os.getcwd()}
+            job_id = store.create_job(job.name, submitted, plan_list, time.time())
+            create_pods(store, directory, job_id, job)
+    except InputError as error:
+        raise _fail_input(error) from None
+    except RuntimeError as error:
+        err.print(f"[bold red]error:[/] {error}", highlight=False)
+        raise typer.Exit(EXIT_INVALID) from None
+
+    def on_event(text: str) -> None:
+        out.print(f"[bold cyan][relaunch][/] {text}", highlight=False, soft_wrap=True)
+
+    def on_output(pod: int, rank: int, line: str) -> None:
+        if not quiet:
+            out.print(
+                f"[dim]\\[pod {pod} rank {rank}][/] {escape(line)}", highlight=False, soft_wrap=True
+            )
+
+    if job.working_dir is None:
+        job_row = store.job(job_id)
+        job = dataclasses.replace(job, working_dir=job_row.spec.get("cwd"))
+    controller = Controller(
+        store,
+        LocalCluster(directory),
+        directory,
+        cluster,
+        job_id,
+        job,
+        plan,
+        RunOptions(startup_s=startup_s, table=table, rules=rules, resume=resume),
+        on_event=on_event,
+        on_output=on_output,
+    )
+    out.print(
+        f"[bold cyan][relaunch][/] job {job.name} (id {job_id}): {job.replicas} pod(s) x "
+        f"{job.procs_per_pod} process(es) on {len(cluster.nodes)} node(s); state in {directory}",
+        highlight=False,
+    )
+    try:
+        status, _ = controller.run()
+    except KeyboardInterrupt:
+        controller.stop("stopped by the user (Ctrl-C)")
+        status = JobStatus.STOPPED
+    finally:
+        lock.close()
+    summary = build_report(store, job_id)
+    _print_summary(summary)
+    if report is not None:
+        report.write_text(json.dumps(summary, indent=2))
+    raise typer.Exit(0 if status is JobStatus.SUCCEEDED else 1)
+
+
+def _lock(directory: Path) -> Any:
+    handle = open(directory / "run.lock", "a+")  # noqa: SIM115
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        raise RuntimeError(
+            f"another `relaunch run` is using {directory}; wait for it or pass another --state-dir"
+        ) from None
+    return handle
+
+
+def _unfinished(store: Store, ref: Path | None) -> Any:
+    jobs = [j for j in store.jobs() if not j.status.ended]
+    if ref is not None:
+        jobs = [j for j in jobs if j.name == str(ref) or str(j.id) == str(ref)]
+    if not jobs:
+        raise InputError(
+            "relaunch run --resume",
+            [Problem("JOB", str(ref or ""), "an unfinished job in this state directory")],
+        )
+    return jobs[-1]
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    colour = "green" if summary["status"] == "Succeeded" else "red"
+    out.print(
+        f"\n[bold {colour}]{summary['status']}[/]: job {summary['job']} - {summary['reason']}",
+        highlight=False,
+        soft_wrap=True,
+    )
+    _records_table(summary)
+    out.print(
+        f"job-level restarts used: {summary['restarts_used']}; pod-level: {summary['pod_restarts_used']}; "
+        f"isolated nodes: {', '.join(summary['isolated_nodes']) or 'none'}",
+        highlight=False,
+    )
+
+
+def _records_table(summary: dict[str, Any]) -> None:
+    records = summary["recoveries"]
+    if not records:
+        out.print("no faults")
+        return
+    view = Table(title="Fault recovery details", title_justify="left", show_edge=False)
+    for column in ("#", "fault", "node", "action", "isolated", "outcome", "detect s", "MTTR s"):
+        view.add_column(column)
+    for i, r in enumerate(records, 1):
+        f = r["fault"]
+        what = f["kind"] + (f" {f['code']}" if f["code"] else "")
+        if f["exit_code"] is not None:
+            what += f" (exit {f['exit_code']})"
+        elif f["signal"] is not None:
+            what += f" (signal {f['signal']})"
+        view.add_row(
+            str(i),
+            what,
+            f["node"] or (f"pod {f['pod']}" if f["pod"] is not None else "-"),
+            r["action"],
+            ", ".join(r["isolated_nodes"]) or "-",
+            r["outcome"],
+            f"{r['detect_s']:.2f}",
+            "-" if r["mttr_s"] is None else f"{r['mttr_s']:.2f}",
+        )
+    out.print(view)
+
+
+@app.command()
+def nodes(state_dir: StateDirOption = None) -> None:
+    """List the embedded cluster's nodes: state, chips, isolation."""
+    store = _store(state_dir)
+    rows = store.nodes()
+    if not rows:
+        out.print("no nodes yet: `relaunch run` creates the embedded cluster")
+        return
+    view = Table(show_edge=False)
+    for column in ("node", "state", "chips", "reason"):
+        view.add_column(column)
+    for n in rows:
+        view.add_row(n.name, n.state.value, str(n.chips), n.reason)
+    out.print(view)
+
+
+@app.command()
+def cordon(node: str, state_dir: StateDirOption = None) -> None:
+    """Isolate a node: no new pods are placed on it."""
+    store = _store(state_dir)
+    if store.node(node) is None:
+        err.print(f"[bold red]error:[/] no node {node!r}; see `relaunch nodes`", highlight=False)
+        raise typer.Exit(EXIT_INVALID)
+    store.set_node_state(node, NodeState.ISOLATED, "cordoned by an operator", time.time())
+    out.print(f"{node} isolated")
+
+
+@app.command()
+def release(node: str, state_dir: StateDirOption = None) -> None:
+    """Release an isolated node back to Ready."""
+    store = _store(state_dir)
+    if store.node(node) is None:
+        err.print(f"[bold red]error:[/] no node {node!r}; see `relaunch nodes`", highlight=False)
+        raise typer.Exit(EXIT_INVALID)
+    store.set_node_state(node, NodeState.READY, "released by an operator")
+    out.print(f"{node} released")
+
+
+@app.command()
+def jobs(state_dir: StateDirOption = None) -> None:
+    """List jobs with their status."""
+    store = _store(state_dir)
+    view = Table(show_edge=False)
+    for column in ("id", "job", "status", "attempt", "recoveries", "reason"):
+        view.add_column(column)
+    for j in store.jobs():
+        view.add_row(
+            str(j.id),
+            j.name,
+            j.status.value,
+            str(j.attempt),
+            str(len(store.records(j.id))),
+            j.reason,
+        )
+    out.print(view)
+
+
+@app.command()
+def describe(
+    job: Annotated[str, typer.Argument(help="Job name or id.")],
+    output: Annotated[str, typer.Option("-o", "--output", help="table or json")] = "table",
+    state_dir: StateDirOption = None,
+) -> None:
+    """A job's fault-recovery details: every fault, what relaunch did, and how long it took."""
+    store = _store(state_dir)
+    row = store.find_job(job)
+    if row is None:
+        err.print(f"[bold red]error:[/] no job {job!r}; see `relaunch jobs`", highlight=False)
+        raise typer.Exit(EXIT_INVALID)
+    summary = build_report(store, row.id)
+    if output == "json":
+        out.print_json(json.dumps(summary))
+        return
+    _print_summary(summary)
+
+
+@app.command()
+def logs(
+    job: Annotated[str, typer.Argument(help="Job name or id.")],
+    pod: Annotated[int, typer.Option("--pod", help="Pod index.")] = 0,
+    rank: Annotated[
+        int | None, typer.Option("--rank", help="Global rank (default: the pod's first).")
+    ] = None,
+    state_dir: StateDirOption = None,
+) -> None:
+    """Print one rank's log (the pod's current container)."""
+    store = _store(state_dir)
+    row = store.find_job(job)
+    if row is None:
+        err.print(f"[bold red]error:[/] no job {job!r}; see `relaunch jobs`", highlight=False)
+        raise typer.Exit(EXIT_INVALID)
+    pods = {p.idx: p for p in store.pods(row.id)}
+    if pod not in pods:
+        err.print(
+            f"[bold red]error:[/] job {row.name} has pods 0..{len(pods) - 1}", highlight=False
+        )
+        raise typer.Exit(EXIT_INVALID)
+    spec = parse_job(row.spec["raw"])
+    rank = pod * spec.procs_per_pod if rank is None else rank
+    path = Path(pods[pod].workdir) / "logs" / f"rank-{rank}.log"
+    if not path.exists():
+        err.print(
+            f"[bold red]error:[/] no log for rank {rank} of pod {pod} ({path})", highlight=False
+        )
+        raise typer.Exit(EXIT_INVALID)
+    sys.stdout.write(path.read_text())

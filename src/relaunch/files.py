@@ -13,11 +13,12 @@ from typing import Any
 
 import yaml
 
+from relaunch.cluster.config import ClusterConfig, parse_cluster
 from relaunch.errors import MISSING, InputError, Problem
 from relaunch.faults import FaultTableFile, parse_fault_table
 from relaunch.spec import JobSpec, parse_job
 
-__all__ = ["load_fault_table", "load_job", "read_document"]
+__all__ = ["load_cluster", "load_fault_table", "load_job", "read_document"]
 
 
 def read_document(path: Path) -> Any:
@@ -57,3 +58,7 @@ def load_job(path: Path) -> JobSpec:
 
 def load_fault_table(path: Path) -> FaultTableFile:
     return parse_fault_table(read_document(path), source=str(path))
+
+
+def load_cluster(path: Path) -> ClusterConfig:
+    return parse_cluster(read_document(path), source=str(path))

@@ -129,8 +129,6 @@ class Decision:
 
     def summary(self) -> str:
         text = f"{self.action.value}: {self.reason}"
-        if self.isolate_nodes:
-            text += f"; isolate {', '.join(self.isolate_nodes)}"
         if self.fallback is not None and not self.action.final:
             text += f"; if it fails: {self.fallback.value}"
         return text

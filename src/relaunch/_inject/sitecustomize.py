@@ -1,0 +1,40 @@
+"""Loaded into every Python process a relaunch launcher starts (it puts this folder on PYTHONPATH).
+
+Two things, both for fault handling, neither visible to a script that does not look:
+- the process dies with its parent (PR_SET_PDEATHSIG), so that no worker outlives its launcher;
+- SIGUSR2 makes the process exit with the code in $RELAUNCH_INJECT_DIR/<pid>: how a fault plan's
+  `process-exit` makes a real process really exit with the code asked for.
+"""
+
+import os
+import signal
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:
+            os._exit(1)
+    except (OSError, AttributeError):
+        pass
+
+
+def _exit_on_request(signum: int, frame: object) -> None:
+    code = 1
+    try:
+        with open(os.path.join(os.environ["RELAUNCH_INJECT_DIR"], str(os.getpid()))) as f:
+            code = int(f.read().strip() or 1)
+    except (KeyError, OSError, ValueError):
+        pass
+    os._exit(code)
+
+
+if os.environ.get("RELAUNCH_INJECT_DIR"):
+    _die_with_parent()
+    try:
+        signal.signal(signal.SIGUSR2, _exit_on_request)
+    except ValueError:  # not the main thread: leave the signal alone
+        signal.getsignal(signal.SIGUSR2)

@@ -1,0 +1,1 @@
+"""Cluster engines: where pods run. `local` is the embedded default."""

@@ -1,0 +1,161 @@
+"""The node agent of the embedded cluster: one process per simulated node.
+
+It connects to the controller, says which node it is, and sends a heartbeat every interval with the
+health of its simulated chips and its network link. A chip fault or a link going down is set by
+the fault plan (through the controller) and shows up in the next heartbeat, as a device plugin
+would report it. Killing the agent is how a node is lost; a stopped (SIGSTOP) agent stops
+answering too. Without a controller it exits after the grace period.
+
+Run as `python -m relaunch.cluster.agent`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from relaunch.wire import Connection, controller_address
+
+
+@dataclass
+class ChipFault:
+    seq: int
+    chip: int
+    code: str
+    heals: bool
+    kind: str  # chip | memory-uce
+    at: float
+
+
+@dataclass
+class LinkDown:
+    seq: int
+    at: float
+    duration_s: float | None
+    heals: bool
+
+
+class Agent:
+    def __init__(
+        self, state_dir: Path, node: str, chips: int, interval: float, grace: float, blip_s: float
+    ) -> None:
+        self.state_dir = state_dir
+        self.node = node
+        self.chips = chips
+        self.interval = interval
+        self.grace = grace
+        self.blip_s = blip_s
+        self.faults: dict[int, ChipFault] = {}
+        self.link: LinkDown | None = None
+        self.seq = 0
+        self.lock = threading.Lock()
+
+    def heartbeat(self) -> dict[str, Any]:
+        now = time.time()
+        with self.lock:
+            link = None
+            if self.link is not None:
+                down_for = now - self.link.at
+                restored = self.link.duration_s is not None and down_for >= self.link.duration_s
+                if restored or down_for > self.blip_s:
+                    duration = self.link.duration_s if restored else None
+                    link = {"seq": self.link.seq, "at": self.link.at, "duration_s": duration}
+                if restored:
+                    self.link = None
+            return {
+                "t": "hb",
+                "node": self.node,
+                "at": now,
+                "faults": [f.__dict__ for f in self.faults.values()],
+                "link": link,
+            }
+
+    def handle(self, conn: Connection, message: dict[str, Any]) -> None:
+        kind = message["t"]
+        with self.lock:
+            if kind == "chip_fault":
+                self.seq += 1
+                chip = int(message["chip"]) % max(self.chips, 1)
+                self.faults[chip] = ChipFault(
+                    self.seq,
+                    chip,
+                    message["code"],
+                    bool(message["heals"]),
+                    message["kind"],
+                    time.time(),
+                )
+            elif kind == "network":
+                self.seq += 1
+                self.link = LinkDown(
+                    self.seq,
+                    time.time(),
+                    message.get("duration_s"),
+                    bool(message.get("heals", True)),
+                )
+            elif kind == "heal":
+                ok = True
+                for chip, fault in list(self.faults.items()):
+                    if fault.heals:
+                        del self.faults[chip]
+                    else:
+                        ok = False
+                if self.link is not None:
+                    ok = ok and self.link.heals
+                    if self.link.heals:
+                        self.link = None
+                conn.send({"t": "healed", "id": message.get("id"), "node": self.node, "ok": ok})
+
+    def run(self) -> None:
+        alone_since = time.time()
+        while True:
+            address = controller_address(self.state_dir)
+            conn = None
+            if address is not None:
+                try:
+                    conn = Connection.connect(*address)
+                except OSError:
+                    conn = None
+            if conn is not None and conn.send(
+                {"t": "hello", "role": "agent", "node": self.node, "chips": self.chips}
+            ):
+                done = threading.Event()
+
+                def read(c: Connection = conn, done: threading.Event = done) -> None:
+                    for message in c:
+                        if message["t"] == "shutdown":
+                            os._exit(0)
+                        self.handle(c, message)
+                    done.set()
+
+                threading.Thread(target=read, daemon=True).start()
+                while not done.is_set() and conn.send(self.heartbeat()):
+                    done.wait(self.interval)
+                conn.close()
+                alone_since = time.time()
+            if time.time() - alone_since > self.grace:
+                return
+            time.sleep(0.1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="relaunch.cluster.agent")
+    parser.add_argument("--state-dir", type=Path, required=True)
+    parser.add_argument("--node", required=True)
+    parser.add_argument("--chips", type=int, default=2)
+    parser.add_argument("--interval", type=float, default=0.5)
+    parser.add_argument("--grace", type=float, default=30.0)
+    parser.add_argument("--blip", type=float, default=20.0)
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    Agent(args.state_dir, args.node, args.chips, args.interval, args.grace, args.blip).run()
+
+
+if __name__ == "__main__":
+    main()

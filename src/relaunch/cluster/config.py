@@ -1,0 +1,109 @@
+"""The embedded cluster's shape: which nodes, how many chips, and its detection timings.
+
+A cluster file is YAML or JSON::
+
+    nodes: 5                 # node-0 .. node-4, or a list of {name, chips}
+    chips_per_node: 2
+    heartbeat_interval_s: 0.5
+    heartbeat_timeout_s: 3   # a node whose agent is silent this long is Lost
+    adopt_grace_s: 30        # pods keep running this long without a controller
+
+Pure: parsing only.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from relaunch.errors import InputError, Problem
+from relaunch.validation import integer, problems_from, reject, seconds, v
+
+__all__ = ["ClusterConfig", "NodeSpec", "parse_cluster"]
+
+_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+
+
+def _node_name(value: Any) -> str:
+    if isinstance(value, str) and _NAME.fullmatch(value):
+        return value
+    raise reject("a node name of lowercase letters, digits and '-'")
+
+
+class _Node(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: Annotated[str, v(_node_name)]
+    chips: Annotated[int, v(integer(0, 64, "chips"))] = 2
+
+
+def _nodes(value: Any) -> Any:
+    if isinstance(value, list):
+        return value
+    return integer(1, 256, "nodes, or a list of {name, chips}")(value)
+
+
+class _ClusterFile(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    nodes: Annotated[int | list[_Node], v(_nodes)] = 4
+    chips_per_node: Annotated[int, v(integer(0, 64, "chips"))] = 2
+    heartbeat_interval_s: Annotated[float, v(seconds(0, 60))] = 0.5
+    heartbeat_timeout_s: Annotated[float, v(seconds(0, 600))] = 3.0
+    adopt_grace_s: Annotated[float, v(seconds(0, 86400))] = 30.0
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    name: str
+    chips: int
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    nodes: tuple[NodeSpec, ...] = tuple(NodeSpec(f"node-{i}", 2) for i in range(4))
+    heartbeat_interval_s: float = 0.5
+    heartbeat_timeout_s: float = 3.0
+    adopt_grace_s: float = 30.0
+
+    @classmethod
+    def sized(cls, nodes: int, chips_per_node: int = 2, **timings: float) -> ClusterConfig:
+        specs = tuple(NodeSpec(f"node-{i}", chips_per_node) for i in range(nodes))
+        return cls(nodes=specs, **timings)
+
+
+def parse_cluster(data: Any, *, source: str = "<cluster>") -> ClusterConfig:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise InputError(source, [Problem("(top level)", data, "a mapping")])
+    try:
+        parsed = _ClusterFile.model_validate(data)
+    except ValidationError as error:
+        raise InputError(source, problems_from(error, data, _ClusterFile)) from None
+    if isinstance(parsed.nodes, int):
+        nodes = tuple(NodeSpec(f"node-{i}", parsed.chips_per_node) for i in range(parsed.nodes))
+    else:
+        nodes = tuple(NodeSpec(n.name, n.chips) for n in parsed.nodes)
+    problems = []
+    names = [n.name for n in nodes]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        problems.append(Problem("nodes", duplicates, "node names must be unique"))
+    if parsed.heartbeat_timeout_s <= parsed.heartbeat_interval_s:
+        problems.append(
+            Problem(
+                "heartbeat_timeout_s",
+                parsed.heartbeat_timeout_s,
+                f"more than heartbeat_interval_s ({parsed.heartbeat_interval_s:g} s)",
+            )
+        )
+    if problems:
+        raise InputError(source, problems)
+    return ClusterConfig(
+        nodes=nodes,
+        heartbeat_interval_s=parsed.heartbeat_interval_s,
+        heartbeat_timeout_s=parsed.heartbeat_timeout_s,
+        adopt_grace_s=parsed.adopt_grace_s,
+    )

@@ -1,0 +1,149 @@
+"""The embedded cluster: simulated nodes on this machine.
+
+Each node is a real agent process (see :mod:`relaunch.cluster.agent`); each pod is a real
+launcher process with its workers. Losing a node kills its agent and every process of every pod
+on it. Processes start in sessions of their own, so that they outlive a controller that dies (and
+are re-adopted by the next one) but not a launcher that dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import psutil
+
+from relaunch.cluster.config import NodeSpec
+from relaunch.launcher import LaunchPlan
+
+__all__ = ["LocalCluster", "kill_tree"]
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and every descendant, whatever session or group they are in."""
+    try:
+        root = psutil.Process(pid)
+        family = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for process in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.send_signal(signal.SIGKILL)
+    psutil.wait_procs(family, timeout=5)
+
+
+class LocalCluster:
+    """Starts and kills the processes of the embedded cluster; remembers their pids on disk."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+        self.pid_file = state_dir / "pids.json"
+        self.logs = state_dir / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+
+    def _pids(self) -> dict[str, dict[str, int]]:
+        try:
+            data: dict[str, dict[str, int]] = json.loads(self.pid_file.read_text())
+            return data
+        except (OSError, ValueError):
+            return {"agents": {}, "launchers": {}}
+
+    def _save(self, pids: dict[str, dict[str, int]]) -> None:
+        tmp = self.pid_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(pids))
+        tmp.replace(self.pid_file)
+
+    def start_agent(self, node: NodeSpec, interval: float, grace: float, blip_s: float) -> int:
+        log = open(self.logs / f"agent-{node.name}.log", "a")  # noqa: SIM115
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "relaunch.cluster.agent",
+                "--state-dir",
+                str(self.state_dir),
+                "--node",
+                node.name,
+                "--chips",
+                str(node.chips),
+                "--interval",
+                str(interval),
+                "--grace",
+                str(grace),
+                "--blip",
+                str(blip_s),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log.close()
+        pids = self._pids()
+        pids["agents"][node.name] = proc.pid
+        self._save(pids)
+        return proc.pid
+
+    def start_pod(self, plan: LaunchPlan) -> int:
+        workdir = Path(plan.workdir)
+        workdir.mkdir(parents=True, exist_ok=True)
+        plan_file = workdir / "launch.json"
+        plan_file.write_text(json.dumps(asdict(plan)))
+        log = open(workdir / "launcher.log", "a")  # noqa: SIM115
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "relaunch.launcher",
+                "--state-dir",
+                str(self.state_dir),
+                "--plan",
+                str(plan_file),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log.close()
+        pids = self._pids()
+        pids["launchers"][f"{plan.job}/{plan.pod}/{plan.generation}/{plan.node}"] = proc.pid
+        self._save(pids)
+        return proc.pid
+
+    def kill_node(self, node: str) -> None:
+        """A node is lost: its agent and every pod on it die at once."""
+        pids = self._pids()
+        agent = pids["agents"].pop(node, None)
+        if agent is not None:
+            kill_tree(agent)
+        for key, pid in list(pids["launchers"].items()):
+            if key.rsplit("/", 1)[1] == node:
+                kill_tree(pid)
+                del pids["launchers"][key]
+        self._save(pids)
+
+    def kill_pod(self, job: int, pod: int, generation: int) -> None:
+        pids = self._pids()
+        for key, pid in list(pids["launchers"].items()):
+            j, p, g, _ = key.split("/")
+            if (int(j), int(p), int(g)) == (job, pod, generation):
+                kill_tree(pid)
+                del pids["launchers"][key]
+        self._save(pids)
+
+    def shutdown(self) -> None:
+        """Kill everything this cluster started and is still running."""
+        pids = self._pids()
+        for pid in [*pids["launchers"].values(), *pids["agents"].values()]:
+            kill_tree(pid)
+        self._save({"agents": {}, "launchers": {}})
+
+    def agent_alive(self, node: str) -> bool:
+        pid = self._pids()["agents"].get(node)
+        return pid is not None and psutil.pid_exists(pid)

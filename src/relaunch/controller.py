@@ -1,0 +1,883 @@
+"""The controller: the one loop that turns observations into faults, faults into decisions, and
+decisions into actions, and writes down everything it does.
+
+Level-triggered, as a Kubernetes controller: the store holds the desired state (every pod's node,
+generation and counters; the job's attempt); each pass compares what agents and launchers report
+with it and converges. A decision changes the desired state in one transaction with its record,
+so that a controller killed at any point and started again on the same state directory carries on
+without losing or repeating anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from relaunch.chaos import ChaosEntry, ChaosKind
+from relaunch.cluster.config import ClusterConfig
+from relaunch.cluster.local import LocalCluster
+from relaunch.faults import DEFAULT_TABLE, EscalationRules, Fault, FaultCodeTable, FaultKind
+from relaunch.launcher import LaunchPlan
+from relaunch.policy import Action, ClusterView, Decision, PodView, decide
+from relaunch.spec import JobSpec, process_recovery_env
+from relaunch.store import JobStatus, NodeState, Outcome, PodRow, Store
+from relaunch.wire import Connection, write_controller_address
+
+__all__ = ["Controller", "RunOptions"]
+
+RESTARTS = (Action.IN_PLACE, Action.HANG_RESTART, Action.POD_RESCHEDULE)
+JOB_LEVEL = (Action.ISOLATED_JOB_RESCHEDULE, Action.JOB_RESCHEDULE)
+UNSUPPORTED = {
+    Action.PROCESS_RETRY: "process-level online retry needs the training SDK's step rollback",
+    Action.PROCESS_RESCHEDULE: "process-level rescheduling needs the training SDK's group rebuild",
+    Action.SCALE_IN: "elastic scale-in needs the training SDK's group rebuild",
+}
+FAILED_AT_START_S = 5.0
+
+
+@dataclass
+class RunOptions:
+    startup_s: float | None = None
+    """Allowance before the first sign of life after a (re)start; default max(2 x hang window, 60 s)."""
+    table: FaultCodeTable = DEFAULT_TABLE
+    rules: EscalationRules = field(default_factory=EscalationRules)
+    resume: bool = False
+
+
+@dataclass
+class Proc:
+    attempt: int
+    running: bool = True
+    started_at: float = 0.0
+    last_activity: float = 0.0
+    progressed: bool = False
+    code: int | None = None
+    signal: int | None = None
+
+
+@dataclass
+class LauncherLink:
+    conn: Connection
+    pod: int
+    gen: int
+    pid: int
+    started_attempt: int = 0
+    stopping: bool = False
+    procs: dict[int, Proc] = field(default_factory=dict)
+
+    def running_older_than(self, attempt: int) -> bool:
+        return any(p.running and p.attempt < attempt for p in self.procs.values())
+
+
+@dataclass
+class AgentLink:
+    conn: Connection
+    node: str
+    last_hb: float
+
+
+@dataclass
+class Active:
+    """The recovery being carried out, until progress resumes."""
+
+    record_id: int
+    fault: Fault
+    fault_id: int
+    action: Action
+    tried: frozenset[Action]
+    started_at: float
+    ranks: tuple[int, ...] = ()
+
+
+class Controller:
+    def __init__(
+        self,
+        store: Store,
+        engine: LocalCluster,
+        state_dir: Path,
+        cluster: ClusterConfig,
+        job_id: int,
+        spec: JobSpec,
+        plan: tuple[ChaosEntry, ...],
+        options: RunOptions,
+        on_event: Callable[[str], None] = print,
+        on_output: Callable[[int, int, str], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.engine = engine
+        self.state_dir = state_dir
+        self.cluster = cluster
+        self.job_id = job_id
+        self.spec = spec
+        self.plan = plan
+        self.options = options
+        self.recovery = spec.recovery
+        self.hang_s = spec.recovery.hang_detect_s
+        self.startup_s = options.startup_s or max(2 * self.hang_s, 60.0)
+        self.on_event = on_event
+        self.on_output = on_output
+        self.inbox: queue.Queue[tuple[Connection, dict[str, Any]]] = queue.Queue()
+        self.launchers: dict[int, LauncherLink] = {}
+        self.agents: dict[str, AgentLink] = {}
+        self.launching: dict[int, tuple[int, float]] = {}
+        self.lost_launchers: dict[int, float] = {}
+        self.injected_at: dict[tuple[str, str], float] = {}
+        self.heal_replies: dict[int, queue.Queue[bool]] = {}
+        self.ids = itertools.count(1)
+        self.active: Active | None = None
+        self.uses_sdk = False
+        self.step: int | None = None
+        self.step_saved_at = 0.0
+        self.adopt_until = 0.0
+        self.server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.server.bind(("127.0.0.1", 0))
+        self.server.listen(256)
+
+    # -- connections --------------------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, _ = self.server.accept()
+            except OSError:
+                return
+            conn = Connection(sock)
+            threading.Thread(target=self._read_loop, args=(conn,), daemon=True).start()
+
+    def _read_loop(self, conn: Connection) -> None:
+        for message in conn:
+            if message.get("t") == "healed":
+                replies = self.heal_replies.get(int(message.get("id") or 0))
+                if replies is not None:
+                    replies.put(bool(message["ok"]))
+                continue
+            self.inbox.put((conn, message))
+        self.inbox.put((conn, {"t": "_closed"}))
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def run(self) -> tuple[JobStatus, str]:
+        threading.Thread(target=self._accept_loop, daemon=True).start()
+        host, port = self.server.getsockname()
+        write_controller_address(self.state_dir, host, port, pid=os.getpid())
+        now = time.time()
+        job = self.store.job(self.job_id)
+        self.step = job.last_step
+        if self.options.resume:
+            self.adopt_until = now + max(2.0, 3 * self.cluster.heartbeat_interval_s)
+            self._resume_active()
+            self.event(
+                f"controller resumed job {job.name} (attempt {job.attempt}); re-adopting pods"
+            )
+        else:
+            self._start_agents(now)
+            self.store.update_job(
+                self.job_id,
+                status=JobStatus.RUNNING,
+                attempt_started_at=now,
+                master_port=_free_port(),
+            )
+        try:
+            while True:
+                self.tick()
+                job = self.store.job(self.job_id)
+                if job.status.ended:
+                    self._shutdown_pods()
+                    return job.status, job.reason
+        finally:
+            self.server.close()
+
+    def _start_agents(self, now: float) -> None:
+        for node in self.cluster.nodes:
+            row = self.store.node(node.name)
+            if row is not None and row.state is NodeState.LOST:
+                self.store.set_node_state(node.name, NodeState.READY, "agent started again")
+            self.engine.start_agent(
+                node,
+                self.cluster.heartbeat_interval_s,
+                self.cluster.adopt_grace_s,
+                self.options.rules.network_blip_s,
+            )
+            self.agents.pop(node.name, None)
+        self.adopt_until = now + max(5.0, 4 * self.cluster.heartbeat_timeout_s)
+        deadline = now + 15.0
+        while time.time() < deadline and len(self.agents) < len(self.cluster.nodes):
+            self._drain(0.05)
+        self.adopt_until = 0.0
+
+    def _resume_active(self) -> None:
+        for record in reversed(self.store.records(self.job_id)):
+            if record.outcome is Outcome.RUNNING:
+                self.active = Active(
+                    record.id,
+                    record.fault,
+                    record.fault_id,
+                    record.action,
+                    frozenset(record.tried),
+                    record.started_at,
+                )
+            break
+
+    def _shutdown_pods(self) -> None:
+        for link in self.launchers.values():
+            link.conn.send({"t": "shutdown", "grace": self.recovery.termination_grace_s})
+        deadline = time.time() + self.recovery.termination_grace_s + 5
+        while self.launchers and time.time() < deadline:
+            self._drain(0.05)
+        for agent in self.agents.values():
+            agent.conn.send({"t": "shutdown"})
+        self.engine.shutdown()
+
+    def stop(self, reason: str) -> None:
+        """Stop the job at the user's request (Ctrl-C)."""
+        self.store.update_job(
+            self.job_id, status=JobStatus.STOPPED, reason=reason, ended_at=time.time()
+        )
+        self._shutdown_pods()
+
+    def event(self, text: str) -> None:
+        self.store.event(self.job_id, text)
+        self.on_event(text)
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        self._drain(0.05)
+        now = time.time()
+        self._check_heartbeats(now)
+        self._check_launchers(now)
+        self._check_hangs(now)
+        self._fire_chaos(now)
+        self._reconcile(now)
+        self._check_done(now)
+
+    def _drain(self, timeout: float) -> None:
+        try:
+            conn, message = self.inbox.get(timeout=timeout)
+        except queue.Empty:
+            return
+        self._on_message(conn, message)
+        while True:
+            try:
+                conn, message = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            self._on_message(conn, message)
+
+    def _on_message(self, conn: Connection, m: dict[str, Any]) -> None:
+        kind = m["t"]
+        if kind == "hello":
+            self._hello(conn, m)
+            return
+        if kind == "_closed":
+            for idx, closed in list(self.launchers.items()):
+                if closed.conn is conn:
+                    del self.launchers[idx]
+                    self.lost_launchers[idx] = time.time()
+            return
+        if kind == "hb":
+            agent = self.agents.get(m["node"])
+            if agent is not None and agent.conn is conn:
+                agent.last_hb = time.time()
+                self._chip_health(m)
+            return
+        link = next((lk for lk in self.launchers.values() if lk.conn is conn), None)
+        if link is None:
+            return
+        rank = int(m.get("rank", -1))
+        if kind == "started":
+            link.procs[rank] = Proc(m["attempt"], True, m["at"], m["at"])
+        elif kind in ("output", "progress"):
+            proc = link.procs.get(rank)
+            if proc is not None and proc.attempt == m["attempt"]:
+                proc.last_activity = time.time()
+                proc.progressed = True
+            if kind == "output" and self.on_output is not None:
+                self.on_output(link.pod, rank, m["line"])
+            if kind == "progress":
+                self.uses_sdk = True
+                self.step = max(self.step or 0, int(m["step"]))
+                if time.time() - self.step_saved_at > 0.5:
+                    self.store.update_job(self.job_id, last_step=self.step)
+                    self.step_saved_at = time.time()
+            self._verify(link, rank, kind, m["attempt"])
+        elif kind == "exit":
+            self._exit(link, m)
+        elif kind == "stopped":
+            link.stopping = False
+
+    def _hello(self, conn: Connection, m: dict[str, Any]) -> None:
+        if m["role"] == "agent":
+            self.agents[m["node"]] = AgentLink(conn, m["node"], time.time())
+            return
+        if m["job"] != self.job_id:
+            conn.send({"t": "shutdown", "grace": 0})
+            return
+        pods = {p.idx: p for p in self.store.pods(self.job_id)}
+        pod = pods.get(m["pod"])
+        if pod is None or pod.generation != m["gen"]:
+            conn.send({"t": "shutdown", "grace": 0})
+            return
+        link = LauncherLink(conn, m["pod"], m["gen"], m["pid"], started_attempt=m["attempt"])
+        now = time.time()
+        for rank_text, p in m["procs"].items():
+            link.procs[int(rank_text)] = Proc(p["attempt"], p["running"], now, now, code=p["code"])
+        self.launchers[m["pod"]] = link
+        self.launching.pop(m["pod"], None)
+        self.lost_launchers.pop(m["pod"], None)
+
+    # -- detectors ----------------------------------------------------------------------------------
+
+    def _chip_health(self, m: dict[str, Any]) -> None:
+        node = m["node"]
+        pod = next((p.idx for p in self.store.pods(self.job_id) if p.node == node), None)
+        for f in m["faults"]:
+            kind = FaultKind.MEMORY_UCE if f["kind"] == "memory-uce" else FaultKind.CHIP
+            fault = Fault(kind, f["at"], node=node, chip=f["chip"], pod=pod, code=f["code"])
+            self._fault(fault, source=f"{node}:{f['seq']}")
+        link = m.get("link")
+        if link is not None:
+            fault = Fault(
+                FaultKind.NETWORK, link["at"], node=node, pod=pod, duration_s=link["duration_s"]
+            )
+            self._fault(fault, source=f"{node}:{link['seq']}")
+
+    def _check_heartbeats(self, now: float) -> None:
+        if now < self.adopt_until:
+            return
+        timeout = self.cluster.heartbeat_timeout_s
+        for node in self.store.nodes():
+            if node.state not in (NodeState.READY, NodeState.FAULTY):
+                continue  # lost already, or isolated: no pod of the job goes there
+            agent = self.agents.get(node.name)
+            last = agent.last_hb if agent is not None else (self.adopt_until or now)
+            if now - last > timeout:
+                self.store.set_node_state(
+                    node.name, NodeState.LOST, f"no heartbeat for {timeout:g} s"
+                )
+                self.agents.pop(node.name, None)
+                at = self.injected_at.pop(("node", node.name), last)
+                self.event(f"node {node.name} lost: no heartbeat for {now - last:.1f} s")
+                self._fault(
+                    Fault(FaultKind.NODE_LOST, at, node=node.name),
+                    source=f"lost:{node.name}:{last:.3f}",
+                )
+
+    def _check_launchers(self, now: float) -> None:
+        """A launcher that vanished while its node lives: the pod's container died."""
+        grace = self.cluster.heartbeat_timeout_s + 2 * self.cluster.heartbeat_interval_s
+        pods = {p.idx: p for p in self.store.pods(self.job_id)}
+        for idx, since in list(self.lost_launchers.items()):
+            pod = pods.get(idx)
+            if pod is None or idx in self.launchers:
+                self.lost_launchers.pop(idx, None)
+                continue
+            node = self.store.node(pod.node)
+            if node is None or node.state is NodeState.LOST:
+                self.lost_launchers.pop(idx, None)
+                continue
+            if now - since > grace:
+                self.lost_launchers.pop(idx, None)
+                self.launching.pop(idx, None)
+                fault = Fault(
+                    FaultKind.PROCESS_EXIT,
+                    since,
+                    node=pod.node,
+                    pod=idx,
+                    signal=9,
+                    detail="launcher died",
+                )
+                self._fault(fault, source=f"launcher:{idx}:{pod.generation}:{since:.3f}")
+
+    def _check_hangs(self, now: float) -> None:
+        job = self.store.job(self.job_id)
+        if job.status is not JobStatus.RUNNING and self.active is None:
+            return
+        for link in self.launchers.values():
+            if link.stopping:
+                continue
+            for rank, proc in link.procs.items():
+                if not proc.running or proc.attempt != job.attempt:
+                    continue
+                window = self.hang_s if proc.progressed else self.startup_s
+                if now - proc.last_activity > window:
+                    proc.last_activity = now  # one hang fault per silence
+                    at = self.injected_at.pop(("hang", str(rank)), now - window)
+                    fault = Fault(
+                        FaultKind.HANG,
+                        at,
+                        pod=link.pod,
+                        rank=rank,
+                        detail=f"silent for {window:g} s",
+                    )
+                    self._fault(fault, source=f"hang:{job.attempt}:{rank}:{now:.3f}")
+
+    def _exit(self, link: LauncherLink, m: dict[str, Any]) -> None:
+        rank = m["rank"]
+        proc = link.procs.setdefault(rank, Proc(m["attempt"]))
+        proc.running = False
+        proc.code, proc.signal = m["code"], m["signal"]
+        job = self.store.job(self.job_id)
+        if m["expected"] or m["attempt"] != job.attempt or (m["code"] == 0 and not m["signal"]):
+            return
+        pod = self._pod(link.pod)
+        at = self.injected_at.pop(("exit", str(rank)), m["at"])
+        fault = Fault(
+            FaultKind.PROCESS_EXIT,
+            at,
+            node=pod.node,
+            pod=link.pod,
+            rank=rank,
+            exit_code=m["code"],
+            signal=m["signal"],
+        )
+        self._fault(fault, source=f"exit:{job.attempt}:{link.gen}:{rank}")
+
+    # -- fault injection ------------------------------------------------------------------------------
+
+    def _fire_chaos(self, now: float) -> None:
+        if not self.plan:
+            return
+        job = self.store.job(self.job_id)
+        if job.status is not JobStatus.RUNNING:
+            return
+        fired = self.store.fired(self.job_id)
+        elapsed = now - (job.attempt_started_at or now)
+        for entry in self.plan:
+            if entry.index in fired or not entry.due(self.step, elapsed):
+                continue
+            self.store.mark_fired(self.job_id, entry.index, now)
+            self.event(f"fault plan: {entry.describe()}")
+            self._inject(entry, now)
+            return  # one per pass, so each is seen on its own
+
+    def _inject(self, entry: ChaosEntry, now: float) -> None:
+        pod = self._pod(entry.pod) if entry.pod is not None else None
+        node = entry.node or (pod.node if pod else None)
+        first_rank = (pod.idx * self.spec.procs_per_pod) if pod else 0
+        rank = entry.rank if entry.rank is not None else first_rank
+        if entry.kind in (ChaosKind.PROCESS_EXIT, ChaosKind.HANG):
+            link = self.launchers.get(pod.idx) if pod else None
+            if link is not None:
+                kind = "exit" if entry.kind is ChaosKind.PROCESS_EXIT else "hang"
+                self.injected_at[(kind, str(rank))] = now
+                link.conn.send(
+                    {"t": "inject", "kind": kind, "rank": rank, "exit_code": entry.exit_code}
+                )
+        elif entry.kind is ChaosKind.NODE_DOWN and node is not None:
+            self.injected_at[("node", node)] = now
+            self.engine.kill_node(node)
+        elif node is not None:
+            agent = self.agents.get(node)
+            if agent is None:
+                return
+            if entry.kind is ChaosKind.NETWORK:
+                agent.conn.send(
+                    {"t": "network", "duration_s": entry.duration_s, "heals": entry.heals}
+                )
+            else:
+                agent.conn.send(
+                    {
+                        "t": "chip_fault",
+                        "chip": entry.chip,
+                        "code": entry.code,
+                        "heals": entry.heals,
+                        "kind": entry.kind.value,
+                    }
+                )
+
+    # -- faults and decisions --------------------------------------------------------------------------
+
+    def _fault(self, fault: Fault, source: str) -> None:
+        now = time.time()
+        job = self.store.job(self.job_id)
+        if job.status.ended:
+            return
+        with self.store.transaction():
+            fault_id = self.store.add_fault(self.job_id, fault, now, source)
+        if fault_id is None:
+            return  # seen before (a heartbeat repeats it, or a restarted controller re-reads it)
+        self.event(f"fault: {fault.describe()}")
+        active = self.active
+        if active is not None:
+            self.active = None
+            self.store.settle_record(active.record_id, Outcome.FAILED)
+            finer = active.action not in JOB_LEVEL
+            if finer and fault.kind in (FaultKind.PROCESS_EXIT, FaultKind.HANG):
+                self.event(f"{active.action.value} did not recover {active.fault.describe()}")
+                self._decide(active.fault, active.fault_id, active.tried | {active.action})
+                return
+        self._decide(fault, fault_id, frozenset())
+
+    def _decide(self, fault: Fault, fault_id: int, tried: frozenset[Action]) -> None:
+        now = time.time()
+        history = self.store.history(self.job_id, before_fault=fault_id)
+        view = self._cluster_view(fault, now)
+        decision = decide(
+            self.recovery,
+            fault,
+            history,
+            view,
+            now,
+            table=self.options.table,
+            rules=self.options.rules,
+            tried=tried,
+        )
+        self.event(f"decision: {decision.summary()}")
+        action = decision.action
+        if action is Action.IN_PLACE and not self._heal(fault):
+            record = self._record(decision, fault_id, tried, now, Outcome.FAILED, apply=False)
+            self.event(f"in-place: the chip did not heal (record {record})")
+            self._decide(fault, fault_id, tried | {action})
+            return
+        if action in UNSUPPORTED:
+            self._record(decision, fault_id, tried, now, Outcome.FAILED, apply=False)
+            self.event(f"{action.value}: {UNSUPPORTED[action]}; falling back")
+            self._decide(fault, fault_id, tried | {action})
+            return
+        if action.final or action.hands_over:
+            outcome = Outcome.FAILED if action is Action.FAIL else Outcome.SUCCEEDED
+            self._record(decision, fault_id, tried, now, outcome)
+            if action.hands_over:
+                self._decide(fault, fault_id, tried | {action})
+            return
+        record_id = self._record(decision, fault_id, tried, now, Outcome.RUNNING)
+        ranks = (
+            (fault.rank,) if action is Action.PROCESS_IN_PLACE and fault.rank is not None else ()
+        )
+        self.active = Active(record_id, fault, fault_id, action, tried, now, ranks)
+        if action is Action.PROCESS_IN_PLACE:
+            self._restart_ranks(decision)
+
+    def _record(
+        self,
+        d: Decision,
+        fault_id: int,
+        tried: frozenset[Action],
+        now: float,
+        outcome: Outcome,
+        apply: bool = True,
+    ) -> int:
+        budgets = d.budgets_left
+        with self.store.transaction():
+            record_id = self.store.add_record(
+                self.job_id,
+                fault_id,
+                d.action,
+                d.assessment.cause,
+                d.reason,
+                d.pods,
+                d.isolate_nodes,
+                sorted(d.consumes),
+                sorted(tried),
+                d.counters,
+                {"job": budgets.job, "pod": budgets.pod, "fault_retry": budgets.fault_retry}
+                if budgets
+                else {},
+                now,
+                outcome,
+            )
+            if apply:
+                self._apply(d, now)
+        return record_id
+
+    def _apply(self, d: Decision, now: float) -> None:
+        """The desired-state change a decision makes, inside the record's transaction."""
+        for node in d.isolate_nodes:
+            row = self.store.node(node)
+            if row is not None and row.state is not NodeState.LOST:
+                self.store.set_node_state(
+                    node, NodeState.ISOLATED, f"isolated: {d.assessment.fault.describe()}", now
+                )
+            elif row is not None:
+                self.store.set_node_state(
+                    node, NodeState.LOST, f"lost and isolated: {d.assessment.fault.describe()}"
+                )
+        job = self.store.job(self.job_id)
+        action = d.action
+        if action is Action.FAIL:
+            self.store.update_job(
+                self.job_id, status=JobStatus.FAILED, reason=d.reason, ended_at=now
+            )
+            return
+        if action is Action.IGNORE or action.hands_over or action is Action.PROCESS_IN_PLACE:
+            return
+        pods = self.store.pods(self.job_id)
+        moved = (
+            set(d.pods)
+            if action is Action.POD_RESCHEDULE
+            else ({p.idx for p in pods} if action in JOB_LEVEL else set())
+        )
+        nodes = self._placement(pods, moved, d.isolate_nodes)
+        for pod in pods:
+            counters = d.counters[pod.idx]
+            gen = pod.generation + (1 if pod.idx in moved else 0)
+            node = nodes.get(pod.idx, pod.node)
+            workdir = str(self._workdir(pod.idx, gen)) if pod.idx in moved else pod.workdir
+            self.store.put_pod(
+                PodRow(
+                    self.job_id,
+                    pod.idx,
+                    node,
+                    gen,
+                    counters.schedule_cnt,
+                    counters.proc_start_cnt,
+                    workdir,
+                )
+            )
+        self.store.update_job(
+            self.job_id,
+            status=JobStatus.RECOVERING,
+            attempt=job.attempt + 1,
+            attempt_started_at=now,
+            master_port=_free_port(),
+        )
+
+    def _placement(
+        self, pods: list[PodRow], moved: set[int], isolating: tuple[str, ...]
+    ) -> dict[int, str]:
+        """Moved pods go, in order, to the first Ready nodes no staying pod uses."""
+        staying = {p.node for p in pods if p.idx not in moved}
+        free = [
+            n.name
+            for n in self.store.nodes()
+            if n.schedulable
+            and n.name not in staying
+            and n.name not in isolating
+            and n.chips >= self.spec.chips_per_pod
+        ]
+        placement: dict[int, str] = {}
+        for pod in sorted((p for p in pods if p.idx in moved), key=lambda p: p.idx):
+            if free:
+                placement[pod.idx] = free.pop(0)
+        return placement
+
+    def _cluster_view(self, fault: Fault, now: float) -> ClusterView:
+        pods = self.store.pods(self.job_id)
+        used = {p.node for p in pods}
+        standby = tuple(
+            n.name
+            for n in self.store.nodes()
+            if n.schedulable and n.name not in used and n.chips >= self.spec.chips_per_pod
+        )
+        job = self.store.job(self.job_id)
+        failed_pods = {
+            link.pod
+            for link in self.launchers.values()
+            for p in link.procs.values()
+            if p.attempt == job.attempt and not p.running and (p.code or p.signal)
+        }
+        at_start = (
+            fault.kind is FaultKind.PROCESS_EXIT
+            and now - (job.attempt_started_at or now) < FAILED_AT_START_S
+            and len(failed_pods) == len(pods)
+        )
+        return ClusterView(
+            pods=tuple(PodView(p.idx, p.node, holds_rank0=p.idx == 0) for p in pods),
+            standby_nodes=standby,
+            all_pods_failed_at_start=at_start,
+        )
+
+    def _heal(self, fault: Fault) -> bool:
+        agent = self.agents.get(fault.node or "")
+        if agent is None:
+            return fault.kind is FaultKind.NETWORK
+        request = next(self.ids)
+        replies: queue.Queue[bool] = queue.Queue()
+        self.heal_replies[request] = replies
+        try:
+            agent.conn.send({"t": "heal", "id": request})
+            return replies.get(timeout=5.0)
+        except queue.Empty:
+            return False
+        finally:
+            self.heal_replies.pop(request, None)
+
+    def _restart_ranks(self, d: Decision) -> None:
+        fault = d.assessment.fault
+        link = self.launchers.get(fault.pod) if fault.pod is not None else None
+        if link is None or fault.rank is None:
+            return
+        job = self.store.job(self.job_id)
+        link.conn.send(
+            {
+                "t": "start",
+                "attempt": job.attempt,
+                "env": self._env(self._pod(link.pod), job.attempt),
+                "ranks": [fault.rank],
+            }
+        )
+
+    def _verify(self, link: LauncherLink, rank: int, kind: str, attempt: int) -> None:
+        """A recovery worked once training makes progress again."""
+        active = self.active
+        if active is None:
+            return
+        job = self.store.job(self.job_id)
+        if attempt != job.attempt or (self.uses_sdk and kind != "progress"):
+            return
+        if active.ranks and rank not in active.ranks:
+            return
+        proc = link.procs.get(rank)
+        if proc is None or proc.started_at < active.started_at:
+            return
+        now = time.time()
+        self.active = None
+        self.store.settle_record(
+            active.record_id, Outcome.SUCCEEDED, resumed_at=now, fault_at=active.fault.at
+        )
+        self.store.update_job(self.job_id, status=JobStatus.RUNNING)
+        self.event(
+            f"{active.action.value} worked: progress resumed {now - active.fault.at:.2f} s after the fault"
+        )
+
+    # -- convergence ------------------------------------------------------------------------------------
+
+    def _reconcile(self, now: float) -> None:
+        job = self.store.job(self.job_id)
+        if job.status.ended or now < self.adopt_until:
+            return
+        pods = self.store.pods(self.job_id)
+        for stale in list(self.launchers.values()):
+            desired = next((p for p in pods if p.idx == stale.pod), None)
+            if desired is None or desired.generation != stale.gen:
+                stale.conn.send({"t": "shutdown", "grace": 0})
+                self.launchers.pop(stale.pod, None)
+        ready = True
+        for pod in pods:
+            if pod.idx in self.launchers:
+                continue
+            ready = False
+            launching = self.launching.get(pod.idx)
+            node = self.store.node(pod.node)
+            if node is None or node.state is NodeState.LOST or pod.node not in self.agents:
+                continue
+            if launching is None or launching[0] != pod.generation or now - launching[1] > 30:
+                self.launching[pod.idx] = (pod.generation, now)
+                self.engine.start_pod(self._launch_plan(pod))
+        if not ready:
+            return
+        links = [self.launchers[p.idx] for p in pods]
+        old = [lk for lk in links if lk.running_older_than(job.attempt)]
+        if old:
+            for link in old:
+                if not link.stopping:
+                    link.stopping = True
+                    link.conn.send({"t": "stop", "grace": self.recovery.termination_grace_s})
+            return
+        if any(lk.stopping for lk in links):
+            return
+        for pod, link in zip(pods, links, strict=True):
+            if link.started_attempt < job.attempt:
+                link.started_attempt = job.attempt
+                link.conn.send(
+                    {"t": "start", "attempt": job.attempt, "env": self._env(pod, job.attempt)}
+                )
+
+    def _check_done(self, now: float) -> None:
+        job = self.store.job(self.job_id)
+        if job.status.ended or len(self.launchers) < self.spec.replicas:
+            return
+        ranks = [
+            p
+            for link in self.launchers.values()
+            for p in link.procs.values()
+            if p.attempt == job.attempt
+        ]
+        if len(ranks) == self.spec.world_size and all(not p.running and p.code == 0 for p in ranks):
+            if self.active is not None:
+                self.store.settle_record(
+                    self.active.record_id,
+                    Outcome.SUCCEEDED,
+                    resumed_at=now,
+                    fault_at=self.active.fault.at,
+                )
+                self.active = None
+            self.store.update_job(
+                self.job_id, status=JobStatus.SUCCEEDED, reason="every rank exited 0", ended_at=now
+            )
+            self.event(f"job {self.spec.name} succeeded")
+
+    # -- pods -------------------------------------------------------------------------------------------
+
+    def _pod(self, idx: int) -> PodRow:
+        return next(p for p in self.store.pods(self.job_id) if p.idx == idx)
+
+    def _workdir(self, idx: int, generation: int) -> Path:
+        return self.state_dir / "jobs" / str(self.job_id) / "pods" / f"pod-{idx}-g{generation}"
+
+    def _launch_plan(self, pod: PodRow) -> LaunchPlan:
+        return LaunchPlan(
+            job=self.job_id,
+            pod=pod.idx,
+            generation=pod.generation,
+            node=pod.node,
+            command=list(self.spec.command),
+            procs_per_pod=self.spec.procs_per_pod,
+            first_rank=pod.idx * self.spec.procs_per_pod,
+            working_dir=self.spec.working_dir,
+            monitor_interval_s=self.recovery.monitor_interval_s,
+            adopt_grace_s=self.cluster.adopt_grace_s,
+            workdir=pod.workdir,
+            env=dict(self.spec.env),
+        )
+
+    def _env(self, pod: PodRow, attempt: int) -> dict[str, str]:
+        """R-04 to R-07: what every process of the pod sees (RANK and LOCAL_RANK are the launcher's)."""
+        job = self.store.job(self.job_id)
+        env = {
+            "WORLD_SIZE": str(self.spec.world_size),
+            "LOCAL_WORLD_SIZE": str(self.spec.procs_per_pod),
+            "GROUP_RANK": str(pod.idx),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(job.master_port),
+            "TORCHELASTIC_RESTART_COUNT": str(attempt - 1),
+            "MA_SCHEDULE_CNT": str(pod.schedule_cnt),
+            "MA_PROC_START_CNT": str(pod.proc_start_cnt),
+            "RELAUNCH_JOB": self.spec.name,
+            "RELAUNCH_JOB_ID": str(self.job_id),
+            "RELAUNCH_POD": str(pod.idx),
+            "RELAUNCH_NODE": pod.node,
+            "RELAUNCH_ATTEMPT": str(attempt),
+            "RELAUNCH_SHARED_DIR": str(self.state_dir / "jobs" / str(self.job_id) / "shared"),
+        }
+        env.update(process_recovery_env(self.recovery))
+        return env
+
+
+def create_pods(store: Store, state_dir: Path, job_id: int, spec: JobSpec) -> list[PodRow]:
+    """Place a new job's pods in order on the first Ready nodes with chips for them."""
+    free = [n for n in store.nodes() if n.schedulable and n.chips >= spec.chips_per_pod]
+    capacity: list[str] = []
+    for node in free:
+        slots = max(1, node.chips // spec.chips_per_pod) if spec.chips_per_pod else 1
+        capacity.extend([node.name] * slots)
+    if len(capacity) < spec.replicas:
+        raise RuntimeError(
+            f"job {spec.name} needs {spec.replicas} pod(s) with {spec.chips_per_pod} chip(s) each; "
+            f"the cluster has room for {len(capacity)} on Ready nodes (see `relaunch nodes`)"
+        )
+    pods = []
+    for idx in range(spec.replicas):
+        workdir = state_dir / "jobs" / str(job_id) / "pods" / f"pod-{idx}-g1"
+        pod = PodRow(job_id, idx, capacity[idx], 1, 1, 1, str(workdir))
+        store.put_pod(pod)
+        pods.append(pod)
+    return pods
+
+
+def _free_port() -> int:
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port

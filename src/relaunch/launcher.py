@@ -1,0 +1,359 @@
+"""The launcher: one per pod, the pod's "container". Run as `python -m relaunch.launcher`.
+
+It starts the job's command as `procs_per_pod` processes, each in its own process group with the
+torchrun-compatible and ModelArts environment; writes their output to per-rank log files and
+relays it (and their progress reports) to the controller; checks them every `monitor_interval`;
+stops them with SIGTERM then SIGKILL after the grace period; and injects faults on request.
+
+If the controller goes away, the launcher keeps its processes running and reconnects to the next
+controller that writes its address into the state directory; after `adopt_grace_s` without one it
+stops its processes and exits, so that nothing outlives an abandoned job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import psutil
+
+from relaunch.wire import Connection, controller_address
+
+INJECT_DIR = Path(__file__).parent / "_inject"
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+
+
+@dataclass
+class Worker:
+    rank: int
+    local_rank: int
+    attempt: int
+    proc: subprocess.Popen[bytes]
+    log: IO[str]
+    stopping: bool = False
+    reported: bool = False
+    pump: threading.Thread | None = None
+
+
+@dataclass
+class LaunchPlan:
+    """Written by the controller into the pod's work directory as launch.json."""
+
+    job: int
+    pod: int
+    generation: int
+    node: str
+    command: list[str]
+    procs_per_pod: int
+    first_rank: int
+    working_dir: str | None
+    monitor_interval_s: float
+    adopt_grace_s: float
+    workdir: str
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class Launcher:
+    def __init__(self, state_dir: Path, plan: LaunchPlan) -> None:
+        self.state_dir = state_dir
+        self.plan = plan
+        self.workdir = Path(plan.workdir)
+        (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
+        self.inject_dir = self.workdir / "inject"
+        self.inject_dir.mkdir(exist_ok=True)
+        self.commands: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.workers: dict[int, Worker] = {}
+        self.conn: Connection | None = None
+        self.outbox: list[dict[str, Any]] = []  # kept while the controller is away
+        self.lock = threading.Lock()
+        self.attempt = 0
+        self.last_env: dict[str, str] = {}
+        self.alone_since: float | None = time.time()
+        self.running = True
+        self.progress_name = f"relaunch-{os.getpid()}-{plan.job}-{plan.pod}-{plan.generation}"
+        self.progress = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.progress.bind("\0" + self.progress_name)
+
+    # -- talking to the controller ---------------------------------------------------------------
+
+    def send(self, message: dict[str, Any]) -> None:
+        with self.lock:
+            conn = self.conn
+            undelivered = conn is None or not conn.send(message)
+            if undelivered and message["t"] in ("exit", "stopped", "progress"):
+                self.outbox.append(message)
+
+    def hello(self) -> dict[str, Any]:
+        procs = {
+            str(w.rank): {
+                "attempt": w.attempt,
+                "pid": w.proc.pid,
+                "running": w.proc.poll() is None,
+                "code": w.proc.returncode,
+            }
+            for w in self.workers.values()
+        }
+        return {
+            "t": "hello",
+            "role": "launcher",
+            "job": self.plan.job,
+            "pod": self.plan.pod,
+            "gen": self.plan.generation,
+            "pid": os.getpid(),
+            "attempt": self.attempt,
+            "procs": procs,
+        }
+
+    def connect_loop(self) -> None:
+        while self.running:
+            address = controller_address(self.state_dir)
+            if address is not None:
+                try:
+                    conn = Connection.connect(*address)
+                except OSError:
+                    conn = None
+                if conn is not None and conn.send(self.hello()):
+                    with self.lock:
+                        self.conn = conn
+                        backlog, self.outbox = self.outbox, []
+                        self.alone_since = None
+                    for message in backlog:
+                        conn.send(message)
+                    for message in conn:
+                        self.commands.put(message)
+                    with self.lock:
+                        self.conn = None
+                        self.alone_since = time.time()
+            time.sleep(0.1)
+
+    def progress_loop(self) -> None:
+        while self.running:
+            try:
+                data = self.progress.recv(256)
+            except OSError:
+                return
+            try:
+                rank_text, step_text = data.decode().split()[:2]
+                rank, step = int(rank_text), int(step_text)
+            except ValueError:
+                continue
+            worker = self.workers.get(rank)
+            attempt = worker.attempt if worker else self.attempt
+            self.send(
+                {"t": "progress", "rank": rank, "step": step, "attempt": attempt, "at": time.time()}
+            )
+
+    # -- processes ----------------------------------------------------------------------------------
+
+    def start(self, attempt: int, env: dict[str, str], ranks: list[int] | None = None) -> None:
+        self.attempt = attempt
+        self.last_env = env
+        local_ranks = range(self.plan.procs_per_pod)
+        for local_rank in local_ranks:
+            rank = self.plan.first_rank + local_rank
+            if ranks is not None and rank not in ranks:
+                continue
+            old = self.workers.get(rank)
+            if old is not None and old.proc.poll() is None:
+                continue
+            child_env = {**os.environ, **self.plan.env, **env}
+            child_env.update(
+                RANK=str(rank),
+                LOCAL_RANK=str(local_rank),
+                RELAUNCH_PROGRESS_SOCKET="@" + self.progress_name,
+                RELAUNCH_INJECT_DIR=str(self.inject_dir),
+                RELAUNCH_WORKDIR=str(self.workdir),
+                PYTHONPATH=os.pathsep.join(
+                    p for p in (str(INJECT_DIR), child_env.get("PYTHONPATH", "")) if p
+                ),
+                PYTHONUNBUFFERED="1",
+                # `python` in the command means the Python relaunch runs on, venv included.
+                PATH=os.pathsep.join((str(Path(sys.executable).parent), child_env.get("PATH", ""))),
+            )
+            log = open(self.workdir / "logs" / f"rank-{rank}.log", "a", encoding="utf-8")  # noqa: SIM115
+            log.write(
+                f"--- relaunch: attempt {attempt}, MA_PROC_START_CNT={env.get('MA_PROC_START_CNT')} ---\n"
+            )
+            log.flush()
+            proc = subprocess.Popen(
+                self.plan.command,
+                cwd=self.plan.working_dir or self.workdir,
+                env=child_env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+            worker = Worker(rank, local_rank, attempt, proc, log)
+            worker.pump = threading.Thread(target=self.pump, args=(worker,), daemon=True)
+            worker.pump.start()
+            self.workers[rank] = worker
+            self.send(
+                {
+                    "t": "started",
+                    "rank": rank,
+                    "attempt": attempt,
+                    "pid": proc.pid,
+                    "at": time.time(),
+                }
+            )
+
+    def pump(self, worker: Worker) -> None:
+        assert worker.proc.stdout is not None
+        for raw in worker.proc.stdout:
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            worker.log.write(line + "\n")
+            worker.log.flush()
+            self.send(
+                {"t": "output", "rank": worker.rank, "attempt": worker.attempt, "line": line[:2000]}
+            )
+
+    def monitor(self) -> None:
+        for worker in list(self.workers.values()):
+            code = worker.proc.poll()
+            if code is None or worker.reported:
+                continue
+            if worker.pump is not None:
+                worker.pump.join(timeout=1.0)
+            worker.reported = True
+            worker.log.close()
+            signum = -code if code < 0 else None
+            self.send(
+                {
+                    "t": "exit",
+                    "rank": worker.rank,
+                    "attempt": worker.attempt,
+                    "code": None if signum else code,
+                    "signal": signum,
+                    "expected": worker.stopping,
+                    "at": time.time(),
+                }
+            )
+
+    def stop(self, grace: float, ranks: list[int] | None = None) -> None:
+        """SIGTERM every process group, SIGKILL what is left after `grace` seconds."""
+        targets = [w for w in self.workers.values() if ranks is None or w.rank in ranks]
+        for worker in targets:
+            worker.stopping = True
+            if worker.proc.poll() is None:
+                _signal_group(worker.proc.pid, signal.SIGCONT)
+                _signal_group(worker.proc.pid, signal.SIGTERM if grace > 0 else signal.SIGKILL)
+        deadline = time.time() + grace
+        while time.time() < deadline and any(w.proc.poll() is None for w in targets):
+            time.sleep(0.02)
+        for worker in targets:
+            if worker.proc.poll() is None:
+                _signal_group(worker.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                worker.proc.wait(timeout=5)
+            _signal_group(worker.proc.pid, signal.SIGKILL)  # stragglers of the group
+        self.monitor()
+
+    def inject(self, message: dict[str, Any]) -> None:
+        worker = self.workers.get(int(message["rank"]))
+        if worker is None or worker.proc.poll() is not None:
+            return
+        if message["kind"] == "hang":
+            _signal_group(worker.proc.pid, signal.SIGSTOP)
+            return
+        code = int(message.get("exit_code", 1))
+        try:
+            tree = [
+                psutil.Process(worker.proc.pid),
+                *psutil.Process(worker.proc.pid).children(recursive=True),
+            ]
+        except psutil.NoSuchProcess:
+            return
+        pythons = [p for p in tree if _is_python(p)] or tree[:1]
+        for process in pythons:
+            (self.inject_dir / str(process.pid)).write_text(str(code))
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.send_signal(signal.SIGUSR2)
+
+    # -- main loop ------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        threading.Thread(target=self.connect_loop, daemon=True).start()
+        threading.Thread(target=self.progress_loop, daemon=True).start()
+        interval = self.plan.monitor_interval_s
+        next_check = 0.0
+        while self.running:
+            try:
+                message = self.commands.get(timeout=min(0.05, interval))
+            except queue.Empty:
+                message = None
+            if message is not None:
+                self.handle(message)
+            now = time.time()
+            if now >= next_check:
+                self.monitor()
+                next_check = now + interval
+            with self.lock:
+                alone = self.alone_since
+            if alone is not None and now - alone > self.plan.adopt_grace_s:
+                self.stop(0.0)
+                self.running = False
+
+    def handle(self, message: dict[str, Any]) -> None:
+        kind = message["t"]
+        if kind == "start":
+            self.start(int(message["attempt"]), message["env"], message.get("ranks"))
+        elif kind == "stop":
+            self.stop(float(message["grace"]), message.get("ranks"))
+            self.send({"t": "stopped", "attempt": self.attempt, "at": time.time()})
+        elif kind == "inject":
+            self.inject(message)
+        elif kind == "shutdown":
+            self.stop(float(message.get("grace", 0)))
+            self.send({"t": "stopped", "attempt": self.attempt, "at": time.time(), "final": True})
+            self.running = False
+
+
+def _signal_group(pid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signum)
+
+
+def _is_python(process: psutil.Process) -> bool:
+    try:
+        name = process.name()
+        exe = os.path.basename(process.exe())
+    except (psutil.NoSuchProcess, psutil.AccessDenied, OSError):
+        return False
+    return name.startswith("python") or exe.startswith("python")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="relaunch.launcher")
+    parser.add_argument("--state-dir", type=Path, required=True)
+    parser.add_argument("--plan", type=Path, required=True)
+    args = parser.parse_args(argv)
+    plan = LaunchPlan(**json.loads(args.plan.read_text()))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    launcher = Launcher(args.state_dir, plan)
+    try:
+        launcher.run()
+    finally:
+        launcher.stop(0.0)
+
+
+if __name__ == "__main__":
+    main()

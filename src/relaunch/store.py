@@ -1,0 +1,502 @@
+"""The store: nodes, jobs, pods, faults and recovery records, in SQLite (WAL).
+
+Everything a controller needs to carry on after a restart lives here: the desired state of every
+pod (node, generation, counters), the job's attempt, budgets spent (derived from the records),
+and which planned faults already fired. The controller is the only writer; CLI commands read.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from relaunch.faults import Cause, Fault, FaultKind, Severity
+from relaunch.policy import Action, Budget, Counters, JobHistory, RecoveryRecord
+
+__all__ = ["JobRow", "JobStatus", "NodeRow", "NodeState", "PodRow", "RecordRow", "Store"]
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS nodes (
+    name TEXT PRIMARY KEY, chips INTEGER NOT NULL, state TEXT NOT NULL,
+    isolated_at REAL, reason TEXT NOT NULL DEFAULT '', position INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS jobs (
+    id INTEGER PRIMARY KEY, name TEXT NOT NULL, spec TEXT NOT NULL, plan TEXT NOT NULL,
+    status TEXT NOT NULL, reason TEXT NOT NULL DEFAULT '', created_at REAL NOT NULL,
+    ended_at REAL, attempt INTEGER NOT NULL DEFAULT 1, attempt_started_at REAL,
+    master_port INTEGER NOT NULL DEFAULT 0, last_step INTEGER
+);
+CREATE TABLE IF NOT EXISTS pods (
+    job_id INTEGER NOT NULL, idx INTEGER NOT NULL, node TEXT NOT NULL,
+    generation INTEGER NOT NULL, schedule_cnt INTEGER NOT NULL, proc_start_cnt INTEGER NOT NULL,
+    workdir TEXT NOT NULL, PRIMARY KEY (job_id, idx)
+);
+CREATE TABLE IF NOT EXISTS faults (
+    id INTEGER PRIMARY KEY, job_id INTEGER NOT NULL, fault TEXT NOT NULL,
+    at REAL NOT NULL, detected_at REAL NOT NULL, source TEXT NOT NULL DEFAULT ''
+);
+CREATE UNIQUE INDEX IF NOT EXISTS faults_source ON faults (job_id, source) WHERE source != '';
+CREATE TABLE IF NOT EXISTS recoveries (
+    id INTEGER PRIMARY KEY, job_id INTEGER NOT NULL, fault_id INTEGER NOT NULL,
+    action TEXT NOT NULL, cause TEXT NOT NULL, reason TEXT NOT NULL, pods TEXT NOT NULL,
+    isolated TEXT NOT NULL, consumed TEXT NOT NULL, tried TEXT NOT NULL,
+    counters TEXT NOT NULL, budgets TEXT NOT NULL,
+    started_at REAL NOT NULL, resumed_at REAL, mttr_s REAL, outcome TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS chaos_fired (
+    job_id INTEGER NOT NULL, idx INTEGER NOT NULL, at REAL NOT NULL, PRIMARY KEY (job_id, idx)
+);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY, job_id INTEGER, at REAL NOT NULL, text TEXT NOT NULL
+);
+"""
+
+
+class NodeState(StrEnum):
+    READY = "Ready"
+    FAULTY = "Faulty"
+    ISOLATED = "Isolated"
+    LOST = "Lost"
+
+
+class JobStatus(StrEnum):
+    PENDING = "Pending"
+    RUNNING = "Running"
+    RECOVERING = "Recovering"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    STOPPED = "Stopped"
+
+    @property
+    def ended(self) -> bool:
+        return self in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED)
+
+
+class Outcome(StrEnum):
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class NodeRow:
+    name: str
+    chips: int
+    state: NodeState
+    isolated_at: float | None
+    reason: str
+    position: int
+
+    @property
+    def schedulable(self) -> bool:
+        return self.state is NodeState.READY
+
+
+@dataclass(frozen=True)
+class JobRow:
+    id: int
+    name: str
+    spec: dict[str, Any]
+    plan: list[dict[str, Any]]
+    status: JobStatus
+    reason: str
+    created_at: float
+    ended_at: float | None
+    attempt: int
+    attempt_started_at: float | None
+    master_port: int
+    last_step: int | None
+
+
+@dataclass(frozen=True)
+class PodRow:
+    job_id: int
+    idx: int
+    node: str
+    generation: int
+    schedule_cnt: int
+    proc_start_cnt: int
+    workdir: str
+
+    @property
+    def counters(self) -> Counters:
+        return Counters(self.schedule_cnt, self.proc_start_cnt)
+
+
+@dataclass(frozen=True)
+class RecordRow:
+    id: int
+    job_id: int
+    fault_id: int
+    fault: Fault
+    fault_at: float
+    detected_at: float
+    action: Action
+    cause: Cause
+    reason: str
+    pods: tuple[int, ...]
+    isolated: tuple[str, ...]
+    consumed: tuple[Budget, ...]
+    tried: tuple[Action, ...]
+    counters: tuple[Counters, ...]
+    budgets: dict[str, int]
+    started_at: float
+    resumed_at: float | None
+    mttr_s: float | None
+    outcome: Outcome
+
+    def to_json(self) -> dict[str, Any]:
+        f = self.fault
+        return {
+            "fault": {
+                "kind": f.kind.value,
+                "code": f.code,
+                "node": f.node,
+                "chip": f.chip,
+                "pod": f.pod,
+                "rank": f.rank,
+                "exit_code": f.exit_code,
+                "signal": f.signal,
+                "duration_s": f.duration_s,
+            },
+            "action": self.action.value,
+            "reason": self.reason,
+            "isolated_nodes": list(self.isolated),
+            "consumed_budget": [b.value for b in self.consumed],
+            "budgets_left": self.budgets,
+            "counters_after": [
+                {"pod": i, "schedule_count": c.schedule_cnt, "proc_start_count": c.proc_start_cnt}
+                for i, c in enumerate(self.counters)
+            ],
+            "fault_at": self.fault_at,
+            "detected_at": self.detected_at,
+            "detect_s": round(self.detected_at - self.fault_at, 3),
+            "started_at": self.started_at,
+            "resumed_at": self.resumed_at,
+            "mttr_s": self.mttr_s,
+            "outcome": self.outcome.value,
+        }
+
+
+def fault_to_json(fault: Fault) -> str:
+    data = asdict(fault)
+    data["kind"] = fault.kind.value
+    data["reported_severity"] = fault.reported_severity.name if fault.reported_severity else None
+    return json.dumps(data)
+
+
+def fault_from_json(text: str) -> Fault:
+    data = json.loads(text)
+    data["kind"] = FaultKind(data["kind"])
+    severity = data.get("reported_severity")
+    data["reported_severity"] = Severity[severity] if severity else None
+    return Fault(**data)
+
+
+class Store:
+    """One SQLite database in the state directory."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._db = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """All writes inside happen together or not at all (a controller killed midway)."""
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    # -- nodes ----------------------------------------------------------------------------------
+
+    def ensure_nodes(self, nodes: Sequence[tuple[str, int]]) -> None:
+        """Adds nodes the store does not know, in order; known nodes keep their state."""
+        for position, (name, chips) in enumerate(nodes):
+            self._db.execute(
+                "INSERT INTO nodes (name, chips, state, position) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT(name) DO UPDATE SET chips = excluded.chips, position = excluded.position",
+                (name, chips, NodeState.READY.value, position),
+            )
+
+    def nodes(self) -> list[NodeRow]:
+        rows = self._db.execute("SELECT * FROM nodes ORDER BY position").fetchall()
+        return [
+            NodeRow(
+                r["name"],
+                r["chips"],
+                NodeState(r["state"]),
+                r["isolated_at"],
+                r["reason"],
+                r["position"],
+            )
+            for r in rows
+        ]
+
+    def node(self, name: str) -> NodeRow | None:
+        return next((n for n in self.nodes() if n.name == name), None)
+
+    def set_node_state(
+        self, name: str, state: NodeState, reason: str = "", at: float | None = None
+    ) -> None:
+        isolated_at = at if state is NodeState.ISOLATED else None
+        self._db.execute(
+            "UPDATE nodes SET state = ?, reason = ?, isolated_at = COALESCE(?, isolated_at) "
+            "WHERE name = ?",
+            (state.value, reason, isolated_at, name),
+        )
+
+    # -- jobs -----------------------------------------------------------------------------------
+
+    def create_job(
+        self, name: str, spec: Mapping[str, Any], plan: Sequence[Mapping[str, Any]], now: float
+    ) -> int:
+        cursor = self._db.execute(
+            "INSERT INTO jobs (name, spec, plan, status, created_at, attempt_started_at) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            (name, json.dumps(spec), json.dumps(list(plan)), JobStatus.PENDING.value, now, now),
+        )
+        assert cursor.lastrowid is not None
+        return cursor.lastrowid
+
+    def job(self, job_id: int) -> JobRow:
+        row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        if row is None:
+            raise KeyError(job_id)
+        return self._job(row)
+
+    def jobs(self) -> list[JobRow]:
+        return [self._job(r) for r in self._db.execute("SELECT * FROM jobs ORDER BY id").fetchall()]
+
+    def find_job(self, ref: str) -> JobRow | None:
+        """A job by id, or the newest job with that name."""
+        if ref.isdigit():
+            row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (int(ref),)).fetchone()
+        else:
+            row = self._db.execute(
+                "SELECT * FROM jobs WHERE name = ? ORDER BY id DESC LIMIT 1", (ref,)
+            ).fetchone()
+        return self._job(row) if row else None
+
+    @staticmethod
+    def _job(r: sqlite3.Row) -> JobRow:
+        return JobRow(
+            r["id"],
+            r["name"],
+            json.loads(r["spec"]),
+            json.loads(r["plan"]),
+            JobStatus(r["status"]),
+            r["reason"],
+            r["created_at"],
+            r["ended_at"],
+            r["attempt"],
+            r["attempt_started_at"],
+            r["master_port"],
+            r["last_step"],
+        )
+
+    def update_job(self, job_id: int, **fields: Any) -> None:
+        if not fields:
+            return
+        values = [v.value if isinstance(v, StrEnum) else v for v in fields.values()]
+        assignments = ", ".join(f"{k} = ?" for k in fields)
+        self._db.execute(f"UPDATE jobs SET {assignments} WHERE id = ?", (*values, job_id))
+
+    # -- pods -----------------------------------------------------------------------------------
+
+    def pods(self, job_id: int) -> list[PodRow]:
+        rows = self._db.execute(
+            "SELECT * FROM pods WHERE job_id = ? ORDER BY idx", (job_id,)
+        ).fetchall()
+        return [
+            PodRow(
+                r["job_id"],
+                r["idx"],
+                r["node"],
+                r["generation"],
+                r["schedule_cnt"],
+                r["proc_start_cnt"],
+                r["workdir"],
+            )
+            for r in rows
+        ]
+
+    def put_pod(self, pod: PodRow) -> None:
+        self._db.execute(
+            "INSERT OR REPLACE INTO pods VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (
+                pod.job_id,
+                pod.idx,
+                pod.node,
+                pod.generation,
+                pod.schedule_cnt,
+                pod.proc_start_cnt,
+                pod.workdir,
+            ),
+        )
+
+    # -- faults and records -----------------------------------------------------------------------
+
+    def add_fault(
+        self, job_id: int, fault: Fault, detected_at: float, source: str = ""
+    ) -> int | None:
+        """Stores an observed fault; None if a fault from the same source was stored before."""
+        cursor = self._db.execute(
+            "INSERT OR IGNORE INTO faults (job_id, fault, at, detected_at, source) VALUES (?, ?, ?, ?, ?)",
+            (job_id, fault_to_json(fault), fault.at, detected_at, source),
+        )
+        return cursor.lastrowid if cursor.rowcount else None
+
+    def faults(self, job_id: int, before: int | None = None) -> list[Fault]:
+        rows = self._db.execute(
+            "SELECT fault FROM faults WHERE job_id = ? AND id < ? ORDER BY id",
+            (job_id, before if before is not None else 2**62),
+        ).fetchall()
+        return [fault_from_json(r["fault"]) for r in rows]
+
+    def add_record(
+        self,
+        job_id: int,
+        fault_id: int,
+        action: Action,
+        cause: Cause,
+        reason: str,
+        pods: Sequence[int],
+        isolated: Sequence[str],
+        consumed: Sequence[Budget],
+        tried: Sequence[Action],
+        counters: Sequence[Counters],
+        budgets: Mapping[str, int],
+        started_at: float,
+        outcome: Outcome,
+    ) -> int:
+        cursor = self._db.execute(
+            "INSERT INTO recoveries (job_id, fault_id, action, cause, reason, pods, isolated, consumed, "
+            "tried, counters, budgets, started_at, outcome) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                job_id,
+                fault_id,
+                action.value,
+                cause.value,
+                reason,
+                json.dumps(list(pods)),
+                json.dumps(list(isolated)),
+                json.dumps(sorted(b.value for b in consumed)),
+                json.dumps(sorted(a.value for a in tried)),
+                json.dumps([[c.schedule_cnt, c.proc_start_cnt] for c in counters]),
+                json.dumps(dict(budgets)),
+                started_at,
+                outcome.value,
+            ),
+        )
+        assert cursor.lastrowid is not None
+        return cursor.lastrowid
+
+    def settle_record(
+        self,
+        record_id: int,
+        outcome: Outcome,
+        resumed_at: float | None = None,
+        fault_at: float | None = None,
+    ) -> None:
+        mttr = None if resumed_at is None or fault_at is None else round(resumed_at - fault_at, 3)
+        self._db.execute(
+            "UPDATE recoveries SET outcome = ?, resumed_at = ?, mttr_s = ? WHERE id = ?",
+            (outcome.value, resumed_at, mttr, record_id),
+        )
+
+    def records(self, job_id: int) -> list[RecordRow]:
+        rows = self._db.execute(
+            "SELECT r.*, f.fault AS fault_json, f.at AS fault_at, f.detected_at AS detected_at "
+            "FROM recoveries r JOIN faults f ON f.id = r.fault_id WHERE r.job_id = ? ORDER BY r.id",
+            (job_id,),
+        ).fetchall()
+        return [
+            RecordRow(
+                id=r["id"],
+                job_id=r["job_id"],
+                fault_id=r["fault_id"],
+                fault=fault_from_json(r["fault_json"]),
+                fault_at=r["fault_at"],
+                detected_at=r["detected_at"],
+                action=Action(r["action"]),
+                cause=Cause(r["cause"]),
+                reason=r["reason"],
+                pods=tuple(json.loads(r["pods"])),
+                isolated=tuple(json.loads(r["isolated"])),
+                consumed=tuple(Budget(b) for b in json.loads(r["consumed"])),
+                tried=tuple(Action(a) for a in json.loads(r["tried"])),
+                counters=tuple(Counters(s, p) for s, p in json.loads(r["counters"])),
+                budgets=json.loads(r["budgets"]),
+                started_at=r["started_at"],
+                resumed_at=r["resumed_at"],
+                mttr_s=r["mttr_s"],
+                outcome=Outcome(r["outcome"]),
+            )
+            for r in rows
+        ]
+
+    def history(self, job_id: int, before_fault: int | None = None) -> JobHistory:
+        """The policy's view of the job's past, rebuilt from the records; `before_fault` leaves
+        out the fault being decided and any after it."""
+        pods = self.pods(job_id)
+        records = tuple(
+            RecoveryRecord(
+                at=r.started_at,
+                fault=r.fault,
+                cause=r.cause,
+                action=r.action,
+                pods=r.pods,
+                consumes=frozenset(r.consumed),
+                isolated=r.isolated,
+                succeeded=None if r.outcome is Outcome.RUNNING else r.outcome is Outcome.SUCCEEDED,
+            )
+            for r in self.records(job_id)
+        )
+        return JobHistory(
+            pods=len(pods),
+            faults=tuple(self.faults(job_id, before_fault)),
+            records=records,
+            counters=tuple(p.counters for p in pods),
+        )
+
+    # -- fault plan, events ---------------------------------------------------------------------
+
+    def fired(self, job_id: int) -> set[int]:
+        rows = self._db.execute(
+            "SELECT idx FROM chaos_fired WHERE job_id = ?", (job_id,)
+        ).fetchall()
+        return {r["idx"] for r in rows}
+
+    def mark_fired(self, job_id: int, idx: int, at: float) -> None:
+        self._db.execute("INSERT OR IGNORE INTO chaos_fired VALUES (?, ?, ?)", (job_id, idx, at))
+
+    def event(self, job_id: int | None, text: str, at: float | None = None) -> None:
+        self._db.execute(
+            "INSERT INTO events (job_id, at, text) VALUES (?, ?, ?)",
+            (job_id, at or time.time(), text),
+        )
+
+    def events(self, job_id: int) -> list[tuple[float, str]]:
+        rows = self._db.execute(
+            "SELECT at, text FROM events WHERE job_id = ? ORDER BY id", (job_id,)
+        ).fetchall()
+        return [(r["at"], r["text"]) for r in rows]
