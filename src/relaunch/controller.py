@@ -29,7 +29,7 @@ from relaunch.faults import DEFAULT_TABLE, EscalationRules, Fault, FaultCodeTabl
 from relaunch.launcher import LaunchPlan
 from relaunch.policy import Action, ClusterView, Decision, PodView, decide
 from relaunch.spec import JobSpec, process_recovery_env
-from relaunch.store import JobStatus, NodeState, Outcome, PodRow, Store
+from relaunch.store import JobStatus, NodeRow, NodeState, Outcome, PodRow, Store
 from relaunch.wire import Connection, write_controller_address
 
 __all__ = ["Controller", "RunOptions"]
@@ -449,7 +449,13 @@ class Controller:
         if not self.plan:
             return
         job = self.store.job(self.job_id)
-        if job.status is not JobStatus.RUNNING:
+        if job.status is not JobStatus.RUNNING or self.active is not None:
+            return
+        # One injected fault at a time: the next waits until the last one was detected.
+        for key, at in list(self.injected_at.items()):
+            if now - at > self.startup_s:
+                del self.injected_at[key]
+        if self.injected_at:
             return
         fired = self.store.fired(self.job_id)
         elapsed = now - (job.attempt_started_at or now)
@@ -646,21 +652,14 @@ class Controller:
     def _placement(
         self, pods: list[PodRow], moved: set[int], isolating: tuple[str, ...]
     ) -> dict[int, str]:
-        """Moved pods go, in order, to the first Ready nodes no staying pod uses."""
+        """Moved pods go, in order, to the first Ready nodes with chips for them: for a pod-level
+        move, nodes no staying pod uses; for a whole-job rebuild, every healthy node."""
         staying = {p.node for p in pods if p.idx not in moved}
-        free = [
-            n.name
-            for n in self.store.nodes()
-            if n.schedulable
-            and n.name not in staying
-            and n.name not in isolating
-            and n.chips >= self.spec.chips_per_pod
-        ]
-        placement: dict[int, str] = {}
-        for pod in sorted((p for p in pods if p.idx in moved), key=lambda p: p.idx):
-            if free:
-                placement[pod.idx] = free.pop(0)
-        return placement
+        nodes = [n for n in self.store.nodes() if n.schedulable and n.name not in isolating]
+        if staying:
+            nodes = [n for n in nodes if n.name not in staying]
+        free = _slots(nodes, self.spec.chips_per_pod, one_per_node=bool(staying))
+        return {pod: free[i] for i, pod in enumerate(sorted(moved)) if i < len(free)}
 
     def _cluster_view(self, fault: Fault, now: float) -> ClusterView:
         pods = self.store.pods(self.job_id)
@@ -682,10 +681,16 @@ class Controller:
             and now - (job.attempt_started_at or now) < FAILED_AT_START_S
             and len(failed_pods) == len(pods)
         )
+        schedulable = [n for n in self.store.nodes() if n.schedulable]
+        slots = tuple(
+            (n.name, len(_slots([n], self.spec.chips_per_pod, one_per_node=False)))
+            for n in schedulable
+        )
         return ClusterView(
             pods=tuple(PodView(p.idx, p.node, holds_rank0=p.idx == 0) for p in pods),
             standby_nodes=standby,
             all_pods_failed_at_start=at_start,
+            slots=slots,
         )
 
     def _heal(self, fault: Fault) -> bool:
@@ -855,13 +860,22 @@ class Controller:
         return env
 
 
+def _slots(nodes: list[NodeRow], chips_per_pod: int, one_per_node: bool) -> list[str]:
+    """Node names, one entry per pod that fits: one pod per node unless a node has chips for more."""
+    names: list[str] = []
+    for node in nodes:
+        if node.chips < chips_per_pod:
+            continue
+        fits = node.chips // chips_per_pod if chips_per_pod else 1
+        names.extend([node.name] * (1 if one_per_node else max(1, fits)))
+    return names
+
+
 def create_pods(store: Store, state_dir: Path, job_id: int, spec: JobSpec) -> list[PodRow]:
     """Place a new job's pods in order on the first Ready nodes with chips for them."""
-    free = [n for n in store.nodes() if n.schedulable and n.chips >= spec.chips_per_pod]
-    capacity: list[str] = []
-    for node in free:
-        slots = max(1, node.chips // spec.chips_per_pod) if spec.chips_per_pod else 1
-        capacity.extend([node.name] * slots)
+    capacity = _slots(
+        [n for n in store.nodes() if n.schedulable], spec.chips_per_pod, one_per_node=False
+    )
     if len(capacity) < spec.replicas:
         raise RuntimeError(
             f"job {spec.name} needs {spec.replicas} pod(s) with {spec.chips_per_pod} chip(s) each; "

@@ -14,11 +14,7 @@ def build_report(store: Store, job_id: int) -> dict[str, Any]:
     job = store.job(job_id)
     records = store.records(job_id)
     pods = store.pods(job_id)
-    isolated = [
-        n.name
-        for n in store.nodes()
-        if n.isolated_at is not None and n.state.value in ("Isolated", "Lost")
-    ]
+    isolated = sorted({node for r in records for node in r.isolated})
     return {
         "job": job.name,
         "id": job.id,

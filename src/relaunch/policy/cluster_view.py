@@ -29,6 +29,9 @@ class ClusterView:
     """Pods with another fault not yet recovered (R-31's rank-0 rule)."""
     all_pods_failed_at_start: bool = False
     """Every pod failed within seconds of each other right after start (R-41)."""
+    slots: tuple[tuple[str, int], ...] = ()
+    """Pod slots per schedulable node, counting the job's own nodes as empty: what a whole-job
+    rebuild can use. Empty when unknown; then a rebuild needs a standby node per displaced pod."""
 
     def __post_init__(self) -> None:
         indexes = [p.index for p in self.pods]
@@ -41,6 +44,12 @@ class ClusterView:
     @property
     def rank0_pod(self) -> int | None:
         return next((p.index for p in self.pods if p.holds_rank0), None)
+
+    def rebuild_slots(self, without: str) -> int | None:
+        """Pod slots for a whole-job rebuild on every schedulable node but `without`."""
+        if not self.slots:
+            return None
+        return sum(n for name, n in self.slots if name != without)
 
     def affected_pods(self, node: str | None, pod: int | None) -> tuple[int, ...]:
         """The pods a fault hits: the pod it names, else every pod on its node."""

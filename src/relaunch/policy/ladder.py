@@ -321,8 +321,12 @@ def _isolated_job_reschedule(c: _Context) -> Answer:
     blocker = c.job_budget_blocker()
     if blocker:
         return blocker
-    needed = len(c.cluster.pods_on(c.node))
-    if len(c.cluster.standby_nodes) < needed:
+    slots = c.cluster.rebuild_slots(without=c.node)
+    if slots is not None and slots < len(c.cluster.pods):
+        return Blocked(
+            f"no room to rebuild the job without {c.node}: {slots} pod slot(s) left (R-22)"
+        )
+    if slots is None and len(c.cluster.standby_nodes) < len(c.cluster.pods_on(c.node)):
         return Blocked(f"no healthy node to replace {c.node} (R-22 needs a standby node)")
     return Proposal(
         f"isolate {c.node}; rebuild the whole job on healthy nodes (R-22)",

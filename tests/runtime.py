@@ -1,0 +1,184 @@
+"""Running real jobs on the embedded cluster from tests: `relaunch run` as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+TOY = ROOT / "examples" / "train_toy.py"
+
+FAST_CLUSTER = {
+    "nodes": 4,
+    "chips_per_node": 2,
+    "heartbeat_interval_s": 0.2,
+    "heartbeat_timeout_s": 1.0,
+    "adopt_grace_s": 3,
+}
+AUTO = {"fault-tolerance/job-retry-num": "4"}
+UNCONDITIONAL = {**AUTO, "fault-tolerance/job-unconditional-retry": "true"}
+POD_LEVEL = {**AUTO, "fault-tolerance/pod-retry-num": "2"}
+HANG = {**AUTO, "fault-tolerance/hang-retry": "true"}
+HANG_S = 1.5
+MONITOR_S = 0.1
+
+
+def toy_job(
+    annotations: dict[str, str] | None = None,
+    labels: dict[str, str] | None = None,
+    steps: int = 40,
+    replicas: int = 2,
+    args: str = "",
+    **spec: Any,
+) -> dict[str, Any]:
+    return {
+        "kind": "job",
+        "metadata": {
+            "name": "e2e",
+            "annotations": annotations or {},
+            "labels": {"fault-scheduling": "grace", "grace-over-time": "1", **(labels or {})},
+        },
+        "spec": {
+            "replicas": replicas,
+            "procs_per_pod": 2,
+            "chips_per_pod": 2,
+            "command": f"python {TOY} --steps {steps} --step-seconds 0.03 {args}",
+            "hang_detect_seconds": HANG_S,
+            "monitor_interval": MONITOR_S,
+            **spec,
+        },
+    }
+
+
+@dataclass
+class Result:
+    returncode: int
+    report: dict[str, Any]
+    stdout: str
+    stderr: str
+    state_dir: Path
+
+    @property
+    def actions(self) -> list[str]:
+        return [r["action"] for r in self.report["recoveries"]]
+
+    def logs(self) -> str:
+        return "\n".join(
+            p.read_text() for p in sorted((self.state_dir / "jobs").glob("*/pods/*/logs/*.log"))
+        )
+
+    def launch_nodes(self) -> list[str]:
+        """Every node any pod of the job was ever started on, in generation order."""
+        plans = [
+            json.loads(p.read_text())
+            for p in (self.state_dir / "jobs").glob("*/pods/*/launch.json")
+        ]
+        return [p["node"] for p in sorted(plans, key=lambda p: (p["generation"], p["pod"]))]
+
+
+class Cluster:
+    """A state directory and the files of one test."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.dir = tmp
+        self.state = tmp / "state"
+
+    def write(self, name: str, data: Any) -> Path:
+        path = self.dir / name
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        return path
+
+    def command(
+        self,
+        job: dict[str, Any],
+        faults: list[dict[str, Any]] | None = None,
+        cluster: dict[str, Any] | None = None,
+        extra: tuple[str, ...] = (),
+    ) -> list[str]:
+        args = [
+            sys.executable, "-m", "relaunch", "run", str(self.write("job.yaml", job)),
+            "--cluster", str(self.write("cluster.yaml", cluster or FAST_CLUSTER)),
+            "--state-dir", str(self.state), "--report", str(self.dir / "report.json"),
+            "--startup-seconds", "8", "-q", *extra,
+        ]  # fmt: skip
+        if faults is not None:
+            args += ["--faults", str(self.write("faults.yaml", {"faults": faults}))]
+        return args
+
+    def run(
+        self,
+        job: dict[str, Any],
+        faults: list[dict[str, Any]] | None = None,
+        cluster: dict[str, Any] | None = None,
+        timeout: float = 90,
+    ) -> Result:
+        done = subprocess.run(
+            self.command(job, faults, cluster),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=ROOT,
+            check=False,
+        )
+        return self.result(done.returncode, done.stdout, done.stderr)
+
+    def result(self, returncode: int, stdout: str = "", stderr: str = "") -> Result:
+        report_path = self.dir / "report.json"
+        report = json.loads(report_path.read_text()) if report_path.exists() else {}
+        return Result(returncode, report, stdout, stderr, self.state)
+
+    def resume(self, timeout: float = 90) -> Result:
+        args = [
+            sys.executable, "-m", "relaunch", "run", "--resume",
+            "--cluster", str(self.dir / "cluster.yaml"), "--state-dir", str(self.state),
+            "--report", str(self.dir / "report.json"), "--startup-seconds", "8", "-q",
+        ]  # fmt: skip
+        done = subprocess.run(
+            args, capture_output=True, text=True, timeout=timeout, cwd=ROOT, check=False
+        )
+        return self.result(done.returncode, done.stdout, done.stderr)
+
+
+def processes_of(state_dir: Path) -> list[psutil.Process]:
+    """Every live process that belongs to this state directory: agents, launchers, workers."""
+    mark = str(state_dir)
+    found = []
+    for process in psutil.process_iter(["cmdline", "status"]):
+        if process.pid == os.getpid() or process.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        try:
+            cmdline = " ".join(process.info["cmdline"] or [])
+            environ = process.environ() if mark not in cmdline else {}
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if mark in cmdline or any(mark in v for v in environ.values()):
+            found.append(process)
+    return found
+
+
+def wait_gone(state_dir: Path, timeout: float) -> list[psutil.Process]:
+    deadline = time.time() + timeout
+    left = processes_of(state_dir)
+    while left and time.time() < deadline:
+        time.sleep(0.1)
+        left = processes_of(state_dir)
+    return left
+
+
+def kill_all(state_dir: Path) -> None:
+    for process in processes_of(state_dir):
+        try:
+            process.send_signal(signal.SIGCONT)
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass

@@ -1,0 +1,277 @@
+"""End to end: real jobs with real fault plans on the embedded cluster, one or more per policy.
+
+Every test runs `relaunch run` in a subprocess with real node agents, launchers and workers, reads
+the JSON report, and checks afterwards that no process of the run is left.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.runtime import (
+    AUTO,
+    FAST_CLUSTER,
+    HANG,
+    HANG_S,
+    MONITOR_S,
+    POD_LEVEL,
+    UNCONDITIONAL,
+    Cluster,
+    kill_all,
+    toy_job,
+    wait_gone,
+)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    c = Cluster(tmp_path)
+    yield c
+    left = wait_gone(c.state, timeout=5)
+    kill_all(c.state)
+    assert not left, f"processes outlived the run: {[p.pid for p in left]}"
+
+
+def start_counters(logs: str) -> list[tuple[int, int, int]]:
+    """(rank, MA_SCHEDULE_CNT, MA_PROC_START_CNT) as each process saw them, in log order."""
+    return [
+        (int(m[1]), int(m[2]), int(m[3]))
+        for m in re.finditer(
+            r"start: rank (\d+)/\d+ MA_SCHEDULE_CNT=(\d+) MA_PROC_START_CNT=(\d+)", logs
+        )
+    ]
+
+
+def test_fault_free_run_succeeds_with_no_records(cluster: Cluster) -> None:
+    result = cluster.run(toy_job(AUTO, steps=20))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.report["status"] == "Succeeded" and result.report["recoveries"] == []
+    assert [p["node"] for p in result.report["pods"]] == ["node-0", "node-1"]
+    assert sorted(start_counters(result.logs())) == [(r, 1, 1) for r in range(4)]
+
+
+# -- R-20 ---------------------------------------------------------------------------------------
+
+
+def test_r20_chip_fault_heals_in_place_without_consuming_restarts(cluster: Cluster) -> None:
+    faults = [
+        {
+            "kind": "chip-fault",
+            "at_step": 10,
+            "pod": 1,
+            "chip": 0,
+            "code": "80E18005",
+            "heals": True,
+        }
+    ]
+    result = cluster.run(toy_job(AUTO), faults)
+    assert result.returncode == 0, result.stdout
+    assert result.actions == ["in-place"]
+    record = result.report["recoveries"][0]
+    assert record["fault"]["code"] == "80E18005" and record["fault"]["node"] == "node-1"
+    assert record["outcome"] == "succeeded" and record["mttr_s"] is not None
+    assert result.report["restarts_used"] == 0 and result.report["isolated_nodes"] == []
+    # R-05: every container ran the start command a second time; nothing was rescheduled.
+    assert [(p["schedule_count"], p["proc_start_count"]) for p in result.report["pods"]] == [
+        (1, 2),
+        (1, 2),
+    ]
+    assert sorted(set(start_counters(result.logs()))) == sorted(
+        [(r, 1, 1) for r in range(4)] + [(r, 1, 2) for r in range(4)]
+    )
+
+
+def test_r20_heal_fails_isolate_and_rebuild_at_job_level(cluster: Cluster) -> None:
+    faults = [
+        {
+            "kind": "chip-fault",
+            "at_step": 10,
+            "pod": 1,
+            "chip": 1,
+            "code": "80E18005",
+            "heals": False,
+        }
+    ]
+    result = cluster.run(toy_job(AUTO), faults)
+    assert result.returncode == 0, result.stdout
+    assert result.actions == ["in-place", "isolated-job-reschedule"]
+    assert [r["outcome"] for r in result.report["recoveries"]] == ["failed", "succeeded"]
+    assert result.report["isolated_nodes"] == ["node-1"] and result.report["restarts_used"] == 1
+    assert [p["node"] for p in result.report["pods"]] == ["node-0", "node-2"]
+
+
+# -- R-10 / R-11 ---------------------------------------------------------------------------------
+
+
+def test_r10_third_same_code_on_one_chip_isolates_the_node(cluster: Cluster) -> None:
+    faults = [
+        {"kind": "chip-fault", "at_step": s, "pod": 0, "chip": 1, "code": "80E18005", "heals": True}
+        for s in (8, 16, 24)
+    ]
+    result = cluster.run(toy_job(AUTO), faults)
+    assert result.returncode == 0, result.stdout
+    assert result.actions == ["in-place", "in-place", "isolated-job-reschedule"]
+    assert result.report["recoveries"][2]["isolated_nodes"] == ["node-0"]
+    assert "node-0" not in [p["node"] for p in result.report["pods"]]
+
+
+def test_r11_user_induced_codes_never_isolate(cluster: Cluster) -> None:
+    faults = [
+        {"kind": "chip-fault", "at_step": s, "pod": 0, "chip": 0, "code": "80C98002", "heals": True}
+        for s in (8, 16, 24)
+    ]
+    result = cluster.run(toy_job(AUTO), faults)
+    assert result.returncode == 0, result.stdout
+    assert result.actions == ["in-place", "in-place", "job-reschedule"]
+    assert result.report["isolated_nodes"] == []
+    assert all(not r["isolated_nodes"] for r in result.report["recoveries"])
+
+
+# -- R-21 / R-02 / R-26 ------------------------------------------------------------------------------
+
+
+def test_r21_fourth_consecutive_failure_fails_as_user_code_error(cluster: Cluster) -> None:
+    result = cluster.run(toy_job(UNCONDITIONAL, args="--crash-at-step 6 --ckpt-every 100"))
+    assert result.returncode == 1
+    assert result.actions == ["job-reschedule"] * 3 + ["fail"]
+    assert result.report["status"] == "Failed" and "user code error" in result.report["reason"]
+    assert result.report["restarts_used"] == 3
+
+
+def test_r02_without_unconditional_retry_a_plain_crash_fails_the_job(cluster: Cluster) -> None:
+    faults = [{"kind": "process-exit", "at_step": 8, "pod": 1, "rank": 3, "exit_code": 7}]
+    result = cluster.run(toy_job(AUTO), faults)
+    assert result.returncode == 1
+    record = result.report["recoveries"][0]
+    assert (
+        record["action"] == "fail"
+        and record["fault"]["exit_code"] == 7
+        and record["fault"]["rank"] == 3
+    )
+    assert "R-02" in result.report["reason"]
+
+
+def test_r26_spent_restart_budget_fails_with_the_reason(cluster: Cluster) -> None:
+    job = toy_job(
+        {"fault-tolerance/job-retry-num": "1", "fault-tolerance/job-unconditional-retry": "true"}
+    )
+    faults = [
+        {"kind": "process-exit", "at_step": 8, "pod": 0, "exit_code": 1},
+        {"kind": "process-exit", "at_step": 16, "pod": 1, "exit_code": 1},
+    ]
+    result = cluster.run(job, faults)
+    assert result.returncode == 1
+    assert result.actions == ["job-reschedule", "fail"]
+    assert "restart budget spent: 1 of 1" in result.report["reason"]
+
+
+# -- R-22 / R-23 --------------------------------------------------------------------------------------
+
+
+def test_r22_node_down_isolates_and_rebuilds_the_job_on_a_standby_node(cluster: Cluster) -> None:
+    faults = [{"kind": "node-down", "at_step": 10, "pod": 1}]
+    result = cluster.run(toy_job(AUTO), faults)
+    assert result.returncode == 0, result.stdout
+    assert result.actions == ["isolated-job-reschedule"]
+    record = result.report["recoveries"][0]
+    assert record["fault"]["kind"] == "node-lost" and record["isolated_nodes"] == ["node-1"]
+    assert record["detect_s"] >= 0 and record["mttr_s"] > record["detect_s"]
+    assert result.report["isolated_nodes"] == ["node-1"]
+    first = result.launch_nodes()[:2]
+    assert first == ["node-0", "node-1"] and "node-1" not in result.launch_nodes()[2:]
+    # R-04: the rebuilt job is a second scheduling for every pod.
+    assert [(p["schedule_count"], p["proc_start_count"]) for p in result.report["pods"]] == [
+        (2, 1),
+        (2, 1),
+    ]
+
+
+def test_r23_only_the_lost_pod_moves_and_healthy_pods_keep_their_container(
+    cluster: Cluster,
+) -> None:
+    faults = [{"kind": "node-down", "at_step": 10, "pod": 1}]
+    result = cluster.run(toy_job(POD_LEVEL), faults)
+    assert result.returncode == 0, result.stdout
+    assert result.actions == ["pod-reschedule"]
+    pods = result.report["pods"]
+    assert (
+        pods[0]["node"] == "node-0" and pods[0]["generation"] == 1
+    )  # same container, same workdir
+    assert pods[0]["workdir"].endswith("pod-0-g1")
+    assert pods[1]["node"] == "node-2" and pods[1]["generation"] == 2
+    assert [(p["schedule_count"], p["proc_start_count"]) for p in pods] == [(1, 2), (2, 1)]
+    assert result.report["pod_restarts_used"] == 1 and result.report["restarts_used"] == 0
+    seen = set(start_counters(result.logs()))
+    assert {(0, 1, 2), (1, 1, 2), (2, 2, 1), (3, 2, 1)} <= seen
+
+
+def test_r23_no_standby_node_falls_back_to_job_level(cluster: Cluster) -> None:
+    # Three 2-chip pods fill node-0, node-1 and one of node-2's two slots: no standby node, but a
+    # rebuilt job fits on node-0 and node-2.
+    shape = {
+        **FAST_CLUSTER,
+        "nodes": [
+            {"name": "node-0", "chips": 2},
+            {"name": "node-1", "chips": 2},
+            {"name": "node-2", "chips": 4},
+        ],
+    }
+    faults = [{"kind": "node-down", "at_step": 10, "pod": 1}]
+    result = cluster.run(toy_job(POD_LEVEL, replicas=3), faults, shape)
+    assert result.returncode == 0, result.stdout
+    assert result.actions == ["isolated-job-reschedule"]
+    assert "node-1" not in [p["node"] for p in result.report["pods"]]
+
+
+# -- R-24 -------------------------------------------------------------------------------------------
+
+
+def test_r24_sigstop_hang_restarts_in_place_within_window_plus_two_monitor_intervals(
+    cluster: Cluster,
+) -> None:
+    faults = [{"kind": "hang", "at_step": 10, "pod": 0, "rank": 1}]
+    result = cluster.run(toy_job(HANG), faults)
+    assert result.returncode == 0, result.stdout
+    assert result.actions == ["hang-restart"]
+    record = result.report["recoveries"][0]
+    assert record["fault"]["kind"] == "hang" and record["fault"]["rank"] == 1
+    assert (
+        HANG_S <= record["detect_s"] <= HANG_S + 2 * MONITOR_S + 0.25
+    )  # 0.25 s: the controller's tick
+    assert result.report["restarts_used"] == 0
+    assert [p["proc_start_count"] for p in result.report["pods"]] == [2, 2]
+
+
+def test_r24_three_hang_restarts_in_a_row_then_failed(cluster: Cluster) -> None:
+    faults = [{"kind": "hang", "at_step": s, "pod": 1, "rank": 2} for s in (6, 12, 18, 24)]
+    result = cluster.run(toy_job(HANG, args="--ckpt-every 2"), faults)
+    assert result.returncode == 1
+    assert result.actions == ["hang-restart"] * 3 + ["fail"]
+    assert "R-24" in result.report["reason"]
+
+
+# -- bad input -------------------------------------------------------------------------------------
+
+
+def test_bad_job_plan_or_cluster_file_exits_2_with_a_clear_message(cluster: Cluster) -> None:
+    import subprocess
+    import sys
+
+    from tests.runtime import ROOT
+
+    bad_plan = [{"kind": "meteor", "at_step": 1, "pod": 0}]
+    for args in (
+        cluster.command({"kind": "job", "spec": {}}),
+        cluster.command(toy_job(AUTO), bad_plan),
+        cluster.command(toy_job(AUTO), None, {"nodes": 0}),
+    ):
+        done = subprocess.run(
+            args, capture_output=True, text=True, timeout=30, cwd=ROOT, check=False
+        )
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert "Traceback" not in done.stderr and "error:" in done.stderr
+    assert sys.executable
