@@ -343,13 +343,13 @@ class Controller:
         pod = next((p.idx for p in self.store.pods(self.job_id) if p.node == node), None)
         for f in m["faults"]:
             kind = FaultKind.MEMORY_UCE if f["kind"] == "memory-uce" else FaultKind.CHIP
-            fault = Fault(kind, f["at"], node=node, chip=f["chip"], pod=pod, code=f["code"])
+            at = self.injected_at.pop(("chip", node), f["at"])
+            fault = Fault(kind, at, node=node, chip=f["chip"], pod=pod, code=f["code"])
             self._fault(fault, source=f"{node}:{f['seq']}")
         link = m.get("link")
         if link is not None:
-            fault = Fault(
-                FaultKind.NETWORK, link["at"], node=node, pod=pod, duration_s=link["duration_s"]
-            )
+            at = self.injected_at.pop(("net", node), link["at"])
+            fault = Fault(FaultKind.NETWORK, at, node=node, pod=pod, duration_s=link["duration_s"])
             self._fault(fault, source=f"{node}:{link['seq']}")
 
     def _check_heartbeats(self, now: float) -> None:
@@ -487,6 +487,7 @@ class Controller:
             agent = self.agents.get(node)
             if agent is None:
                 return
+            self.injected_at[("net" if entry.kind is ChaosKind.NETWORK else "chip", node)] = now
             if entry.kind is ChaosKind.NETWORK:
                 agent.conn.send(
                     {"t": "network", "duration_s": entry.duration_s, "heals": entry.heals}
