@@ -19,12 +19,12 @@ from rich.table import Table
 
 from relaunch import __version__
 from relaunch.chaos import parse_plan
-from relaunch.cluster.config import ClusterConfig
+from relaunch.cluster.config import parse_cluster
 from relaunch.cluster.local import LocalCluster
 from relaunch.controller import Controller, RunOptions, create_pods
 from relaunch.errors import MISSING, InputError, Problem
 from relaunch.faults import DEFAULT_TABLE, EscalationRules, Fault, FaultCodeTable, FaultKind
-from relaunch.files import load_cluster, load_fault_table, load_job, read_document
+from relaunch.files import load_fault_table, load_job, read_document
 from relaunch.policy import ClusterView, Decision, JobHistory, PodView, plan
 from relaunch.report import build_report
 from relaunch.spec import JobSpec, parse_job, process_recovery_env
@@ -326,11 +326,14 @@ def run(
         raise typer.Exit(EXIT_INVALID) from None
     try:
         table, rules = _table_from(fault_table)
-        cluster = load_cluster(cluster_file) if cluster_file else ClusterConfig()
+        cluster_raw = read_document(cluster_file) if cluster_file else None
         store = Store(directory / "relaunch.db")
+        job_row = _unfinished(store, job_file) if resume else None
+        if job_row is not None and cluster_raw is None:
+            cluster_raw = job_row.spec.get("cluster")
+        cluster = parse_cluster(cluster_raw, source=str(cluster_file or "stored cluster"))
         store.ensure_nodes([(n.name, n.chips) for n in cluster.nodes])
-        if resume:
-            job_row = _unfinished(store, job_file)
+        if job_row is not None:
             job = parse_job(job_row.spec["raw"], source=job_row.spec["source"])
             plan = parse_plan(job_row.plan, source="stored fault plan") if job_row.plan else ()
             job_id = job_row.id
@@ -344,7 +347,13 @@ def run(
             plan_list = (
                 plan_raw.get("faults", []) if isinstance(plan_raw, dict) else (plan_raw or [])
             )
-            submitted = {"raw": raw, "source": str(job_file), "cwd": os.getcwd()}
+            _abandon_unfinished(store, directory)
+            submitted = {
+                "raw": raw,
+                "source": str(job_file),
+                "cwd": os.getcwd(),
+                "cluster": cluster_raw,
+            }
             job_id = store.create_job(job.name, submitted, plan_list, time.time())
             create_pods(store, directory, job_id, job)
     except InputError as error:
@@ -406,6 +415,19 @@ def _lock(directory: Path) -> Any:
             f"another `relaunch run` is using {directory}; wait for it or pass another --state-dir"
         ) from None
     return handle
+
+
+def _abandon_unfinished(store: Store, directory: Path) -> None:
+    """A new run on a state directory ends what an earlier, dead `relaunch run` left behind."""
+    leftovers = [j for j in store.jobs() if not j.status.ended]
+    for job in leftovers:
+        store.update_job(
+            job.id,
+            status=JobStatus.STOPPED,
+            reason="abandoned: its controller died and `relaunch run --resume` was not used",
+            ended_at=time.time(),
+        )
+    LocalCluster(directory).shutdown()
 
 
 def _unfinished(store: Store, ref: Path | None) -> Any:

@@ -173,6 +173,7 @@ class Controller:
         now = time.time()
         job = self.store.job(self.job_id)
         self.step = job.last_step
+        self.uses_sdk = job.last_step is not None
         if self.options.resume:
             self.adopt_until = now + max(2.0, 3 * self.cluster.heartbeat_interval_s)
             self._resume_active()
@@ -327,6 +328,17 @@ class Controller:
         pod = pods.get(m["pod"])
         if pod is None or pod.generation != m["gen"]:
             conn.send({"t": "shutdown", "grace": 0})
+            return
+        current = self.launchers.get(m["pod"])
+        if (
+            current is not None
+            and current.gen == m["gen"]
+            and not current.conn.closed
+            and current.pid != m["pid"]
+        ):
+            conn.send(
+                {"t": "shutdown", "grace": 0}
+            )  # a duplicate started across a controller restart
             return
         link = LauncherLink(conn, m["pod"], m["gen"], m["pid"], started_attempt=m["attempt"])
         now = time.time()

@@ -77,7 +77,7 @@ def parse_cluster(data: Any, *, source: str = "<cluster>") -> ClusterConfig:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise InputError(source, [Problem("(top level)", data, "a mapping")])
+        raise InputError(source, [Problem("(top level)", data, "a mapping of cluster settings")])
     try:
         parsed = _ClusterFile.model_validate(data)
     except ValidationError as error:
