@@ -14,10 +14,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	@touch $(STAMP)
 
-# Sets up and runs the demo job. Until the embedded runtime lands, this validates the demo spec
-# and prints the recovery ladder it enables.
+# Sets up and runs the demo: the toy job on the embedded cluster, hit by a crash, a chip fault
+# and a lost node, recovering from each; state is kept in .relaunch/ (see `relaunch describe toy`).
 run: $(STAMP)
-	$(BIN)/relaunch validate examples/demo-job.yaml
+	$(BIN)/relaunch run examples/toy-job.yaml --cluster examples/cluster-small.yaml \
+	  --faults examples/toy-faults.yaml --state-dir .relaunch --report .relaunch/toy-report.json
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
@@ -33,4 +34,4 @@ unit: $(STAMP)
 test: lint typecheck unit
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .relaunch .pytest_cache .mypy_cache .ruff_cache

@@ -97,10 +97,10 @@ def test_controller_killed_mid_run_resumes_with_the_same_records(cluster: Cluste
 def test_controller_killed_in_the_middle_of_a_recovery(cluster: Cluster) -> None:
     faults = [{"kind": "node-down", "at_step": 10, "pod": 1}]
     job = toy_job(POD_LEVEL, steps=60, args="--step-seconds 0.05")
+
     def running():
-        return bool(
-            query(cluster.state, "SELECT 1 FROM recoveries WHERE outcome = 'running'")
-        )
+        return bool(query(cluster.state, "SELECT 1 FROM recoveries WHERE outcome = 'running'"))
+
     start_and_kill(cluster, job, faults, running)
     result = cluster.resume()
     assert result.returncode == 0, result.stdout + result.stderr

@@ -275,3 +275,35 @@ def test_bad_job_plan_or_cluster_file_exits_2_with_a_clear_message(cluster: Clus
         assert done.returncode == 2, done.stdout + done.stderr
         assert "Traceback" not in done.stderr and "error:" in done.stderr
     assert sys.executable
+
+
+# -- memory and network faults ----------------------------------------------------------------------
+
+
+def test_r20_memory_uce_recovers_in_place(cluster: Cluster) -> None:
+    faults = [{"kind": "memory-uce", "at_step": 10, "pod": 1, "chip": 1}]
+    result = cluster.run(toy_job(AUTO), faults)
+    assert result.returncode == 0, result.stdout
+    assert result.actions == ["in-place"]
+    fault = result.report["recoveries"][0]["fault"]
+    assert fault["kind"] == "memory-uce" and fault["code"] == "80E01801" and fault["chip"] == 1
+
+
+def test_r12_short_link_fault_is_recorded_and_a_long_one_recovered(cluster: Cluster) -> None:
+    table = cluster.write("table.yaml", {"escalation": {"network_blip_seconds": 1}})
+    faults = [
+        {"kind": "network", "at_step": 8, "pod": 1, "duration_s": 0.3},
+        {"kind": "network", "at_step": 16, "pod": 1, "duration_s": 30},
+    ]
+    import subprocess
+
+    from tests.runtime import ROOT
+
+    job = toy_job(AUTO, steps=80, args="--step-seconds 0.05")
+    args = [*cluster.command(job, faults), "--fault-table", str(table)]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=90, cwd=ROOT, check=False)
+    result = cluster.result(done.returncode, done.stdout, done.stderr)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.actions == ["ignore", "in-place"]
+    short, long = (r["fault"] for r in result.report["recoveries"])
+    assert short["duration_s"] == 0.3 and long["duration_s"] is None

@@ -14,6 +14,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
@@ -313,6 +314,15 @@ def run(
             "--startup-seconds", help="Allowance before a (re)started job must show progress."
         ),
     ] = None,
+    nodes_count: Annotated[
+        int | None,
+        typer.Option(
+            "--nodes", help="Number of nodes (node-0, node-1, ...), instead of a cluster file."
+        ),
+    ] = None,
+    chips_per_node: Annotated[
+        int | None, typer.Option("--chips-per-node", help="Chips per node, with --nodes.")
+    ] = None,
     quiet: Annotated[
         bool, typer.Option("--quiet", "-q", help="Do not echo the processes' output.")
     ] = False,
@@ -331,7 +341,13 @@ def run(
         job_row = _unfinished(store, job_file) if resume else None
         if job_row is not None and cluster_raw is None:
             cluster_raw = job_row.spec.get("cluster")
-        cluster = parse_cluster(cluster_raw, source=str(cluster_file or "stored cluster"))
+        if nodes_count is not None or chips_per_node is not None:
+            cluster_raw = dict(cluster_raw or {})
+            if nodes_count is not None:
+                cluster_raw["nodes"] = nodes_count
+            if chips_per_node is not None:
+                cluster_raw["chips_per_node"] = chips_per_node
+        cluster = parse_cluster(cluster_raw, source=str(cluster_file or "cluster settings"))
         store.ensure_nodes([(n.name, n.chips) for n in cluster.nodes])
         if job_row is not None:
             job = parse_job(job_row.spec["raw"], source=job_row.spec["source"])
@@ -374,6 +390,7 @@ def run(
     if job.working_dir is None:
         job_row = store.job(job_id)
         job = dataclasses.replace(job, working_dir=job_row.spec.get("cwd"))
+    live = _LiveView(store, job_id) if out.is_terminal else None
     controller = Controller(
         store,
         LocalCluster(directory),
@@ -385,6 +402,7 @@ def run(
         RunOptions(startup_s=startup_s, table=table, rules=rules, resume=resume),
         on_event=on_event,
         on_output=on_output,
+        on_tick=live.refresh if live else None,
     )
     out.print(
         f"[bold cyan][relaunch][/] job {job.name} (id {job_id}): {job.replicas} pod(s) x "
@@ -392,17 +410,58 @@ def run(
         highlight=False,
     )
     try:
+        if live is not None:
+            live.start()
         status, _ = controller.run()
     except KeyboardInterrupt:
         controller.stop("stopped by the user (Ctrl-C)")
         status = JobStatus.STOPPED
     finally:
+        if live is not None:
+            live.stop()
         lock.close()
     summary = build_report(store, job_id)
     _print_summary(summary)
     if report is not None:
         report.write_text(json.dumps(summary, indent=2))
     raise typer.Exit(0 if status is JobStatus.SUCCEEDED else 1)
+
+
+class _LiveView:
+    """A footer on a terminal: pods, their nodes and counters, the step, the recoveries so far."""
+
+    def __init__(self, store: Store, job_id: int) -> None:
+        self.store = store
+        self.job_id = job_id
+        self.live = Live(console=out, auto_refresh=False, transient=True)
+        self.shown_at = 0.0
+
+    def start(self) -> None:
+        self.live.start()
+
+    def stop(self) -> None:
+        self.live.stop()
+
+    def refresh(self) -> None:
+        now = time.time()
+        if now - self.shown_at < 0.25:
+            return
+        self.shown_at = now
+        job = self.store.job(self.job_id)
+        records = self.store.records(self.job_id)
+        view = Table(
+            title=f"{job.name}: {job.status.value}, attempt {job.attempt}, step {job.last_step or 0}, "
+            f"{len(records)} recovery record(s)",
+            title_justify="left",
+            show_edge=False,
+        )
+        for column in ("pod", "node", "generation", "MA_SCHEDULE_CNT", "MA_PROC_START_CNT"):
+            view.add_column(column)
+        for p in self.store.pods(self.job_id):
+            view.add_row(
+                str(p.idx), p.node, str(p.generation), str(p.schedule_cnt), str(p.proc_start_cnt)
+            )
+        self.live.update(view, refresh=True)
 
 
 def _lock(directory: Path) -> Any:

@@ -111,6 +111,7 @@ class Controller:
         options: RunOptions,
         on_event: Callable[[str], None] = print,
         on_output: Callable[[int, int, str], None] | None = None,
+        on_tick: Callable[[], None] | None = None,
     ) -> None:
         self.store = store
         self.engine = engine
@@ -125,6 +126,7 @@ class Controller:
         self.startup_s = options.startup_s or max(2 * self.hang_s, 60.0)
         self.on_event = on_event
         self.on_output = on_output
+        self.on_tick = on_tick
         self.inbox: queue.Queue[tuple[Connection, dict[str, Any]]] = queue.Queue()
         self.launchers: dict[int, LauncherLink] = {}
         self.agents: dict[str, AgentLink] = {}
@@ -261,6 +263,8 @@ class Controller:
         self._fire_chaos(now)
         self._reconcile(now)
         self._check_done(now)
+        if self.on_tick is not None:
+            self.on_tick()
 
     def _drain(self, timeout: float) -> None:
         try:
@@ -353,6 +357,11 @@ class Controller:
     def _chip_health(self, m: dict[str, Any]) -> None:
         node = m["node"]
         pod = next((p.idx for p in self.store.pods(self.job_id) if p.node == node), None)
+        row = self.store.node(node)
+        if m["faults"] and row is not None and row.state is NodeState.READY:
+            self.store.set_node_state(node, NodeState.FAULTY, "chip fault reported")
+        elif not m["faults"] and row is not None and row.state is NodeState.FAULTY:
+            self.store.set_node_state(node, NodeState.READY, "chips healthy")
         for f in m["faults"]:
             kind = FaultKind.MEMORY_UCE if f["kind"] == "memory-uce" else FaultKind.CHIP
             at = self.injected_at.pop(("chip", node), f["at"])

@@ -157,6 +157,7 @@ _ESCALATION_KEYS = {
     "window_seconds": ("window_s", 60, 864000, "seconds"),
     "threshold": ("threshold", 1, 100, "faults"),
     "release_after_seconds": ("release_after_s", 1, 10 * 365 * 86400, "seconds"),
+    "network_blip_seconds": ("network_blip_s", 0, 3600, "seconds"),
 }
 _LEVEL_NAMES = ", ".join(_NAMES.values())
 _SEVERITY_NAMES = ", ".join(s.name.capitalize() for s in Severity)

@@ -1,0 +1,65 @@
+"""The commands that read the record: jobs, describe, logs, nodes, cordon, release."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.runtime import AUTO, ROOT, Cluster, toy_job, wait_gone
+
+
+def relaunch(state: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "relaunch", *args, "--state-dir", str(state)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        check=False,
+    )
+
+
+def test_record_commands_on_a_finished_run(tmp_path: Path) -> None:
+    cluster = Cluster(tmp_path)
+    faults = [{"kind": "chip-fault", "at_step": 8, "pod": 0, "chip": 0, "code": "80E3A201"}]
+    result = cluster.run(toy_job(AUTO, steps=24), faults)
+    assert result.returncode == 0, result.stdout
+    assert not wait_gone(cluster.state, 5)
+    state = cluster.state
+
+    jobs = relaunch(state, "jobs")
+    assert jobs.returncode == 0 and "e2e" in jobs.stdout and "Succeeded" in jobs.stdout
+
+    described = relaunch(state, "describe", "e2e", "-o", "json")
+    report = json.loads(described.stdout)
+    assert report["recoveries"][0]["action"] == "isolated-job-reschedule"
+    assert report == json.loads((tmp_path / "report.json").read_text())
+    table = relaunch(state, "describe", "1")
+    assert "Fault recovery details" in table.stdout and "isolated-job-reschedule" in table.stdout
+
+    logs = relaunch(state, "logs", "e2e", "--pod", "1", "--rank", "3")
+    assert logs.returncode == 0 and "start: rank 3/4" in logs.stdout and "done:" in logs.stdout
+    assert relaunch(state, "logs", "e2e", "--pod", "7").returncode == 2
+    assert relaunch(state, "describe", "nope").returncode == 2
+
+    nodes = relaunch(state, "nodes")
+    assert "node-0" in nodes.stdout and "Isolated" in nodes.stdout
+    assert relaunch(state, "release", "node-0").returncode == 0
+    assert "Isolated" not in relaunch(state, "nodes").stdout
+    assert relaunch(state, "cordon", "node-3").returncode == 0
+    assert "cordoned" in relaunch(state, "nodes").stdout
+    assert relaunch(state, "cordon", "node-9").returncode == 2
+
+
+def test_a_cordoned_node_gets_no_pod(tmp_path: Path) -> None:
+    cluster = Cluster(tmp_path)
+    cluster.state.mkdir(parents=True)
+    first = cluster.run(toy_job(AUTO, steps=5))
+    assert first.returncode == 0
+    assert relaunch(cluster.state, "cordon", "node-0").returncode == 0
+    second = cluster.run(toy_job(AUTO, steps=5))
+    assert second.returncode == 0, second.stdout
+    assert [p["node"] for p in second.report["pods"]] == ["node-1", "node-2"]
+    assert not wait_gone(cluster.state, 5)
