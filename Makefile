@@ -15,8 +15,10 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 # Sets up and runs the demo: the toy job on the embedded cluster, hit by a crash, a chip fault
-# and a lost node, recovering from each; state is kept in .relaunch/ (see `relaunch describe toy`).
+# and a lost node, recovering from each. Each demo starts on a fresh cluster (the last one
+# isolated a node); its state stays in .relaunch/ (`.venv/bin/relaunch describe toy --state-dir .relaunch`).
 run: $(STAMP)
+	rm -rf .relaunch
 	$(BIN)/relaunch run examples/toy-job.yaml --cluster examples/cluster-small.yaml \
 	  --faults examples/toy-faults.yaml --state-dir .relaunch --report .relaunch/toy-report.json
 
