@@ -132,6 +132,7 @@ class Controller:
         self.agents: dict[str, AgentLink] = {}
         self.launching: dict[int, tuple[int, float]] = {}
         self.lost_launchers: dict[int, float] = {}
+        self.tearing_down: dict[int, tuple[LauncherLink, float]] = {}
         self.injected_at: dict[tuple[str, str], float] = {}
         self.heal_replies: dict[int, queue.Queue[bool]] = {}
         self.ids = itertools.count(1)
@@ -285,6 +286,9 @@ class Controller:
             self._hello(conn, m)
             return
         if kind == "_closed":
+            for idx, (leaving, _) in list(self.tearing_down.items()):
+                if leaving.conn is conn:
+                    del self.tearing_down[idx]
             for idx, closed in list(self.launchers.items()):
                 if closed.conn is conn:
                     del self.launchers[idx]
@@ -778,13 +782,16 @@ class Controller:
         for stale in list(self.launchers.values()):
             desired = next((p for p in pods if p.idx == stale.pod), None)
             if desired is None or desired.generation != stale.gen:
-                stale.conn.send({"t": "shutdown", "grace": 0})
+                stale.conn.send({"t": "shutdown", "grace": self.recovery.termination_grace_s})
                 self.launchers.pop(stale.pod, None)
+                self.tearing_down[stale.pod] = (stale, now)
         ready = True
         for pod in pods:
             if pod.idx in self.launchers:
                 continue
             ready = False
+            if self._teardown_pending(pod.idx, now):
+                continue
             launching = self.launching.get(pod.idx)
             node = self.store.node(pod.node)
             if node is None or node.state is NodeState.LOST or pod.node not in self.agents:
@@ -810,6 +817,21 @@ class Controller:
                 link.conn.send(
                     {"t": "start", "attempt": job.attempt, "env": self._env(pod, job.attempt)}
                 )
+
+    def _teardown_pending(self, idx: int, now: float) -> bool:
+        """The pod's old container is still being torn down. By default the replacement waits for
+        it; with MA_FAILOVER_TERMINATION_GRACE_PERIOD_SECONDS = N > 0 it waits at most N s and the
+        rest of the teardown goes on in the background."""
+        leaving = self.tearing_down.get(idx)
+        if leaving is None:
+            return False
+        limit = self.recovery.volume_teardown_grace_s
+        if limit is None:
+            limit = self.recovery.termination_grace_s + 10.0  # never wait forever for a dead peer
+        if leaving[0].conn.closed or now - leaving[1] >= limit:
+            del self.tearing_down[idx]
+            return False
+        return True
 
     def _check_done(self, now: float) -> None:
         job = self.store.job(self.job_id)
