@@ -7,11 +7,10 @@ import signal
 import sqlite3
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
-import pytest
 
 from tests.runtime import (
     FAST_CLUSTER,
@@ -19,20 +18,10 @@ from tests.runtime import (
     ROOT,
     UNCONDITIONAL,
     Cluster,
-    kill_all,
     processes_of,
     toy_job,
     wait_gone,
 )
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path)
-    yield c
-    left = wait_gone(c.state, timeout=5)
-    kill_all(c.state)
-    assert not left, f"processes outlived the run: {[p.pid for p in left]}"
 
 
 def query(state: Path, sql: str) -> list[tuple[object, ...]]:

@@ -7,10 +7,6 @@ the JSON report, and checks afterwards that no process of the run is left.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
 
 from tests.runtime import (
     AUTO,
@@ -21,19 +17,8 @@ from tests.runtime import (
     POD_LEVEL,
     UNCONDITIONAL,
     Cluster,
-    kill_all,
     toy_job,
-    wait_gone,
 )
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path)
-    yield c
-    left = wait_gone(c.state, timeout=5)
-    kill_all(c.state)
-    assert not left, f"processes outlived the run: {[p.pid for p in left]}"
 
 
 def start_counters(logs: str) -> list[tuple[int, int, int]]:

@@ -29,7 +29,7 @@ from relaunch.files import load_fault_table, load_job, read_document
 from relaunch.policy import ClusterView, Decision, JobHistory, PodView, plan
 from relaunch.report import build_report
 from relaunch.spec import JobSpec, parse_job, process_recovery_env
-from relaunch.store import JobStatus, NodeState, Store
+from relaunch.store import JobRow, JobStatus, NodeState, Store
 
 app = typer.Typer(
     name="relaunch",
@@ -544,6 +544,20 @@ def _records_table(summary: dict[str, Any]) -> None:
     out.print(view)
 
 
+def _job_or_exit(store: Store, ref: str) -> JobRow:
+    row = store.find_job(ref)
+    if row is None:
+        err.print(f"[bold red]error:[/] no job {ref!r}; see `relaunch jobs`", highlight=False)
+        raise typer.Exit(EXIT_INVALID)
+    return row
+
+
+def _node_or_exit(store: Store, name: str) -> None:
+    if store.node(name) is None:
+        err.print(f"[bold red]error:[/] no node {name!r}; see `relaunch nodes`", highlight=False)
+        raise typer.Exit(EXIT_INVALID)
+
+
 @app.command()
 def nodes(state_dir: StateDirOption = None) -> None:
     """List the embedded cluster's nodes: state, chips, isolation."""
@@ -564,9 +578,7 @@ def nodes(state_dir: StateDirOption = None) -> None:
 def cordon(node: str, state_dir: StateDirOption = None) -> None:
     """Isolate a node: no new pods are placed on it."""
     store = _store(state_dir)
-    if store.node(node) is None:
-        err.print(f"[bold red]error:[/] no node {node!r}; see `relaunch nodes`", highlight=False)
-        raise typer.Exit(EXIT_INVALID)
+    _node_or_exit(store, node)
     store.set_node_state(node, NodeState.ISOLATED, "cordoned by an operator", time.time())
     out.print(f"{node} isolated")
 
@@ -575,9 +587,7 @@ def cordon(node: str, state_dir: StateDirOption = None) -> None:
 def release(node: str, state_dir: StateDirOption = None) -> None:
     """Release an isolated node back to Ready."""
     store = _store(state_dir)
-    if store.node(node) is None:
-        err.print(f"[bold red]error:[/] no node {node!r}; see `relaunch nodes`", highlight=False)
-        raise typer.Exit(EXIT_INVALID)
+    _node_or_exit(store, node)
     store.set_node_state(node, NodeState.READY, "released by an operator")
     out.print(f"{node} released")
 
@@ -609,10 +619,7 @@ def describe(
 ) -> None:
     """A job's fault-recovery details: every fault, what relaunch did, and how long it took."""
     store = _store(state_dir)
-    row = store.find_job(job)
-    if row is None:
-        err.print(f"[bold red]error:[/] no job {job!r}; see `relaunch jobs`", highlight=False)
-        raise typer.Exit(EXIT_INVALID)
+    row = _job_or_exit(store, job)
     summary = build_report(store, row.id)
     if output == "json":
         out.print_json(json.dumps(summary))
@@ -631,10 +638,7 @@ def logs(
 ) -> None:
     """Print one rank's log (the pod's current container)."""
     store = _store(state_dir)
-    row = store.find_job(job)
-    if row is None:
-        err.print(f"[bold red]error:[/] no job {job!r}; see `relaunch jobs`", highlight=False)
-        raise typer.Exit(EXIT_INVALID)
+    row = _job_or_exit(store, job)
     pods = {p.idx: p for p in store.pods(row.id)}
     if pod not in pods:
         err.print(

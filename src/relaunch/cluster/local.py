@@ -59,62 +59,40 @@ class LocalCluster:
         tmp.replace(self.pid_file)
 
     def start_agent(self, node: NodeSpec, interval: float, grace: float, blip_s: float) -> int:
-        log = open(self.logs / f"agent-{node.name}.log", "a")  # noqa: SIM115
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "relaunch.cluster.agent",
-                "--state-dir",
-                str(self.state_dir),
-                "--node",
-                node.name,
-                "--chips",
-                str(node.chips),
-                "--interval",
-                str(interval),
-                "--grace",
-                str(grace),
-                "--blip",
-                str(blip_s),
-            ],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        log.close()
-        pids = self._pids()
-        pids["agents"][node.name] = proc.pid
-        self._save(pids)
-        return proc.pid
+        pid = self._spawn(
+            ["relaunch.cluster.agent", "--node", node.name, "--chips", str(node.chips),
+             "--interval", str(interval), "--grace", str(grace), "--blip", str(blip_s)],
+            self.logs / f"agent-{node.name}.log",
+        )  # fmt: skip
+        self._remember("agents", node.name, pid)
+        return pid
 
     def start_pod(self, plan: LaunchPlan) -> int:
         workdir = Path(plan.workdir)
         workdir.mkdir(parents=True, exist_ok=True)
         plan_file = workdir / "launch.json"
         plan_file.write_text(json.dumps(asdict(plan)))
-        log = open(workdir / "launcher.log", "a")  # noqa: SIM115
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "relaunch.launcher",
-                "--state-dir",
-                str(self.state_dir),
-                "--plan",
-                str(plan_file),
-            ],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        log.close()
-        pids = self._pids()
-        pids["launchers"][f"{plan.job}/{plan.pod}/{plan.generation}/{plan.node}"] = proc.pid
-        self._save(pids)
+        pid = self._spawn(["relaunch.launcher", "--plan", str(plan_file)], workdir / "launcher.log")
+        self._remember("launchers", f"{plan.job}/{plan.pod}/{plan.generation}/{plan.node}", pid)
+        return pid
+
+    def _spawn(self, module_and_args: list[str], log_path: Path) -> int:
+        """A relaunch process in a session of its own, so that it outlives its controller."""
+        module, *args = module_and_args
+        with open(log_path, "a") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", module, "--state-dir", str(self.state_dir), *args],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         return proc.pid
+
+    def _remember(self, kind: str, key: str, pid: int) -> None:
+        pids = self._pids()
+        pids[kind][key] = pid
+        self._save(pids)
 
     def kill_node(self, node: str) -> None:
         """A node is lost: its agent and every pod on it die at once."""
