@@ -224,9 +224,9 @@ def test_r24_sigstop_hang_restarts_in_place_within_window_plus_two_monitor_inter
     assert result.actions == ["hang-restart"]
     record = result.report["recoveries"][0]
     assert record["fault"]["kind"] == "hang" and record["fault"]["rank"] == 1
-    assert (
-        HANG_S <= record["detect_s"] <= HANG_S + 2 * MONITOR_S + 0.25
-    )  # 0.25 s: the controller's tick
+    # Silence starts at the rank's last report, up to a step before the SIGSTOP; detection may lag
+    # the window by two monitor intervals and a controller tick.
+    assert HANG_S - 0.25 <= record["detect_s"] <= HANG_S + 2 * MONITOR_S + 0.25
     assert result.report["restarts_used"] == 0
     assert [p["proc_start_count"] for p in result.report["pods"]] == [2, 2]
 
