@@ -425,9 +425,13 @@ class Controller:
                 self._fault(fault, source=f"launcher:{idx}:{pod.generation}:{since:.3f}")
 
     def _check_hangs(self, now: float) -> None:
+        """R-25: a rank with no progress and no output for the window is hung. When several are
+        silent (one stuck rank stalls its peers at the next collective), the one silent longest is
+        reported, once: the recovery restarts them all."""
         job = self.store.job(self.job_id)
         if job.status is not JobStatus.RUNNING and self.active is None:
             return
+        silent: list[tuple[float, LauncherLink, int, float]] = []
         for link in self.launchers.values():
             if link.stopping:
                 continue
@@ -436,16 +440,18 @@ class Controller:
                     continue
                 window = self.hang_s if proc.progressed else self.startup_s
                 if now - proc.last_activity > window:
-                    proc.last_activity = now  # one hang fault per silence
-                    at = self.injected_at.pop(("hang", str(rank)), now - window)
-                    fault = Fault(
-                        FaultKind.HANG,
-                        at,
-                        pod=link.pod,
-                        rank=rank,
-                        detail=f"silent for {window:g} s",
-                    )
-                    self._fault(fault, source=f"hang:{job.attempt}:{rank}:{now:.3f}")
+                    silent.append((proc.last_activity, link, rank, window))
+        if not silent:
+            return
+        _, link, rank, window = min(silent, key=lambda item: item[0])
+        for other in self.launchers.values():
+            for proc in other.procs.values():
+                proc.last_activity = max(proc.last_activity, now)  # one hang fault per silence
+        at = self.injected_at.pop(("hang", "job"), now - window)
+        fault = Fault(
+            FaultKind.HANG, at, pod=link.pod, rank=rank, detail=f"silent for {window:g} s"
+        )
+        self._fault(fault, source=f"hang:{job.attempt}:{rank}:{now:.3f}")
 
     def _exit(self, link: LauncherLink, m: dict[str, Any]) -> None:
         rank = m["rank"]
@@ -501,7 +507,7 @@ class Controller:
             link = self.launchers.get(pod.idx) if pod else None
             if link is not None:
                 kind = "exit" if entry.kind is ChaosKind.PROCESS_EXIT else "hang"
-                self.injected_at[(kind, str(rank))] = now
+                self.injected_at[(kind, str(rank) if kind == "exit" else "job")] = now
                 link.conn.send(
                     {"t": "inject", "kind": kind, "rank": rank, "exit_code": entry.exit_code}
                 )

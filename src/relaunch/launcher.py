@@ -256,15 +256,15 @@ class Launcher:
             if worker.proc.poll() is None:
                 _signal_group(worker.proc.pid, signal.SIGCONT)
                 _signal_group(worker.proc.pid, signal.SIGTERM if grace > 0 else signal.SIGKILL)
+        # Wait for every process of each group, not only its leader: a shell dies at once on
+        # SIGTERM while the Python under it is still saving its dying gasp.
         deadline = time.time() + grace
-        while time.time() < deadline and any(w.proc.poll() is None for w in targets):
+        while time.time() < deadline and any(_group_alive(w.proc) for w in targets):
             time.sleep(0.02)
         for worker in targets:
-            if worker.proc.poll() is None:
-                _signal_group(worker.proc.pid, signal.SIGKILL)
+            _signal_group(worker.proc.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 worker.proc.wait(timeout=5)
-            _signal_group(worker.proc.pid, signal.SIGKILL)  # stragglers of the group
         self.monitor()
 
     def inject(self, message: dict[str, Any]) -> None:
@@ -330,6 +330,30 @@ class Launcher:
 def _signal_group(pid: int, signum: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signum)
+
+
+def _group_alive(proc: subprocess.Popen[bytes]) -> bool:
+    """Some process of the group led by `proc` still runs (zombies do not count)."""
+    proc.poll()
+    try:
+        members = [p for p in psutil.process_iter(["pid"]) if _pgid(p.pid) == proc.pid]
+    except psutil.Error:
+        return False
+    return any(_running(p) for p in members)
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def _running(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _is_python(process: psutil.Process) -> bool:

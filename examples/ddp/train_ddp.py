@@ -1,0 +1,110 @@
+"""A PyTorch DDP job (gloo on CPU) that relaunch can stop and restart anywhere without changing
+the model it ends with.
+
+- The data of step s depends only on s and the rank, so a resumed run sees the same batches.
+- Model, optimizer, RNG state and step are checkpointed every `--ckpt-every` steps into the job's
+  shared directory (kept across reschedulings), and saved once more on SIGTERM (dying gasp).
+- Every rank resumes from the newest step all ranks can load.
+- Rank 0 writes the SHA-256 of the final parameters to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from relaunch.train import CheckpointManager, env, report_progress
+from relaunch.train.distributed import (
+    load_common_checkpoint,
+    parameter_hash,
+    rng_state,
+    settle_ddp_buckets,
+    set_rng_state,
+)
+
+
+def batch(step: int, rank: int, size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(step * 1000 + rank)
+    x = torch.randn(size, 16, generator=generator)
+    y = x[:, :4].sum(dim=1, keepdim=True) - x[:, 4:8].prod(dim=1, keepdim=True)
+    return x, y
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--ckpt-every", type=int, default=10, help="0: no periodic checkpoint")
+    parser.add_argument("--ckpt-dir", default=None, help="default: $RELAUNCH_SHARED_DIR/ckpt")
+    parser.add_argument("--out", default=None, help="where rank 0 writes the final parameter hash")
+    parser.add_argument("--step-seconds", type=float, default=0.02)
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    job = env()
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+
+    shared = Path(os.environ.get("RELAUNCH_SHARED_DIR", "."))
+    ckpt = CheckpointManager(
+        args.ckpt_dir or shared / "ckpt", rank=job.rank, every=args.ckpt_every or None, keep=3
+    )
+
+    def state() -> dict[str, object]:
+        return {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "rng": rng_state(),
+        }
+
+    start = 0
+    resumed = load_common_checkpoint(ckpt)
+    if resumed is not None:
+        model.load_state_dict(resumed.state["model"])
+        optimizer.load_state_dict(resumed.state["optimizer"])
+        set_rng_state(resumed.state["rng"])
+        start = resumed.step
+    ckpt.completed_step = start
+    settle_ddp_buckets(ddp, batch(0, job.rank)[0])
+    ckpt.dying_gasp(state)
+    print(
+        f"start: rank {job.rank}/{job.world_size} MA_SCHEDULE_CNT={job.schedule_cnt} "
+        f"MA_PROC_START_CNT={job.proc_start_cnt} resume_step={start}",
+        flush=True,
+    )
+
+    for step in range(start + 1, args.steps + 1):
+        with ckpt.step(step):
+            x, y = batch(step, job.rank)
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(ddp(x), y)
+            loss.backward()
+            optimizer.step()
+        report_progress(step)
+        ckpt.maybe_save(step, state)
+        if step % 20 == 0 and job.rank == 0:
+            print(f"step {step} loss {loss.item():.6f}", flush=True)
+        time.sleep(args.step_seconds)
+
+    ckpt.wait()
+    digest = parameter_hash(model)
+    if job.rank == 0:
+        print(f"done: params sha256 {digest}", flush=True)
+        if args.out:
+            Path(args.out).write_text(digest + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,323 @@
+"""Checkpoints a restart can trust: atomic, verified, kept in rotation, optionally asynchronous,
+and saved once more on the way out (dying gasp).
+
+Layout, one directory per step, one shard per rank::
+
+    DIR/step-000000120/rank-3.ckpt            the state (torch.save when torch is present, else pickle)
+    DIR/step-000000120/rank-3.manifest.json   {step, rank, format, files: {name: {size, sha256}}}
+
+A shard counts only once its manifest exists and its checksum matches: the state file is written to
+a temporary name, fsynced, renamed, the directory fsynced, and only then the manifest is written
+the same way. `load` takes the newest step that verifies and falls back, with a warning, past a
+truncated or corrupted one. Importable without torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import io
+import json
+import os
+import pickle
+import re
+import shutil
+import signal
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+__all__ = ["Checkpoint", "CheckpointManager", "CheckpointWarning"]
+
+_STEP_DIR = re.compile(r"step-(\d{9})")
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped because it did not verify."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    step: int
+    state: Any
+    path: Path
+
+
+def _torch() -> Any:
+    return sys.modules.get("torch")
+
+
+def _snapshot(value: Any) -> Any:
+    """A copy in host memory that later training steps cannot change."""
+    torch = _torch()
+    if torch is not None and isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return type(value)((k, _snapshot(v)) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        items = [_snapshot(v) for v in value]
+        return type(value)(items) if isinstance(value, list) else tuple(items)
+    return copy.deepcopy(value)
+
+
+def _serialize(state: Any) -> tuple[bytes, str]:
+    torch = _torch()
+    buffer = io.BytesIO()
+    if torch is not None:
+        torch.save(state, buffer)
+        return buffer.getvalue(), "torch"
+    pickle.dump(state, buffer, protocol=pickle.HIGHEST_PROTOCOL)
+    return buffer.getvalue(), "pickle"
+
+
+def _deserialize(data: bytes, fmt: str) -> Any:
+    if fmt == "torch":
+        import torch
+
+        return torch.load(io.BytesIO(data), weights_only=False)
+    return pickle.loads(data)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class CheckpointManager:
+    """Saves and loads one rank's shard of a job's checkpoints.
+
+    `every`: save every that many steps through :meth:`maybe_save` (None: only on demand or as a
+    dying gasp). `keep`: how many verified steps to keep. `async_save`: write in a background thread;
+    the training loop only waits for the copy of the state to host memory.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        rank: int | None = None,
+        every: int | None = None,
+        keep: int = 3,
+        async_save: bool = False,
+    ) -> None:
+        if keep < 1:
+            raise ValueError("keep must be at least 1")
+        if every is not None and every < 1:
+            raise ValueError("every must be at least 1 (or None)")
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+        self.every = every
+        self.keep = keep
+        self.async_save = async_save
+        self._writer: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self.completed_step: int | None = None
+        self._in_step = False
+        self._term_pending = False
+        self._gasp: Callable[[], Any] | None = None
+
+    # -- saving -------------------------------------------------------------------------------------
+
+    def save(self, step: int, state: Any, *, blocking: bool | None = None) -> None:
+        """Save `state` as this rank's shard of `step`."""
+        self.wait()
+        snapshot = _snapshot(state)
+        if blocking if blocking is not None else not self.async_save:
+            self._write(step, snapshot)
+            return
+        self._writer = threading.Thread(
+            target=self._write_in_background, args=(step, snapshot), daemon=True
+        )
+        self._writer.start()
+
+    def maybe_save(self, step: int, state: Any | Callable[[], Any]) -> bool:
+        """Save if `step` is a multiple of `every`; `state` may be a function, called only then."""
+        if self.every is None or step % self.every:
+            return False
+        self.save(step, state() if callable(state) else state)
+        return True
+
+    def wait(self) -> None:
+        """Wait for an asynchronous save; re-raise its error, if it had one."""
+        writer = self._writer
+        if writer is not None:
+            writer.join()
+            self._writer = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _write_in_background(self, step: int, snapshot: Any) -> None:
+        try:
+            self._write(step, snapshot)
+        except BaseException as error:  # handed to the training loop by wait()
+            self._error = error
+
+    def _write(self, step: int, snapshot: Any) -> None:
+        data, fmt = _serialize(snapshot)
+        with self._lock:
+            directory = self.directory / f"step-{step:09d}"
+            directory.mkdir(parents=True, exist_ok=True)
+            name = f"rank-{self.rank}.ckpt"
+            _write_atomic(directory / name, data)
+            manifest = {
+                "step": step,
+                "rank": self.rank,
+                "format": fmt,
+                "files": {name: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}},
+            }
+            _write_atomic(
+                directory / f"rank-{self.rank}.manifest.json", json.dumps(manifest).encode()
+            )
+            self._rotate()
+
+    def _rotate(self) -> None:
+        """Keep the newest `keep` steps this rank has verified shards for; drop its older shards."""
+        steps = self.steps()
+        for old in steps[self.keep :]:
+            directory = self.directory / f"step-{old:09d}"
+            for path in directory.glob(f"rank-{self.rank}.*"):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+            with contextlib.suppress(OSError):
+                directory.rmdir()  # only once every rank's shard is gone
+
+    # -- loading ------------------------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """Steps with a manifest for this rank, newest first (not yet verified)."""
+        found = []
+        for path in self.directory.glob("step-*"):
+            match = _STEP_DIR.fullmatch(path.name)
+            if match and (path / f"rank-{self.rank}.manifest.json").exists():
+                found.append(int(match.group(1)))
+        return sorted(found, reverse=True)
+
+    def verified_steps(self) -> list[int]:
+        return [step for step in self.steps() if self._read(step, warn=False) is not None]
+
+    def load(self, step: int | None = None) -> Checkpoint | None:
+        """The newest checkpoint that verifies (or exactly `step`); None if there is none.
+
+        A newer one that fails verification is skipped with a :class:`CheckpointWarning`.
+        """
+        self.wait()
+        candidates = [step] if step is not None else self.steps()
+        for candidate in candidates:
+            loaded = self._read(candidate, warn=True)
+            if loaded is not None:
+                return loaded
+        return None
+
+    def _read(self, step: int, *, warn: bool) -> Checkpoint | None:
+        directory = self.directory / f"step-{step:09d}"
+        manifest_path = directory / f"rank-{self.rank}.manifest.json"
+        try:
+            manifest = json.loads(manifest_path.read_text())
+            (name, expected), *_ = manifest["files"].items()
+            data = (directory / name).read_bytes()
+            if len(data) != expected["size"]:
+                raise ValueError(
+                    f"{name} is {len(data)} bytes, the manifest says {expected['size']}"
+                )
+            if hashlib.sha256(data).hexdigest() != expected["sha256"]:
+                raise ValueError(f"{name} does not match its checksum")
+            state = _deserialize(data, manifest["format"])
+        except (
+            OSError,
+            ValueError,
+            KeyError,
+            EOFError,
+            pickle.UnpicklingError,
+            RuntimeError,
+        ) as error:
+            if warn:
+                warnings.warn(
+                    f"checkpoint step {step} of rank {self.rank} in {directory} is unusable ({error}); "
+                    "trying an older one",
+                    CheckpointWarning,
+                    stacklevel=3,
+                )
+            return None
+        return Checkpoint(step, state, directory)
+
+    def remove_all(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    # -- dying gasp ---------------------------------------------------------------------------------
+
+    def dying_gasp(self, state: Callable[[], Any]) -> None:
+        """On SIGTERM (relaunch's `fault-scheduling: grace`), save `state()` as the last completed
+        step before exiting, so that a restart loses no step. Inside :meth:`step` the save waits for
+        the step to end; a step that fails (a peer died mid-collective) leaves the state of the last
+        completed step, which is what gets saved."""
+        self._gasp = state
+        signal.signal(signal.SIGTERM, self._on_term)
+
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        """Marks one training step; `completed_step` advances when it ends without an error.
+
+        With a dying gasp armed and running under relaunch, a step that raises waits for relaunch's
+        SIGTERM (the job is being recovered) instead of crashing, so that the gasp can save."""
+        self._in_step = True
+        try:
+            yield
+        except Exception:
+            self._in_step = False
+            if self._gasp is None or "RELAUNCH_JOB_ID" not in os.environ:
+                raise
+            self._await_termination()
+            raise
+        self._in_step = False
+        self.completed_step = step
+        if self._term_pending:
+            self._gasp_and_exit()
+
+    def _on_term(self, signum: int, frame: FrameType | None) -> None:
+        if self._in_step:
+            self._term_pending = True
+            return
+        self._gasp_and_exit()
+
+    def _await_termination(self) -> None:
+        if self._term_pending:
+            self._gasp_and_exit()
+        deadline = time.monotonic() + float(os.environ.get("RELAUNCH_GASP_WAIT_S", "600"))
+        while time.monotonic() < deadline:  # the SIGTERM handler saves and exits from here
+            time.sleep(0.05)
+
+    def _gasp_and_exit(self) -> None:
+        if self._gasp is not None and self.completed_step is not None:
+            try:
+                self.save(self.completed_step, self._gasp(), blocking=True)
+                print(
+                    f"relaunch: dying gasp saved step {self.completed_step} (rank {self.rank})",
+                    flush=True,
+                )
+            except Exception as error:  # the process exits either way
+                print(f"relaunch: dying gasp failed: {error}", file=sys.stderr, flush=True)
+        os._exit(143)

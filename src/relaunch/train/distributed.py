@@ -1,0 +1,65 @@
+"""torch.distributed helpers for resumable jobs. Importing this module imports torch."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from relaunch.train.checkpoint import Checkpoint, CheckpointManager
+
+__all__ = [
+    "load_common_checkpoint",
+    "parameter_hash",
+    "rng_state",
+    "set_rng_state",
+    "settle_ddp_buckets",
+]
+
+
+def load_common_checkpoint(manager: CheckpointManager) -> Checkpoint | None:
+    """The newest step every rank can load, so that all ranks resume from the same step even when
+    one rank's newest shard is damaged. A collective: every rank must call it."""
+    mine = set(manager.verified_steps())
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sorted(mine))
+    common = set.intersection(*(set(steps) for steps in gathered)) if gathered else set()
+    newest = max(common) if common else None
+    if newest is not None and manager.steps() and manager.steps()[0] != newest:
+        manager.load()  # warns about the newer, unusable shards
+    return manager.load(newest) if newest is not None else None
+
+
+def parameter_hash(model: torch.nn.Module) -> str:
+    """SHA-256 of every parameter's bytes, in order: equal hashes, bit-identical models."""
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def rng_state() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+
+
+def settle_ddp_buckets(
+    ddp: torch.nn.parallel.DistributedDataParallel, *inputs: torch.Tensor
+) -> None:
+    """One zero-loss pass before training, so that every real step sums gradients the same way.
+
+    DDP lays its gradient buckets out anew after its first backward; the layout decides the order
+    of floating-point sums in the allreduce. Without this pass, the first step after a restart
+    would be summed with the initial layout and an unbroken run's with the rebuilt one: the same
+    maths, other rounding, and a resumed job no longer ends bit for bit where an unbroken one does.
+    Changes no parameter and no optimizer state. A collective: every rank must call it.
+    """
+    output = ddp(*inputs)
+    (output.sum() * 0.0).backward()
+    ddp.module.zero_grad(set_to_none=True)
