@@ -218,13 +218,13 @@ class Launcher:
 
     def pump(self, worker: Worker) -> None:
         assert worker.proc.stdout is not None
-        for raw in worker.proc.stdout:
-            line = raw.decode("utf-8", "replace").rstrip("\n")
-            worker.log.write(line + "\n")
-            worker.log.flush()
-            self.send(
-                {"t": "output", "rank": worker.rank, "attempt": worker.attempt, "line": line[:2000]}
-            )
+        with worker.log:  # the pump owns the log: a child may write after its group leader died
+            for raw in worker.proc.stdout:
+                line = raw.decode("utf-8", "replace").rstrip("\n")
+                worker.log.write(line + "\n")
+                worker.log.flush()
+                message = {"t": "output", "rank": worker.rank, "attempt": worker.attempt}
+                self.send({**message, "line": line[:2000]})
 
     def monitor(self) -> None:
         for worker in list(self.workers.values()):
@@ -234,7 +234,6 @@ class Launcher:
             if worker.pump is not None:
                 worker.pump.join(timeout=1.0)
             worker.reported = True
-            worker.log.close()
             signum = -code if code < 0 else None
             self.send(
                 {
