@@ -104,12 +104,13 @@ class Cluster:
         faults: list[dict[str, Any]] | None = None,
         cluster: dict[str, Any] | None = None,
         extra: tuple[str, ...] = (),
+        startup_s: float = 8,
     ) -> list[str]:
         args = [
             sys.executable, "-m", "relaunch", "run", str(self.write("job.yaml", job)),
             "--cluster", str(self.write("cluster.yaml", cluster or FAST_CLUSTER)),
             "--state-dir", str(self.state), "--report", str(self.dir / "report.json"),
-            "--startup-seconds", "8", "-q", *extra,
+            "--startup-seconds", str(startup_s), "-q", *extra,
         ]  # fmt: skip
         if faults is not None:
             args += ["--faults", str(self.write("faults.yaml", {"faults": faults}))]
@@ -121,9 +122,10 @@ class Cluster:
         faults: list[dict[str, Any]] | None = None,
         cluster: dict[str, Any] | None = None,
         timeout: float = 90,
+        startup_s: float = 8,
     ) -> Result:
         done = subprocess.run(
-            self.command(job, faults, cluster),
+            self.command(job, faults, cluster, startup_s=startup_s),
             capture_output=True,
             text=True,
             timeout=timeout,

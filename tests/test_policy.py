@@ -17,6 +17,7 @@ from relaunch.policy import (
     Counters,
     Decision,
     JobHistory,
+    PodView,
     decide,
     plan,
 )
@@ -601,3 +602,19 @@ def test_custom_escalation_rules_reach_the_decision() -> None:
     rules = EscalationRules(threshold=2)
     d = decide(settings(AUTO), chip(MAJOR, at=10.0), h, cluster(), 10.0, rules=rules)
     assert d.action is Action.ISOLATED_JOB_RESCHEDULE
+
+
+def test_a_failed_move_does_not_turn_its_fault_into_an_ignore() -> None:
+    # The pod-level move already took every pod off node-1; the fallback must still be job level.
+    moved = ClusterView(
+        pods=(PodView(0, "node-0", True), PodView(1, "node-2")), standby_nodes=("node-3",)
+    )
+    d = decide(
+        settings(MODELARTS_ALL),
+        node_lost(),
+        history(),
+        moved,
+        0.0,
+        tried=frozenset({Action.POD_RESCHEDULE}),
+    )
+    assert d.action is Action.JOB_RESCHEDULE

@@ -68,7 +68,7 @@ def main() -> None:
         }
 
     start = 0
-    resumed = load_common_checkpoint(ckpt)
+    resumed = load_common_checkpoint(ckpt, replicated=True)
     if resumed is not None:
         model.load_state_dict(resumed.state["model"])
         optimizer.load_state_dict(resumed.state["optimizer"])

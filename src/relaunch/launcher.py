@@ -254,7 +254,10 @@ class Launcher:
             worker.stopping = True
             if worker.proc.poll() is None:
                 _signal_group(worker.proc.pid, signal.SIGCONT)
-                _signal_group(worker.proc.pid, signal.SIGTERM if grace > 0 else signal.SIGKILL)
+                if grace > 0:
+                    _terminate(worker.proc.pid)
+                else:
+                    _signal_group(worker.proc.pid, signal.SIGKILL)
         # Wait for every process of each group, not only its leader: a shell dies at once on
         # SIGTERM while the Python under it is still saving its dying gasp.
         deadline = time.time() + grace
@@ -329,6 +332,27 @@ class Launcher:
 def _signal_group(pid: int, signum: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signum)
+
+
+SHELLS = {"sh", "dash", "bash", "zsh", "ksh"}
+
+
+def _terminate(leader: int) -> None:
+    """SIGTERM for a rank's processes. A shell that runs the command is left to exit with its
+    child: killed first, it would take the child with it (PR_SET_PDEATHSIG) before the child's
+    dying gasp could save anything."""
+    try:
+        shell = psutil.Process(leader)
+        children = shell.children(recursive=True) if shell.name() in SHELLS else []
+    except psutil.Error:
+        children = []
+    if not children:
+        _signal_group(leader, signal.SIGTERM)
+        return
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            if child.name() not in SHELLS:
+                child.send_signal(signal.SIGTERM)
 
 
 def _group_alive(proc: subprocess.Popen[bytes]) -> bool:

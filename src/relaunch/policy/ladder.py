@@ -144,6 +144,8 @@ class _Context:
 def _ignore(c: _Context) -> Answer:
     if not c.a.handled:
         return Proposal(c.a.reason)
+    if c.tried:
+        return None  # already being recovered: a failed move may have emptied the node
     if c.node is not None and c.fault.pod is None and not c.cluster.pods_on(c.node):
         isolate = (c.node,) if c.node_must_go else ()
         return Proposal(f"{c.a.reason}, on a node this job does not use", isolate=isolate)

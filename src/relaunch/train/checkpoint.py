@@ -206,34 +206,38 @@ class CheckpointManager:
 
     # -- loading ------------------------------------------------------------------------------------
 
-    def steps(self) -> list[int]:
-        """Steps with a manifest for this rank, newest first (not yet verified)."""
+    def steps(self, rank: int | None = None) -> list[int]:
+        """Steps with a manifest for this rank (or `rank`), newest first (not yet verified)."""
+        rank = self.rank if rank is None else rank
         found = []
         for path in self.directory.glob("step-*"):
             match = _STEP_DIR.fullmatch(path.name)
-            if match and (path / f"rank-{self.rank}.manifest.json").exists():
+            if match and (path / f"rank-{rank}.manifest.json").exists():
                 found.append(int(match.group(1)))
         return sorted(found, reverse=True)
 
-    def verified_steps(self) -> list[int]:
-        return [step for step in self.steps() if self._read(step, warn=False) is not None]
+    def verified_steps(self, rank: int | None = None) -> list[int]:
+        return [s for s in self.steps(rank) if self._read(s, warn=False, rank=rank) is not None]
 
-    def load(self, step: int | None = None) -> Checkpoint | None:
+    def load(self, step: int | None = None, *, rank: int | None = None) -> Checkpoint | None:
         """The newest checkpoint that verifies (or exactly `step`); None if there is none.
 
         A newer one that fails verification is skipped with a :class:`CheckpointWarning`.
+        `rank` reads another rank's shard: for replicated state (data parallelism), any healthy
+        replica's shard will do.
         """
         self.wait()
-        candidates = [step] if step is not None else self.steps()
+        candidates = [step] if step is not None else self.steps(rank)
         for candidate in candidates:
-            loaded = self._read(candidate, warn=True)
+            loaded = self._read(candidate, warn=True, rank=rank)
             if loaded is not None:
                 return loaded
         return None
 
-    def _read(self, step: int, *, warn: bool) -> Checkpoint | None:
+    def _read(self, step: int, *, warn: bool, rank: int | None = None) -> Checkpoint | None:
+        rank = self.rank if rank is None else rank
         directory = self.directory / f"step-{step:09d}"
-        manifest_path = directory / f"rank-{self.rank}.manifest.json"
+        manifest_path = directory / f"rank-{rank}.manifest.json"
         try:
             manifest = json.loads(manifest_path.read_text())
             (name, expected), *_ = manifest["files"].items()
@@ -255,7 +259,7 @@ class CheckpointManager:
         ) as error:
             if warn:
                 warnings.warn(
-                    f"checkpoint step {step} of rank {self.rank} in {directory} is unusable ({error}); "
+                    f"checkpoint step {step} of rank {rank} in {directory} is unusable ({error}); "
                     "trying an older one",
                     CheckpointWarning,
                     stacklevel=3,

@@ -19,17 +19,28 @@ __all__ = [
 ]
 
 
-def load_common_checkpoint(manager: CheckpointManager) -> Checkpoint | None:
-    """The newest step every rank can load, so that all ranks resume from the same step even when
-    one rank's newest shard is damaged. A collective: every rank must call it."""
-    mine = set(manager.verified_steps())
+def load_common_checkpoint(
+    manager: CheckpointManager, *, replicated: bool = False
+) -> Checkpoint | None:
+    """The newest step that every rank can resume from, so that all ranks resume together even
+    when some rank's newest shard is damaged or missing. A collective: every rank must call it.
+
+    `replicated=True` (data parallelism: every rank holds the same state) lets a rank without a
+    shard of that step load a healthy replica's, as when a rank died before its dying gasp.
+    """
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, sorted(mine))
-    common = set.intersection(*(set(steps) for steps in gathered)) if gathered else set()
-    newest = max(common) if common else None
-    if newest is not None and manager.steps() and manager.steps()[0] != newest:
+    dist.all_gather_object(gathered, manager.verified_steps())
+    per_rank = [set(steps) for steps in gathered]
+    usable = set.union(*per_rank) if replicated else set.intersection(*per_rank)
+    if not usable:
+        return None
+    newest = max(usable)
+    if manager.steps() and manager.steps()[0] > newest:
         manager.load()  # warns about the newer, unusable shards
-    return manager.load(newest) if newest is not None else None
+    if newest in per_rank[manager.rank]:
+        return manager.load(newest)
+    donor = next(rank for rank, steps in enumerate(per_rank) if newest in steps)
+    return manager.load(newest, rank=donor)
 
 
 def parameter_hash(model: torch.nn.Module) -> str:

@@ -1,0 +1,291 @@
+"""The training SDK: checkpoints (atomic, verified, rotated, async, corrupted), dying gasp,
+reentrancy helpers, progress reports, the job environment."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from relaunch.train import (
+    CheckpointManager,
+    CheckpointWarning,
+    env,
+    recreate_shared_memory,
+    report_progress,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_round_trip_of_plain_numpy_and_torch_state(tmp_path: Path) -> None:
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    state = {
+        "step": 7,
+        "data": {"epoch": 1, "offset": 4096},
+        "array": np.arange(10.0),
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "rng": torch.get_rng_state(),
+    }
+    manager = CheckpointManager(tmp_path, rank=2)
+    manager.save(7, state)
+    loaded = manager.load()
+    assert loaded is not None and loaded.step == 7
+    assert loaded.state["data"] == {"epoch": 1, "offset": 4096}
+    np.testing.assert_array_equal(loaded.state["array"], np.arange(10.0))
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state["model"][name], tensor)
+    restored = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    restored.load_state_dict(loaded.state["optimizer"])
+    assert torch.equal(loaded.state["rng"], state["rng"])
+    assert sorted(p.name for p in loaded.path.iterdir()) == ["rank-2.ckpt", "rank-2.manifest.json"]
+
+
+def test_plain_python_state_without_torch_uses_pickle(tmp_path: Path) -> None:
+    code = textwrap.dedent(
+        f"""
+        import sys
+        from relaunch.train import CheckpointManager
+        m = CheckpointManager({str(tmp_path)!r}, rank=0)
+        m.save(3, {{"w": [1.5, 2.5]}})
+        print(m.load().state, "torch" in sys.modules)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "{'w': [1.5, 2.5]} False"
+    assert (
+        '"format": "pickle"' in (tmp_path / "step-000000003" / "rank-0.manifest.json").read_text()
+    )
+
+
+def test_keeps_the_last_k_steps(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path, rank=0, keep=2)
+    for step in (1, 2, 3, 4):
+        manager.save(step, {"step": step})
+    assert manager.steps() == [4, 3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000003", "step-000000004"]
+
+
+def test_maybe_save_every_n_steps_calls_the_state_function_only_then(tmp_path: Path) -> None:
+    calls: list[int] = []
+    manager = CheckpointManager(tmp_path, rank=0, every=5)
+    for step in range(1, 13):
+        manager.maybe_save(step, lambda step=step: calls.append(step) or {"step": step})
+    assert calls == [5, 10] and manager.steps() == [10, 5]
+
+
+def test_a_shard_without_its_manifest_does_not_count(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path, rank=0)
+    manager.save(1, {"step": 1})
+    half = tmp_path / "step-000000002"
+    half.mkdir()
+    (half / "rank-0.ckpt").write_bytes(b"written, then the process died before the manifest")
+    assert manager.load().step == 1  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "manifest", "delete"])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_with_a_warning(
+    tmp_path: Path, damage: str
+) -> None:
+    manager = CheckpointManager(tmp_path, rank=1)
+    weights = torch.arange(1000, dtype=torch.float32)
+    manager.save(10, {"w": weights})
+    manager.save(20, {"w": weights * 2})
+    newest = tmp_path / "step-000000020"
+    shard = newest / "rank-1.ckpt"
+    data = shard.read_bytes()
+    if damage == "truncate":
+        shard.write_bytes(data[: len(data) // 2])
+    elif damage == "flip":
+        shard.write_bytes(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])
+    elif damage == "manifest":
+        (newest / "rank-1.manifest.json").write_text("{not json")
+    else:
+        shard.unlink()
+    with pytest.warns(CheckpointWarning, match="step 20 of rank 1"):
+        loaded = manager.load()
+    assert loaded is not None and loaded.step == 10 and torch.equal(loaded.state["w"], weights)
+
+
+def test_nothing_usable_is_none_not_a_crash(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path, rank=0)
+    assert manager.load() is None
+    manager.save(1, {"x": 1})
+    (tmp_path / "step-000000001" / "rank-0.ckpt").write_bytes(b"")
+    with pytest.warns(CheckpointWarning):
+        assert manager.load() is None
+
+
+def test_async_save_writes_a_snapshot_that_later_steps_cannot_change(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path, rank=0, async_save=True)
+    weights = torch.zeros(1000)
+    state = {"w": weights, "meta": {"step": 1}}
+    manager.save(1, state)
+    weights += 1  # the next training step, in place
+    state["meta"]["step"] = 2
+    manager.wait()
+    loaded = manager.load()
+    assert loaded is not None
+    assert torch.equal(loaded.state["w"], torch.zeros(1000)) and loaded.state["meta"] == {"step": 1}
+
+
+def test_another_ranks_shard_can_be_read_for_replicated_state(tmp_path: Path) -> None:
+    CheckpointManager(tmp_path, rank=0).save(5, {"who": 0})
+    manager = CheckpointManager(tmp_path, rank=3)
+    assert manager.load() is None
+    assert manager.verified_steps(rank=0) == [5]
+    assert manager.load(5, rank=0).state == {"who": 0}  # type: ignore[union-attr]
+
+
+def test_bad_settings_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="keep"):
+        CheckpointManager(tmp_path, keep=0)
+    with pytest.raises(ValueError, match="every"):
+        CheckpointManager(tmp_path, every=0)
+
+
+# -- dying gasp -------------------------------------------------------------------------------------
+
+GASP_SCRIPT = """
+import os, sys, time
+from relaunch.train import CheckpointManager
+m = CheckpointManager(sys.argv[1], rank=0)
+state = {"w": 0}
+m.dying_gasp(lambda: dict(state))
+for step in range(1, 10_000):
+    with m.step(step):
+        state["w"] = step
+        if os.environ.get("FAIL_AT") == str(step):
+            raise RuntimeError("a peer died in the middle of a collective")
+        print("step", step, flush=True)
+        time.sleep(0.01)
+"""
+
+
+def _gasp(tmp_path: Path, extra_env: dict[str, str]) -> tuple[int, int]:
+    script = tmp_path / "gasp.py"
+    script.write_text(GASP_SCRIPT)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "ckpt")],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **extra_env},
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("step 20") or ("FAIL_AT" in extra_env and line.startswith("step 4")):
+            break
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=10)
+    loaded = CheckpointManager(tmp_path / "ckpt", rank=0).load()
+    assert loaded is not None
+    return code, loaded.step
+
+
+def test_dying_gasp_saves_the_last_completed_step_on_sigterm(tmp_path: Path) -> None:
+    code, step = _gasp(tmp_path, {})
+    assert code == 143 and step >= 20
+
+
+def test_dying_gasp_after_a_failed_step_saves_the_step_before_it(tmp_path: Path) -> None:
+    code, step = _gasp(tmp_path, {"FAIL_AT": "5", "RELAUNCH_JOB_ID": "1"})
+    assert code == 143 and step == 4
+
+
+# -- reentrancy, progress, environment ----------------------------------------------------------------
+
+
+def test_once_per_container_runs_setup_once_across_processes_and_restarts(tmp_path: Path) -> None:
+    code = textwrap.dedent(
+        """
+        import time
+        from relaunch.train import once_per_container
+        def download():
+            with open("downloads.txt", "a") as f:
+                f.write("x")
+            time.sleep(0.3)
+        print(once_per_container("data", download))
+        """
+    )
+    env_ = {**os.environ, "RELAUNCH_WORKDIR": str(tmp_path)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], cwd=tmp_path, env=env_, stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(3)
+    ]
+    outputs = sorted(p.communicate(timeout=30)[0].strip() for p in procs)
+    assert outputs == ["False", "False", "True"]
+    assert (tmp_path / "downloads.txt").read_text() == "x"
+    again = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env_, capture_output=True, text=True
+    )
+    assert again.stdout.strip() == "False"  # an in-place restart: same container, setup skipped
+
+
+def test_recreate_shared_memory_replaces_a_stale_segment() -> None:
+    name = f"relaunch-test-{os.getpid()}"
+    stale = recreate_shared_memory(name, 16)
+    stale.buf[0] = 42
+    stale.close()  # the process that made it is gone; the segment is left behind
+    fresh = recreate_shared_memory(name, 32)
+    try:
+        assert fresh.size >= 32 and fresh.buf[0] == 0
+    finally:
+        fresh.close()
+        fresh.unlink()
+
+
+def test_report_progress_sends_rank_and_step_to_the_launcher(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import relaunch.train.progress as progress
+
+    receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    name = f"relaunch-test-progress-{os.getpid()}"
+    receiver.bind("\0" + name)
+    monkeypatch.setenv("RELAUNCH_PROGRESS_SOCKET", "@" + name)
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setattr(progress, "_address", None)
+    report_progress(12)
+    assert receiver.recv(64) == b"5 12"
+    receiver.close()
+
+
+def test_report_progress_outside_relaunch_does_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    import relaunch.train.progress as progress
+
+    monkeypatch.delenv("RELAUNCH_PROGRESS_SOCKET", raising=False)
+    monkeypatch.setattr(progress, "_address", None)
+    report_progress(1)
+
+
+def test_env_reads_the_job_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in {
+        "RANK": "3",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "4",
+        "LOCAL_WORLD_SIZE": "2",
+        "RELAUNCH_POD": "1",
+        "MA_SCHEDULE_CNT": "2",
+        "MA_PROC_START_CNT": "3",
+        "RELAUNCH_ATTEMPT": "5",
+    }.items():
+        monkeypatch.setenv(name, value)
+    job = env()
+    assert (job.rank, job.local_rank, job.world_size, job.pod) == (3, 1, 4, 1)
+    assert job.rescheduled and job.restarted_in_place and job.attempt == 5
