@@ -266,6 +266,23 @@ def test_report_progress_sends_rank_and_step_to_the_launcher(
     receiver.close()
 
 
+def test_report_progress_never_blocks_when_nobody_reads() -> None:
+    code = textwrap.dedent(
+        """
+        import os, socket
+        receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        receiver.bind("\\0relaunch-test-full-%d" % os.getpid())
+        os.environ["RELAUNCH_PROGRESS_SOCKET"] = "@relaunch-test-full-%d" % os.getpid()
+        from relaunch.train import report_progress
+        for step in range(50_000):
+            report_progress(step)
+        print("returned")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "returned", done.stderr
+
+
 def test_report_progress_outside_relaunch_does_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     import relaunch.train.progress as progress
 

@@ -87,6 +87,8 @@ class Launcher:
         self.last_env: dict[str, str] = {}
         self.alone_since: float | None = time.time()
         self.running = True
+        self.latest_progress: dict[int, dict[str, Any]] = {}
+        self.progress_sent_at = 0.0
         self.progress_name = f"relaunch-{os.getpid()}-{plan.job}-{plan.pod}-{plan.generation}"
         self.progress = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.progress.bind("\0" + self.progress_name)
@@ -156,9 +158,28 @@ class Launcher:
                 continue
             worker = self.workers.get(rank)
             attempt = worker.attempt if worker else self.attempt
-            self.send(
-                {"t": "progress", "rank": rank, "step": step, "attempt": attempt, "at": time.time()}
-            )
+            report = {
+                "t": "progress",
+                "rank": rank,
+                "step": step,
+                "attempt": attempt,
+                "at": time.time(),
+            }
+            with self.lock:
+                self.latest_progress[rank] = report
+            self.flush_progress()
+
+    def flush_progress(self, force: bool = False) -> None:
+        """Forward the newest report of each rank, at most every 20 ms: a loop that reports
+        thousands of steps a second costs the controller fifty messages a second."""
+        now = time.time()
+        with self.lock:
+            if not self.latest_progress or (not force and now - self.progress_sent_at < 0.02):
+                return
+            reports, self.latest_progress = list(self.latest_progress.values()), {}
+            self.progress_sent_at = now
+        for report in reports:
+            self.send(report)
 
     # -- processes ----------------------------------------------------------------------------------
 
@@ -305,7 +326,9 @@ class Launcher:
             if message is not None:
                 self.handle(message)
             now = time.time()
+            self.flush_progress()
             if now >= next_check:
+                self.flush_progress(force=True)
                 self.monitor()
                 next_check = now + interval
             with self.lock:

@@ -64,5 +64,6 @@ def report_progress(step: int) -> None:
         return
     if _socket is None:
         _socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        _socket.setblocking(False)  # a slow launcher drops a report, never stalls training
     with contextlib.suppress(OSError):
         _socket.sendto(f"{os.environ.get('RANK', '0')} {int(step)}".encode(), _address)
