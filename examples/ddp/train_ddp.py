@@ -45,10 +45,26 @@ def main() -> None:
     parser.add_argument("--ckpt-dir", default=None, help="default: $RELAUNCH_SHARED_DIR/ckpt")
     parser.add_argument("--out", default=None, help="where rank 0 writes the final parameter hash")
     parser.add_argument("--step-seconds", type=float, default=0.02)
+    parser.add_argument(
+        "--timeline", default=None, help="append 'event step time' lines (benchmarks)"
+    )
+    parser.add_argument(
+        "--crash-at-step", type=int, default=None, help="benchmarks: exit 1 here, first start only"
+    )
+    parser.add_argument("--crash-rank", type=int, default=3)
     args = parser.parse_args()
 
     torch.set_num_threads(1)
     job = env()
+    first_start = (
+        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and job.proc_start_cnt == 1
+    )
+
+    def mark(event: str, step: int) -> None:
+        if args.timeline and (job.rank == 0 or event == "crash"):
+            with open(args.timeline, "a") as timeline:
+                timeline.write(f"{event} {step} {time.time():.6f}\n")
+
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
@@ -83,7 +99,11 @@ def main() -> None:
         flush=True,
     )
 
+    mark("start", start)
     for step in range(start + 1, args.steps + 1):
+        if first_start and step == args.crash_at_step and job.rank == args.crash_rank:
+            mark("crash", step)
+            os._exit(1)
         with ckpt.step(step):
             x, y = batch(step, job.rank)
             optimizer.zero_grad()
@@ -91,6 +111,7 @@ def main() -> None:
             loss.backward()
             optimizer.step()
         report_progress(step)
+        mark("step", step)
         ckpt.maybe_save(step, state)
         if step % 20 == 0 and job.rank == 0:
             print(f"step {step} loss {loss.item():.6f}", flush=True)

@@ -654,3 +654,28 @@ def logs(
         )
         raise typer.Exit(EXIT_INVALID)
     sys.stdout.write(path.read_text())
+
+
+@app.command()
+def bench(
+    out: Annotated[
+        Path, typer.Option("--out", help="Where bench.json, bench.md and bench.png go.")
+    ] = Path("bench-results"),
+    quick: Annotated[
+        bool, typer.Option("--quick", help="One repeat, light workload + DDP crash only.")
+    ] = False,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Repetitions per level.")] = 5,
+) -> None:
+    """Measure recovery time by level on this machine, side by side with torchrun."""
+    from relaunch.bench import BenchOptions, run_bench
+
+    def progress(text: str) -> None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        err.print(text, highlight=False, markup=False)
+
+    result = run_bench(BenchOptions(out=out, quick=quick, repeats=repeats, progress=progress))
+    sys.stdout.write((out / "bench.md").read_text())
+    failed = sum(r["failures"] for r in result["mttr"] if r["system"] == "relaunch")
+    if failed:
+        err.print(f"[bold red]{failed} relaunch recovery(ies) failed[/]", highlight=False)
+        raise typer.Exit(1)

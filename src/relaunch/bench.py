@@ -1,0 +1,387 @@
+"""`relaunch bench`: recovery time by level, side by side with torchrun, in one run.
+
+Every number comes from real runs on this machine: `relaunch run` on the embedded cluster with a
+one-fault plan, and `torchrun` (from the installed torch) with the same DDP script crashing at the
+same step. Writes DIR/bench.json, DIR/bench.md and DIR/bench.png.
+
+MTTR is the time from the fault to the first training step completed after recovery. For the
+crash level of the DDP workload both systems are measured from the script's own timeline (the
+crashing rank writes the time it exits; rank 0 the time each step ends); otherwise relaunch's
+record gives it (fault injection to first progress report after recovery).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = ["BenchOptions", "run_bench"]
+
+ROOT = Path(__file__).resolve().parents[2]
+TOY = ROOT / "examples" / "train_toy.py"
+DDP = ROOT / "examples" / "ddp" / "train_ddp.py"
+CLUSTER = {
+    "nodes": 4,
+    "chips_per_node": 2,
+    "heartbeat_interval_s": 0.2,
+    "heartbeat_timeout_s": 1.5,
+    "adopt_grace_s": 10,
+}
+RETRY = {"fault-tolerance/job-retry-num": "8"}
+LEVELS: dict[str, tuple[dict[str, str], dict[str, Any]]] = {
+    # level -> (annotations, the fault that triggers it)
+    "job-reschedule": (
+        {**RETRY, "fault-tolerance/job-unconditional-retry": "true"},
+        {"kind": "process-exit", "pod": 1, "rank": 3, "exit_code": 1},
+    ),
+    "in-place": (
+        RETRY,
+        {"kind": "chip-fault", "pod": 1, "chip": 0, "code": "80E18005", "heals": True},
+    ),
+    "hang-restart": (
+        {**RETRY, "fault-tolerance/hang-retry": "true"},
+        {"kind": "hang", "pod": 1, "rank": 3},
+    ),
+    "pod-reschedule": (
+        {**RETRY, "fault-tolerance/pod-retry-num": "3"},
+        {"kind": "node-down", "pod": 1},
+    ),
+    "isolated-job-reschedule": (RETRY, {"kind": "node-down", "pod": 1}),
+}
+FAULT_STEP = 20
+
+
+@dataclass
+class BenchOptions:
+    out: Path
+    quick: bool = False
+    repeats: int = 5
+    progress: Callable[[str], None] = print
+
+
+@dataclass
+class Sample:
+    ok: bool
+    mttr_s: float | None = None
+    detect_s: float | None = None
+    lost_steps: int | None = None
+    note: str = ""
+
+
+@dataclass
+class Row:
+    system: str
+    level: str
+    workload: str
+    pods: int
+    repeats: int
+    failures: int
+    median_s: float | None
+    min_s: float | None
+    max_s: float | None
+    detect_s: float | None
+    lost_steps: float | None
+    samples: list[float] = field(default_factory=list)
+
+
+def _job(workload: str, level: str, timeline: Path | None, pods: int = 2) -> dict[str, Any]:
+    annotations, _ = LEVELS[level]
+    if workload == "light":
+        command = f"python {TOY} --steps 60 --step-seconds 0.03 --ckpt-every 5"
+        hang_s, grace = 2, 1
+    else:
+        crash = f" --crash-at-step {FAULT_STEP}" if level == "job-reschedule" else ""
+        command = f"python {DDP} --steps 60 --ckpt-every 5 --timeline {timeline}{crash}"
+        hang_s, grace = 4, 3
+    return {
+        "kind": "job",
+        "metadata": {
+            "name": f"bench-{workload}",
+            "annotations": annotations,
+            "labels": {"fault-scheduling": "grace", "grace-over-time": str(grace)},
+        },
+        "spec": {
+            "replicas": pods,
+            "procs_per_pod": 2,
+            "chips_per_pod": 2,
+            "command": command,
+            "hang_detect_seconds": hang_s,
+            "monitor_interval": 0.1,
+        },
+    }
+
+
+def _timeline(path: Path) -> list[tuple[str, int, float]]:
+    if not path.exists():
+        return []
+    events = []
+    for line in path.read_text().splitlines():
+        parts = line.split()
+        if len(parts) == 3:
+            events.append((parts[0], int(parts[1]), float(parts[2])))
+    return events
+
+
+def _from_timeline(path: Path) -> Sample | None:
+    """MTTR and lost steps from the script's own clock: crash -> first step after it."""
+    events = _timeline(path)
+    crash = next(((s, t) for e, s, t in events if e == "crash"), None)
+    if crash is None:
+        return None
+    done_before = max((s for e, s, t in events if e == "step" and t < crash[1]), default=0)
+    after = [(e, s, t) for e, s, t in events if t > crash[1]]
+    resumed = next((s for e, s, _ in after if e == "start"), None)
+    first = next((t for e, _, t in after if e == "step"), None)
+    if first is None:
+        return Sample(False, note="no step after the crash")
+    lost = None if resumed is None else max(0, done_before - resumed)
+    return Sample(True, mttr_s=first - crash[1], lost_steps=lost)
+
+
+def _relaunch_once(workload: str, level: str, tmp: Path) -> Sample:
+    timeline = tmp / "timeline.txt"
+    job = _job(workload, level, timeline)
+    _, fault = LEVELS[level]
+    faults = (
+        []
+        if (workload == "ddp" and level == "job-reschedule")
+        else [{**fault, "at_step": FAULT_STEP}]
+    )
+    (tmp / "job.yaml").write_text(yaml.safe_dump(job))
+    (tmp / "faults.yaml").write_text(yaml.safe_dump({"faults": faults}))
+    (tmp / "cluster.yaml").write_text(yaml.safe_dump(CLUSTER))
+    args = [
+        sys.executable, "-m", "relaunch", "run", str(tmp / "job.yaml"), "--faults", str(tmp / "faults.yaml"),
+        "--cluster", str(tmp / "cluster.yaml"), "--state-dir", str(tmp / "state"),
+        "--report", str(tmp / "report.json"), "--startup-seconds", "90", "-q",
+    ]  # fmt: skip
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT, check=False)
+    report_path = tmp / "report.json"
+    if done.returncode != 0 or not report_path.exists():
+        return Sample(False, note=(done.stderr or done.stdout)[-300:])
+    report = json.loads(report_path.read_text())
+    records = report["recoveries"]
+    if len(records) != 1 or records[0]["action"] != level or records[0]["outcome"] != "succeeded":
+        return Sample(False, note=f"recoveries: {[(r['action'], r['outcome']) for r in records]}")
+    record = records[0]
+    measured = _from_timeline(timeline)
+    if measured is not None:
+        measured.detect_s = record["detect_s"]
+        return measured
+    logs = "\n".join(
+        p.read_text() for p in (tmp / "state" / "jobs").glob("*/pods/*/logs/rank-0.log")
+    )
+    resumes = [int(m) for m in re.findall(r"resume_step=(\d+)", logs)]
+    lost = max(0, FAULT_STEP - resumes[-1]) if len(resumes) > 1 else None
+    return Sample(True, mttr_s=record["mttr_s"], detect_s=record["detect_s"], lost_steps=lost)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _torchrun_once(tmp: Path) -> Sample:
+    """The same DDP script under torchrun --max-restarts=3: two agents (pods) of two workers."""
+    timeline = tmp / "timeline.txt"
+    port = _free_port()
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1"}
+    agents = []
+    for node_rank in range(2):
+        args = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench",
+            "--max-restarts", "3", "--monitor-interval", "0.1",
+            str(DDP), "--steps", "60", "--ckpt-every", "5", "--ckpt-dir", str(tmp / "ckpt"),
+            "--timeline", str(timeline), "--crash-at-step", str(FAULT_STEP),
+        ]  # fmt: skip
+        log = open(tmp / f"torchrun-{node_rank}.log", "w")  # noqa: SIM115
+        agents.append(
+            (
+                subprocess.Popen(
+                    args,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    cwd=ROOT,
+                    start_new_session=True,
+                ),
+                log,
+            )
+        )
+    ok = True
+    deadline = time.time() + 240
+    for proc, log in agents:
+        try:
+            ok = proc.wait(timeout=max(1, deadline - time.time())) == 0 and ok
+        except subprocess.TimeoutExpired:
+            ok = False
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+    measured = _from_timeline(timeline)
+    if measured is None or not ok:
+        return Sample(
+            False, note="torchrun did not finish" if not ok else "no crash in the timeline"
+        )
+    return measured
+
+
+def _row(system: str, level: str, workload: str, samples: list[Sample]) -> Row:
+    good = [s for s in samples if s.ok and s.mttr_s is not None]
+    times = [s.mttr_s for s in good if s.mttr_s is not None]
+    detects = [s.detect_s for s in good if s.detect_s is not None]
+    lost = [s.lost_steps for s in good if s.lost_steps is not None]
+    return Row(
+        system=system,
+        level=level,
+        workload=workload,
+        pods=2,
+        repeats=len(samples),
+        failures=len(samples) - len(good),
+        median_s=round(statistics.median(times), 3) if times else None,
+        min_s=round(min(times), 3) if times else None,
+        max_s=round(max(times), 3) if times else None,
+        detect_s=round(statistics.median(detects), 3) if detects else None,
+        lost_steps=statistics.median(lost) if lost else None,
+        samples=[round(t, 3) for t in times],
+    )
+
+
+def run_bench(options: BenchOptions) -> dict[str, Any]:
+    options.out.mkdir(parents=True, exist_ok=True)
+    repeats = 1 if options.quick else options.repeats
+    plan: list[tuple[str, str, str]] = [("relaunch", "light", level) for level in LEVELS]
+    ddp_levels = ["job-reschedule"] if options.quick else list(LEVELS)
+    plan += [("relaunch", "ddp", level) for level in ddp_levels]
+    plan.append(("torchrun", "ddp", "job-reschedule"))
+    rows = []
+    started = time.time()
+    for system, workload, level in plan:
+        samples = []
+        for i in range(repeats):
+            with tempfile.TemporaryDirectory(prefix="relaunch-bench-") as tmp:
+                sample = (
+                    _torchrun_once(Path(tmp))
+                    if system == "torchrun"
+                    else _relaunch_once(workload, level, Path(tmp))
+                )
+            samples.append(sample)
+            shown = (
+                f"{sample.mttr_s:.2f} s" if sample.mttr_s is not None else f"failed ({sample.note})"
+            )
+            options.progress(
+                f"[{time.time() - started:6.0f} s] {system} {workload} {level} #{i + 1}: MTTR {shown}"
+            )
+        rows.append(_row(system, level, workload, samples))
+    result = {
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "torch": _torch_version(),
+        },
+        "quick": options.quick,
+        "torchrun_env": {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+        "mttr": [asdict(r) for r in rows],
+        "ratios": _ratios(rows),
+        "seconds": round(time.time() - started, 1),
+    }
+    (options.out / "bench.json").write_text(json.dumps(result, indent=2))
+    (options.out / "bench.md").write_text(_markdown(result))
+    _chart(rows, options.out / "bench.png")
+    return result
+
+
+def _torch_version() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    return str(torch.__version__)
+
+
+def _ratios(rows: list[Row]) -> dict[str, float]:
+    baseline = next((r.median_s for r in rows if r.system == "torchrun" and r.median_s), None)
+    if not baseline:
+        return {}
+    return {
+        f"{r.workload}/{r.level}": round(r.median_s / baseline, 3)
+        for r in rows
+        if r.system == "relaunch" and r.workload == "ddp" and r.median_s is not None
+    }
+
+
+def _markdown(result: dict[str, Any]) -> str:
+    lines = [
+        "| system | workload | level | repeats | failed | median MTTR s | min | max | detect s | lost steps |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["mttr"]:
+        cells = [
+            r["system"],
+            r["workload"],
+            r["level"],
+            r["repeats"],
+            r["failures"],
+            r["median_s"],
+            r["min_s"],
+            r["max_s"],
+            r["detect_s"],
+            r["lost_steps"],
+        ]
+        lines.append("| " + " | ".join("-" if c is None else str(c) for c in cells) + " |")
+    if result["ratios"]:
+        lines.append("")
+        lines.append(
+            "relaunch / torchrun (DDP, median MTTR): "
+            + ", ".join(f"{k} {v}" for k, v in result["ratios"].items())
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _chart(rows: list[Row], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [r for r in rows if r.median_s is not None]
+    labels = [f"{r.system}\n{r.workload}\n{r.level}" for r in shown]
+    figure, axes = plt.subplots(figsize=(max(6, 1.1 * len(shown)), 4))
+    colours = ["tab:orange" if r.system == "torchrun" else "tab:blue" for r in shown]
+    axes.bar(range(len(shown)), [r.median_s or 0 for r in shown], color=colours)
+    axes.errorbar(
+        range(len(shown)),
+        [r.median_s or 0 for r in shown],
+        yerr=[
+            [(r.median_s or 0) - (r.min_s or 0) for r in shown],
+            [(r.max_s or 0) - (r.median_s or 0) for r in shown],
+        ],
+        fmt="none",
+        ecolor="black",
+        capsize=3,
+    )
+    axes.set_xticks(range(len(shown)), labels, fontsize=7)
+    axes.set_ylabel("MTTR, s (fault -> first step after recovery)")
+    axes.set_title("Recovery time by level (median, min-max)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

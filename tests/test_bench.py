@@ -1,0 +1,50 @@
+"""`relaunch bench --quick` runs end to end once and writes every field (not checking numbers)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FIELDS = {
+    "system",
+    "level",
+    "workload",
+    "pods",
+    "repeats",
+    "median_s",
+    "min_s",
+    "max_s",
+    "detect_s",
+    "lost_steps",
+}
+LEVELS = {"job-reschedule", "in-place", "hang-restart", "pod-reschedule", "isolated-job-reschedule"}
+
+
+def test_quick_bench_writes_json_markdown_and_chart(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    done = subprocess.run(
+        [sys.executable, "-m", "relaunch", "bench", "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads((out / "bench.json").read_text())
+    rows = result["mttr"]
+    assert all(FIELDS <= set(row) for row in rows)
+    assert {
+        r["level"] for r in rows if r["system"] == "relaunch" and r["workload"] == "light"
+    } == LEVELS
+    assert {(r["system"], r["workload"], r["level"]) for r in rows} >= {
+        ("relaunch", "ddp", "job-reschedule"),
+        ("torchrun", "ddp", "job-reschedule"),
+    }
+    assert all(r["failures"] == 0 for r in rows if r["system"] == "relaunch")
+    assert "ddp/job-reschedule" in result["ratios"]
+    assert (out / "bench.md").read_text().startswith("| system |")
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
