@@ -34,7 +34,6 @@ from relaunch.wire import Connection, write_controller_address
 
 __all__ = ["Controller", "RunOptions"]
 
-RESTARTS = (Action.IN_PLACE, Action.HANG_RESTART, Action.POD_RESCHEDULE)
 JOB_LEVEL = (Action.ISOLATED_JOB_RESCHEDULE, Action.JOB_RESCHEDULE)
 UNSUPPORTED = {
     Action.PROCESS_RETRY: "process-level online retry needs the training SDK's step rollback",
