@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
+
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = {
     "system",
@@ -46,5 +48,14 @@ def test_quick_bench_writes_json_markdown_and_chart(tmp_path: Path) -> None:
     }
     assert all(r["failures"] == 0 for r in rows if r["system"] == "relaunch")
     assert "ddp/job-reschedule" in result["ratios"]
+    hangs = {h["system"]: h for h in result["hang"]}
+    assert hangs["relaunch"]["detected"] and hangs["relaunch"]["detect_s"] is not None
+    assert set(hangs["torchrun"]) >= {"detected", "detect_s", "mttr_s", "note"}
     assert (out / "bench.md").read_text().startswith("| system |")
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    left = [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if "relaunch-bench-" in " ".join(p.info["cmdline"] or [])
+    ]
+    assert not left, "benchmark processes outlived the benchmark"

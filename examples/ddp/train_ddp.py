@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -52,6 +53,9 @@ def main() -> None:
         "--crash-at-step", type=int, default=None, help="benchmarks: exit 1 here, first start only"
     )
     parser.add_argument("--crash-rank", type=int, default=3)
+    parser.add_argument(
+        "--hang-at-step", type=int, default=None, help="benchmarks: SIGSTOP here, first start only"
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -61,7 +65,7 @@ def main() -> None:
     )
 
     def mark(event: str, step: int) -> None:
-        if args.timeline and (job.rank == 0 or event == "crash"):
+        if args.timeline and (job.rank == 0 or event in ("crash", "hang")):
             with open(args.timeline, "a") as timeline:
                 timeline.write(f"{event} {step} {time.time():.6f}\n")
 
@@ -104,6 +108,9 @@ def main() -> None:
         if first_start and step == args.crash_at_step and job.rank == args.crash_rank:
             mark("crash", step)
             os._exit(1)
+        if first_start and step == args.hang_at_step and job.rank == args.crash_rank:
+            mark("hang", step)
+            os.kill(os.getpid(), signal.SIGSTOP)
         with ckpt.step(step):
             x, y = batch(step, job.rank)
             optimizer.zero_grad()

@@ -16,7 +16,6 @@ import json
 import os
 import platform
 import re
-import signal
 import socket
 import statistics
 import subprocess
@@ -29,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from relaunch.cluster.local import kill_tree
 
 __all__ = ["BenchOptions", "run_bench"]
 
@@ -191,6 +192,83 @@ def _relaunch_once(workload: str, level: str, tmp: Path) -> Sample:
     return Sample(True, mttr_s=record["mttr_s"], detect_s=record["detect_s"], lost_steps=lost)
 
 
+def _relaunch_hang(window: float, tmp: Path) -> dict[str, Any]:
+    """A rank stopped with SIGSTOP under relaunch, hang window `window` s (light workload)."""
+    job = _job("light", "hang-restart", None)
+    job["spec"]["hang_detect_seconds"] = window
+    job["spec"]["command"] = f"python {TOY} --steps 40 --step-seconds 0.03 --ckpt-every 5"
+    (tmp / "job.yaml").write_text(yaml.safe_dump(job))
+    (tmp / "faults.yaml").write_text(
+        yaml.safe_dump({"faults": [{**LEVELS["hang-restart"][1], "at_step": FAULT_STEP}]})
+    )
+    (tmp / "cluster.yaml").write_text(yaml.safe_dump(CLUSTER))
+    args = [
+        sys.executable, "-m", "relaunch", "run", str(tmp / "job.yaml"), "--faults", str(tmp / "faults.yaml"),
+        "--cluster", str(tmp / "cluster.yaml"), "--state-dir", str(tmp / "state"),
+        "--report", str(tmp / "report.json"), "--startup-seconds", "90", "-q",
+    ]  # fmt: skip
+    subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT, check=False)
+    row: dict[str, Any] = {"system": "relaunch", "workload": "light", "window_s": window}
+    try:
+        record = json.loads((tmp / "report.json").read_text())["recoveries"][0]
+    except (OSError, ValueError, IndexError, KeyError):
+        return {**row, "detected": False, "detect_s": None, "mttr_s": None, "note": "no record"}
+    ok = record["action"] == "hang-restart" and record["outcome"] == "succeeded"
+    return {
+        **row,
+        "detected": ok,
+        "detect_s": record["detect_s"],
+        "mttr_s": record["mttr_s"],
+        "note": "",
+    }
+
+
+def _torchrun_hang(limit: float, tmp: Path) -> dict[str, Any]:
+    """The same SIGSTOP under torchrun, which has no hang detector: does anything restart the job
+    within `limit` s? (The script's gloo group times out after 60 s.)"""
+    timeline = tmp / "timeline.txt"
+    agents = _start_torchrun(tmp, timeline, ["--hang-at-step", str(FAULT_STEP)])
+    deadline = time.time() + 120
+    hung_at = None
+    while time.time() < deadline:
+        events = _timeline(timeline)
+        hung_at = next((t for e, _, t in events if e == "hang"), hung_at)
+        if hung_at is not None and (
+            time.time() - hung_at > limit or any(e == "start" and t > hung_at for e, _, t in events)
+        ):
+            break
+        time.sleep(0.2)
+    _stop_torchrun(agents)
+    row: dict[str, Any] = {"system": "torchrun", "workload": "ddp", "window_s": None}
+    if hung_at is None:
+        return {
+            **row,
+            "detected": False,
+            "detect_s": None,
+            "mttr_s": None,
+            "note": "the hang never happened",
+        }
+    events = _timeline(timeline)
+    restart = next((t for e, _, t in events if e == "start" and t > hung_at), None)
+    step = next((t for e, _, t in events if e == "step" and t > hung_at), None)
+    if restart is None or restart - hung_at > limit:
+        return {
+            **row,
+            "detected": False,
+            "detect_s": None,
+            "mttr_s": None,
+            "note": f"not detected within {limit:g} s",
+        }
+    mttr = None if step is None else round(step - hung_at, 3)
+    return {
+        **row,
+        "detected": True,
+        "detect_s": round(restart - hung_at, 3),
+        "mttr_s": mttr,
+        "note": "restarted",
+    }
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -198,9 +276,10 @@ def _free_port() -> int:
         return port
 
 
-def _torchrun_once(tmp: Path) -> Sample:
-    """The same DDP script under torchrun --max-restarts=3: two agents (pods) of two workers."""
-    timeline = tmp / "timeline.txt"
+def _start_torchrun(
+    tmp: Path, timeline: Path, extra: list[str]
+) -> list[tuple[subprocess.Popen[bytes], Any]]:
+    """The DDP script under torchrun --max-restarts=3: two agents (pods) of two workers."""
     port = _free_port()
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1"}
     agents = []
@@ -210,32 +289,35 @@ def _torchrun_once(tmp: Path) -> Sample:
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench",
             "--max-restarts", "3", "--monitor-interval", "0.1",
             str(DDP), "--steps", "60", "--ckpt-every", "5", "--ckpt-dir", str(tmp / "ckpt"),
-            "--timeline", str(timeline), "--crash-at-step", str(FAULT_STEP),
+            "--timeline", str(timeline), *extra,
         ]  # fmt: skip
         log = open(tmp / f"torchrun-{node_rank}.log", "w")  # noqa: SIM115
-        agents.append(
-            (
-                subprocess.Popen(
-                    args,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                    cwd=ROOT,
-                    start_new_session=True,
-                ),
-                log,
-            )
+        proc = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
         )
+        agents.append((proc, log))
+    return agents
+
+
+def _stop_torchrun(agents: list[tuple[subprocess.Popen[bytes], Any]], wait_s: float = 0.0) -> bool:
+    """Wait up to `wait_s` for both agents to finish; kill whatever is left. True if both exited 0."""
     ok = True
-    deadline = time.time() + 240
+    deadline = time.time() + wait_s
     for proc, log in agents:
         try:
-            ok = proc.wait(timeout=max(1, deadline - time.time())) == 0 and ok
+            ok = proc.wait(timeout=max(0.01, deadline - time.time())) == 0 and ok
         except subprocess.TimeoutExpired:
             ok = False
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        kill_tree(proc.pid)  # torchrun's workers run in sessions of their own
+        proc.wait()
         log.close()
+    return ok
+
+
+def _torchrun_once(tmp: Path) -> Sample:
+    timeline = tmp / "timeline.txt"
+    agents = _start_torchrun(tmp, timeline, ["--crash-at-step", str(FAULT_STEP)])
+    ok = _stop_torchrun(agents, wait_s=240)
     measured = _from_timeline(timeline)
     if measured is None or not ok:
         return Sample(
@@ -291,6 +373,17 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
                 f"[{time.time() - started:6.0f} s] {system} {workload} {level} #{i + 1}: MTTR {shown}"
             )
         rows.append(_row(system, level, workload, samples))
+    hangs = []
+    windows = [2.0] if options.quick else [5.0, 10.0, 20.0]
+    for window in windows:
+        with tempfile.TemporaryDirectory(prefix="relaunch-bench-") as tmp:
+            hangs.append(_relaunch_hang(window, Path(tmp)))
+        options.progress(
+            f"[{time.time() - started:6.0f} s] relaunch hang, window {window:g} s: {hangs[-1]}"
+        )
+    with tempfile.TemporaryDirectory(prefix="relaunch-bench-") as tmp:
+        hangs.append(_torchrun_hang(10.0 if options.quick else 90.0, Path(tmp)))
+    options.progress(f"[{time.time() - started:6.0f} s] torchrun hang: {hangs[-1]}")
     result = {
         "machine": {
             "cpus": os.cpu_count(),
@@ -301,6 +394,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         "quick": options.quick,
         "torchrun_env": {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
         "mttr": [asdict(r) for r in rows],
+        "hang": hangs,
         "ratios": _ratios(rows),
         "seconds": round(time.time() - started, 1),
     }
@@ -346,6 +440,22 @@ def _markdown(result: dict[str, Any]) -> str:
             r["max_s"],
             r["detect_s"],
             r["lost_steps"],
+        ]
+        lines.append("| " + " | ".join("-" if c is None else str(c) for c in cells) + " |")
+    lines += [
+        "",
+        "| system | workload | hang window s | detected | detect s | MTTR s | note |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for h in result["hang"]:
+        cells = [
+            h["system"],
+            h["workload"],
+            h["window_s"],
+            h["detected"],
+            h["detect_s"],
+            h["mttr_s"],
+            h["note"],
         ]
         lines.append("| " + " | ".join("-" if c is None else str(c) for c in cells) + " |")
     if result["ratios"]:
