@@ -154,15 +154,10 @@ def _from_timeline(path: Path) -> Sample | None:
     return Sample(True, mttr_s=first - crash[1], lost_steps=lost)
 
 
-def _relaunch_once(workload: str, level: str, tmp: Path) -> Sample:
-    timeline = tmp / "timeline.txt"
-    job = _job(workload, level, timeline)
-    _, fault = LEVELS[level]
-    faults = (
-        []
-        if (workload == "ddp" and level == "job-reschedule")
-        else [{**fault, "at_step": FAULT_STEP}]
-    )
+def _run_relaunch(
+    tmp: Path, job: dict[str, Any], faults: list[dict[str, Any]]
+) -> dict[str, Any] | None:
+    """`relaunch run` of one job with one fault plan on a fresh embedded cluster; its report."""
     (tmp / "job.yaml").write_text(yaml.safe_dump(job))
     (tmp / "faults.yaml").write_text(yaml.safe_dump({"faults": faults}))
     (tmp / "cluster.yaml").write_text(yaml.safe_dump(CLUSTER))
@@ -174,12 +169,37 @@ def _relaunch_once(workload: str, level: str, tmp: Path) -> Sample:
     done = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT, check=False)
     report_path = tmp / "report.json"
     if done.returncode != 0 or not report_path.exists():
-        return Sample(False, note=(done.stderr or done.stdout)[-300:])
-    report = json.loads(report_path.read_text())
-    records = report["recoveries"]
+        return None
+    report: dict[str, Any] = json.loads(report_path.read_text())
+    return report
+
+
+def _single_recovery(report: dict[str, Any] | None, level: str) -> dict[str, Any] | None:
+    """The report's one recovery record, if it is `level` and it worked."""
+    records = report["recoveries"] if report else []
     if len(records) != 1 or records[0]["action"] != level or records[0]["outcome"] != "succeeded":
-        return Sample(False, note=f"recoveries: {[(r['action'], r['outcome']) for r in records]}")
-    record = records[0]
+        return None
+    record: dict[str, Any] = records[0]
+    return record
+
+
+def _relaunch_once(workload: str, level: str, tmp: Path) -> Sample:
+    timeline = tmp / "timeline.txt"
+    _, fault = LEVELS[level]
+    faults = (
+        []
+        if (workload == "ddp" and level == "job-reschedule")
+        else [{**fault, "at_step": FAULT_STEP}]
+    )
+    report = _run_relaunch(tmp, _job(workload, level, timeline), faults)
+    record = _single_recovery(report, level)
+    if record is None:
+        shown = (
+            [(r["action"], r["outcome"]) for r in report["recoveries"]]
+            if report
+            else "the run failed"
+        )
+        return Sample(False, note=f"recoveries: {shown}")
     measured = _from_timeline(timeline)
     if measured is not None:
         measured.detect_s = record["detect_s"]
@@ -197,26 +217,20 @@ def _relaunch_hang(window: float, tmp: Path) -> dict[str, Any]:
     job = _job("light", "hang-restart", None)
     job["spec"]["hang_detect_seconds"] = window
     job["spec"]["command"] = f"python {TOY} --steps 40 --step-seconds 0.03 --ckpt-every 5"
-    (tmp / "job.yaml").write_text(yaml.safe_dump(job))
-    (tmp / "faults.yaml").write_text(
-        yaml.safe_dump({"faults": [{**LEVELS["hang-restart"][1], "at_step": FAULT_STEP}]})
-    )
-    (tmp / "cluster.yaml").write_text(yaml.safe_dump(CLUSTER))
-    args = [
-        sys.executable, "-m", "relaunch", "run", str(tmp / "job.yaml"), "--faults", str(tmp / "faults.yaml"),
-        "--cluster", str(tmp / "cluster.yaml"), "--state-dir", str(tmp / "state"),
-        "--report", str(tmp / "report.json"), "--startup-seconds", "90", "-q",
-    ]  # fmt: skip
-    subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT, check=False)
+    report = _run_relaunch(tmp, job, [{**LEVELS["hang-restart"][1], "at_step": FAULT_STEP}])
+    record = _single_recovery(report, "hang-restart")
     row: dict[str, Any] = {"system": "relaunch", "workload": "light", "window_s": window}
-    try:
-        record = json.loads((tmp / "report.json").read_text())["recoveries"][0]
-    except (OSError, ValueError, IndexError, KeyError):
-        return {**row, "detected": False, "detect_s": None, "mttr_s": None, "note": "no record"}
-    ok = record["action"] == "hang-restart" and record["outcome"] == "succeeded"
+    if record is None:
+        return {
+            **row,
+            "detected": False,
+            "detect_s": None,
+            "mttr_s": None,
+            "note": "no hang-restart",
+        }
     return {
         **row,
-        "detected": ok,
+        "detected": True,
         "detect_s": record["detect_s"],
         "mttr_s": record["mttr_s"],
         "note": "",
@@ -423,41 +437,27 @@ def _ratios(rows: list[Row]) -> dict[str, float]:
     }
 
 
+MTTR_COLUMNS = {
+    "system": "system", "workload": "workload", "level": "level", "repeats": "repeats",
+    "failures": "failed", "median_s": "median MTTR s", "min_s": "min", "max_s": "max",
+    "detect_s": "detect s", "lost_steps": "lost steps",
+}  # fmt: skip
+HANG_COLUMNS = {
+    "system": "system", "workload": "workload", "window_s": "hang window s", "detected": "detected",
+    "detect_s": "detect s", "mttr_s": "MTTR s", "note": "note",
+}  # fmt: skip
+
+
+def _table(rows: list[dict[str, Any]], columns: dict[str, str]) -> list[str]:
+    lines = ["| " + " | ".join(columns.values()) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        cells = ("-" if row[key] is None else str(row[key]) for key in columns)
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def _markdown(result: dict[str, Any]) -> str:
-    lines = [
-        "| system | workload | level | repeats | failed | median MTTR s | min | max | detect s | lost steps |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in result["mttr"]:
-        cells = [
-            r["system"],
-            r["workload"],
-            r["level"],
-            r["repeats"],
-            r["failures"],
-            r["median_s"],
-            r["min_s"],
-            r["max_s"],
-            r["detect_s"],
-            r["lost_steps"],
-        ]
-        lines.append("| " + " | ".join("-" if c is None else str(c) for c in cells) + " |")
-    lines += [
-        "",
-        "| system | workload | hang window s | detected | detect s | MTTR s | note |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for h in result["hang"]:
-        cells = [
-            h["system"],
-            h["workload"],
-            h["window_s"],
-            h["detected"],
-            h["detect_s"],
-            h["mttr_s"],
-            h["note"],
-        ]
-        lines.append("| " + " | ".join("-" if c is None else str(c) for c in cells) + " |")
+    lines = [*_table(result["mttr"], MTTR_COLUMNS), "", *_table(result["hang"], HANG_COLUMNS)]
     if result["ratios"]:
         lines.append("")
         lines.append(
