@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import fcntl
 import json
 import os
 import sys
@@ -18,14 +16,11 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
-from relaunch import __version__
-from relaunch.chaos import parse_plan
-from relaunch.cluster.config import parse_cluster
-from relaunch.cluster.local import LocalCluster
-from relaunch.controller import Controller, RunOptions, create_pods
+from relaunch import __version__, runner
+from relaunch.controller import Controller, RunOptions
 from relaunch.errors import MISSING, InputError, Problem
-from relaunch.faults import DEFAULT_TABLE, EscalationRules, Fault, FaultCodeTable, FaultKind
-from relaunch.files import load_fault_table, load_job, read_document
+from relaunch.faults import EscalationRules, Fault, FaultCodeTable, FaultKind
+from relaunch.files import load_job, read_document
 from relaunch.policy import ClusterView, Decision, JobHistory, PodView, plan
 from relaunch.report import build_report
 from relaunch.spec import JobSpec, parse_job, process_recovery_env
@@ -66,13 +61,6 @@ def _fail_input(error: InputError) -> typer.Exit:
     return typer.Exit(EXIT_INVALID)
 
 
-def _table_from(path: Path | None) -> tuple[FaultCodeTable, EscalationRules]:
-    if path is None:
-        return DEFAULT_TABLE, EscalationRules()
-    loaded = load_fault_table(path)
-    return DEFAULT_TABLE.overridden_by(loaded.rows), loaded.escalation or EscalationRules()
-
-
 FaultTableOption = Annotated[
     Path | None,
     typer.Option("--fault-table", help="YAML/JSON file that overrides fault codes and escalation."),
@@ -90,7 +78,7 @@ def validate(
     """Check a job spec; print its effective recovery settings, or every problem (exit 2)."""
     try:
         job = load_job(file)
-        table, rules = _table_from(fault_table)
+        table, rules = runner.table_from(fault_table)
     except InputError as error:
         raise _fail_input(error) from None
     if as_json:
@@ -243,7 +231,7 @@ def _print_ladder(job: JobSpec, table: FaultCodeTable, rules: EscalationRules) -
 def faults(fault_table: FaultTableOption = None) -> None:
     """List the fault code table: levels, severities, user-induced codes."""
     try:
-        table, rules = _table_from(fault_table)
+        table, rules = runner.table_from(fault_table)
     except InputError as error:
         raise _fail_input(error) from None
     view = Table(title=f"{len(table)} fault codes", title_justify="left", show_edge=False)
@@ -330,51 +318,43 @@ def run(
     """Run a job on the embedded cluster until it succeeds or fails (exit 0 / 1; 2 for bad input)."""
     directory = _state_dir(state_dir)
     try:
-        lock = _lock(directory)
+        held = runner.lock(directory)
     except RuntimeError as error:
         err.print(f"[bold red]error:[/] {error}", highlight=False)
         raise typer.Exit(EXIT_INVALID) from None
     try:
-        table, rules = _table_from(fault_table)
-        cluster_raw = read_document(cluster_file) if cluster_file else None
+        table, rules = runner.table_from(fault_table)
         store = Store(directory / "relaunch.db")
-        job_row = _unfinished(store, job_file) if resume else None
-        if job_row is not None and cluster_raw is None:
-            cluster_raw = job_row.spec.get("cluster")
-        if nodes_count is not None or chips_per_node is not None:
-            cluster_raw = dict(cluster_raw or {})
-            if nodes_count is not None:
-                cluster_raw["nodes"] = nodes_count
-            if chips_per_node is not None:
-                cluster_raw["chips_per_node"] = chips_per_node
-        cluster = parse_cluster(cluster_raw, source=str(cluster_file or "cluster settings"))
-        store.ensure_nodes([(n.name, n.chips) for n in cluster.nodes])
-        if job_row is not None:
-            job = parse_job(job_row.spec["raw"], source=job_row.spec["source"])
-            plan = parse_plan(job_row.plan, source="stored fault plan") if job_row.plan else ()
-            job_id = job_row.id
+        if resume:
+            job_id = _unfinished(store, job_file).id
         else:
             if job_file is None:
                 raise InputError("relaunch run", [Problem("JOB", MISSING, "a job file to run")])
-            raw = read_document(job_file)
-            job = parse_job(raw, source=str(job_file))
+            cluster_raw = read_document(cluster_file) if cluster_file else None
+            if nodes_count is not None or chips_per_node is not None:
+                cluster_raw = dict(cluster_raw or {})
+                if nodes_count is not None:
+                    cluster_raw["nodes"] = nodes_count
+                if chips_per_node is not None:
+                    cluster_raw["chips_per_node"] = chips_per_node
             plan_raw = read_document(faults_file) if faults_file else None
-            plan = parse_plan(plan_raw, source=str(faults_file)) if faults_file else ()
-            plan_list = (
-                plan_raw.get("faults", []) if isinstance(plan_raw, dict) else (plan_raw or [])
+            submission = runner.Submission(
+                raw=read_document(job_file),
+                source=str(job_file),
+                cwd=os.getcwd(),
+                cluster=cluster_raw,
+                plan=runner.plan_entries(plan_raw, source=str(faults_file)),
+                fault_table=str(fault_table.resolve()) if fault_table else None,
+                startup_s=startup_s,
             )
-            _abandon_unfinished(store, directory)
-            submitted = {
-                "raw": raw,
-                "source": str(job_file),
-                "cwd": os.getcwd(),
-                "cluster": cluster_raw,
-            }
-            job_id = store.create_job(job.name, submitted, plan_list, time.time())
-            create_pods(store, directory, job_id, job)
+            runner.abandon_unfinished(store, directory)
+            job_id = runner.submit(store, submission, time.time())
+            store.claim_job(job_id, time.time())
     except InputError as error:
+        held.close()
         raise _fail_input(error) from None
     except RuntimeError as error:
+        held.close()
         err.print(f"[bold red]error:[/] {error}", highlight=False)
         raise typer.Exit(EXIT_INVALID) from None
 
@@ -387,39 +367,42 @@ def run(
                 f"[dim]\\[pod {pod} rank {rank}][/] {escape(line)}", highlight=False, soft_wrap=True
             )
 
-    if job.working_dir is None:
-        job_row = store.job(job_id)
-        job = dataclasses.replace(job, working_dir=job_row.spec.get("cwd"))
+    def on_start(controller: Controller) -> None:
+        out.print(
+            f"[bold cyan][relaunch][/] job {controller.spec.name} (id {job_id}): "
+            f"{controller.spec.replicas} pod(s) x {controller.spec.procs_per_pod} process(es) on "
+            f"{len(controller.cluster.nodes)} node(s); state in {directory}",
+            highlight=False,
+        )
+
     live = _LiveView(store, job_id) if out.is_terminal else None
-    controller = Controller(
-        store,
-        LocalCluster(directory),
-        directory,
-        cluster,
-        job_id,
-        job,
-        plan,
-        RunOptions(startup_s=startup_s, table=table, rules=rules, resume=resume),
-        on_event=on_event,
-        on_output=on_output,
-        on_tick=live.refresh if live else None,
-    )
-    out.print(
-        f"[bold cyan][relaunch][/] job {job.name} (id {job_id}): {job.replicas} pod(s) x "
-        f"{job.procs_per_pod} process(es) on {len(cluster.nodes)} node(s); state in {directory}",
-        highlight=False,
-    )
     try:
         if live is not None:
             live.start()
-        status, _ = controller.run()
-    except KeyboardInterrupt:
-        controller.stop("stopped by the user (Ctrl-C)")
-        status = JobStatus.STOPPED
+        status = runner.run_job(
+            store,
+            directory,
+            job_id,
+            resume=resume,
+            options=RunOptions(startup_s=startup_s, table=table, rules=rules),
+            on_event=on_event,
+            on_output=on_output,
+            on_tick=live.refresh if live else None,
+            on_start=on_start,
+        )
+    except (InputError, RuntimeError) as error:
+        store.update_job(
+            job_id,
+            status=JobStatus.FAILED,
+            reason=f"could not start: {error}",
+            ended_at=time.time(),
+        )
+        err.print(f"[bold red]error:[/] {error}", highlight=False)
+        raise typer.Exit(EXIT_INVALID) from None
     finally:
         if live is not None:
             live.stop()
-        lock.close()
+        held.close()
     summary = build_report(store, job_id)
     _print_summary(summary)
     if report is not None:
@@ -464,33 +447,8 @@ class _LiveView:
         self.live.update(view, refresh=True)
 
 
-def _lock(directory: Path) -> Any:
-    handle = open(directory / "run.lock", "a+")  # noqa: SIM115
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.close()
-        raise RuntimeError(
-            f"another `relaunch run` is using {directory}; wait for it or pass another --state-dir"
-        ) from None
-    return handle
-
-
-def _abandon_unfinished(store: Store, directory: Path) -> None:
-    """A new run on a state directory ends what an earlier, dead `relaunch run` left behind."""
-    leftovers = [j for j in store.jobs() if not j.status.ended]
-    for job in leftovers:
-        store.update_job(
-            job.id,
-            status=JobStatus.STOPPED,
-            reason="abandoned: its controller died and `relaunch run --resume` was not used",
-            ended_at=time.time(),
-        )
-    LocalCluster(directory).shutdown()
-
-
 def _unfinished(store: Store, ref: Path | None) -> Any:
-    jobs = [j for j in store.jobs() if not j.status.ended]
+    jobs = [j for j in store.jobs() if j.status.active]
     if ref is not None:
         jobs = [j for j in jobs if j.name == str(ref) or str(j.id) == str(ref)]
     if not jobs:

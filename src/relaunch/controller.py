@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from relaunch.chaos import ChaosEntry, ChaosKind
+from relaunch.chaos import ChaosEntry, ChaosKind, parse_plan
 from relaunch.cluster.config import ClusterConfig
 from relaunch.cluster.local import LocalCluster
 from relaunch.faults import DEFAULT_TABLE, EscalationRules, Fault, FaultCodeTable, FaultKind
@@ -257,6 +257,7 @@ class Controller:
     def tick(self) -> None:
         self._drain(0.05)
         now = time.time()
+        self._check_requests(now)
         self._check_heartbeats(now)
         self._check_launchers(now)
         self._check_hangs(now)
@@ -265,6 +266,24 @@ class Controller:
         self._check_done(now)
         if self.on_tick is not None:
             self.on_tick()
+
+    def _check_requests(self, now: float) -> None:
+        """What was asked of the job through the store (API, `relaunch stop`), level-triggered."""
+        job = self.store.job(self.job_id)
+        if job.status.ended:
+            return
+        if job.stop_requested:
+            self.store.update_job(
+                self.job_id,
+                status=JobStatus.STOPPED,
+                reason=f"stopped: {job.stop_requested}",
+                ended_at=now,
+            )
+            self.event(f"stopping the job: {job.stop_requested}")
+            return
+        if len(job.plan) != len(self.plan):
+            self.plan = parse_plan(job.plan, source="stored fault plan")
+            self.event(f"fault plan now has {len(self.plan)} entr(ies)")
 
     def _drain(self, timeout: float) -> None:
         try:
@@ -316,8 +335,9 @@ class Controller:
                 self.uses_sdk = True
                 self.step = max(self.step or 0, int(m["step"]))
                 if time.time() - self.step_saved_at > 0.5:
-                    self.store.update_job(self.job_id, last_step=self.step)
                     self.step_saved_at = time.time()
+                    self.store.update_job(self.job_id, last_step=self.step)
+                    self.store.add_progress(self.job_id, self.step_saved_at, self.step)
             self._verify(link, rank, kind, m["attempt"])
         elif kind == "exit":
             self._exit(link, m)
@@ -359,6 +379,11 @@ class Controller:
 
     def _chip_health(self, m: dict[str, Any]) -> None:
         node = m["node"]
+        self.store.set_chip_health(
+            node,
+            [{"chip": f["chip"], "code": f["code"], "kind": f["kind"]} for f in m["faults"]],
+            time.time(),
+        )
         pod = next((p.idx for p in self.store.pods(self.job_id) if p.node == node), None)
         row = self.store.node(node)
         if m["faults"] and row is not None and row.state is NodeState.READY:

@@ -56,7 +56,19 @@ CREATE TABLE IF NOT EXISTS chaos_fired (
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY, job_id INTEGER, at REAL NOT NULL, text TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS progress (
+    job_id INTEGER NOT NULL, at REAL NOT NULL, step INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS progress_job ON progress (job_id, at);
 """
+
+# Columns added after the first release: a state directory written by an older relaunch gains them.
+MIGRATIONS = (
+    ("jobs", "project", "TEXT NOT NULL DEFAULT 'default'"),
+    ("jobs", "stop_requested", "TEXT"),
+    ("nodes", "chip_faults", "TEXT NOT NULL DEFAULT '[]'"),
+    ("nodes", "last_heartbeat", "REAL"),
+)
 
 
 class NodeState(StrEnum):
@@ -73,6 +85,11 @@ class JobStatus(StrEnum):
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"
     STOPPED = "Stopped"
+
+    @property
+    def active(self) -> bool:
+        """A controller owns the job (or owned it and died: the job waits to be resumed)."""
+        return self in (JobStatus.RUNNING, JobStatus.RECOVERING)
 
     @property
     def ended(self) -> bool:
@@ -93,6 +110,9 @@ class NodeRow:
     isolated_at: float | None
     reason: str
     position: int
+    chip_faults: tuple[dict[str, Any], ...] = ()
+    """The chips the node's agent reports faulty: chip, code, kind, since."""
+    last_heartbeat: float | None = None
 
     @property
     def schedulable(self) -> bool:
@@ -113,6 +133,9 @@ class JobRow:
     attempt_started_at: float | None
     master_port: int
     last_step: int | None
+    project: str = "default"
+    stop_requested: str | None = None
+    """Why a stop was asked for (API or CLI) while the job ran; its controller carries it out."""
 
 
 @dataclass(frozen=True)
@@ -211,6 +234,10 @@ class Store:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
+        for table, column, declaration in MIGRATIONS:
+            known = {r["name"] for r in self._db.execute(f"PRAGMA table_info({table})")}
+            if column not in known:
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
 
     def close(self) -> None:
         self._db.close()
@@ -247,6 +274,8 @@ class Store:
                 r["isolated_at"],
                 r["reason"],
                 r["position"],
+                tuple(json.loads(r["chip_faults"])),
+                r["last_heartbeat"],
             )
             for r in rows
         ]
@@ -264,18 +293,78 @@ class Store:
             (state.value, reason, isolated_at, name),
         )
 
+    def set_chip_health(self, name: str, faults: Sequence[Mapping[str, Any]], at: float) -> None:
+        """What a node's last heartbeat said of its chips (only changes are written)."""
+        text = json.dumps(list(faults), sort_keys=True)
+        self._db.execute(
+            "UPDATE nodes SET chip_faults = ?, last_heartbeat = ? WHERE name = ? "
+            "AND (chip_faults != ? OR last_heartbeat IS NULL OR ? - last_heartbeat > 1.0)",
+            (text, at, name, text, at),
+        )
+
     # -- jobs -----------------------------------------------------------------------------------
 
     def create_job(
-        self, name: str, spec: Mapping[str, Any], plan: Sequence[Mapping[str, Any]], now: float
+        self,
+        name: str,
+        spec: Mapping[str, Any],
+        plan: Sequence[Mapping[str, Any]],
+        now: float,
+        project: str = "default",
     ) -> int:
         cursor = self._db.execute(
-            "INSERT INTO jobs (name, spec, plan, status, created_at, attempt_started_at) "
-            "VALUES (?, ?, ?, ?, ?, ?)",
-            (name, json.dumps(spec), json.dumps(list(plan)), JobStatus.PENDING.value, now, now),
+            "INSERT INTO jobs (name, spec, plan, status, created_at, attempt_started_at, project) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (
+                name,
+                json.dumps(spec),
+                json.dumps(list(plan)),
+                JobStatus.PENDING.value,
+                now,
+                now,
+                project,
+            ),
         )
         assert cursor.lastrowid is not None
         return cursor.lastrowid
+
+    def claim_job(self, job_id: int, now: float) -> bool:
+        """Pending -> Running for exactly one runner; False if it was stopped or taken meanwhile."""
+        cursor = self._db.execute(
+            "UPDATE jobs SET status = ?, attempt_started_at = ? WHERE id = ? AND status = ?",
+            (JobStatus.RUNNING.value, now, job_id, JobStatus.PENDING.value),
+        )
+        return cursor.rowcount == 1
+
+    def request_stop(self, job_id: int, reason: str, now: float) -> JobStatus:
+        """A pending job stops at once; a running one is marked and its controller stops it."""
+        with self.transaction():
+            job = self.job(job_id)
+            if job.status is JobStatus.PENDING:
+                self.update_job(job_id, status=JobStatus.STOPPED, reason=reason, ended_at=now)
+                return JobStatus.STOPPED
+            if not job.status.ended:
+                self.update_job(job_id, stop_requested=reason)
+            return job.status
+
+    def append_plan(self, job_id: int, entries: Sequence[Mapping[str, Any]]) -> int:
+        """Adds fault-plan entries to a job; returns the index of the first one added."""
+        with self.transaction():
+            plan = self.job(job_id).plan
+            self.update_job(job_id, plan=json.dumps([*plan, *entries]))
+        return len(plan)
+
+    def add_progress(self, job_id: int, at: float, step: int) -> None:
+        self._db.execute(
+            "INSERT INTO progress (job_id, at, step) VALUES (?, ?, ?)", (job_id, at, step)
+        )
+
+    def progress(self, job_id: int, since: float | None = None) -> list[tuple[float, int]]:
+        rows = self._db.execute(
+            "SELECT at, step FROM progress WHERE job_id = ? AND at > ? ORDER BY at",
+            (job_id, since if since is not None else 0.0),
+        ).fetchall()
+        return [(r["at"], r["step"]) for r in rows]
 
     def job(self, job_id: int) -> JobRow:
         row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
@@ -311,6 +400,8 @@ class Store:
             r["attempt_started_at"],
             r["master_port"],
             r["last_step"],
+            r["project"],
+            r["stop_requested"],
         )
 
     def update_job(self, job_id: int, **fields: Any) -> None:
