@@ -29,7 +29,15 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-unit: $(STAMP)
+# The dashboard's browser test drives Debian's Chromium (headless); installed here when missing.
+CHROMIUM := /usr/bin/chromium
+SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+$(CHROMIUM):
+	@command -v apt-get >/dev/null || { echo "error: the dashboard test needs Chromium at $(CHROMIUM) (Debian's package 'chromium')"; exit 1; }
+	$(SUDO) apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends chromium >/dev/null
+
+unit: $(STAMP) $(CHROMIUM)
 	$(BIN)/pytest -q
 
 # Sets up and runs everything CI runs: lint, types, tests.

@@ -184,3 +184,83 @@ def kill_all(state_dir: Path) -> None:
             process.kill()
         except psutil.NoSuchProcess:
             pass
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class Server:
+    """`relaunch server` as an operator starts it: a real process on a loopback port."""
+
+    def __init__(self, tmp: Path, *extra: str, cluster: dict[str, Any] | None = None) -> None:
+        self.dir = tmp
+        self.state = tmp / "state"
+        self.extra = extra
+        self.cluster_file = tmp / "cluster.yaml"
+        self.cluster_file.write_text(yaml.safe_dump(cluster or FAST_CLUSTER))
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen[str] | None = None
+        self.output = ""
+
+    def start(self, timeout: float = 20) -> Server:
+        import httpx
+
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "relaunch",
+                "server",
+                "--port",
+                str(self.port),
+                "--state-dir",
+                str(self.state),
+                "--cluster",
+                str(self.cluster_file),
+                *self.extra,
+            ],  # fmt: skip
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            try:
+                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise RuntimeError(f"server did not start: {self.stop()}")
+
+    @property
+    def token(self) -> str:
+        return (self.state / "server-token").read_text().strip()
+
+    def stop(self, kill: bool = False) -> str:
+        """Stops the server process (not its jobs' runner); returns what this run printed."""
+        out = ""
+        if self.process is not None:
+            if kill:
+                self.process.kill()
+            else:
+                self.process.terminate()
+            try:
+                out, _ = self.process.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                out, _ = self.process.communicate()
+            out = out or ""
+            self.output += out
+            self.process = None
+        return out

@@ -6,9 +6,10 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -17,14 +18,19 @@ from rich.markup import escape
 from rich.table import Table
 
 from relaunch import __version__, runner
+from relaunch.api import TOKEN_FILE
+from relaunch.cluster.config import parse_cluster
 from relaunch.controller import Controller, RunOptions
 from relaunch.errors import MISSING, InputError, Problem
 from relaunch.faults import EscalationRules, Fault, FaultCodeTable, FaultKind
 from relaunch.files import load_job, read_document
 from relaunch.policy import ClusterView, Decision, JobHistory, PodView, plan
-from relaunch.report import build_report
+from relaunch.report import build_report, node_view
 from relaunch.spec import JobSpec, parse_job, process_recovery_env
 from relaunch.store import JobRow, JobStatus, NodeState, Store
+
+if TYPE_CHECKING:
+    from relaunch.api.client import Client
 
 app = typer.Typer(
     name="relaunch",
@@ -359,7 +365,7 @@ def run(
         raise typer.Exit(EXIT_INVALID) from None
 
     def on_event(text: str) -> None:
-        out.print(f"[bold cyan][relaunch][/] {text}", highlight=False, soft_wrap=True)
+        out.print(f"[bold cyan]\\[relaunch][/] {text}", highlight=False, soft_wrap=True)
 
     def on_output(pod: int, rank: int, line: str) -> None:
         if not quiet:
@@ -369,7 +375,7 @@ def run(
 
     def on_start(controller: Controller) -> None:
         out.print(
-            f"[bold cyan][relaunch][/] job {controller.spec.name} (id {job_id}): "
+            f"[bold cyan]\\[relaunch][/] job {controller.spec.name} (id {job_id}): "
             f"{controller.spec.replicas} pod(s) x {controller.spec.procs_per_pod} process(es) on "
             f"{len(controller.cluster.nodes)} node(s); state in {directory}",
             highlight=False,
@@ -516,56 +522,155 @@ def _node_or_exit(store: Store, name: str) -> None:
         raise typer.Exit(EXIT_INVALID)
 
 
-@app.command()
-def nodes(state_dir: StateDirOption = None) -> None:
-    """List the embedded cluster's nodes: state, chips, isolation."""
-    store = _store(state_dir)
-    rows = store.nodes()
+ServerOption = Annotated[
+    str | None,
+    typer.Option(
+        "--server",
+        envvar="RELAUNCH_SERVER",
+        help="Talk to this relaunch server (http://host:port) instead of the local state.",
+    ),
+]
+TokenOption = Annotated[
+    str | None,
+    typer.Option(
+        "--token",
+        envvar="RELAUNCH_TOKEN",
+        help="The server's bearer token (default: the state directory's server-token file).",
+    ),
+]
+ProjectOption = Annotated[
+    str, typer.Option("--project", help="The server's project (a namespace for jobs).")
+]
+
+
+def _client(server: str, token: str | None, state_dir: Path | None, project: str) -> Client:
+    from relaunch.api.client import Client
+
+    if token is None:
+        candidate = _state_dir(state_dir) / TOKEN_FILE
+        if candidate.exists() and os.access(candidate, os.R_OK):
+            token = candidate.read_text().strip()
+    return Client(server, token, project)
+
+
+def _remote(call: Callable[[], Any]) -> Any:
+    from relaunch.api.client import ClientError
+
+    try:
+        return call()
+    except ClientError as error:
+        err.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
+        for problem in error.problems:
+            err.print(f"  - {problem}", markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(EXIT_INVALID) from None
+
+
+def _nodes_table(rows: list[dict[str, Any]]) -> None:
     if not rows:
-        out.print("no nodes yet: `relaunch run` creates the embedded cluster")
+        out.print("no nodes yet: `relaunch run` or `relaunch server` creates the embedded cluster")
         return
     view = Table(show_edge=False)
-    for column in ("node", "state", "chips", "reason"):
+    for column in ("node", "state", "chips", "faulty chips", "reason"):
         view.add_column(column)
     for n in rows:
-        view.add_row(n.name, n.state.value, str(n.chips), n.reason)
+        faulty = ", ".join(f"{c['chip']} ({c['code']})" for c in n["faulty_chips"]) or "-"
+        view.add_row(n["name"], n["state"], str(n["chips"]), faulty, n["reason"])
     out.print(view)
 
 
 @app.command()
-def cordon(node: str, state_dir: StateDirOption = None) -> None:
+def nodes(
+    state_dir: StateDirOption = None,
+    server: ServerOption = None,
+    token: TokenOption = None,
+) -> None:
+    """List the embedded cluster's nodes: state, chips, chip health, isolation."""
+    if server:
+        client = _client(server, token, state_dir, "default")
+        _nodes_table(_remote(client.nodes))
+        return
+    _nodes_table([node_view(n) for n in _store(state_dir).nodes()])
+
+
+def _node_verb(
+    node: str, state_dir: Path | None, server: str | None, token: str | None, verb: str
+) -> None:
+    if server:
+        client = _client(server, token, state_dir, "default")
+        row = _remote(lambda: client.node_action(node, verb))
+        out.print(f"{node}: {row['state']}")
+        return
+    store = _store(state_dir)
+    _node_or_exit(store, node)
+    if verb == "cordon":
+        store.set_node_state(node, NodeState.ISOLATED, "cordoned by an operator", time.time())
+        out.print(f"{node}: {NodeState.ISOLATED.value}")
+    else:
+        store.set_node_state(node, NodeState.READY, "released by an operator")
+        out.print(f"{node}: {NodeState.READY.value}")
+
+
+@app.command()
+def cordon(
+    node: str,
+    state_dir: StateDirOption = None,
+    server: ServerOption = None,
+    token: TokenOption = None,
+) -> None:
     """Isolate a node: no new pods are placed on it."""
-    store = _store(state_dir)
-    _node_or_exit(store, node)
-    store.set_node_state(node, NodeState.ISOLATED, "cordoned by an operator", time.time())
-    out.print(f"{node} isolated")
+    _node_verb(node, state_dir, server, token, "cordon")
 
 
 @app.command()
-def release(node: str, state_dir: StateDirOption = None) -> None:
+def release(
+    node: str,
+    state_dir: StateDirOption = None,
+    server: ServerOption = None,
+    token: TokenOption = None,
+) -> None:
     """Release an isolated node back to Ready."""
-    store = _store(state_dir)
-    _node_or_exit(store, node)
-    store.set_node_state(node, NodeState.READY, "released by an operator")
-    out.print(f"{node} released")
+    _node_verb(node, state_dir, server, token, "release")
 
 
 @app.command()
-def jobs(state_dir: StateDirOption = None) -> None:
+def jobs(
+    state_dir: StateDirOption = None,
+    server: ServerOption = None,
+    token: TokenOption = None,
+    project: ProjectOption = "default",
+) -> None:
     """List jobs with their status."""
-    store = _store(state_dir)
+    if server:
+        client = _client(server, token, state_dir, project)
+        rows = [
+            (
+                v["metadata"]["id"],
+                v["metadata"]["name"],
+                v["status"]["phase"],
+                str(v["status"]["attempt"]),
+                str(v["status"]["recoveries"]),
+                v["status"]["reason"],
+            )
+            for v in reversed(_remote(client.jobs))
+        ]
+    else:
+        store = _store(state_dir)
+        rows = [
+            (
+                str(j.id),
+                j.name,
+                j.status.value,
+                str(j.attempt),
+                str(len(store.records(j.id))),
+                j.reason,
+            )
+            for j in store.jobs()
+        ]
     view = Table(show_edge=False)
     for column in ("id", "job", "status", "attempt", "recoveries", "reason"):
         view.add_column(column)
-    for j in store.jobs():
-        view.add_row(
-            str(j.id),
-            j.name,
-            j.status.value,
-            str(j.attempt),
-            str(len(store.records(j.id))),
-            j.reason,
-        )
+    for row in rows:
+        view.add_row(*row)
     out.print(view)
 
 
@@ -574,15 +679,171 @@ def describe(
     job: Annotated[str, typer.Argument(help="Job name or id.")],
     output: Annotated[str, typer.Option("-o", "--output", help="table or json")] = "table",
     state_dir: StateDirOption = None,
+    server: ServerOption = None,
+    token: TokenOption = None,
+    project: ProjectOption = "default",
 ) -> None:
     """A job's fault-recovery details: every fault, what relaunch did, and how long it took."""
-    store = _store(state_dir)
-    row = _job_or_exit(store, job)
-    summary = build_report(store, row.id)
+    if server:
+        client = _client(server, token, state_dir, project)
+        from relaunch.api.client import summary_from_view
+
+        summary = summary_from_view(_remote(lambda: client.job(job)))
+    else:
+        store = _store(state_dir)
+        summary = build_report(store, _job_or_exit(store, job).id)
     if output == "json":
         out.print_json(json.dumps(summary))
         return
     _print_summary(summary)
+
+
+@app.command()
+def submit(
+    job_file: Annotated[Path, typer.Argument(help="Job spec, YAML or JSON.")],
+    faults_file: Annotated[
+        Path | None, typer.Option("--faults", help="Fault plan to inject.")
+    ] = None,
+    cluster_file: Annotated[
+        Path | None, typer.Option("--cluster", help="Cluster file (local mode only).")
+    ] = None,
+    state_dir: StateDirOption = None,
+    server: ServerOption = None,
+    token: TokenOption = None,
+    project: ProjectOption = "default",
+) -> None:
+    """Queue a job and return at once; a server (or a background runner) runs it."""
+    try:
+        raw = read_document(job_file)
+        plan = runner.plan_entries(
+            read_document(faults_file) if faults_file else None, source=str(faults_file)
+        )
+        if server:
+            client = _client(server, token, state_dir, project)
+            view = _remote(lambda: client.submit(raw, plan))
+            out.print(f"job {view['metadata']['name']} submitted (id {view['metadata']['id']})")
+            return
+        directory = _state_dir(state_dir)
+        store = Store(directory / "relaunch.db")
+        submission = runner.Submission(
+            raw=raw,
+            source=str(job_file),
+            cwd=os.getcwd(),
+            cluster=read_document(cluster_file) if cluster_file else None,
+            plan=plan,
+            project=project,
+        )
+        job_id = runner.submit(store, submission, time.time())
+    except InputError as error:
+        raise _fail_input(error) from None
+    pid = runner.ensure_runner(directory)
+    started = f"; runner started (pid {pid})" if pid else "; the running runner will take it"
+    out.print(f"job {store.job(job_id).name} submitted (id {job_id}){started}", highlight=False)
+
+
+@app.command()
+def stop(
+    job: Annotated[str, typer.Argument(help="Job name or id.")],
+    state_dir: StateDirOption = None,
+    server: ServerOption = None,
+    token: TokenOption = None,
+    project: ProjectOption = "default",
+) -> None:
+    """Stop a job: a queued one at once, a running one after its pods' termination grace."""
+    if server:
+        client = _client(server, token, state_dir, project)
+        view = _remote(lambda: client.stop(job))
+        out.print(f"job {view['metadata']['name']}: stop requested ({view['status']['phase']})")
+        return
+    store = _store(state_dir)
+    row = _job_or_exit(store, job)
+    if row.status.ended:
+        err.print(f"[bold red]error:[/] job {row.name} has ended ({row.status.value})")
+        raise typer.Exit(EXIT_INVALID)
+    status = store.request_stop(row.id, "stopped with `relaunch stop`", time.time())
+    out.print(f"job {row.name}: stop requested ({status.value})")
+
+
+@app.command()
+def server(
+    host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="Port to listen on.")] = 8080,
+    engine: Annotated[str, typer.Option("--engine", help="embedded or ray.")] = "embedded",
+    state_dir: StateDirOption = None,
+    cluster_file: Annotated[
+        Path | None, typer.Option("--cluster", help="Cluster file the submitted jobs run on.")
+    ] = None,
+    nodes_count: Annotated[
+        int | None, typer.Option("--nodes", help="Number of nodes, instead of a cluster file.")
+    ] = None,
+    lock_reads: Annotated[
+        bool, typer.Option("--lock-reads", help="Reads need the token too, even on loopback.")
+    ] = False,
+    paused: Annotated[
+        bool,
+        typer.Option("--paused", help="Accept jobs but start none (maintenance; API tests)."),
+    ] = False,
+) -> None:
+    """Serve the REST API, the dashboard and /metrics, and run submitted jobs."""
+    from relaunch.api.app import ServerSettings, load_or_create_token
+    from relaunch.api.server import serve
+
+    if engine != "embedded":
+        err.print(
+            f"[bold red]error:[/] --engine {engine}: only `embedded` is available in this "
+            "version; the Ray engine is not built yet",
+            highlight=False,
+        )
+        raise typer.Exit(EXIT_INVALID)
+    directory = _state_dir(state_dir)
+    try:
+        cluster_raw = read_document(cluster_file) if cluster_file else None
+        if nodes_count is not None:
+            cluster_raw = {**(cluster_raw or {}), "nodes": nodes_count}
+        cluster = parse_cluster(cluster_raw, source=str(cluster_file or "cluster settings"))
+    except InputError as error:
+        raise _fail_input(error) from None
+    store = Store(directory / "relaunch.db")
+    store.ensure_nodes([(n.name, n.chips) for n in cluster.nodes])
+    store.close()
+    token, created = load_or_create_token(directory)
+    if created:
+        out.print(
+            f"API token (shown this once; kept in {directory / TOKEN_FILE}, mode 0600):\n{token}",
+            highlight=False,
+            soft_wrap=True,
+        )
+    else:
+        out.print(f"API token: in {directory / TOKEN_FILE}", highlight=False)
+    out.print(
+        f"relaunch server on http://{host}:{port}/ (API /v2, OpenAPI /openapi.json, metrics "
+        f"/metrics); {len(cluster.nodes)} node(s); state in {directory}"
+        + ("; paused: jobs are queued, none starts" if paused else ""),
+        highlight=False,
+        soft_wrap=True,
+    )
+
+    def log(text: str) -> None:
+        out.print(f"[bold cyan]\\[relaunch][/] {text}", highlight=False, soft_wrap=True)
+
+    settings = ServerSettings(directory, token, cluster_raw, lock_reads=lock_reads)
+    serve(settings, host, port, paused=paused, log=log)
+
+
+@app.command("runner", hidden=True)
+def runner_command(state_dir: StateDirOption = None) -> None:
+    """Run queued jobs of a state directory until none is left (started by submit / server)."""
+    directory = _state_dir(state_dir)
+    try:
+        held = runner.lock(directory)
+    except RuntimeError:
+        return  # another run or runner has it; it takes the queue
+    try:
+        runner.run_queue(
+            directory, lambda text: print(f"{time.strftime('%H:%M:%S')} {text}", flush=True)
+        )
+    finally:
+        held.close()
 
 
 @app.command()

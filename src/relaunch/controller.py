@@ -195,6 +195,10 @@ class Controller:
                 self.tick()
                 job = self.store.job(self.job_id)
                 if job.status.ended:
+                    if self.step is not None and self.step != job.last_step:
+                        self.store.update_job(self.job_id, last_step=self.step)
+                    if self.step is not None:
+                        self.store.add_progress(self.job_id, time.time(), self.step)
                     self._shutdown_pods()
                     return job.status, job.reason
         finally:

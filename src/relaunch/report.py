@@ -5,9 +5,23 @@ from __future__ import annotations
 from typing import Any
 
 from relaunch.policy import Budget
-from relaunch.store import Store
+from relaunch.spec import parse_job
+from relaunch.store import JobRow, NodeRow, Store
 
-__all__ = ["build_report"]
+__all__ = ["budgets_left", "build_report", "node_view"]
+
+
+def budgets_left(store: Store, job: JobRow) -> dict[str, int]:
+    """What the job may still spend: the last recovery's count, or the spec's full budgets."""
+    records = store.records(job.id)
+    if records:
+        return dict(records[-1].budgets)
+    settings = parse_job(job.spec["raw"], source=job.spec.get("source", "stored job")).recovery
+    return {
+        "job": settings.job_retry_budget,
+        "pod": settings.pod_retry_budget,
+        "fault_retry": settings.fault_retry_times,
+    }
 
 
 def build_report(store: Store, job_id: int) -> dict[str, Any]:
@@ -25,6 +39,7 @@ def build_report(store: Store, job_id: int) -> dict[str, Any]:
         "restarts_used": sum(1 for r in records if Budget.JOB in r.consumed),
         "pod_restarts_used": sum(1 for r in records if Budget.POD in r.consumed),
         "isolated_nodes": isolated,
+        "budgets_left": budgets_left(store, job),
         "created_at": job.created_at,
         "ended_at": job.ended_at,
         "pods": [
@@ -40,4 +55,16 @@ def build_report(store: Store, job_id: int) -> dict[str, Any]:
             for p in pods
         ],
         "recoveries": [r.to_json() for r in records],
+    }
+
+
+def node_view(n: NodeRow) -> dict[str, Any]:
+    return {
+        "name": n.name,
+        "state": n.state.value,
+        "reason": n.reason,
+        "chips": n.chips,
+        "faulty_chips": list(n.chip_faults),
+        "isolated_at": n.isolated_at,
+        "last_heartbeat": n.last_heartbeat,
     }

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+import psutil
+
 from relaunch.chaos import ChaosEntry, parse_plan
 from relaunch.cluster.config import ClusterConfig, parse_cluster
 from relaunch.cluster.local import LocalCluster
@@ -242,6 +244,14 @@ def ensure_runner(directory: Path) -> int | None:
         store.close()
     if not waiting:
         return None
+    pid_file = directory / "runner.pid"
+    if pid_file.exists():
+        try:
+            known = psutil.Process(int(pid_file.read_text()))
+            if known.is_running() and known.status() != psutil.STATUS_ZOMBIE:
+                return None  # started a moment ago and not holding the lock yet, or running
+        except (ValueError, psutil.Error):
+            pass
     try:
         lock(directory).close()  # free now; the runner takes it (and a racing one exits quietly)
     except RuntimeError:
@@ -257,4 +267,5 @@ def ensure_runner(directory: Path) -> int | None:
         env=env,
     )
     log.close()
+    pid_file.write_text(str(process.pid))
     return process.pid
