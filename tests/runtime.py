@@ -225,7 +225,7 @@ class Server:
                 "--cluster",
                 str(self.cluster_file),
                 *self.extra,
-            ],  # fmt: skip
+            ],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

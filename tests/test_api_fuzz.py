@@ -31,7 +31,7 @@ def _schemathesis(server: Server, config: Path, *extra: str) -> subprocess.Compl
             "--request-timeout",
             "20",
             *extra,
-        ],  # fmt: skip
+        ],
         capture_output=True,
         text=True,
         timeout=600,
