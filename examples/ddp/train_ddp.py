@@ -6,6 +6,9 @@ the model it ends with.
   shared directory (kept across reschedulings), and saved once more on SIGTERM (dying gasp).
 - Every rank resumes from the newest step all ranks can load.
 - Rank 0 writes the SHA-256 of the final parameters to `--out`.
+- `--process-recovery`: the training SDK's ProcessGroupKeeper owns the process group, so that
+  under `process-recover-enable: on` a failed rank is replaced (or a step retried) while the
+  healthy ranks keep running; the maths of every step is the same.
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ from relaunch.train.distributed import (
     load_common_checkpoint,
     parameter_hash,
     rng_state,
-    settle_ddp_buckets,
     set_rng_state,
+    settle_ddp_buckets,
 )
 
 
@@ -56,7 +59,18 @@ def main() -> None:
     parser.add_argument(
         "--hang-at-step", type=int, default=None, help="benchmarks: SIGSTOP here, first start only"
     )
+    parser.add_argument(
+        "--process-recovery", action="store_true", help="healthy ranks survive a rank's fault"
+    )
+    parser.add_argument(
+        "--replacements-crash",
+        action="store_true",
+        help="tests: a replacement process exits 1 as soon as it has joined (fallback paths)",
+    )
     args = parser.parse_args()
+    if args.process_recovery:
+        process_level(args)
+        return
 
     torch.set_num_threads(1)
     job = env()
@@ -132,6 +146,75 @@ def main() -> None:
             Path(args.out).write_text(digest + "\n")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def process_level(args: argparse.Namespace) -> None:
+    """The same training, with the process group kept by relaunch's SDK."""
+    from relaunch.train.group import ProcessGroupKeeper
+
+    torch.set_num_threads(1)
+    job = env()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    shared = Path(os.environ.get("RELAUNCH_SHARED_DIR", "."))
+    ckpt = CheckpointManager(
+        args.ckpt_dir or shared / "ckpt", rank=job.rank, every=args.ckpt_every or None, keep=3
+    )
+
+    def state() -> dict[str, object]:
+        return {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "rng": rng_state(),
+        }
+
+    keeper = ProcessGroupKeeper(model, optimizer)
+    joined = keeper.start()
+    if not joined:
+        resumed = load_common_checkpoint(ckpt, replicated=True)
+        if resumed is not None:
+            model.load_state_dict(resumed.state["model"])
+            optimizer.load_state_dict(resumed.state["optimizer"])
+            set_rng_state(resumed.state["rng"])
+            keeper.completed = resumed.step
+    if joined and args.replacements_crash:
+        print(f"replacement rank {job.rank} crashes on purpose", flush=True)
+        os._exit(1)
+    keeper.settle(batch(0, job.rank)[0])
+    ckpt.completed_step = keeper.completed
+    ckpt.dying_gasp(state)
+    print(
+        f"start: rank {job.rank}/{keeper.world_size} pid={os.getpid()} "
+        f"MA_SCHEDULE_CNT={job.schedule_cnt} MA_PROC_START_CNT={job.proc_start_cnt} "
+        f"{'joined' if joined else 'resume'}_step={keeper.completed}",
+        flush=True,
+    )
+
+    def train_step(step: int) -> torch.Tensor:
+        x, y = batch(step, job.rank)
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(keeper.module(x), y)
+        loss.backward()
+        return loss
+
+    def after(step: int, loss: torch.Tensor) -> None:
+        ckpt.completed_step = step
+        report_progress(step)
+        ckpt.maybe_save(step, state)
+        if step % 20 == 0 and job.rank == 0:
+            print(f"step {step} loss {loss.item():.6f}", flush=True)
+        time.sleep(args.step_seconds)
+
+    keeper.run(keeper.completed + 1, args.steps, train_step, after)
+    ckpt.wait()
+    digest = parameter_hash(model)
+    if job.rank == 0:
+        print(f"done: params sha256 {digest} recoveries {keeper.recoveries}", flush=True)
+        if args.out:
+            Path(args.out).write_text(digest + "\n")
+    dist.barrier()
+    keeper.close()
 
 
 if __name__ == "__main__":

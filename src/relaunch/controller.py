@@ -36,9 +36,7 @@ __all__ = ["Controller", "RunOptions"]
 
 JOB_LEVEL = (Action.ISOLATED_JOB_RESCHEDULE, Action.JOB_RESCHEDULE)
 UNSUPPORTED = {
-    Action.PROCESS_RETRY: "process-level online retry needs the training SDK's step rollback",
-    Action.PROCESS_RESCHEDULE: "process-level rescheduling needs the training SDK's group rebuild",
-    Action.SCALE_IN: "elastic scale-in needs the training SDK's group rebuild",
+    Action.SCALE_IN: "elastic scale-in is not carried out yet",
 }
 FAILED_AT_START_S = 5.0
 
@@ -95,6 +93,8 @@ class Active:
     tried: frozenset[Action]
     started_at: float
     ranks: tuple[int, ...] = ()
+    after_step: int | None = None
+    """For a recovery that restarts no process (online retry): progress past this step proves it."""
 
 
 class Controller:
@@ -190,6 +190,7 @@ class Controller:
                 attempt_started_at=now,
                 master_port=_free_port(),
             )
+            self._publish_membership()
         try:
             while True:
                 self.tick()
@@ -342,7 +343,9 @@ class Controller:
                     self.step_saved_at = time.time()
                     self.store.update_job(self.job_id, last_step=self.step)
                     self.store.add_progress(self.job_id, self.step_saved_at, self.step)
-            self._verify(link, rank, kind, m["attempt"])
+            self._verify(
+                link, rank, kind, m["attempt"], int(m["step"]) if kind == "progress" else None
+            )
         elif kind == "exit":
             self._exit(link, m)
         elif kind == "stopped":
@@ -376,6 +379,9 @@ class Controller:
         for rank_text, p in m["procs"].items():
             link.procs[int(rank_text)] = Proc(p["attempt"], p["running"], now, now, code=p["code"])
         self.launchers[m["pod"]] = link
+        membership = self.store.job(self.job_id).membership
+        if self.recovery.process_level and membership is not None:
+            conn.send({"t": "membership", "m": membership})
         self.launching.pop(m["pod"], None)
         self.lost_launchers.pop(m["pod"], None)
 
@@ -460,12 +466,15 @@ class Controller:
         if job.status is not JobStatus.RUNNING and self.active is None:
             return
         silent: list[tuple[float, LauncherLink, int, float]] = []
+        waiting = self.active is not None and self.active.action.process_level
         for link in self.launchers.values():
             if link.stopping:
                 continue
             for rank, proc in link.procs.items():
                 if not proc.running or proc.attempt != job.attempt:
                     continue
+                if waiting and self.active is not None and rank not in self.active.ranks:
+                    continue  # healthy ranks wait for the replacements: not a hang
                 window = self.hang_s if proc.progressed else self.startup_s
                 if now - proc.last_activity > window:
                     silent.append((proc.last_activity, link, rank, window))
@@ -617,13 +626,26 @@ class Controller:
             if action.hands_over:
                 self._decide(fault, fault_id, tried | {action})
             return
+        attempt = self.store.job(self.job_id).attempt
         record_id = self._record(decision, fault_id, tried, now, Outcome.RUNNING)
-        ranks = (
-            (fault.rank,) if action is Action.PROCESS_IN_PLACE and fault.rank is not None else ()
-        )
-        self.active = Active(record_id, fault, fault_id, action, tried, now, ranks)
+        ranks: tuple[int, ...] = ()
+        after_step = None
         if action is Action.PROCESS_IN_PLACE:
-            self._restart_ranks(decision)
+            ranks = self._faulty_ranks(fault)
+        elif action is Action.PROCESS_RESCHEDULE:
+            ranks = tuple(r for pod in decision.pods for r in self._ranks_of(pod))
+        elif action is Action.PROCESS_RETRY:
+            after_step = self.step or 0
+        self.active = Active(record_id, fault, fault_id, action, tried, now, ranks, after_step)
+        if self.recovery.process_level:
+            if action is Action.PROCESS_RETRY:
+                self._publish_membership(retry=True)
+            elif action in (Action.PROCESS_IN_PLACE, Action.PROCESS_RESCHEDULE):
+                self._publish_membership(joiners=ranks)
+            elif self.store.job(self.job_id).attempt != attempt:
+                self._publish_membership()  # every process starts again: a fresh group
+        if action is Action.PROCESS_IN_PLACE:
+            self._restart_ranks(ranks)
 
     def _record(
         self,
@@ -676,12 +698,14 @@ class Controller:
                 self.job_id, status=JobStatus.FAILED, reason=d.reason, ended_at=now
             )
             return
-        if action is Action.IGNORE or action.hands_over or action is Action.PROCESS_IN_PLACE:
+        if action in (Action.IGNORE, Action.PROCESS_RETRY, Action.PROCESS_IN_PLACE):
+            return  # no container changes (R-04 / R-05: the counters stay)
+        if action.hands_over:
             return
         pods = self.store.pods(self.job_id)
         moved = (
             set(d.pods)
-            if action is Action.POD_RESCHEDULE
+            if action in (Action.POD_RESCHEDULE, Action.PROCESS_RESCHEDULE)
             else ({p.idx for p in pods} if action in JOB_LEVEL else set())
         )
         nodes = self._placement(pods, moved, d.isolate_nodes)
@@ -701,6 +725,10 @@ class Controller:
                     workdir,
                 )
             )
+        if action is Action.PROCESS_RESCHEDULE:
+            # Only the moved pods start (at the current attempt, as joiners); the rest run on.
+            self.store.update_job(self.job_id, status=JobStatus.RECOVERING)
+            return
         self.store.update_job(
             self.job_id,
             status=JobStatus.RECOVERING,
@@ -768,22 +796,81 @@ class Controller:
         finally:
             self.heal_replies.pop(request, None)
 
-    def _restart_ranks(self, d: Decision) -> None:
-        fault = d.assessment.fault
-        link = self.launchers.get(fault.pod) if fault.pod is not None else None
-        if link is None or fault.rank is None:
+    def _ranks_of(self, pod: int) -> tuple[int, ...]:
+        first = pod * self.spec.procs_per_pod
+        return tuple(range(first, first + self.spec.procs_per_pod))
+
+    def _faulty_ranks(self, fault: Fault) -> tuple[int, ...]:
+        """The processes a process-level in-place restart replaces: the one that failed, or the
+        one driving the faulty chip."""
+        if fault.rank is not None:
+            return (fault.rank,)
+        if fault.pod is not None and fault.chip is not None:
+            return (fault.pod * self.spec.procs_per_pod + fault.chip % self.spec.procs_per_pod,)
+        return ()
+
+    def _restart_ranks(self, ranks: tuple[int, ...]) -> None:
+        if not ranks:
+            return
+        pod = ranks[0] // self.spec.procs_per_pod
+        link = self.launchers.get(pod)
+        if link is None:
             return
         job = self.store.job(self.job_id)
+        running = [r for r in ranks if (p := link.procs.get(r)) is not None and p.running]
+        if running:  # a process on a faulty chip still runs: replace it
+            link.conn.send({"t": "stop", "grace": 0.0, "ranks": running})
         link.conn.send(
             {
                 "t": "start",
                 "attempt": job.attempt,
                 "env": self._env(self._pod(link.pod), job.attempt),
-                "ranks": [fault.rank],
+                "ranks": list(ranks),
             }
         )
 
-    def _verify(self, link: LauncherLink, rank: int, kind: str, attempt: int) -> None:
+    def _publish_membership(self, joiners: tuple[int, ...] = (), retry: bool = False) -> None:
+        """The next generation of the process group (train.group reads it): a new store port
+        unless it is an online retry, which keeps the group."""
+        if not self.recovery.process_level:
+            return
+        job = self.store.job(self.job_id)
+        previous = job.membership or {}
+        generation = int(previous.get("generation", 0)) + 1
+        if retry and previous:
+            port = int(previous["port"])
+        elif not previous or not joiners:
+            port = job.master_port
+        else:
+            port = _free_port()
+        world = self.spec.world_size
+        pods = {str(p.idx): p.generation for p in self.store.pods(self.job_id)}
+        membership = {
+            "generation": generation,
+            "addr": "127.0.0.1",
+            "port": port,
+            "world_size": world,
+            "ranks": {str(r): r for r in range(world)},
+            "joiners": sorted(joiners),
+            "retry": retry,
+            "pods": pods,
+            "procs_per_pod": self.spec.procs_per_pod,
+        }
+        self.store.update_job(self.job_id, membership=membership)
+        for link in self.launchers.values():
+            link.conn.send({"t": "membership", "m": membership})
+        what = (
+            "online retry"
+            if retry
+            else f"replacements {sorted(joiners)}"
+            if joiners
+            else "fresh group"
+        )
+        self.event(f"process group generation {generation}: {what}")
+
+    def _verify(
+        self, link: LauncherLink, rank: int, kind: str, attempt: int, step: int | None
+    ) -> None:
         """A recovery worked once training makes progress again."""
         active = self.active
         if active is None:
@@ -791,11 +878,15 @@ class Controller:
         job = self.store.job(self.job_id)
         if attempt != job.attempt or (self.uses_sdk and kind != "progress"):
             return
-        if active.ranks and rank not in active.ranks:
-            return
-        proc = link.procs.get(rank)
-        if proc is None or proc.started_at < active.started_at:
-            return
+        if active.after_step is not None:
+            if kind != "progress" or step is None or step <= active.after_step:
+                return
+        else:
+            if active.ranks and rank not in active.ranks:
+                return
+            proc = link.procs.get(rank)
+            if proc is None or proc.started_at < active.started_at:
+                return
         now = time.time()
         self.active = None
         self.store.settle_record(
@@ -935,6 +1026,10 @@ class Controller:
             "RELAUNCH_SHARED_DIR": str(self.state_dir / "jobs" / str(self.job_id) / "shared"),
         }
         env.update(process_recovery_env(self.recovery))
+        if self.recovery.process_level:
+            env["RELAUNCH_MEMBERSHIP"] = str(Path(pod.workdir) / "membership.json")
+            env["RELAUNCH_POD_GENERATION"] = str(pod.generation)
+            env["RELAUNCH_RECOVERY_WAIT"] = str(self.recovery.wait_reschedule_timeout_s)
         return env
 
 

@@ -311,6 +311,13 @@ class Launcher:
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.send_signal(signal.SIGUSR2)
 
+    def write_membership(self, membership: dict[str, Any]) -> None:
+        """The process group's membership, where the training SDK reads it (atomically replaced)."""
+        target = self.workdir / "membership.json"
+        partial = target.with_suffix(".json.part")
+        partial.write_text(json.dumps(membership))
+        os.replace(partial, target)
+
     # -- main loop ------------------------------------------------------------------------------
 
     def run(self) -> None:
@@ -346,6 +353,8 @@ class Launcher:
             self.send({"t": "stopped", "attempt": self.attempt, "at": time.time()})
         elif kind == "inject":
             self.inject(message)
+        elif kind == "membership":
+            self.write_membership(message["m"])
         elif kind == "shutdown":
             self.stop(float(message.get("grace", 0)))
             self.send({"t": "stopped", "attempt": self.attempt, "at": time.time(), "final": True})

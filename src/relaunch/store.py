@@ -68,6 +68,7 @@ MIGRATIONS = (
     ("jobs", "stop_requested", "TEXT"),
     ("nodes", "chip_faults", "TEXT NOT NULL DEFAULT '[]'"),
     ("nodes", "last_heartbeat", "REAL"),
+    ("jobs", "membership", "TEXT"),
 )
 
 
@@ -136,6 +137,8 @@ class JobRow:
     project: str = "default"
     stop_requested: str | None = None
     """Why a stop was asked for (API or CLI) while the job ran; its controller carries it out."""
+    membership: dict[str, Any] | None = None
+    """The process group's current membership, for process-level recovery (see train.group)."""
 
 
 @dataclass(frozen=True)
@@ -402,12 +405,16 @@ class Store:
             r["last_step"],
             r["project"],
             r["stop_requested"],
+            json.loads(r["membership"]) if r["membership"] else None,
         )
 
     def update_job(self, job_id: int, **fields: Any) -> None:
         if not fields:
             return
-        values = [v.value if isinstance(v, StrEnum) else v for v in fields.values()]
+        values = [
+            v.value if isinstance(v, StrEnum) else json.dumps(v) if isinstance(v, dict) else v
+            for v in fields.values()
+        ]
         assignments = ", ".join(f"{k} = ?" for k in fields)
         self._db.execute(f"UPDATE jobs SET {assignments} WHERE id = ?", (*values, job_id))
 

@@ -1,0 +1,460 @@
+"""Process-level recovery for `torch.distributed`: healthy ranks keep running through a fault.
+
+The SDK owns the process group's life. relaunch's controller publishes a *membership* (a
+generation number, where that generation's store listens, which ranks take part and which of
+them are replacements that start from nothing); the launcher writes it into the pod's work
+directory (`RELAUNCH_MEMBERSHIP`). :class:`ProcessGroupKeeper` runs the training loop::
+
+    keeper = ProcessGroupKeeper(model, optimizer)
+    if not keeper.start():                     # a replacement got its state from a healthy rank
+        keeper.completed = load_my_checkpoint()  # others resume as usual
+    keeper.settle(sample_input)
+    keeper.run(keeper.completed + 1, steps, train_step, after=on_step_done)
+
+where ``train_step(step)`` zeroes the gradients, runs forward and backward through
+``keeper.module`` (the DDP wrapper) and returns whatever it likes; the keeper then agrees with
+every rank that the step may be committed, and only then calls ``optimizer.step()``. So a fault
+can only interrupt a step before any rank changed its parameters, and:
+
+- when a peer dies, the collective in progress fails: at once for the ranks connected to it
+  ("connection reset"), and for the others as soon as a failing rank or the controller's new
+  membership aborts the group (gloo has no abort of its own: the keeper shuts the group's TCP
+  connections down, which every blocked peer sees at once); a peer that hangs makes it fail after
+  ``collective_timeout_s`` or when the controller publishes a new membership. The keeper drops the group, waits for
+  the next membership, joins the new group, and a healthy rank broadcasts the model, optimizer,
+  RNG state and step to every member; then the interrupted step runs again. Healthy ranks never
+  restart, never re-import, never reload a checkpoint;
+- when the controller asks for an online retry (a memory UCE or a network fault), every rank sees
+  it at the next commit, restores the in-memory snapshot taken at the step's start, and runs the
+  step again in the same group.
+
+Without ``RELAUNCH_MEMBERSHIP`` (process-level recovery off), the keeper starts the group from
+the usual torchrun variables and a fault propagates as an exception.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from relaunch.train.distributed import rng_state, set_rng_state, settle_ddp_buckets
+
+__all__ = ["GroupLost", "Membership", "ProcessGroupKeeper", "read_membership"]
+
+
+class GroupLost(RuntimeError):
+    """No working process group could be formed again within the wait (the controller's fallback
+    takes over: a rank that raises this exits, and the next recovery level runs)."""
+
+
+@dataclass(frozen=True)
+class Membership:
+    generation: int
+    addr: str
+    port: int
+    world_size: int
+    ranks: dict[int, int]
+    """Original rank (RANK at start) -> rank in this generation."""
+    joiners: tuple[int, ...]
+    """Original ranks that start from nothing in this generation and receive the state."""
+    retry: bool = False
+    """An online retry: same group, every rank runs the current step again."""
+    pods: dict[int, int] | None = None
+    """Pod index -> the generation of its container: a process of an older container is stale."""
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Membership:
+        return cls(
+            generation=int(data["generation"]),
+            addr=str(data["addr"]),
+            port=int(data["port"]),
+            world_size=int(data["world_size"]),
+            ranks={int(k): int(v) for k, v in data["ranks"].items()},
+            joiners=tuple(int(r) for r in data.get("joiners", ())),
+            retry=bool(data.get("retry", False)),
+            pods={int(k): int(v) for k, v in data["pods"].items()} if data.get("pods") else None,
+        )
+
+
+def read_membership(path: Path) -> Membership | None:
+    try:
+        return Membership.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # absent, or being replaced right now: the caller reads again
+
+
+class _Retry(Exception):
+    def __init__(self, generation: int) -> None:
+        self.generation = generation
+
+
+class ProcessGroupKeeper:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        backend: str = "gloo",
+        collective_timeout_s: float | None = None,
+        wait_s: float | None = None,
+        snapshot: bool = True,
+        ddp_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.backend = backend
+        env_timeout = os.environ.get("RELAUNCH_COLLECTIVE_TIMEOUT")
+        self.collective_timeout_s = collective_timeout_s or float(env_timeout or 30.0)
+        env_wait = os.environ.get("RELAUNCH_RECOVERY_WAIT")
+        self.wait_s = wait_s or float(env_wait or 300.0)
+        self.snapshot_enabled = snapshot
+        self.ddp_options = ddp_options or {}
+        self.original_rank = int(os.environ.get("RANK", "0"))
+        pod = os.environ.get("RELAUNCH_POD")
+        self.pod = int(pod) if pod is not None else None
+        self.pod_generation = int(os.environ.get("RELAUNCH_POD_GENERATION", "1"))
+        path = os.environ.get("RELAUNCH_MEMBERSHIP")
+        self.membership_path = Path(path) if path else None
+        self.membership: Membership | None = None
+        self._seen_mtime = 0.0
+        self.completed = 0
+        """The last step every rank committed."""
+        self.module: nn.Module = model
+        self.sample: tuple[torch.Tensor, ...] = ()
+        self._sockets: set[int] = set()
+        self._stores: list[Any] = []
+        self._in_step = False
+        self._closing = threading.Event()
+        self.recoveries: list[dict[str, Any]] = []
+        """One entry per recovery this process took part in (kind, generation, step, seconds)."""
+
+    # -- identity -------------------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        if self.membership is None:
+            return self.original_rank
+        return self.membership.ranks[self.original_rank]
+
+    @property
+    def world_size(self) -> int:
+        if self.membership is None:
+            return int(os.environ.get("WORLD_SIZE", "1"))
+        return self.membership.world_size
+
+    @property
+    def generation(self) -> int:
+        return self.membership.generation if self.membership is not None else 0
+
+    @property
+    def recovery_enabled(self) -> bool:
+        return self.membership_path is not None
+
+    # -- membership -----------------------------------------------------------------------------
+
+    def _latest(self) -> Membership | None:
+        """The membership file's content if it changed since the last look (one stat otherwise)."""
+        assert self.membership_path is not None
+        try:
+            mtime = self.membership_path.stat().st_mtime_ns
+        except OSError:
+            return None
+        if mtime == self._seen_mtime:
+            return None
+        found = read_membership(self.membership_path)
+        if found is not None:
+            self._seen_mtime = mtime
+        return found
+
+    def _wait_for(self, newer_than: int, deadline: float) -> Membership:
+        """The first membership of a generation above `newer_than` that includes this rank."""
+        assert self.membership_path is not None
+        while time.time() < deadline:
+            found = read_membership(self.membership_path)
+            if found is not None and found.generation > newer_than:
+                if found.pods is not None and self.pod is not None:
+                    current = found.pods.get(self.pod)
+                    if current is not None and current != self.pod_generation:
+                        raise GroupLost(
+                            f"rank {self.original_rank}: pod {self.pod} was replaced "
+                            f"(generation {current}); this process is stale"
+                        )
+                if self.original_rank not in found.ranks:
+                    raise GroupLost(
+                        f"rank {self.original_rank} is not a member of generation "
+                        f"{found.generation} (scaled in)"
+                    )
+                return found
+            time.sleep(0.02)
+        raise GroupLost(f"no new membership after generation {newer_than} within {self.wait_s:g} s")
+
+    # -- the group ------------------------------------------------------------------------------
+
+    def _init(self, m: Membership | None) -> None:
+        before = _tcp_sockets()
+        try:
+            self._form(m)
+        finally:
+            self._sockets = _tcp_sockets() - before
+        self.membership = m
+
+    def _abort(self) -> None:
+        """Make every collective of the current group fail now, here and at every peer: shut its
+        TCP connections down (what NCCL's abort does for NCCL; gloo has none that unblocks)."""
+        for fd in self._sockets:
+            with contextlib.suppress(OSError):
+                duplicate = socket.socket(fileno=os.dup(fd))
+                try:
+                    duplicate.shutdown(socket.SHUT_RDWR)
+                finally:
+                    duplicate.close()
+        self._sockets = set()
+
+    def _watch(self) -> None:
+        """A newer membership that re-forms the group aborts a collective that would otherwise
+        wait for a dead or stuck peer until the timeout."""
+        assert self.membership_path is not None
+        while not self._closing.wait(0.05):
+            if not self._in_step:
+                continue
+            found = read_membership(self.membership_path)
+            if found is not None and found.generation > self.generation and not found.retry:
+                self._abort()
+
+    def _form(self, m: Membership | None) -> None:
+        timeout = timedelta(seconds=self.collective_timeout_s)
+        if m is None:
+            dist.init_process_group(self.backend, timeout=timeout)
+        else:
+            rank = m.ranks[self.original_rank]
+            store = dist.TCPStore(  # type: ignore[attr-defined]
+                m.addr,
+                m.port,
+                m.world_size,
+                is_master=rank == 0,
+                timeout=timedelta(seconds=self.wait_s),
+            )
+            self._stores.append(store)  # a store's server lives as long as its host process:
+            # freed while peers still talk to it, it takes them down (std::terminate)
+            dist.init_process_group(
+                self.backend, store=store, rank=rank, world_size=m.world_size, timeout=timeout
+            )
+
+    def _wrap(self) -> None:
+        self.module = DistributedDataParallel(self.model, **self.ddp_options)
+
+    def _drop_group(self) -> None:
+        if dist.is_initialized():
+            with contextlib.suppress(RuntimeError, ValueError):
+                dist.destroy_process_group()
+
+    def _state(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "rng": rng_state(),
+            "completed": self.completed,
+        }
+
+    def _sync_from_healthy(self, m: Membership) -> None:
+        """A healthy rank (the lowest that is not a replacement) broadcasts its state to all."""
+        source = min(m.ranks[r] for r in m.ranks if r not in m.joiners)
+        box: list[Any] = [self._state() if self.rank == source else None]
+        dist.broadcast_object_list(box, src=source)
+        state = box[0]
+        if self.rank != source:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            set_rng_state(state["rng"])
+            self.completed = int(state["completed"])
+
+    def start(self) -> bool:
+        """Form the group. True if this process is a replacement that joined a running job: it
+        received the healthy ranks' state and step (:attr:`completed`) and must not load a
+        checkpoint. False for a normal start: the script loads its checkpoint, if any, and sets
+        :attr:`completed` to the step it resumes after."""
+        m = None
+        if self.membership_path is not None:
+            m = self._wait_for(0, time.time() + self.wait_s)
+            self._seen_mtime = self.membership_path.stat().st_mtime_ns
+        self._init(m)
+        joined = m is not None and self.original_rank in m.joiners
+        if m is not None and m.joiners:
+            self._sync_from_healthy(m)
+        self._wrap()
+        if self.membership_path is not None:
+            threading.Thread(target=self._watch, name="relaunch-membership", daemon=True).start()
+        return joined
+
+    def settle(self, *sample: torch.Tensor) -> None:
+        """One zero-loss pass so that DDP's gradient buckets are laid out as in an unbroken run
+        (see train.distributed.settle_ddp_buckets); repeated after every re-formed group. A
+        collective: every rank calls it once, after :meth:`start` and any checkpoint load."""
+        self.sample = sample
+        self._settle()
+
+    def _settle(self) -> None:
+        if self.sample and isinstance(self.module, DistributedDataParallel):
+            settle_ddp_buckets(self.module, *self.sample)
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def commit(self) -> None:
+        """Every rank agrees that the step may be applied; raises _Retry if any rank has seen a
+        newer membership (so that all of them roll back the same step)."""
+        if self.membership is None:
+            return
+        latest = self._latest()
+        seen = latest.generation if latest is not None else self.generation
+        flag = torch.tensor([seen], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if int(flag.item()) > self.generation:
+            raise _Retry(int(flag.item()))
+
+    def run(
+        self,
+        first: int,
+        last: int,
+        train_step: Callable[[int], Any],
+        after: Callable[[int, Any], None] | None = None,
+    ) -> None:
+        step = first
+        while step <= last:
+            snapshot = self._take_snapshot()
+            self._in_step = True
+            try:
+                result = train_step(step)
+                self.commit()
+            except _Retry as retry:
+                self._in_step = False
+                self._recover(step, snapshot, retry.generation)
+                step = self.completed + 1
+                continue
+            except (RuntimeError, dist.DistError) as error:
+                self._in_step = False
+                if not self.recovery_enabled:
+                    raise
+                self._abort()  # the peers still blocked in this collective fail now too
+                self._recover(step, snapshot, None, error)
+                step = self.completed + 1
+                continue
+            self._in_step = False
+            self.optimizer.step()
+            self.completed = step
+            if after is not None:
+                after(step, result)
+            step += 1
+
+    def _take_snapshot(self) -> dict[str, Any] | None:
+        if not self.recovery_enabled:
+            return None
+        snap: dict[str, Any] = {"rng": rng_state()}
+        if self.snapshot_enabled:
+            snap["model"] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            snap["optimizer"] = copy.deepcopy(self.optimizer.state_dict())
+        return snap
+
+    def _restore(self, snapshot: dict[str, Any] | None) -> None:
+        if snapshot is None:
+            return
+        if "model" in snapshot:
+            self.model.load_state_dict(snapshot["model"])
+            self.optimizer.load_state_dict(snapshot["optimizer"])
+        set_rng_state(snapshot["rng"])
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _recover(
+        self,
+        step: int,
+        snapshot: dict[str, Any] | None,
+        generation: int | None,
+        error: BaseException | None = None,
+    ) -> None:
+        began = time.time()
+        self._restore(snapshot)
+        deadline = began + self.wait_s
+        if generation is not None:
+            m = self._wait_for(generation - 1, deadline)
+            if m.retry:
+                self.membership = m
+                self._seen_mtime = 0.0
+                self._note("retry", m.generation, step, began)
+                return
+        failed_at = self.generation
+        while True:
+            self._drop_group()
+            m = self._wait_for(failed_at, deadline)
+            try:
+                self._init(m)
+                self._sync_from_healthy(m)
+                self._wrap()
+                self._settle()
+            except (RuntimeError, dist.DistError) as again:
+                failed_at = m.generation  # the replacement failed too: wait for the next one
+                error = again
+                if time.time() >= deadline:
+                    raise GroupLost(f"could not re-form the group: {again}") from error
+                continue
+            self._seen_mtime = 0.0
+            self._note("rejoin", m.generation, step, began)
+            return
+
+    def _note(self, kind: str, generation: int, step: int, began: float) -> None:
+        self.recoveries.append(
+            {"kind": kind, "generation": generation, "step": step, "seconds": time.time() - began}
+        )
+        print(
+            f"[relaunch] rank {self.original_rank}: {kind} at step {step}, generation "
+            f"{generation}, {time.time() - began:.3f} s",
+            flush=True,
+        )
+
+    def close(self) -> None:
+        """Stop watching the membership. The group itself ends with the process: destroying a
+        gloo group whose store another rank hosts can abort the process at exit."""
+        self._closing.set()
+
+
+def _tcp_sockets() -> set[int]:
+    """This process's connected TCP socket descriptors (Linux; elsewhere none, and aborts fall back to
+    the collective timeout)."""
+    found: set[int] = set()
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return found
+    for name in names:
+        fd = int(name)
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            probe = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            if probe.type == socket.SOCK_STREAM and probe.family in (
+                socket.AF_INET,
+                socket.AF_INET6,
+            ):
+                probe.getpeername()  # connected; a listening socket raises (and must stay up)
+                found.add(fd)
+        except OSError:
+            pass
+        finally:
+            probe.close()
+    return found
