@@ -1,0 +1,152 @@
+"""Process-level recovery (R-30 to R-36) on the PyTorch DDP example, 2 pods x 2 processes: the
+healthy ranks keep their processes (PID, MA_PROC_START_CNT) through the recovery, and the job ends
+bit-identical to a fault-free run."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.runtime import ROOT, Cluster, Result
+
+JOB = yaml.safe_load((ROOT / "examples" / "ddp" / "process-job.yaml").read_text())
+CLUSTER = yaml.safe_load((ROOT / "examples" / "cluster-small.yaml").read_text())
+SCRIPT = ROOT / "examples" / "ddp" / "train_ddp.py"
+START = re.compile(
+    r"start: rank (\d+)/4 pid=(\d+) MA_SCHEDULE_CNT=(\d+) MA_PROC_START_CNT=(\d+) "
+    r"(resume|joined)_step=(\d+)"
+)
+
+
+def process_job(
+    out: Path, ckpt_every: int = 10, strategies: str | None = None, extra: str = ""
+) -> dict[str, Any]:
+    job = yaml.safe_load(yaml.safe_dump(JOB))
+    job["spec"]["command"] = (
+        f"python {SCRIPT} --process-recovery --steps 120 --ckpt-every {ckpt_every} --out {out} {extra}"
+    )
+    if strategies is not None:
+        job["metadata"]["annotations"]["recover-strategy"] = strategies
+    return job
+
+
+def starts(result: Result) -> dict[int, list[dict[str, Any]]]:
+    """Every process start, per rank, in order: pid, counters, and how it began."""
+    found: dict[int, list[dict[str, Any]]] = {}
+    for m in START.finditer(result.logs()):
+        found.setdefault(int(m[1]), []).append(
+            {
+                "pid": int(m[2]),
+                "schedule_cnt": int(m[3]),
+                "proc_start_cnt": int(m[4]),
+                "how": m[5],
+                "step": int(m[6]),
+            }
+        )
+    for entries in found.values():
+        entries.sort(key=lambda e: (e["how"] == "joined", e["step"]))
+    return found
+
+
+def run(cluster: Cluster, job: dict[str, Any], faults: list[dict[str, Any]] | None) -> Result:
+    result = cluster.run(job, faults, CLUSTER, timeout=300, startup_s=60)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def unbroken(tmp_path_factory: pytest.TempPathFactory) -> str:
+    tmp = tmp_path_factory.mktemp("unbroken-process")
+    result = Cluster(tmp).run(
+        process_job(tmp / "hash.txt"), None, CLUSTER, timeout=300, startup_s=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.report["recoveries"] == []
+    return (tmp / "hash.txt").read_text().strip()
+
+
+def assert_kept(found: dict[int, list[dict[str, Any]]], ranks: list[int]) -> None:
+    """These ranks ran in one process from start to end, never restarted."""
+    for rank in ranks:
+        assert len(found[rank]) == 1, (rank, found[rank])
+        assert found[rank][0]["how"] == "resume" and found[rank][0]["proc_start_cnt"] == 1
+
+
+def test_r30_memory_uce_is_retried_online_by_every_rank(cluster: Cluster, unbroken: str) -> None:
+    out = cluster.dir / "hash.txt"
+    faults = [{"kind": "memory-uce", "at_step": 40, "pod": 0, "code": "80E01801", "heals": True}]
+    result = run(cluster, process_job(out), faults)
+    assert result.actions == ["process-retry"]
+    assert result.report["recoveries"][0]["outcome"] == "succeeded"
+    found = starts(result)
+    assert_kept(found, [0, 1, 2, 3])
+    retried = re.findall(r"rank (\d): retry at step (\d+), generation 2", result.logs())
+    assert sorted(int(r) for r, _ in retried) == [0, 1, 2, 3]
+    assert len({step for _, step in retried}) == 1  # every rank re-ran the same step
+    assert out.read_text().strip() == unbroken
+
+
+def test_r31_only_the_crashed_rank_restarts_in_place(cluster: Cluster, unbroken: str) -> None:
+    out = cluster.dir / "hash.txt"
+    faults = [{"kind": "process-exit", "at_step": 40, "pod": 0, "rank": 1, "exit_code": 1}]
+    result = run(cluster, process_job(out), faults)
+    assert result.actions == ["process-in-place"]
+    assert result.report["restarts_used"] == 0 and result.report["pod_restarts_used"] == 0
+    found = starts(result)
+    assert_kept(found, [0, 2, 3])
+    first, replacement = found[1]
+    assert replacement["how"] == "joined" and replacement["step"] >= 40
+    assert replacement["pid"] != first["pid"]
+    assert [p["generation"] for p in result.report["pods"]] == [1, 1]
+    assert out.read_text().strip() == unbroken
+
+
+def test_r32_a_lost_node_moves_one_pod_the_other_keeps_running(
+    cluster: Cluster, unbroken: str
+) -> None:
+    out = cluster.dir / "hash.txt"
+    result = run(cluster, process_job(out), [{"kind": "node-down", "at_step": 40, "pod": 1}])
+    assert result.actions == ["process-reschedule"]
+    record = result.report["recoveries"][0]
+    assert record["isolated_nodes"] == ["node-1"] and record["outcome"] == "succeeded"
+    found = starts(result)
+    assert_kept(found, [0, 1])
+    for rank in (2, 3):
+        assert [e["how"] for e in found[rank]] == ["resume", "joined"]
+        assert found[rank][1]["schedule_cnt"] == 2
+    pods = result.report["pods"]
+    assert [(p["node"], p["generation"]) for p in pods] == [("node-0", 1), ("node-2", 2)]
+    assert out.read_text().strip() == unbroken
+
+
+def test_r34_dump_saves_a_dying_gasp_then_the_job_level_resumes_from_it(
+    cluster: Cluster, unbroken: str
+) -> None:
+    out = cluster.dir / "hash.txt"
+    faults = [{"kind": "process-exit", "at_step": 40, "pod": 1, "rank": 3, "exit_code": 1}]
+    result = run(cluster, process_job(out, ckpt_every=0, strategies="dump,exit"), faults)
+    assert result.actions == ["dump", "job-reschedule"]
+    assert "dying gasp saved step" in result.logs()
+    found = starts(result)
+    resumed = [e["step"] for e in found[0]]
+    assert resumed[0] == 0 and resumed[1] >= 40  # no periodic checkpoint: the gasp it is
+    assert out.read_text().strip() == unbroken
+
+
+def test_r36_a_replacement_that_crashes_again_moves_down_to_job_level(
+    cluster: Cluster, unbroken: str
+) -> None:
+    out = cluster.dir / "hash.txt"
+    faults = [{"kind": "process-exit", "at_step": 40, "pod": 0, "rank": 1, "exit_code": 1}]
+    job = process_job(out, extra="--replacements-crash")
+    result = run(cluster, job, faults)
+    assert result.actions == ["process-in-place", "dump", "job-reschedule"]
+    outcomes = [r["outcome"] for r in result.report["recoveries"]]
+    assert outcomes == ["failed", "succeeded", "succeeded"]
+    assert "replacement rank 1 crashes on purpose" in result.logs()
+    assert result.report["restarts_used"] == 1
+    assert out.read_text().strip() == unbroken
