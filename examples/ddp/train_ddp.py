@@ -17,6 +17,7 @@ import argparse
 import os
 import signal
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -40,6 +41,28 @@ def batch(step: int, rank: int, size: int = 32) -> tuple[torch.Tensor, torch.Ten
     x = torch.randn(size, 16, generator=generator)
     y = x[:, :4].sum(dim=1, keepdim=True) - x[:, 4:8].prod(dim=1, keepdim=True)
     return x, y
+
+
+def build(
+    args: argparse.Namespace, rank: int
+) -> tuple[nn.Module, torch.optim.Optimizer, CheckpointManager, Callable[[], dict[str, object]]]:
+    """The model, its optimizer, the checkpoints and what a checkpoint holds."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    shared = Path(os.environ.get("RELAUNCH_SHARED_DIR", "."))
+    ckpt = CheckpointManager(
+        args.ckpt_dir or shared / "ckpt", rank=rank, every=args.ckpt_every or None, keep=3
+    )
+
+    def state() -> dict[str, object]:
+        return {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "rng": rng_state(),
+        }
+
+    return model, optimizer, ckpt, state
 
 
 def main() -> None:
@@ -84,22 +107,8 @@ def main() -> None:
                 timeline.write(f"{event} {step} {time.time():.6f}\n")
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
+    model, optimizer, ckpt, state = build(args, job.rank)
     ddp = DistributedDataParallel(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
-
-    shared = Path(os.environ.get("RELAUNCH_SHARED_DIR", "."))
-    ckpt = CheckpointManager(
-        args.ckpt_dir or shared / "ckpt", rank=job.rank, every=args.ckpt_every or None, keep=3
-    )
-
-    def state() -> dict[str, object]:
-        return {
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "rng": rng_state(),
-        }
 
     start = 0
     resumed = load_common_checkpoint(ckpt, replicated=True)
@@ -154,21 +163,7 @@ def process_level(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     job = env()
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
-    shared = Path(os.environ.get("RELAUNCH_SHARED_DIR", "."))
-    ckpt = CheckpointManager(
-        args.ckpt_dir or shared / "ckpt", rank=job.rank, every=args.ckpt_every or None, keep=3
-    )
-
-    def state() -> dict[str, object]:
-        return {
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "rng": rng_state(),
-        }
-
+    model, optimizer, ckpt, state = build(args, job.rank)
     keeper = ProcessGroupKeeper(model, optimizer)
     joined = keeper.start()
     if not joined:

@@ -63,6 +63,19 @@ LEVELS: dict[str, tuple[dict[str, str], dict[str, Any]]] = {
         {"kind": "node-down", "pod": 1},
     ),
     "isolated-job-reschedule": (RETRY, {"kind": "node-down", "pod": 1}),
+    # Process level (DDP only: the healthy ranks keep running through train.group's keeper).
+    "process-retry": (
+        RETRY,
+        {"kind": "memory-uce", "pod": 1, "chip": 0, "code": "80E01801", "heals": True},
+    ),
+    "process-in-place": (RETRY, {"kind": "process-exit", "pod": 1, "rank": 3, "exit_code": 1}),
+    "process-reschedule": (RETRY, {"kind": "node-down", "pod": 1}),
+}
+PROCESS_LEVELS = ("process-retry", "process-in-place", "process-reschedule")
+PROCESS_LABELS = {"process-recover-enable": "on", "pod-rescheduling": "on"}
+PROCESS_ANNOTATIONS = {
+    "recover-strategy": "retry,recover-in-place,recover,dump,exit",
+    "wait-reschedule-timeout": "60",
 }
 FAULT_STEP = 20
 
@@ -109,12 +122,17 @@ def _job(workload: str, level: str, timeline: Path | None, pods: int = 2) -> dic
         crash = f" --crash-at-step {FAULT_STEP}" if level == "job-reschedule" else ""
         command = f"python {DDP} --steps 60 --ckpt-every 5 --timeline {timeline}{crash}"
         hang_s, grace = 4, 3
+    labels = {"fault-scheduling": "grace", "grace-over-time": str(grace)}
+    if level in PROCESS_LEVELS:
+        command = f"python {DDP} --process-recovery --steps 60 --ckpt-every 5"
+        annotations = {**annotations, **PROCESS_ANNOTATIONS}
+        labels = {**labels, **PROCESS_LABELS}
     return {
         "kind": "job",
         "metadata": {
             "name": f"bench-{workload}",
             "annotations": annotations,
-            "labels": {"fault-scheduling": "grace", "grace-over-time": str(grace)},
+            "labels": labels,
         },
         "spec": {
             "replicas": pods,
@@ -364,7 +382,9 @@ def _row(system: str, level: str, workload: str, samples: list[Sample]) -> Row:
 def run_bench(options: BenchOptions) -> dict[str, Any]:
     options.out.mkdir(parents=True, exist_ok=True)
     repeats = 1 if options.quick else options.repeats
-    plan: list[tuple[str, str, str]] = [("relaunch", "light", level) for level in LEVELS]
+    plan: list[tuple[str, str, str]] = [
+        ("relaunch", "light", level) for level in LEVELS if level not in PROCESS_LEVELS
+    ]
     ddp_levels = ["job-reschedule"] if options.quick else list(LEVELS)
     plan += [("relaunch", "ddp", level) for level in ddp_levels]
     plan.append(("torchrun", "ddp", "job-reschedule"))

@@ -397,12 +397,7 @@ def run(
             on_start=on_start,
         )
     except (InputError, RuntimeError) as error:
-        store.update_job(
-            job_id,
-            status=JobStatus.FAILED,
-            reason=f"could not start: {error}",
-            ended_at=time.time(),
-        )
+        runner.could_not_start(store, job_id, error)
         err.print(f"[bold red]error:[/] {error}", highlight=False)
         raise typer.Exit(EXIT_INVALID) from None
     finally:

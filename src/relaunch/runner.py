@@ -36,6 +36,7 @@ from relaunch.store import JobStatus, Store
 __all__ = [
     "Submission",
     "abandon_unfinished",
+    "could_not_start",
     "ensure_runner",
     "lock",
     "plan_entries",
@@ -224,15 +225,17 @@ def run_queue(directory: Path, log: Callable[[str], None]) -> int:
         try:
             status = run_job(store, directory, job_id, resume=resume, on_event=event)
         except (InputError, RuntimeError) as error:
-            store.update_job(
-                job_id,
-                status=JobStatus.FAILED,
-                reason=f"could not start: {error}",
-                ended_at=time.time(),
-            )
+            could_not_start(store, job_id, error)
             log(f"job {job_id} could not start: {error}")
             continue
         log(f"job {name} (id {job_id}) ended: {status.value}")
+
+
+def could_not_start(store: Store, job_id: int, error: Exception) -> None:
+    """A job whose stored spec, cluster or placement no longer works ends Failed, saying why."""
+    store.update_job(
+        job_id, status=JobStatus.FAILED, reason=f"could not start: {error}", ended_at=time.time()
+    )
 
 
 def ensure_runner(directory: Path) -> int | None:
