@@ -27,12 +27,20 @@ MTTR_BUCKETS = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 DETECT_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0)
 
 
-def _histogram(
-    values: Sequence[float], bounds: Sequence[float]
-) -> tuple[list[tuple[str, float]], float]:
-    buckets = [(repr(b), float(sum(1 for v in values if v <= b))) for b in bounds]
-    buckets.append(("+Inf", float(len(values))))
-    return buckets, float(sum(values))
+def _histograms(
+    name: str,
+    text: str,
+    label: str,
+    groups: dict[str, list[float]],
+    bounds: Sequence[float],
+) -> HistogramMetricFamily:
+    """One histogram per label value, from the recorded values (cumulative buckets)."""
+    family = HistogramMetricFamily(name, text, labels=[label])
+    for value, samples in sorted(groups.items()):
+        buckets = [(repr(b), float(sum(1 for x in samples if x <= b))) for b in bounds]
+        buckets.append(("+Inf", float(len(samples))))
+        family.add_metric([value], buckets, float(sum(samples)))
+    return family
 
 
 class StoreCollector(Collector):
@@ -54,25 +62,18 @@ class StoreCollector(Collector):
             recoveries.add_metric([action, outcome], n)
         yield recoveries
 
-        mttr = HistogramMetricFamily(
-            "relaunch_recovery_mttr_seconds",
-            "Time from a fault to resumed progress, for recoveries that succeeded.",
-            labels=["action"],
-        )
         by_action: dict[str, list[float]] = defaultdict(list)
         for _, r in records:
             if r.mttr_s is not None:
                 by_action[r.action.value].append(r.mttr_s)
-        for action, values in sorted(by_action.items()):
-            buckets, total = _histogram(values, MTTR_BUCKETS)
-            mttr.add_metric([action], buckets, total)
-        yield mttr
-
-        detect = HistogramMetricFamily(
-            "relaunch_fault_detection_seconds",
-            "Time from a fault to its detection, by fault kind.",
-            labels=["kind"],
+        yield _histograms(
+            "relaunch_recovery_mttr_seconds",
+            "Time from a fault to resumed progress, for recoveries that succeeded.",
+            "action",
+            by_action,
+            MTTR_BUCKETS,
         )
+
         by_kind: dict[str, list[float]] = defaultdict(list)
         seen: set[tuple[int, int]] = set()
         for job, r in records:
@@ -80,10 +81,13 @@ class StoreCollector(Collector):
                 continue  # a fallback re-decides the same fault: count its detection once
             seen.add((job.id, r.fault_id))
             by_kind[r.fault.kind.value].append(max(0.0, r.detected_at - r.fault_at))
-        for kind, values in sorted(by_kind.items()):
-            buckets, total = _histogram(values, DETECT_BUCKETS)
-            detect.add_metric([kind], buckets, total)
-        yield detect
+        yield _histograms(
+            "relaunch_fault_detection_seconds",
+            "Time from a fault to its detection, by fault kind.",
+            "kind",
+            by_kind,
+            DETECT_BUCKETS,
+        )
 
         yield _by_state(
             "relaunch_jobs",
