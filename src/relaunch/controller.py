@@ -35,9 +35,7 @@ from relaunch.wire import Connection, write_controller_address
 __all__ = ["Controller", "RunOptions"]
 
 JOB_LEVEL = (Action.ISOLATED_JOB_RESCHEDULE, Action.JOB_RESCHEDULE)
-UNSUPPORTED = {
-    Action.SCALE_IN: "elastic scale-in is not carried out yet",
-}
+UNSUPPORTED: dict[Action, str] = {}
 FAILED_AT_START_S = 5.0
 
 
@@ -140,6 +138,9 @@ class Controller:
         self.step: int | None = None
         self.step_saved_at = 0.0
         self.adopt_until = 0.0
+        self.joining: tuple[int, ...] = ()
+        """Ranks of a scale-out that have not reported progress yet (the others wait for them)."""
+        self.joining_until = 0.0
         self.server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.server.bind(("127.0.0.1", 0))
@@ -267,6 +268,7 @@ class Controller:
         self._check_launchers(now)
         self._check_hangs(now)
         self._fire_chaos(now)
+        self._scale_out(now)
         self._reconcile(now)
         self._check_done(now)
         if self.on_tick is not None:
@@ -338,6 +340,9 @@ class Controller:
                 self.on_output(link.pod, rank, m["line"])
             if kind == "progress":
                 self.uses_sdk = True
+                if rank in self.joining:
+                    self.joining = ()
+                    self.event("scale-out: the joining ranks are training")
                 self.step = max(self.step or 0, int(m["step"]))
                 if time.time() - self.step_saved_at > 0.5:
                     self.step_saved_at = time.time()
@@ -466,6 +471,8 @@ class Controller:
         if job.status is not JobStatus.RUNNING and self.active is None:
             return
         silent: list[tuple[float, LauncherLink, int, float]] = []
+        if self.joining and now < self.joining_until:
+            return  # a scale-out: the group waits for the joining ranks to start
         waiting = self.active is not None and self.active.action.process_level
         for link in self.launchers.values():
             if link.stopping:
@@ -634,7 +641,7 @@ class Controller:
             ranks = self._faulty_ranks(fault)
         elif action is Action.PROCESS_RESCHEDULE:
             ranks = tuple(r for pod in decision.pods for r in self._ranks_of(pod))
-        elif action is Action.PROCESS_RETRY:
+        elif action in (Action.PROCESS_RETRY, Action.SCALE_IN):
             after_step = self.step or 0
         self.active = Active(record_id, fault, fault_id, action, tried, now, ranks, after_step)
         if self.recovery.process_level:
@@ -642,6 +649,13 @@ class Controller:
                 self._publish_membership(retry=True)
             elif action in (Action.PROCESS_IN_PLACE, Action.PROCESS_RESCHEDULE):
                 self._publish_membership(joiners=ranks)
+            elif action is Action.SCALE_IN:
+                for idx in decision.pods:
+                    leaving = self.launchers.pop(idx, None)
+                    if leaving is not None:
+                        leaving.conn.send({"t": "shutdown", "grace": 0.0})
+                        self.tearing_down[idx] = (leaving, now)
+                self._publish_membership(parked=self._parked() | set(decision.pods))
             elif self.store.job(self.job_id).attempt != attempt:
                 self._publish_membership()  # every process starts again: a fresh group
         if action is Action.PROCESS_IN_PLACE:
@@ -725,6 +739,9 @@ class Controller:
                     workdir,
                 )
             )
+        if action is Action.SCALE_IN:
+            self.store.update_job(self.job_id, status=JobStatus.RECOVERING)
+            return
         if action is Action.PROCESS_RESCHEDULE:
             # Only the moved pods start (at the current attempt, as joiners); the rest run on.
             self.store.update_job(self.job_id, status=JobStatus.RECOVERING)
@@ -829,31 +846,42 @@ class Controller:
             }
         )
 
-    def _publish_membership(self, joiners: tuple[int, ...] = (), retry: bool = False) -> None:
+    def _parked(self) -> set[int]:
+        """Pods left out of the group by an elastic scale-in, until a node takes them back."""
+        membership = self.store.job(self.job_id).membership or {}
+        return {int(i) for i in membership.get("parked", [])}
+
+    def _publish_membership(
+        self, joiners: tuple[int, ...] = (), retry: bool = False, parked: set[int] | None = None
+    ) -> None:
         """The next generation of the process group (train.group reads it): a new store port
-        unless it is an online retry, which keeps the group."""
+        unless it is an online retry, which keeps the group. Parked pods' ranks are left out and
+        the others are numbered densely (elastic training)."""
         if not self.recovery.process_level:
             return
         job = self.store.job(self.job_id)
         previous = job.membership or {}
+        if parked is None:
+            parked = self._parked() if (joiners or retry) else set()
         generation = int(previous.get("generation", 0)) + 1
         if retry and previous:
             port = int(previous["port"])
-        elif not previous or not joiners:
+        elif not previous or not (joiners or parked):
             port = job.master_port
         else:
             port = _free_port()
-        world = self.spec.world_size
-        pods = {str(p.idx): p.generation for p in self.store.pods(self.job_id)}
+        active = [p for p in self.store.pods(self.job_id) if p.idx not in parked]
+        members = [r for p in active for r in self._ranks_of(p.idx)]
         membership = {
             "generation": generation,
             "addr": "127.0.0.1",
             "port": port,
-            "world_size": world,
-            "ranks": {str(r): r for r in range(world)},
+            "world_size": len(members),
+            "ranks": {str(r): i for i, r in enumerate(members)},
             "joiners": sorted(joiners),
             "retry": retry,
-            "pods": pods,
+            "pods": {str(p.idx): p.generation for p in active},
+            "parked": sorted(parked),
             "procs_per_pod": self.spec.procs_per_pod,
         }
         self.store.update_job(self.job_id, membership=membership)
@@ -866,7 +894,48 @@ class Controller:
             if joiners
             else "fresh group"
         )
-        self.event(f"process group generation {generation}: {what}")
+        if parked:
+            what += f"; pods {sorted(parked)} left out"
+        self.event(f"process group generation {generation}: {what}, world size {len(members)}")
+
+    def _scale_out(self, now: float) -> None:
+        """Elastic training: a parked pod goes back into the group as soon as a Ready node with
+        a live agent can take it; its ranks join the running job."""
+        parked = self._parked()
+        job = self.store.job(self.job_id)
+        if not parked or self.active is not None or job.status is not JobStatus.RUNNING:
+            return
+        pods = self.store.pods(self.job_id)
+        used = {p.node for p in pods if p.idx not in parked}
+        free = [
+            n.name
+            for n in self.store.nodes()
+            if n.schedulable
+            and n.name in self.agents
+            and n.name not in used
+            and n.chips >= self.spec.chips_per_pod
+        ]
+        back: list[int] = []
+        for idx, node in zip(sorted(parked), free, strict=False):
+            pod = next(p for p in pods if p.idx == idx)
+            gen = pod.generation + 1
+            self.store.put_pod(
+                PodRow(
+                    self.job_id,
+                    idx,
+                    node,
+                    gen,
+                    pod.schedule_cnt + 1,
+                    1,
+                    str(self._workdir(idx, gen)),
+                )
+            )
+            back.append(idx)
+            self.event(f"scale-out: pod {idx} back on {node}")
+        if back:
+            self.joining = tuple(r for idx in back for r in self._ranks_of(idx))
+            self.joining_until = now + self.startup_s
+            self._publish_membership(joiners=self.joining, parked=parked - set(back))
 
     def _verify(
         self, link: LauncherLink, rank: int, kind: str, attempt: int, step: int | None
@@ -910,6 +979,8 @@ class Controller:
                 stale.conn.send({"t": "shutdown", "grace": self.recovery.termination_grace_s})
                 self.launchers.pop(stale.pod, None)
                 self.tearing_down[stale.pod] = (stale, now)
+        parked = self._parked()
+        pods = [p for p in pods if p.idx not in parked]
         ready = True
         for pod in pods:
             if pod.idx in self.launchers:
@@ -960,15 +1031,19 @@ class Controller:
 
     def _check_done(self, now: float) -> None:
         job = self.store.job(self.job_id)
-        if job.status.ended or len(self.launchers) < self.spec.replicas:
+        parked = self._parked()
+        active = [p.idx for p in self.store.pods(self.job_id) if p.idx not in parked]
+        if job.status.ended or any(idx not in self.launchers for idx in active):
             return
         ranks = [
             p
-            for link in self.launchers.values()
-            for p in link.procs.values()
+            for idx in active
+            for p in self.launchers[idx].procs.values()
             if p.attempt == job.attempt
         ]
-        if len(ranks) == self.spec.world_size and all(not p.running and p.code == 0 for p in ranks):
+        if len(ranks) == len(active) * self.spec.procs_per_pod and all(
+            not p.running and p.code == 0 for p in ranks
+        ):
             if self.active is not None:
                 self.store.settle_record(
                     self.active.record_id,

@@ -39,13 +39,14 @@ import copy
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -114,6 +115,7 @@ class ProcessGroupKeeper:
         wait_s: float | None = None,
         snapshot: bool = True,
         ddp_options: dict[str, Any] | None = None,
+        elastic_every: int | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -123,6 +125,9 @@ class ProcessGroupKeeper:
         env_wait = os.environ.get("RELAUNCH_RECOVERY_WAIT")
         self.wait_s = wait_s or float(env_wait or 300.0)
         self.snapshot_enabled = snapshot
+        env_every = os.environ.get("RELAUNCH_ELASTIC_EVERY")
+        self.elastic_every = max(1, elastic_every or int(env_every or 20))
+        self._boundary: dict[str, Any] | None = None
         self.ddp_options = ddp_options or {}
         self.original_rank = int(os.environ.get("RANK", "0"))
         pod = os.environ.get("RELAUNCH_POD")
@@ -326,6 +331,27 @@ class ProcessGroupKeeper:
         if int(flag.item()) > self.generation:
             raise _Retry(int(flag.item()))
 
+    def _mark_boundary(self) -> None:
+        """In memory, the state after an elastic boundary step: a change of world size resumes
+        from here, so when it takes effect depends on the step only, never on timing."""
+        if not self.recovery_enabled:
+            return
+        self._boundary = {
+            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "rng": rng_state(),
+            "completed": self.completed,
+        }
+
+    def _back_to_boundary(self) -> None:
+        boundary = self._boundary
+        if boundary is None:
+            return
+        self.model.load_state_dict(boundary["model"])
+        self.optimizer.load_state_dict(boundary["optimizer"])
+        set_rng_state(boundary["rng"])
+        self.completed = int(boundary["completed"])
+
     def run(
         self,
         first: int,
@@ -334,6 +360,7 @@ class ProcessGroupKeeper:
         after: Callable[[int, Any], None] | None = None,
     ) -> None:
         step = first
+        self._mark_boundary()
         while step <= last:
             snapshot = self._take_snapshot()
             self._in_step = True
@@ -356,6 +383,8 @@ class ProcessGroupKeeper:
             self._in_step = False
             self.optimizer.step()
             self.completed = step
+            if step % self.elastic_every == 0:
+                self._mark_boundary()
             if after is not None:
                 after(step, result)
             step += 1
@@ -396,9 +425,16 @@ class ProcessGroupKeeper:
                 self._note("retry", m.generation, step, began)
                 return
         failed_at = self.generation
+        world = self.world_size
         while True:
             self._drop_group()
             m = self._wait_for(failed_at, deadline)
+            if m.world_size != world:
+                # Elastic: fewer or more data-parallel replicas from now on. Every member goes
+                # back to the last boundary, so that the new sharding starts at a step that does
+                # not depend on when the fault was noticed.
+                self._back_to_boundary()
+                world = m.world_size
             try:
                 self._init(m)
                 self._sync_from_healthy(m)
@@ -416,11 +452,18 @@ class ProcessGroupKeeper:
 
     def _note(self, kind: str, generation: int, step: int, began: float) -> None:
         self.recoveries.append(
-            {"kind": kind, "generation": generation, "step": step, "seconds": time.time() - began}
+            {
+                "kind": kind,
+                "generation": generation,
+                "step": step,
+                "world_size": self.world_size,
+                "seconds": time.time() - began,
+            }
         )
         print(
             f"[relaunch] rank {self.original_rank}: {kind} at step {step}, generation "
-            f"{generation}, {time.time() - began:.3f} s",
+            f"{generation}, now rank {self.rank} of {self.world_size}, resuming after step "
+            f"{self.completed}, {time.time() - began:.3f} s",
             flush=True,
         )
 
@@ -428,6 +471,16 @@ class ProcessGroupKeeper:
         """Stop watching the membership. The group itself ends with the process: destroying a
         gloo group whose store another rank hosts can abort the process at exit."""
         self._closing.set()
+
+    def exit(self, code: int = 0) -> NoReturn:
+        """End the process now, after flushing its output. Groups abandoned in a recovery still
+        own gloo threads whose C++ destructors can call std::terminate at interpreter exit
+        (seen with torch 2.13 on CPU: an exit 134 after a clean finish); ending here skips them.
+        Call it last, after checkpoints are written (CheckpointManager.wait())."""
+        self.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _tcp_sockets() -> set[int]:
