@@ -5,13 +5,18 @@ bit-identical to a fault-free run."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from tests.runtime import ROOT, Cluster, Result
+from relaunch.store import NodeState, Store
+from tests.runtime import ROOT, Cluster, Result, wait_gone
+from tests.test_controller_restart import query
 
 JOB = yaml.safe_load((ROOT / "examples" / "ddp" / "process-job.yaml").read_text())
 CLUSTER = yaml.safe_load((ROOT / "examples" / "cluster-small.yaml").read_text())
@@ -150,3 +155,81 @@ def test_r36_a_replacement_that_crashes_again_moves_down_to_job_level(
     assert "replacement rank 1 crashes on purpose" in result.logs()
     assert result.report["restarts_used"] == 1
     assert out.read_text().strip() == unbroken
+
+
+ELASTIC_CLUSTER = {**CLUSTER, "nodes": 3}
+ELASTIC = "retry,recover-in-place,recover,elastic-training,dump,exit"
+
+
+def elastic_cluster(cluster: Cluster) -> None:
+    """Three nodes, the third held back (isolated): a lost node leaves no standby."""
+    store = Store(cluster.state / "relaunch.db")
+    store.ensure_nodes([(f"node-{i}", 2) for i in range(3)])
+    store.set_node_state("node-2", NodeState.ISOLATED, "held back by the test", 0.0)
+    store.close()
+
+
+def test_r33_scale_in_continues_at_the_smaller_world_size_the_same_way_twice(
+    tmp_path: Path,
+) -> None:
+    hashes = []
+    for name in ("first", "second"):
+        cluster = Cluster(tmp_path / name)
+        elastic_cluster(cluster)
+        out = cluster.dir / "hash.txt"
+        faults = [{"kind": "node-down", "at_step": 40, "pod": 1}]
+        result = cluster.run(
+            process_job(out, strategies=ELASTIC), faults, ELASTIC_CLUSTER, timeout=300, startup_s=60
+        )
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert result.actions == ["scale-in"]
+        assert result.report["recoveries"][0]["isolated_nodes"] == ["node-1"]
+        found = starts(result)
+        assert_kept(found, [0, 1])
+        assert re.findall(
+            r"rank (\d): rejoin at step \d+, generation 2, now rank \d of 2", result.logs()
+        )
+        hashes.append(out.read_text().strip())
+        assert not wait_gone(cluster.state, timeout=5)
+    assert hashes[0] == hashes[1]
+
+
+def test_r33_scale_out_when_a_node_comes_back(cluster: Cluster) -> None:
+    elastic_cluster(cluster)
+    out = cluster.dir / "hash.txt"
+    faults = [{"kind": "node-down", "at_step": 40, "pod": 1}]
+    job = process_job(out, strategies=ELASTIC)
+    job["spec"]["command"] = job["spec"]["command"].replace("--steps 120", "--steps 200")
+    running = subprocess.Popen(
+        cluster.command(job, faults, ELASTIC_CLUSTER, startup_s=60),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.time() + 120
+        while not query(cluster.state, "SELECT 1 FROM recoveries WHERE outcome = 'succeeded'"):
+            assert time.time() < deadline and running.poll() is None, "no scale-in"
+            time.sleep(0.2)
+        released = subprocess.run(
+            [sys.executable, "-m", "relaunch", "release", "node-2", "--state-dir", str(cluster.state)],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        assert released.returncode == 0, released.stderr
+        stdout, stderr = running.communicate(timeout=240)
+    finally:
+        if running.poll() is None:
+            running.kill()
+    result = cluster.result(running.returncode, stdout, stderr)
+    assert result.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert result.actions == ["scale-in"]
+    assert "scale-out: pod 1 back on node-2" in stdout
+    found = starts(result)
+    assert_kept(found, [0, 1])
+    for rank in (2, 3):
+        assert [e["how"] for e in found[rank]] == ["resume", "joined"]
+    assert re.findall(r"rank 0: rejoin at step \d+, generation 3, now rank 0 of 4", result.logs())
+    pods = result.report["pods"]
+    assert [(p["node"], p["generation"]) for p in pods] == [("node-0", 1), ("node-2", 2)]
+    assert out.read_text().strip()
