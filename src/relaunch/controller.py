@@ -1079,6 +1079,7 @@ class Controller:
             adopt_grace_s=self.cluster.adopt_grace_s,
             workdir=pod.workdir,
             env=dict(self.spec.env),
+            warm_spares=self.spec.warm_spares if self.recovery.process_level else 0,
         )
 
     def _env(self, pod: PodRow, attempt: int) -> dict[str, str]:

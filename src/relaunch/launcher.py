@@ -18,6 +18,7 @@ import ctypes
 import json
 import os
 import queue
+import shlex
 import signal
 import socket
 import subprocess
@@ -68,6 +69,14 @@ class LaunchPlan:
     adopt_grace_s: float
     workdir: str
     env: dict[str, str] = field(default_factory=dict)
+    warm_spares: int = 0
+    """Processes kept started (Python up, torch imported) for process-level in-place restarts."""
+
+
+@dataclass
+class Spare:
+    proc: subprocess.Popen[bytes]
+    ready: threading.Event
 
 
 class Launcher:
@@ -77,6 +86,8 @@ class Launcher:
         self.workdir = Path(plan.workdir)
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
         self.inject_dir = self.workdir / "inject"
+        self.spares: list[Spare] = []
+        self.spare_argv = _spare_argv(plan.command)
         self.inject_dir.mkdir(exist_ok=True)
         self.commands: queue.Queue[dict[str, Any]] = queue.Queue()
         self.workers: dict[int, Worker] = {}
@@ -194,35 +205,33 @@ class Launcher:
             old = self.workers.get(rank)
             if old is not None and old.proc.poll() is None:
                 continue
-            child_env = {**os.environ, **self.plan.env, **env}
-            child_env.update(
-                RANK=str(rank),
-                LOCAL_RANK=str(local_rank),
-                RELAUNCH_PROGRESS_SOCKET="@" + self.progress_name,
-                RELAUNCH_INJECT_DIR=str(self.inject_dir),
-                RELAUNCH_WORKDIR=str(self.workdir),
-                PYTHONPATH=os.pathsep.join(
-                    p for p in (str(INJECT_DIR), child_env.get("PYTHONPATH", "")) if p
-                ),
-                PYTHONUNBUFFERED="1",
-                # `python` in the command means the Python relaunch runs on, venv included.
-                PATH=os.pathsep.join((str(Path(sys.executable).parent), child_env.get("PATH", ""))),
-            )
+            child_env = self._child_env(env)
+            child_env.update(RANK=str(rank), LOCAL_RANK=str(local_rank))
             log = open(self.workdir / "logs" / f"rank-{rank}.log", "a", encoding="utf-8")  # noqa: SIM115
+            spare = self._take_spare() if ranks is not None else None
+            cwd = self.plan.working_dir or str(self.workdir)
+            how = f", warm spare pid {spare.proc.pid}" if spare is not None else ""
             log.write(
-                f"--- relaunch: attempt {attempt}, MA_PROC_START_CNT={env.get('MA_PROC_START_CNT')} ---\n"
+                f"--- relaunch: attempt {attempt}, MA_PROC_START_CNT={env.get('MA_PROC_START_CNT')}{how} ---\n"
             )
             log.flush()
-            proc = subprocess.Popen(
-                self.plan.command,
-                cwd=self.plan.working_dir or self.workdir,
-                env=child_env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
-            )
+            if spare is not None:
+                proc = spare.proc
+                assert proc.stdin is not None
+                identity = {"env": child_env, "argv": self.spare_argv, "cwd": cwd}
+                proc.stdin.write((json.dumps(identity) + "\n").encode())
+                proc.stdin.close()
+            else:
+                proc = subprocess.Popen(
+                    self.plan.command,
+                    cwd=cwd,
+                    env=child_env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    preexec_fn=_die_with_parent,
+                )
             worker = Worker(rank, local_rank, attempt, proc, log)
             worker.pump = threading.Thread(target=self.pump, args=(worker,), daemon=True)
             worker.pump.start()
@@ -236,6 +245,65 @@ class Launcher:
                     "at": time.time(),
                 }
             )
+
+    def _child_env(self, env: dict[str, str]) -> dict[str, str]:
+        """What every process of the pod sees, before its rank is set."""
+        child_env = {**os.environ, **self.plan.env, **env}
+        child_env.update(
+            RELAUNCH_PROGRESS_SOCKET="@" + self.progress_name,
+            RELAUNCH_INJECT_DIR=str(self.inject_dir),
+            RELAUNCH_WORKDIR=str(self.workdir),
+            PYTHONPATH=os.pathsep.join(
+                p for p in (str(INJECT_DIR), child_env.get("PYTHONPATH", "")) if p
+            ),
+            PYTHONUNBUFFERED="1",
+            # `python` in the command means the Python relaunch runs on, venv included.
+            PATH=os.pathsep.join((str(Path(sys.executable).parent), child_env.get("PATH", ""))),
+        )
+        return child_env
+
+    # -- warm spares ----------------------------------------------------------------------------
+
+    def refill_spares(self) -> None:
+        """Keep `warm_spares` spare processes started, for commands a spare can become."""
+        if not self.plan.warm_spares or self.spare_argv is None:
+            return
+        self.spares = [sp for sp in self.spares if sp.proc.poll() is None]
+        while len(self.spares) < self.plan.warm_spares:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "relaunch._spare"],
+                cwd=self.workdir,
+                env=self._child_env(self.last_env or {}),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+            spare = Spare(proc, threading.Event())
+            threading.Thread(target=self._await_ready, args=(spare,), daemon=True).start()
+            self.spares.append(spare)
+
+    @staticmethod
+    def _await_ready(spare: Spare) -> None:
+        assert spare.proc.stdout is not None
+        if spare.proc.stdout.readline().strip() == b"ready":
+            spare.ready.set()
+
+    def _take_spare(self) -> Spare | None:
+        for spare in self.spares:
+            if spare.ready.is_set() and spare.proc.poll() is None:
+                self.spares.remove(spare)
+                return spare
+        return None
+
+    def retire_spares(self) -> None:
+        for spare in self.spares:
+            with contextlib.suppress(OSError):
+                spare.proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                spare.proc.wait(timeout=5)
+        self.spares = []
 
     def pump(self, worker: Worker) -> None:
         assert worker.proc.stdout is not None
@@ -337,6 +405,7 @@ class Launcher:
             if now >= next_check:
                 self.flush_progress(force=True)
                 self.monitor()
+                self.refill_spares()
                 next_check = now + interval
             with self.lock:
                 alone = self.alone_since
@@ -359,6 +428,20 @@ class Launcher:
             self.stop(float(message.get("grace", 0)))
             self.send({"t": "stopped", "attempt": self.attempt, "at": time.time(), "final": True})
             self.running = False
+
+
+def _spare_argv(command: list[str]) -> list[str] | None:
+    """`[script, args...]` when the command is `python script.py args` (directly or through
+    /bin/sh -c without shell syntax): what a warm spare can become. None otherwise."""
+    if command[:2] == ["/bin/sh", "-c"] and len(command) == 3:
+        if any(ch in command[2] for ch in ";|&<>$`()*?~\n"):
+            return None
+        command = shlex.split(command[2])
+    if len(command) < 2 or not Path(command[0]).name.startswith("python"):
+        return None
+    if not command[1].endswith(".py"):
+        return None
+    return command[1:]
 
 
 def _signal_group(pid: int, signum: int) -> None:
@@ -431,6 +514,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         launcher.run()
     finally:
+        launcher.retire_spares()
         launcher.stop(0.0)
 
 

@@ -279,6 +279,7 @@ class Workload(BaseModel):
     hang_detect_seconds: Annotated[float | None, v(seconds(0))] = None
     backoff_limit: Annotated[int | None, v(integer(0, 1000, "total reschedules"))] = None
     graceful_fault_tolerance: Annotated[bool, v(boolean)] = False
+    warm_spares: Annotated[int, v(integer(0, 16, "spare processes per pod"))] = 0
 
 
 class _File(BaseModel):
@@ -362,6 +363,9 @@ class JobSpec:
     env: Mapping[str, str]
     working_dir: str | None
     recovery: RecoverySettings
+    warm_spares: int = 0
+    """Pre-started processes per pod (Python up, torch imported) that a process-level in-place
+    restart hands the failed rank's identity to, instead of starting a process."""
 
     @property
     def world_size(self) -> int:
@@ -620,6 +624,7 @@ def _build(parsed: _File, data: Mapping[str, Any]) -> JobSpec:
         env=dict(work.env),
         working_dir=work.working_dir,
         recovery=recovery,
+        warm_spares=work.warm_spares,
     )
 
 
