@@ -233,3 +233,21 @@ def test_r33_scale_out_when_a_node_comes_back(cluster: Cluster) -> None:
     pods = result.report["pods"]
     assert [(p["node"], p["generation"]) for p in pods] == [("node-0", 1), ("node-2", 2)]
     assert out.read_text().strip()
+
+
+def test_r31_a_warm_spare_takes_the_crashed_ranks_place(cluster: Cluster, unbroken: str) -> None:
+    out = cluster.dir / "hash.txt"
+    job = process_job(out)
+    job["spec"]["warm_spares"] = 1
+    faults = [{"kind": "process-exit", "at_step": 40, "pod": 1, "rank": 3, "exit_code": 1}]
+    result = run(cluster, job, faults)
+    assert result.actions == ["process-in-place"]
+    found = starts(result)
+    assert_kept(found, [0, 1, 2])
+    spare_pid = re.findall(
+        r"--- relaunch: attempt 1, MA_PROC_START_CNT=1, warm spare pid (\d+) ---", result.logs()
+    )
+    assert len(spare_pid) == 1
+    assert [e["how"] for e in found[3]] == ["resume", "joined"]
+    assert found[3][1]["pid"] == int(spare_pid[0])  # the spare became rank 3
+    assert out.read_text().strip() == unbroken

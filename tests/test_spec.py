@@ -373,3 +373,13 @@ def test_r07_paused_process_recovery_injects_nothing() -> None:
         {"recover-strategy": "recover"}, {**PROCESS_LABELS, "process-recover-enable": "pause"}
     )
     assert process_recovery_env(recovery) == {}
+
+
+def test_warm_spares_are_a_small_count_per_pod() -> None:
+    assert job(warm_spares="2").warm_spares == 2
+    assert job().warm_spares == 0
+    for bad in (-1, 17, "many", True):
+        with pytest.raises(SpecError) as error:
+            job(warm_spares=bad)
+        assert [p.key for p in error.value.problems] == ["spec.warm_spares"]
+        assert "spare processes per pod" in str(error.value)

@@ -70,8 +70,19 @@ LEVELS: dict[str, tuple[dict[str, str], dict[str, Any]]] = {
     ),
     "process-in-place": (RETRY, {"kind": "process-exit", "pod": 1, "rank": 3, "exit_code": 1}),
     "process-reschedule": (RETRY, {"kind": "node-down", "pod": 1}),
+    "process-in-place+spare": (
+        RETRY,
+        {"kind": "process-exit", "pod": 1, "rank": 3, "exit_code": 1},
+    ),
 }
-PROCESS_LEVELS = ("process-retry", "process-in-place", "process-reschedule")
+PROCESS_LEVELS = (
+    "process-retry",
+    "process-in-place",
+    "process-reschedule",
+    "process-in-place+spare",
+)
+WARM_SPARE = "+spare"
+"""A level measured with one warm spare process per pod (spec.warm_spares: 1)."""
 PROCESS_LABELS = {"process-recover-enable": "on", "pod-rescheduling": "on"}
 PROCESS_ANNOTATIONS = {
     "recover-strategy": "retry,recover-in-place,recover,dump,exit",
@@ -123,10 +134,13 @@ def _job(workload: str, level: str, timeline: Path | None, pods: int = 2) -> dic
         command = f"python {DDP} --steps 60 --ckpt-every 5 --timeline {timeline}{crash}"
         hang_s, grace = 4, 3
     labels = {"fault-scheduling": "grace", "grace-over-time": str(grace)}
+    spares = {}
     if level in PROCESS_LEVELS:
         command = f"python {DDP} --process-recovery --steps 60 --ckpt-every 5"
         annotations = {**annotations, **PROCESS_ANNOTATIONS}
         labels = {**labels, **PROCESS_LABELS}
+        if level.endswith(WARM_SPARE):
+            spares = {"warm_spares": 1}
     return {
         "kind": "job",
         "metadata": {
@@ -141,6 +155,7 @@ def _job(workload: str, level: str, timeline: Path | None, pods: int = 2) -> dic
             "command": command,
             "hang_detect_seconds": hang_s,
             "monitor_interval": 0.1,
+            **spares,
         },
     }
 
@@ -195,7 +210,8 @@ def _run_relaunch(
 def _single_recovery(report: dict[str, Any] | None, level: str) -> dict[str, Any] | None:
     """The report's one recovery record, if it is `level` and it worked."""
     records = report["recoveries"] if report else []
-    if len(records) != 1 or records[0]["action"] != level or records[0]["outcome"] != "succeeded":
+    action = level.removesuffix(WARM_SPARE)
+    if len(records) != 1 or records[0]["action"] != action or records[0]["outcome"] != "succeeded":
         return None
     record: dict[str, Any] = records[0]
     return record
