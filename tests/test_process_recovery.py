@@ -235,19 +235,35 @@ def test_r33_scale_out_when_a_node_comes_back(cluster: Cluster) -> None:
     assert out.read_text().strip()
 
 
-def test_r31_a_warm_spare_takes_the_crashed_ranks_place(cluster: Cluster, unbroken: str) -> None:
+def test_r31_r32_warm_spares_replace_a_crashed_rank_then_a_lost_nodes_pod(
+    cluster: Cluster, unbroken: str
+) -> None:
+    """spec.warm_spares: 2 keeps two spare processes (torch imported) in each pod and on each
+    standby node. A crashed rank becomes a pod spare; a pod moved off a lost node is taken by the
+    standby node's launcher, whose spares become both its ranks."""
     out = cluster.dir / "hash.txt"
     job = process_job(out)
-    job["spec"]["warm_spares"] = 1
-    faults = [{"kind": "process-exit", "at_step": 40, "pod": 1, "rank": 3, "exit_code": 1}]
+    job["spec"]["warm_spares"] = 2
+    faults = [
+        {"kind": "process-exit", "at_step": 40, "pod": 1, "rank": 3, "exit_code": 1},
+        {"kind": "node-down", "at_step": 80, "pod": 1},
+    ]
     result = run(cluster, job, faults)
-    assert result.actions == ["process-in-place"]
+    assert result.actions == ["process-in-place", "process-reschedule"]
+    assert "pod 1 takes the standby launcher on node-2 and its warm spares" in result.stdout
     found = starts(result)
-    assert_kept(found, [0, 1, 2])
-    spare_pid = re.findall(
-        r"--- relaunch: attempt 1, MA_PROC_START_CNT=1, warm spare pid (\d+) ---", result.logs()
-    )
-    assert len(spare_pid) == 1
-    assert [e["how"] for e in found[3]] == ["resume", "joined"]
-    assert found[3][1]["pid"] == int(spare_pid[0])  # the spare became rank 3
+    assert_kept(found, [0, 1])
+    spare = re.compile(r"--- relaunch: attempt 1, MA_PROC_START_CNT=1, warm spare pid (\d+) ---")
+    pods = cluster.state / "jobs" / "1" / "pods"
+    in_place = spare.findall((pods / "pod-1-g1" / "logs" / "rank-3.log").read_text())
+    assert [e["how"] for e in found[3]] == ["resume", "joined", "joined"]
+    assert found[3][1]["pid"] == int(in_place[0])  # a pod spare became rank 3
+    for rank in (2, 3):
+        moved = spare.findall((pods / "pod-1-g2" / "logs" / f"rank-{rank}.log").read_text())
+        assert found[rank][-1]["pid"] == int(moved[0])  # the standby node's spares became them
+        assert found[rank][-1]["schedule_cnt"] == 2
+    assert [(p["node"], p["generation"]) for p in result.report["pods"]] == [
+        ("node-0", 1),
+        ("node-2", 2),
+    ]
     assert out.read_text().strip() == unbroken

@@ -74,21 +74,25 @@ LEVELS: dict[str, tuple[dict[str, str], dict[str, Any]]] = {
         RETRY,
         {"kind": "process-exit", "pod": 1, "rank": 3, "exit_code": 1},
     ),
+    "process-reschedule+spare": (RETRY, {"kind": "node-down", "pod": 1}),
 }
 PROCESS_LEVELS = (
     "process-retry",
     "process-in-place",
     "process-reschedule",
     "process-in-place+spare",
+    "process-reschedule+spare",
 )
 WARM_SPARE = "+spare"
-"""A level measured with one warm spare process per pod (spec.warm_spares: 1)."""
+"""A level measured with warm spares: spec.warm_spares 2, one per rank of a pod, kept in each
+pod and on each standby node."""
 PROCESS_LABELS = {"process-recover-enable": "on", "pod-rescheduling": "on"}
 PROCESS_ANNOTATIONS = {
     "recover-strategy": "retry,recover-in-place,recover,dump,exit",
     "wait-reschedule-timeout": "60",
 }
 FAULT_STEP = 20
+SECTIONS = ("mttr", "hang")
 
 
 @dataclass
@@ -97,6 +101,10 @@ class BenchOptions:
     quick: bool = False
     repeats: int = 5
     progress: Callable[[str], None] = print
+    levels: tuple[str, ...] = ()
+    sections: tuple[str, ...] = ()
+    """Only these parts of the benchmark (all of SECTIONS when empty)."""
+    """Only these levels in the MTTR table (all when empty); torchrun's row is always there."""
 
 
 @dataclass
@@ -140,7 +148,7 @@ def _job(workload: str, level: str, timeline: Path | None, pods: int = 2) -> dic
         annotations = {**annotations, **PROCESS_ANNOTATIONS}
         labels = {**labels, **PROCESS_LABELS}
         if level.endswith(WARM_SPARE):
-            spares = {"warm_spares": 1}
+            spares = {"warm_spares": 2}
     return {
         "kind": "job",
         "metadata": {
@@ -403,9 +411,14 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
     ]
     ddp_levels = ["job-reschedule"] if options.quick else list(LEVELS)
     plan += [("relaunch", "ddp", level) for level in ddp_levels]
+    if options.levels:
+        plan = [(sy, w, lv) for sy, w, lv in plan if lv in options.levels]
     plan.append(("torchrun", "ddp", "job-reschedule"))
+    sections = options.sections or SECTIONS
     rows = []
     started = time.time()
+    if "mttr" not in sections:
+        plan = []
     for system, workload, level in plan:
         samples = []
         for i in range(repeats):
@@ -425,15 +438,16 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         rows.append(_row(system, level, workload, samples))
     hangs = []
     windows = [2.0] if options.quick else [5.0, 10.0, 20.0]
-    for window in windows:
+    for window in windows if "hang" in sections else []:
         with tempfile.TemporaryDirectory(prefix="relaunch-bench-") as tmp:
             hangs.append(_relaunch_hang(window, Path(tmp)))
         options.progress(
             f"[{time.time() - started:6.0f} s] relaunch hang, window {window:g} s: {hangs[-1]}"
         )
-    with tempfile.TemporaryDirectory(prefix="relaunch-bench-") as tmp:
-        hangs.append(_torchrun_hang(10.0 if options.quick else 90.0, Path(tmp)))
-    options.progress(f"[{time.time() - started:6.0f} s] torchrun hang: {hangs[-1]}")
+    if "hang" in sections:
+        with tempfile.TemporaryDirectory(prefix="relaunch-bench-") as tmp:
+            hangs.append(_torchrun_hang(10.0 if options.quick else 90.0, Path(tmp)))
+        options.progress(f"[{time.time() - started:6.0f} s] torchrun hang: {hangs[-1]}")
     result = {
         "machine": {
             "cpus": os.cpu_count(),

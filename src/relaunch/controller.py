@@ -18,7 +18,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +128,9 @@ class Controller:
         self.launchers: dict[int, LauncherLink] = {}
         self.agents: dict[str, AgentLink] = {}
         self.launching: dict[int, tuple[int, float]] = {}
+        self.standby: dict[str, LauncherLink] = {}
+        """Launchers on standby nodes keeping warm spares (spec.warm_spares), by node."""
+        self.standby_launching: dict[str, float] = {}
         self.lost_launchers: dict[int, float] = {}
         self.tearing_down: dict[int, tuple[LauncherLink, float]] = {}
         self.injected_at: dict[tuple[str, str], float] = {}
@@ -238,10 +241,10 @@ class Controller:
             break
 
     def _shutdown_pods(self) -> None:
-        for link in self.launchers.values():
+        for link in [*self.launchers.values(), *self.standby.values()]:
             link.conn.send({"t": "shutdown", "grace": self.recovery.termination_grace_s})
         deadline = time.time() + self.recovery.termination_grace_s + 5
-        while self.launchers and time.time() < deadline:
+        while (self.launchers or self.standby) and time.time() < deadline:
             self._drain(0.05)
         for agent in self.agents.values():
             agent.conn.send({"t": "shutdown"})
@@ -270,6 +273,7 @@ class Controller:
         self._fire_chaos(now)
         self._scale_out(now)
         self._reconcile(now)
+        self._keep_standby(now)
         self._check_done(now)
         if self.on_tick is not None:
             self.on_tick()
@@ -318,6 +322,9 @@ class Controller:
                 if closed.conn is conn:
                     del self.launchers[idx]
                     self.lost_launchers[idx] = time.time()
+            for node, standby in list(self.standby.items()):
+                if standby.conn is conn:
+                    del self.standby[node]
             return
         if kind == "hb":
             agent = self.agents.get(m["node"])
@@ -363,6 +370,9 @@ class Controller:
         if m["job"] != self.job_id:
             conn.send({"t": "shutdown", "grace": 0})
             return
+        if m.get("standby"):
+            self._standby_hello(conn, m)
+            return
         pods = {p.idx: p for p in self.store.pods(self.job_id)}
         pod = pods.get(m["pod"])
         if pod is None or pod.generation != m["gen"]:
@@ -389,6 +399,18 @@ class Controller:
             conn.send({"t": "membership", "m": membership})
         self.launching.pop(m["pod"], None)
         self.lost_launchers.pop(m["pod"], None)
+
+    def _standby_hello(self, conn: Connection, m: dict[str, Any]) -> None:
+        node = m["node"]
+        self.standby_launching.pop(node, None)
+        current = self.standby.get(node)
+        if node not in self._standby_nodes() | self._awaiting_launcher() or (
+            current is not None and not current.conn.closed and current.pid != m["pid"]
+        ):
+            conn.send({"t": "shutdown", "grace": 0})
+            return
+        self.standby[node] = LauncherLink(conn, -1, 0, m["pid"])
+        self.event(f"standby launcher on {node}: {self.spec.warm_spares} warm spare(s)")
 
     # -- detectors ----------------------------------------------------------------------------------
 
@@ -992,6 +1014,10 @@ class Controller:
             node = self.store.node(pod.node)
             if node is None or node.state is NodeState.LOST or pod.node not in self.agents:
                 continue
+            standby = self.standby.pop(pod.node, None)
+            if standby is not None and not standby.conn.closed:
+                self._assume(standby, pod)
+                continue
             if launching is None or launching[0] != pod.generation or now - launching[1] > 30:
                 self.launching[pod.idx] = (pod.generation, now)
                 self.engine.start_pod(self._launch_plan(pod))
@@ -1013,6 +1039,78 @@ class Controller:
                 link.conn.send(
                     {"t": "start", "attempt": job.attempt, "env": self._env(pod, job.attempt)}
                 )
+
+    def _assume(self, standby: LauncherLink, pod: PodRow) -> None:
+        """The standby launcher on the pod's new node becomes its launcher: its warm spares
+        become the pod's processes at the next start."""
+        plan = self._launch_plan(pod)
+        standby.conn.send({"t": "assume", "plan": asdict(plan)})
+        self.engine.assumed(self.job_id, pod.node, pod.idx, pod.generation)
+        link = LauncherLink(standby.conn, pod.idx, pod.generation, standby.pid)
+        self.launchers[pod.idx] = link
+        membership = self.store.job(self.job_id).membership
+        if self.recovery.process_level and membership is not None:
+            link.conn.send({"t": "membership", "m": membership})
+        self.launching.pop(pod.idx, None)
+        self.lost_launchers.pop(pod.idx, None)
+        self.event(f"pod {pod.idx} takes the standby launcher on {pod.node} and its warm spares")
+
+    def _standby_nodes(self) -> set[str]:
+        """Nodes that keep a standby launcher: with warm spares for a process-level job, every
+        schedulable node with a live agent that no pod of the job uses."""
+        if not (self.recovery.process_level and self.spec.warm_spares):
+            return set()
+        used = {p.node for p in self.store.pods(self.job_id)}
+        return {
+            n.name
+            for n in self.store.nodes()
+            if n.schedulable
+            and n.name in self.agents
+            and n.name not in used
+            and n.chips >= self.spec.chips_per_pod
+        }
+
+    def _awaiting_launcher(self) -> set[str]:
+        """Nodes where a pod was placed and has no launcher yet (a standby one may become it)."""
+        parked = self._parked()
+        return {
+            p.node
+            for p in self.store.pods(self.job_id)
+            if p.idx not in self.launchers and p.idx not in parked
+        }
+
+    def _keep_standby(self, now: float) -> None:
+        """Level-triggered like the pods: one standby launcher per standby node, none elsewhere."""
+        job = self.store.job(self.job_id)
+        if job.status.ended or now < self.adopt_until:
+            return
+        wanted = self._standby_nodes()
+        for node, link in list(self.standby.items()):
+            if node not in wanted and node not in self._awaiting_launcher():
+                link.conn.send({"t": "shutdown", "grace": 0})
+                del self.standby[node]
+        for node in sorted(wanted - set(self.standby)):
+            since = self.standby_launching.get(node)
+            if since is not None and now - since < 30:
+                continue
+            self.standby_launching[node] = now
+            plan = LaunchPlan(
+                job=self.job_id,
+                pod=-1,
+                generation=0,
+                node=node,
+                command=list(self.spec.command),
+                procs_per_pod=self.spec.procs_per_pod,
+                first_rank=0,
+                working_dir=self.spec.working_dir,
+                monitor_interval_s=self.recovery.monitor_interval_s,
+                adopt_grace_s=self.cluster.adopt_grace_s,
+                workdir=str(self.state_dir / "jobs" / str(self.job_id) / "standby" / node),
+                env=dict(self.spec.env),
+                warm_spares=self.spec.warm_spares,
+                standby=True,
+            )
+            self.engine.start_pod(plan)
 
     def _teardown_pending(self, idx: int, now: float) -> bool:
         """The pod's old container is still being torn down. By default the replacement waits for

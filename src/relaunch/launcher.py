@@ -25,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -70,7 +70,10 @@ class LaunchPlan:
     workdir: str
     env: dict[str, str] = field(default_factory=dict)
     warm_spares: int = 0
-    """Processes kept started (Python up, torch imported) for process-level in-place restarts."""
+    """Processes kept started (Python up, torch imported) for process-level restarts."""
+    standby: bool = False
+    """A launcher on a standby node that runs no rank yet: it keeps `warm_spares` processes
+    ready and becomes a pod's launcher when the controller moves a pod to its node ("assume")."""
 
 
 @dataclass
@@ -132,6 +135,8 @@ class Launcher:
             "pid": os.getpid(),
             "attempt": self.attempt,
             "procs": procs,
+            "standby": self.plan.standby,
+            "node": self.plan.node,
         }
 
     def connect_loop(self) -> None:
@@ -208,7 +213,7 @@ class Launcher:
             child_env = self._child_env(env)
             child_env.update(RANK=str(rank), LOCAL_RANK=str(local_rank))
             log = open(self.workdir / "logs" / f"rank-{rank}.log", "a", encoding="utf-8")  # noqa: SIM115
-            spare = self._take_spare() if ranks is not None else None
+            spare = self._take_spare()
             cwd = self.plan.working_dir or str(self.workdir)
             how = f", warm spare pid {spare.proc.pid}" if spare is not None else ""
             log.write(
@@ -379,6 +384,18 @@ class Launcher:
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.send_signal(signal.SIGUSR2)
 
+    def assume(self, plan: LaunchPlan) -> None:
+        """A standby launcher becomes the launcher of a pod moved to its node; its warm spares
+        will become the pod's processes."""
+        if not self.plan.standby or self.workers:
+            return
+        self.plan = plan
+        self.workdir = Path(plan.workdir)
+        (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
+        self.inject_dir = self.workdir / "inject"
+        self.inject_dir.mkdir(exist_ok=True)
+        (self.workdir / "launch.json").write_text(json.dumps(asdict(plan)))
+
     def write_membership(self, membership: dict[str, Any]) -> None:
         """The process group's membership, where the training SDK reads it (atomically replaced)."""
         target = self.workdir / "membership.json"
@@ -424,6 +441,8 @@ class Launcher:
             self.inject(message)
         elif kind == "membership":
             self.write_membership(message["m"])
+        elif kind == "assume":
+            self.assume(LaunchPlan(**message["plan"]))
         elif kind == "shutdown":
             self.stop(float(message.get("grace", 0)))
             self.send({"t": "stopped", "attempt": self.attempt, "at": time.time(), "final": True})

@@ -76,6 +76,14 @@ class LocalCluster:
         self._remember("launchers", f"{plan.job}/{plan.pod}/{plan.generation}/{plan.node}", pid)
         return pid
 
+    def assumed(self, job: int, node: str, pod: int, generation: int) -> None:
+        """The standby launcher on `node` became the launcher of `pod` (see Launcher.assume)."""
+        pids = self._pids()
+        pid = pids["launchers"].pop(f"{job}/-1/0/{node}", None)
+        if pid is not None:
+            pids["launchers"][f"{job}/{pod}/{generation}/{node}"] = pid
+            self._save(pids)
+
     def _spawn(self, module_and_args: list[str], log_path: Path) -> int:
         """A relaunch process in a session of its own, so that it outlives its controller."""
         module, *args = module_and_args
