@@ -51,7 +51,34 @@ def test_quick_bench_writes_json_markdown_and_chart(tmp_path: Path) -> None:
     hangs = {h["system"]: h for h in result["hang"]}
     assert hangs["relaunch"]["detected"] and hangs["relaunch"]["detect_s"] is not None
     assert set(hangs["torchrun"]) >= {"detected", "detect_s", "mttr_s", "note"}
-    assert (out / "bench.md").read_text().startswith("| system |")
+    # where a DDP restart's time goes, for both systems
+    phased = {
+        r["system"]: r["phases"]
+        for r in rows
+        if r["level"] == "job-reschedule" and r["workload"] == "ddp"
+    }
+    for phases in phased.values():
+        assert set(phases) == {
+            "detect", "stop_spawn", "import", "rendezvous", "model", "load", "first_step"
+        }  # fmt: skip
+    assert phased["relaunch"]["detect"] > 0
+    scale = result["scale"]
+    assert {r["level"] for r in scale} == {"job-reschedule", "pod-reschedule", "in-place"}
+    assert all(r["failures"] == 0 and r["median_s"] is not None for r in scale)
+    overhead = result["overhead"]
+    assert overhead["ok"] and overhead["workers_seen"] >= overhead["processes"]
+    assert overhead["controller_cpu_s"] > 0 and overhead["relaunch_ms_per_proc_s"] > 0
+    (ckpt,) = result["checkpoint"]
+    assert all(ckpt[k] > 0 for k in ("raw_write_mb_s", "save_mb_s", "raw_read_mb_s", "load_mb_s"))
+    assert ckpt["async_stall_s"] is not None
+    reliability = {r["system"]: r for r in result["reliability"]}
+    assert reliability["relaunch"]["recovered"] == reliability["relaunch"]["injected"] == 1
+    assert reliability["torchrun"]["injected"] == 1
+    assert set(reliability["torchrun"]) == set(reliability["relaunch"])
+    markdown = (out / "bench.md").read_text()
+    assert markdown.startswith("| system |")
+    for title in ("Where the time goes", "Scale", "Controller overhead", "Checkpoints", "Restart"):
+        assert title in markdown
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     left = [
         p

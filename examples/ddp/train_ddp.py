@@ -13,21 +13,24 @@ the model it ends with.
 
 from __future__ import annotations
 
-import argparse
-import os
-import signal
 import time
-from collections.abc import Callable
-from datetime import timedelta
-from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
+LAUNCHED = time.time()  # before the heavy imports: the timeline's "launched" (benchmarks)
 
-from relaunch.train import CheckpointManager, env, report_progress
-from relaunch.train.distributed import (
+import argparse  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from datetime import timedelta  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+
+from relaunch.train import CheckpointManager, env, report_progress  # noqa: E402
+from relaunch.train.distributed import (  # noqa: E402
     load_common_checkpoint,
     parameter_hash,
     rng_state,
@@ -90,6 +93,13 @@ def main() -> None:
     )
     parser.add_argument("--crash-rank", type=int, default=3)
     parser.add_argument(
+        "--crash-every",
+        type=int,
+        default=None,
+        help="benchmarks: in attempt a < --crash-attempts, exit 1 at step (a + 1) x this",
+    )
+    parser.add_argument("--crash-attempts", type=int, default=0)
+    parser.add_argument(
         "--hang-at-step", type=int, default=None, help="benchmarks: SIGSTOP here, first start only"
     )
     parser.add_argument(
@@ -111,14 +121,24 @@ def main() -> None:
         os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and job.proc_start_cnt == 1
     )
 
-    def mark(event: str, step: int) -> None:
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    crash_step = args.crash_at_step if first_start else None
+    if args.crash_every and attempt < args.crash_attempts:
+        crash_step = (attempt + 1) * args.crash_every
+
+    def mark(event: str, step: int, at: float | None = None) -> None:
         if args.timeline and (job.rank == 0 or event in ("crash", "hang")):
             with open(args.timeline, "a") as timeline:
-                timeline.write(f"{event} {step} {time.time():.6f}\n")
+                timeline.write(f"{event} {step} {at or time.time():.6f}\n")
 
+    # Where a restart's time goes (rank 0): process start, imports, rendezvous, model, checkpoint.
+    mark("launched", 0, LAUNCHED)
+    mark("imported", 0)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    mark("group", 0)
     model, optimizer, ckpt, state = build(args, job.rank)
     ddp = DistributedDataParallel(model)
+    mark("ddp", 0)
 
     start = 0
     resumed = load_common_checkpoint(ckpt, replicated=True)
@@ -130,6 +150,7 @@ def main() -> None:
     ckpt.completed_step = start
     settle_ddp_buckets(ddp, batch(0, job.rank)[0])
     ckpt.dying_gasp(state)
+    mark("loaded", start)
     print(
         f"start: rank {job.rank}/{job.world_size} MA_SCHEDULE_CNT={job.schedule_cnt} "
         f"MA_PROC_START_CNT={job.proc_start_cnt} resume_step={start}",
@@ -138,7 +159,7 @@ def main() -> None:
 
     mark("start", start)
     for step in range(start + 1, args.steps + 1):
-        if first_start and step == args.crash_at_step and job.rank == args.crash_rank:
+        if step == crash_step and job.rank == args.crash_rank:
             mark("crash", step)
             os._exit(1)
         if first_start and step == args.hang_at_step and job.rank == args.crash_rank:

@@ -29,6 +29,13 @@ from typing import Any
 
 import yaml
 
+from relaunch.bench_sections import (
+    RELIABILITY_LEVELS,
+    checkpoint_rows,
+    overhead_row,
+    reliability_rows,
+    scale_rows,
+)
 from relaunch.cluster.local import kill_tree
 
 __all__ = ["BenchOptions", "run_bench"]
@@ -92,7 +99,7 @@ PROCESS_ANNOTATIONS = {
     "wait-reschedule-timeout": "60",
 }
 FAULT_STEP = 20
-SECTIONS = ("mttr", "hang")
+SECTIONS = ("mttr", "hang", "scale", "overhead", "checkpoint", "reliability")
 
 
 @dataclass
@@ -114,6 +121,8 @@ class Sample:
     detect_s: float | None = None
     lost_steps: int | None = None
     note: str = ""
+    phases: dict[str, float] | None = None
+    fault_at: float | None = None
 
 
 @dataclass
@@ -130,6 +139,8 @@ class Row:
     detect_s: float | None
     lost_steps: float | None
     samples: list[float] = field(default_factory=list)
+    phases: dict[str, float] | None = None
+    """Median seconds of each part of the recovery (PHASES), from rank 0's timeline."""
 
 
 def _job(workload: str, level: str, timeline: Path | None, pods: int = 2) -> dict[str, Any]:
@@ -179,6 +190,39 @@ def _timeline(path: Path) -> list[tuple[str, int, float]]:
     return events
 
 
+PHASES = ("detect", "stop_spawn", "import", "rendezvous", "model", "load", "first_step")
+"""Where a DDP restart's time goes, in order: detection; stopping and spawning the processes (from
+detection to rank 0's new interpreter starting); importing torch and the script's modules;
+forming the gloo group; building the model, optimizer and DDP; loading the checkpoint; the first
+step."""
+
+
+def _phases(
+    events: list[tuple[str, int, float]], fault_at: float, detect_s: float | None
+) -> dict[str, float] | None:
+    """The parts of one recovery from rank 0's timeline events after the fault (None when rank 0
+    did not restart, as in process-level recoveries)."""
+    after = [(e, t) for e, _, t in events if t > fault_at]
+
+    def first(name: str) -> float | None:
+        return next((t for e, t in after if e == name), None)
+
+    marks = [first(n) for n in ("launched", "imported", "group", "ddp", "loaded", "step")]
+    if any(m is None for m in marks):
+        return None
+    launched, imported, group, ddp, loaded, step = (float(m or 0.0) for m in marks)
+    detect = detect_s or 0.0
+    return {
+        "detect": round(detect, 3),
+        "stop_spawn": round(launched - fault_at - detect, 3),
+        "import": round(imported - launched, 3),
+        "rendezvous": round(group - imported, 3),
+        "model": round(ddp - group, 3),
+        "load": round(loaded - ddp, 3),
+        "first_step": round(step - loaded, 3),
+    }
+
+
 def _from_timeline(path: Path) -> Sample | None:
     """MTTR and lost steps from the script's own clock: crash -> first step after it."""
     events = _timeline(path)
@@ -192,7 +236,8 @@ def _from_timeline(path: Path) -> Sample | None:
     if first is None:
         return Sample(False, note="no step after the crash")
     lost = None if resumed is None else max(0, done_before - resumed)
-    return Sample(True, mttr_s=first - crash[1], lost_steps=lost)
+    phases = _phases(events, crash[1], None)
+    return Sample(True, mttr_s=first - crash[1], lost_steps=lost, phases=phases, fault_at=crash[1])
 
 
 def _run_relaunch(
@@ -244,14 +289,22 @@ def _relaunch_once(workload: str, level: str, tmp: Path) -> Sample:
         return Sample(False, note=f"recoveries: {shown}")
     measured = _from_timeline(timeline)
     if measured is not None:
-        measured.detect_s = record["detect_s"]
+        # from the moment the rank decided to exit (its timeline) to relaunch's decision
+        detect = round(max(0.0, record["detected_at"] - (measured.fault_at or 0.0)), 3)
+        measured.detect_s = detect
+        if measured.phases is not None:
+            measured.phases["stop_spawn"] = round(measured.phases["stop_spawn"] - detect, 3)
+            measured.phases["detect"] = detect
         return measured
     logs = "\n".join(
         p.read_text() for p in (tmp / "state" / "jobs").glob("*/pods/*/logs/rank-0.log")
     )
     resumes = [int(m) for m in re.findall(r"resume_step=(\d+)", logs)]
     lost = max(0, FAULT_STEP - resumes[-1]) if len(resumes) > 1 else None
-    return Sample(True, mttr_s=record["mttr_s"], detect_s=record["detect_s"], lost_steps=lost)
+    phases = _phases(_timeline(timeline), record["fault_at"], record["detect_s"])
+    return Sample(
+        True, mttr_s=record["mttr_s"], detect_s=record["detect_s"], lost_steps=lost, phases=phases
+    )
 
 
 def _relaunch_hang(window: float, tmp: Path) -> dict[str, Any]:
@@ -400,7 +453,14 @@ def _row(system: str, level: str, workload: str, samples: list[Sample]) -> Row:
         detect_s=round(statistics.median(detects), 3) if detects else None,
         lost_steps=statistics.median(lost) if lost else None,
         samples=[round(t, 3) for t in times],
+        phases=_median_phases([s.phases for s in good if s.phases is not None]),
     )
+
+
+def _median_phases(samples: list[dict[str, float]]) -> dict[str, float] | None:
+    if not samples:
+        return None
+    return {k: round(statistics.median(p[k] for p in samples), 3) for k in PHASES}
 
 
 def run_bench(options: BenchOptions) -> dict[str, Any]:
@@ -415,6 +475,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         plan = [(sy, w, lv) for sy, w, lv in plan if lv in options.levels]
     plan.append(("torchrun", "ddp", "job-reschedule"))
     sections = options.sections or SECTIONS
+    extra: dict[str, Any] = {}
     rows = []
     started = time.time()
     if "mttr" not in sections:
@@ -448,6 +509,44 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         with tempfile.TemporaryDirectory(prefix="relaunch-bench-") as tmp:
             hangs.append(_torchrun_hang(10.0 if options.quick else 90.0, Path(tmp)))
         options.progress(f"[{time.time() - started:6.0f} s] torchrun hang: {hangs[-1]}")
+    if "scale" in sections:
+        sizes = [2] if options.quick else [2, 4, 8, 16, 64]
+        extra["scale"] = scale_rows(
+            sizes, 1 if options.quick else min(3, repeats), options.progress
+        )
+    if "overhead" in sections:
+        extra["overhead"] = overhead_row(
+            16 if options.quick else 256,
+            2.0 if options.quick else 20.0,
+            options.progress,
+            report_hz=10.0 if options.quick else 2.0,
+        )
+    if "checkpoint" in sections:
+        extra["checkpoint"] = checkpoint_rows(
+            [8] if options.quick else [64, 512], 1 if options.quick else 3, options.progress
+        )
+    if "reliability" in sections:
+        extra["reliability"] = reliability_rows(
+            1 if options.quick else 20,
+            ["job-reschedule"] if options.quick else list(RELIABILITY_LEVELS),
+            options.progress,
+            torchrun=not options.quick,
+        )
+        baseline = next((r for r in rows if r.system == "torchrun"), None)
+        if options.quick and baseline is not None:
+            # --quick: torchrun's crashes of the MTTR runs stand for its reliability row
+            extra["reliability"].append(
+                {
+                    "system": "torchrun",
+                    "level": baseline.level,
+                    "workload": baseline.workload,
+                    "injected": baseline.repeats,
+                    "recovered": baseline.repeats - baseline.failures,
+                    "other_actions": [],
+                    "job_succeeded": baseline.failures == 0,
+                    "median_mttr_s": baseline.median_s,
+                }
+            )
     result = {
         "machine": {
             "cpus": os.cpu_count(),
@@ -460,11 +559,16 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         "mttr": [asdict(r) for r in rows],
         "hang": hangs,
         "ratios": _ratios(rows),
+        "scale": [],
+        "overhead": None,
+        "checkpoint": [],
+        "reliability": [],
+        **extra,
         "seconds": round(time.time() - started, 1),
     }
     (options.out / "bench.json").write_text(json.dumps(result, indent=2))
     (options.out / "bench.md").write_text(_markdown(result))
-    _chart(rows, options.out / "bench.png")
+    _chart(rows, result["scale"], options.out / "bench.png")
     return result
 
 
@@ -506,18 +610,69 @@ def _table(rows: list[dict[str, Any]], columns: dict[str, str]) -> list[str]:
     return lines
 
 
+SCALE_COLUMNS = {
+    "level": "level", "pods": "pods", "nodes": "nodes", "processes": "processes",
+    "repeats": "repeats", "failures": "failed", "median_s": "median MTTR s", "min_s": "min",
+    "max_s": "max", "detect_s": "detect s",
+}  # fmt: skip
+OVERHEAD_COLUMNS = {
+    "processes": "processes", "pods": "pods", "nodes": "nodes", "window_s": "window s",
+    "report_rate_hz": "reports / proc / s", "controller_ms_per_proc_s": "controller ms CPU / proc / s",
+    "launchers_ms_per_proc_s": "launchers", "agents_ms_per_proc_s": "agents",
+    "relaunch_ms_per_proc_s": "relaunch total", "relaunch_cores": "relaunch cores",
+    "workers_ms_per_proc_s": "workers (for scale)", "detect_s": "crash detect s",
+}  # fmt: skip
+CHECKPOINT_COLUMNS = {
+    "size_mb": "state MB", "raw_write_mb_s": "raw write MB/s", "save_mb_s": "SDK save MB/s",
+    "save_vs_raw": "save / raw", "raw_read_mb_s": "raw read MB/s", "load_mb_s": "SDK load MB/s",
+    "load_vs_raw": "load / raw", "async_stall_s": "async save stall s",
+    "save_s": "sync save s", "async_total_s": "async done after s",
+}  # fmt: skip
+RELIABILITY_COLUMNS = {
+    "system": "system", "level": "level", "workload": "workload", "injected": "faults injected",
+    "recovered": "recovered", "other_actions": "other actions", "job_succeeded": "job succeeded",
+    "median_mttr_s": "median MTTR s",
+}  # fmt: skip
+
+
+def _phase_rows(mttr: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        {"system": r["system"], "level": r["level"], "median_s": r["median_s"], **r["phases"]}
+        for r in mttr
+        if r.get("phases")
+    ]
+
+
 def _markdown(result: dict[str, Any]) -> str:
-    lines = [*_table(result["mttr"], MTTR_COLUMNS), "", *_table(result["hang"], HANG_COLUMNS)]
+    lines = _table(result["mttr"], MTTR_COLUMNS)
+    if result["hang"]:
+        lines += ["", *_table(result["hang"], HANG_COLUMNS)]
     if result["ratios"]:
         lines.append("")
         lines.append(
             "relaunch / torchrun (DDP, median MTTR): "
             + ", ".join(f"{k} {v}" for k, v in result["ratios"].items())
         )
+    phases = _phase_rows(result["mttr"])
+    if phases:
+        columns = {"system": "system", "level": "level", "median_s": "MTTR s"}
+        columns.update({k: k.replace("_", " ") + " s" for k in PHASES})
+        lines += ["", "Where the time goes (DDP, rank 0's timeline, medians):", ""]
+        lines += _table(phases, columns)
+    sections = (
+        ("scale", "Scale (light workload, 2 processes per pod)", SCALE_COLUMNS),
+        ("checkpoint", "Checkpoints against the raw disk", CHECKPOINT_COLUMNS),
+        ("reliability", "Restart reliability", RELIABILITY_COLUMNS),
+    )
+    for key, title, table_columns in sections:
+        if result.get(key):
+            lines += ["", f"{title}:", "", *_table(result[key], table_columns)]
+    if result.get("overhead"):
+        lines += ["", "Controller overhead:", "", *_table([result["overhead"]], OVERHEAD_COLUMNS)]
     return "\n".join(lines) + "\n"
 
 
-def _chart(rows: list[Row], path: Path) -> None:
+def _chart(rows: list[Row], scale: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -525,7 +680,22 @@ def _chart(rows: list[Row], path: Path) -> None:
 
     shown = [r for r in rows if r.median_s is not None]
     labels = [f"{r.system}\n{r.workload}\n{r.level}" for r in shown]
-    figure, axes = plt.subplots(figsize=(max(6, 1.1 * len(shown)), 4))
+    width = max(6, 1.1 * len(shown))
+    if scale:
+        figure, (axes, grows) = plt.subplots(
+            1, 2, figsize=(width + 5, 4), gridspec_kw={"width_ratios": [width, 5]}
+        )
+        for level in dict.fromkeys(r["level"] for r in scale):
+            points = [(r["pods"], r["median_s"]) for r in scale if r["level"] == level]
+            points = [(x, y) for x, y in points if y is not None]
+            grows.plot([x for x, _ in points], [y for _, y in points], marker="o", label=level)
+        grows.set_xscale("log", base=2)
+        grows.set_xlabel("pods (2 light processes each)")
+        grows.set_ylabel("median MTTR, s")
+        grows.set_title("MTTR as the job grows")
+        grows.legend(fontsize=7)
+    else:
+        figure, axes = plt.subplots(figsize=(width, 4))
     colours = ["tab:orange" if r.system == "torchrun" else "tab:blue" for r in shown]
     axes.bar(range(len(shown)), [r.median_s or 0 for r in shown], color=colours)
     axes.errorbar(

@@ -39,6 +39,10 @@ UNSUPPORTED: dict[Action, str] = {}
 FAILED_AT_START_S = 5.0
 
 
+TICK_S = 0.05
+"""How often the controller's checks run (heartbeats, hangs, fault plan, reconcile)."""
+
+
 @dataclass
 class RunOptions:
     startup_s: float | None = None
@@ -144,6 +148,7 @@ class Controller:
         self.joining: tuple[int, ...] = ()
         """Ranks of a scale-out that have not reported progress yet (the others wait for them)."""
         self.joining_until = 0.0
+        self.next_pass = 0.0
         self.server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.server.bind(("127.0.0.1", 0))
@@ -264,7 +269,13 @@ class Controller:
     # -- the loop ---------------------------------------------------------------------------------
 
     def tick(self) -> None:
-        self._drain(0.05)
+        """Messages are handled as they arrive; the level-triggered checks (each a few store
+        queries) run every TICK_S, however many progress reports come in between."""
+        while True:  # drain at least once: after a slow pass, heartbeats are waiting
+            self._drain(max(0.0, self.next_pass - time.time()))
+            if time.time() >= self.next_pass:
+                break
+        self.next_pass = time.time() + TICK_S
         now = time.time()
         self._check_requests(now)
         self._check_heartbeats(now)
@@ -612,6 +623,7 @@ class Controller:
         if fault_id is None:
             return  # seen before (a heartbeat repeats it, or a restarted controller re-reads it)
         self.event(f"fault: {fault.describe()}")
+        self.next_pass = 0.0  # act on it now, not at the next scheduled pass
         active = self.active
         if active is not None:
             self.active = None
