@@ -96,16 +96,22 @@ def test_r30_memory_uce_is_retried_online_by_every_rank(cluster: Cluster, unbrok
 
 
 def test_r31_only_the_crashed_rank_restarts_in_place(cluster: Cluster, unbroken: str) -> None:
+    """Twice: the replacement crashes too, later (same attempt, generation and rank)."""
     out = cluster.dir / "hash.txt"
-    faults = [{"kind": "process-exit", "at_step": 40, "pod": 0, "rank": 1, "exit_code": 1}]
+    faults = [
+        {"kind": "process-exit", "at_step": step, "pod": 0, "rank": 1, "exit_code": 1}
+        for step in (40, 80)
+    ]
     result = run(cluster, process_job(out), faults)
-    assert result.actions == ["process-in-place"]
+    assert result.actions == ["process-in-place", "process-in-place"]
+    assert [r["outcome"] for r in result.report["recoveries"]] == ["succeeded", "succeeded"]
     assert result.report["restarts_used"] == 0 and result.report["pod_restarts_used"] == 0
     found = starts(result)
     assert_kept(found, [0, 2, 3])
-    first, replacement = found[1]
-    assert replacement["how"] == "joined" and replacement["step"] >= 40
-    assert replacement["pid"] != first["pid"]
+    first, replacement, second = found[1]
+    assert replacement["how"] == "joined" and 40 <= replacement["step"] < 80
+    assert second["how"] == "joined" and second["step"] >= 80
+    assert len({first["pid"], replacement["pid"], second["pid"]}) == 3
     assert [p["generation"] for p in result.report["pods"]] == [1, 1]
     assert out.read_text().strip() == unbroken
 

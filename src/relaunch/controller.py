@@ -549,7 +549,8 @@ class Controller:
             exit_code=m["code"],
             signal=m["signal"],
         )
-        self._fault(fault, source=f"exit:{job.attempt}:{link.gen}:{rank}")
+        # a replacement (process level) reuses attempt, generation and rank: the exit time tells
+        self._fault(fault, source=f"exit:{job.attempt}:{link.gen}:{rank}:{m['at']:.6f}")
 
     # -- fault injection ------------------------------------------------------------------------------
 
