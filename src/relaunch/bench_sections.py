@@ -36,15 +36,13 @@ DDP = ROOT / "examples" / "ddp" / "train_ddp.py"
 Progress = Callable[[str], None]
 
 SCALE_LEVELS: dict[str, tuple[dict[str, str], dict[str, Any]]] = {
+    # the fault hits the last pod (not pod 0, whose rank 0 makes some losses job-level)
     "job-reschedule": (
         {"fault-tolerance/job-unconditional-retry": "true"},
-        {"kind": "process-exit", "pod": 1, "exit_code": 1},
+        {"kind": "process-exit", "exit_code": 1},
     ),
-    "pod-reschedule": (
-        {"fault-tolerance/pod-retry-num": "30"},
-        {"kind": "node-down", "pod": 1},
-    ),
-    "in-place": ({}, {"kind": "chip-fault", "pod": 1, "chip": 0, "code": "80E18005"}),
+    "pod-reschedule": ({"fault-tolerance/pod-retry-num": "30"}, {"kind": "node-down"}),
+    "in-place": ({}, {"kind": "chip-fault", "chip": 0, "code": "80E18005"}),
 }
 
 
@@ -146,10 +144,13 @@ def scale_rows(sizes: list[int], repeats: int, progress: Progress) -> list[dict[
         cluster = _cluster(nodes, 4 if packed else 2)
         for level, (tolerance, fault) in SCALE_LEVELS.items():
             times, detects, failures = [], [], 0
+            # The fault comes once every worker runs: 128 processes take seconds to start here.
+            at_step = max(20, 8 * pods)
+            plan = [{**fault, "pod": pods - 1, "at_step": at_step}]
             for i in range(repeats):
-                job = _light_job(pods, tolerance, steps=50)
+                job = _light_job(pods, tolerance, steps=at_step + 60, step_s=0.05)
                 with tempfile.TemporaryDirectory(prefix="relaunch-bench-") as tmp:
-                    report, _ = run_job(Path(tmp), job, [{**fault, "at_step": 20}], cluster)
+                    report, _ = run_job(Path(tmp), job, plan, cluster)
                 record = _only_record(report, level)
                 if record is None:
                     failures += 1

@@ -346,6 +346,10 @@ class Controller:
         link = next((lk for lk in self.launchers.values() if lk.conn is conn), None)
         if link is None:
             return
+        if kind == "progress_batch":
+            for report in m["reports"]:
+                self._on_message(conn, report)
+            return
         rank = int(m.get("rank", -1))
         if kind == "started":
             link.procs[rank] = Proc(m["attempt"], True, m["at"], m["at"])
@@ -1121,6 +1125,7 @@ class Controller:
                 workdir=str(self.state_dir / "jobs" / str(self.job_id) / "standby" / node),
                 env=dict(self.spec.env),
                 warm_spares=self.spec.warm_spares,
+                progress_interval_s=self._progress_interval(),
                 standby=True,
             )
             self.engine.start_pod(plan)
@@ -1191,7 +1196,13 @@ class Controller:
             workdir=pod.workdir,
             env=dict(self.spec.env),
             warm_spares=self.spec.warm_spares if self.recovery.process_level else 0,
+            progress_interval_s=self._progress_interval(),
         )
+
+    def _progress_interval(self) -> float:
+        """20 ms for a small job, longer for a large one: about 500 progress messages a second
+        at most, whatever the number of pods (each message carries every rank of its pod)."""
+        return max(0.02, 0.002 * self.spec.replicas)
 
     def _env(self, pod: PodRow, attempt: int) -> dict[str, str]:
         """R-04 to R-07: what every process of the pod sees (RANK and LOCAL_RANK are the launcher's)."""

@@ -71,6 +71,8 @@ class LaunchPlan:
     env: dict[str, str] = field(default_factory=dict)
     warm_spares: int = 0
     """Processes kept started (Python up, torch imported) for process-level restarts."""
+    progress_interval_s: float = 0.02
+    """At most one progress message per this interval (the controller scales it with the job)."""
     standby: bool = False
     """A launcher on a standby node that runs no rank yet: it keeps `warm_spares` processes
     ready and becomes a pod's launcher when the controller moves a pod to its node ("assume")."""
@@ -113,7 +115,7 @@ class Launcher:
         with self.lock:
             conn = self.conn
             undelivered = conn is None or not conn.send(message)
-            if undelivered and message["t"] in ("exit", "stopped", "progress"):
+            if undelivered and message["t"] in ("exit", "stopped", "progress_batch"):
                 self.outbox.append(message)
 
     def hello(self) -> dict[str, Any]:
@@ -186,16 +188,18 @@ class Launcher:
             self.flush_progress()
 
     def flush_progress(self, force: bool = False) -> None:
-        """Forward the newest report of each rank, at most every 20 ms: a loop that reports
-        thousands of steps a second costs the controller fifty messages a second."""
+        """Forward the newest report of each rank in one message, at most every
+        `progress_interval_s`: a loop that reports thousands of steps a second costs the
+        controller a few messages a second per pod, and a large job's interval is longer."""
         now = time.time()
         with self.lock:
-            if not self.latest_progress or (not force and now - self.progress_sent_at < 0.02):
+            if not self.latest_progress or (
+                not force and now - self.progress_sent_at < self.plan.progress_interval_s
+            ):
                 return
             reports, self.latest_progress = list(self.latest_progress.values()), {}
             self.progress_sent_at = now
-        for report in reports:
-            self.send(report)
+        self.send({"t": "progress_batch", "reports": reports})
 
     # -- processes ----------------------------------------------------------------------------------
 
