@@ -108,3 +108,11 @@ def test_faults_with_a_bad_table_exits_2(tmp_path: Path) -> None:
     result = relaunch("faults", "--fault-table", str(bad))
     assert result.returncode == 2
     assert "codes[0].code" in result.stderr and "codes[0].level" in result.stderr
+
+
+def test_version_prints_and_exits_zero() -> None:
+    from relaunch import __version__
+
+    done = relaunch("--version")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"relaunch {__version__}"

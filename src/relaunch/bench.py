@@ -202,15 +202,17 @@ def _phases(
 ) -> dict[str, float] | None:
     """The parts of one recovery from rank 0's timeline events after the fault (None when rank 0
     did not restart, as in process-level recoveries)."""
-    after = [(e, t) for e, _, t in events if t > fault_at]
-
-    def first(name: str) -> float | None:
-        return next((t for e, t in after if e == name), None)
-
-    marks = [first(n) for n in ("launched", "imported", "group", "ddp", "loaded", "step")]
-    if any(m is None for m in marks):
-        return None
-    launched, imported, group, ddp, loaded, step = (float(m or 0.0) for m in marks)
+    marks: list[float] = []
+    since = fault_at
+    for name in ("launched", "imported", "group", "ddp", "loaded", "step"):
+        # each mark is the first after the one before: steps the old processes completed
+        # between the fault and their stop are not the first step after recovery
+        found = next((t for e, _, t in events if e == name and t >= since), None)
+        if found is None:
+            return None
+        marks.append(found)
+        since = found
+    launched, imported, group, ddp, loaded, step = marks
     detect = detect_s or 0.0
     return {
         "detect": round(detect, 3),
@@ -512,7 +514,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
     if "scale" in sections:
         sizes = [2] if options.quick else [2, 4, 8, 16, 64]
         extra["scale"] = scale_rows(
-            sizes, 1 if options.quick else min(3, repeats), options.progress
+            sizes, 1 if options.quick else min(3, repeats), options.progress, options.levels
         )
     if "overhead" in sections:
         extra["overhead"] = overhead_row(
@@ -526,11 +528,12 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
             [8] if options.quick else [64, 512], 1 if options.quick else 3, options.progress
         )
     if "reliability" in sections:
+        chosen = [lv for lv in RELIABILITY_LEVELS if not options.levels or lv in options.levels]
         extra["reliability"] = reliability_rows(
             1 if options.quick else 20,
-            ["job-reschedule"] if options.quick else list(RELIABILITY_LEVELS),
+            ["job-reschedule"] if options.quick else chosen,
             options.progress,
-            torchrun=not options.quick,
+            torchrun=not options.quick and "job-reschedule" in chosen,
         )
         baseline = next((r for r in rows if r.system == "torchrun"), None)
         if options.quick and baseline is not None:
@@ -540,6 +543,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
                     "system": "torchrun",
                     "level": baseline.level,
                     "workload": baseline.workload,
+                    "jobs": baseline.repeats,
                     "injected": baseline.repeats,
                     "recovered": baseline.repeats - baseline.failures,
                     "other_actions": [],
@@ -629,7 +633,8 @@ CHECKPOINT_COLUMNS = {
     "save_s": "sync save s", "async_total_s": "async done after s",
 }  # fmt: skip
 RELIABILITY_COLUMNS = {
-    "system": "system", "level": "level", "workload": "workload", "injected": "faults injected",
+    "system": "system", "level": "level", "workload": "workload", "jobs": "jobs",
+    "injected": "faults injected",
     "recovered": "recovered", "other_actions": "other actions", "job_succeeded": "job succeeded",
     "median_mttr_s": "median MTTR s",
 }  # fmt: skip

@@ -132,7 +132,9 @@ def run_job(
 # -- scale ---------------------------------------------------------------------------------------
 
 
-def scale_rows(sizes: list[int], repeats: int, progress: Progress) -> list[dict[str, Any]]:
+def scale_rows(
+    sizes: list[int], repeats: int, progress: Progress, levels: tuple[str, ...] = ()
+) -> list[dict[str, Any]]:
     """MTTR of job-level vs pod-level vs in-place as the job grows (light workers, 2 processes a
     pod). Up to 16 pods: one pod per 2-chip node; beyond: two pods per 4-chip node (64 pods on 32
     nodes). Two spare nodes take the pods of a lost node."""
@@ -143,6 +145,8 @@ def scale_rows(sizes: list[int], repeats: int, progress: Progress) -> list[dict[
         nodes = (pods // 2 if packed else pods) + 2
         cluster = _cluster(nodes, 4 if packed else 2)
         for level, (tolerance, fault) in SCALE_LEVELS.items():
+            if levels and level not in levels:
+                continue
             times, detects, failures = [], [], 0
             # The fault comes once every worker runs: 128 processes take seconds to start here.
             at_step = max(20, 8 * pods)
@@ -433,10 +437,15 @@ RELIABILITY_PROCESS: dict[str, dict[str, Any]] = {
 RELIABILITY_LEVELS = (*RELIABILITY_LIGHT, *RELIABILITY_PROCESS)
 
 
+IN_A_ROW = {"job-reschedule": 3, "hang-restart": 3}
+"""R-21 and R-24 allow three of these in a row and fail the job on the fourth: their faults
+are injected in runs of three, each run a new job."""
+
+
 def _reliability(
-    level: str, workload: str, report: dict[str, Any] | None, crashes: int
+    level: str, workload: str, reports: list[dict[str, Any] | None], crashes: int
 ) -> dict[str, Any]:
-    records = report["recoveries"] if report else []
+    records = [r for report in reports if report for r in report["recoveries"]]
     ours = [r for r in records if r["action"] == level]
     succeeded = [r for r in ours if r["outcome"] == "succeeded"]
     mttrs = [r["mttr_s"] for r in succeeded if r.get("mttr_s") is not None]
@@ -444,10 +453,14 @@ def _reliability(
         "system": "relaunch",
         "level": level,
         "workload": workload,
+        "jobs": len(reports),
         "injected": crashes,
         "recovered": len(succeeded),
         "other_actions": sorted({r["action"] for r in records} - {level}),
-        "job_succeeded": report is not None and str(report.get("status")).lower() == "succeeded",
+        "job_succeeded": all(
+            report is not None and str(report.get("status")).lower() == "succeeded"
+            for report in reports
+        ),
         "median_mttr_s": _median(mttrs),
     }
 
@@ -455,38 +468,43 @@ def _reliability(
 def reliability_rows(
     crashes: int, levels: list[str], progress: Progress, torchrun: bool = True
 ) -> list[dict[str, Any]]:
-    """`crashes` faults in one job per level (every 10 steps), each of which must be recovered
+    """`crashes` faults per level (one every 10 steps of a job), each of which must be recovered
     by that level; and the same number of crashes under torchrun --max-restarts=`crashes`."""
     rows = []
     started = time.time()
     for level in levels:
-        steps = 10 * crashes + 20
-        faults: list[dict[str, Any]]
-        if level in RELIABILITY_LIGHT:
-            tolerance, fault = RELIABILITY_LIGHT[level]
-            job = _light_job(2, tolerance, steps=steps)
-            nodes = 3 + (crashes if fault["kind"] == "node-down" else 0)
-            workload = "light"
-        else:
-            fault = RELIABILITY_PROCESS[level]
-            job = _process_job(steps)
-            nodes = 3 + (crashes if fault["kind"] == "node-down" else 0)
-            workload = "ddp"
-        faults = [{**fault, "at_step": 10 * (i + 1)} for i in range(crashes)]
-        with tempfile.TemporaryDirectory(prefix="relaunch-bench-") as tmp:
-            # R-10 would isolate a node after 3 faults of one code in a row; here every fault
-            # is to be handled by the level under test, so the threshold is raised.
-            table = Path(tmp) / "fault-table.yaml"
-            table.write_text(yaml.safe_dump({"escalation": {"threshold": 100}}))
-            report, _ = run_job(
-                Path(tmp),
-                job,
-                faults,
-                _cluster(nodes, 2),
-                timeout=1800,
-                extra_args=("--fault-table", str(table)),
-            )
-        rows.append(_reliability(level, workload, report, crashes))
+        per_job = min(crashes, IN_A_ROW.get(level, crashes))
+        plans = [per_job] * (crashes // per_job) + (
+            [crashes % per_job] if crashes % per_job else []
+        )
+        reports = []
+        for count in plans:
+            steps = 10 * count + 20
+            if level in RELIABILITY_LIGHT:
+                tolerance, fault = RELIABILITY_LIGHT[level]
+                job = _light_job(2, tolerance, steps=steps)
+                workload = "light"
+            else:
+                fault = RELIABILITY_PROCESS[level]
+                job = _process_job(steps)
+                workload = "ddp"
+            nodes = 3 + (count if fault["kind"] == "node-down" else 0)
+            faults = [{**fault, "at_step": 10 * (i + 1)} for i in range(count)]
+            with tempfile.TemporaryDirectory(prefix="relaunch-bench-") as tmp:
+                # R-10 would isolate a node after 3 faults of one code in a row; here every
+                # fault is to be handled by the level under test, so the threshold is raised.
+                table = Path(tmp) / "fault-table.yaml"
+                table.write_text(yaml.safe_dump({"escalation": {"threshold": 100}}))
+                report, _ = run_job(
+                    Path(tmp),
+                    job,
+                    faults,
+                    _cluster(nodes, 2),
+                    timeout=1800,
+                    extra_args=("--fault-table", str(table)),
+                )
+            reports.append(report)
+        rows.append(_reliability(level, workload, reports, crashes))
         progress(f"[{time.time() - started:6.0f} s] reliability {level}: {rows[-1]}")
     if torchrun:
         with tempfile.TemporaryDirectory(prefix="relaunch-bench-") as tmp:
@@ -567,6 +585,7 @@ def torchrun_reliability(tmp: Path, crashes: int) -> dict[str, Any]:
         "system": "torchrun",
         "level": "job-reschedule",
         "workload": "ddp",
+        "jobs": 1,
         "injected": len(crash_times),
         "recovered": recovered,
         "other_actions": [],

@@ -49,13 +49,25 @@ def main() -> None:
     app()
 
 
-@app.callback()
-def _root(
-    version: Annotated[bool, typer.Option("--version", help="Print the version and exit.")] = False,
-) -> None:
-    if version:
+def _print_version(value: bool) -> None:
+    if value:
         out.print(f"relaunch {__version__}")
         raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            help="Print the version and exit.",
+            callback=_print_version,
+            is_eager=True,
+        ),
+    ] = False,
+) -> None:
+    """Keep distributed training jobs alive through faults."""
 
 
 def _fail_input(error: InputError) -> typer.Exit:

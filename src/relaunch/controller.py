@@ -135,7 +135,8 @@ class Controller:
         self.standby: dict[str, LauncherLink] = {}
         """Launchers on standby nodes keeping warm spares (spec.warm_spares), by node."""
         self.standby_launching: dict[str, float] = {}
-        self.lost_launchers: dict[int, float] = {}
+        self.lost_launchers: dict[int, tuple[int, float]] = {}
+        """Pods whose launcher connection closed: (generation, when)."""
         self.tearing_down: dict[int, tuple[LauncherLink, float]] = {}
         self.injected_at: dict[tuple[str, str], float] = {}
         self.heal_replies: dict[int, queue.Queue[bool]] = {}
@@ -332,7 +333,7 @@ class Controller:
             for idx, closed in list(self.launchers.items()):
                 if closed.conn is conn:
                     del self.launchers[idx]
-                    self.lost_launchers[idx] = time.time()
+                    self.lost_launchers[idx] = (closed.gen, time.time())
             for node, standby in list(self.standby.items()):
                 if standby.conn is conn:
                     del self.standby[node]
@@ -478,9 +479,10 @@ class Controller:
         """A launcher that vanished while its node lives: the pod's container died."""
         grace = self.cluster.heartbeat_timeout_s + 2 * self.cluster.heartbeat_interval_s
         pods = {p.idx: p for p in self.store.pods(self.job_id)}
-        for idx, since in list(self.lost_launchers.items()):
+        for idx, (gen, since) in list(self.lost_launchers.items()):
             pod = pods.get(idx)
-            if pod is None or idx in self.launchers:
+            if pod is None or idx in self.launchers or pod.generation != gen:
+                # moved since (a recovery replaced it): the new launcher is not the lost one
                 self.lost_launchers.pop(idx, None)
                 continue
             node = self.store.node(pod.node)
