@@ -27,13 +27,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from relaunch.bench_sections import (
     RELIABILITY_LEVELS,
     checkpoint_rows,
     overhead_row,
     reliability_rows,
+    run_job,
     scale_rows,
 )
 from relaunch.cluster.local import kill_tree
@@ -246,19 +245,7 @@ def _run_relaunch(
     tmp: Path, job: dict[str, Any], faults: list[dict[str, Any]]
 ) -> dict[str, Any] | None:
     """`relaunch run` of one job with one fault plan on a fresh embedded cluster; its report."""
-    (tmp / "job.yaml").write_text(yaml.safe_dump(job))
-    (tmp / "faults.yaml").write_text(yaml.safe_dump({"faults": faults}))
-    (tmp / "cluster.yaml").write_text(yaml.safe_dump(CLUSTER))
-    args = [
-        sys.executable, "-m", "relaunch", "run", str(tmp / "job.yaml"), "--faults", str(tmp / "faults.yaml"),
-        "--cluster", str(tmp / "cluster.yaml"), "--state-dir", str(tmp / "state"),
-        "--report", str(tmp / "report.json"), "--startup-seconds", "90", "-q",
-    ]  # fmt: skip
-    done = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT, check=False)
-    report_path = tmp / "report.json"
-    if done.returncode != 0 or not report_path.exists():
-        return None
-    report: dict[str, Any] = json.loads(report_path.read_text())
+    report, _ = run_job(tmp, job, faults, CLUSTER, timeout=300)
     return report
 
 
@@ -388,9 +375,9 @@ def _free_port() -> int:
 
 
 def _start_torchrun(
-    tmp: Path, timeline: Path, extra: list[str]
+    tmp: Path, timeline: Path, extra: list[str], max_restarts: int = 3, steps: int = 60
 ) -> list[tuple[subprocess.Popen[bytes], Any]]:
-    """The DDP script under torchrun --max-restarts=3: two agents (pods) of two workers."""
+    """The DDP script under torchrun --max-restarts=N: two agents (pods) of two workers."""
     port = _free_port()
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1"}
     agents = []
@@ -398,8 +385,8 @@ def _start_torchrun(
         args = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench",
-            "--max-restarts", "3", "--monitor-interval", "0.1",
-            str(DDP), "--steps", "60", "--ckpt-every", "5", "--ckpt-dir", str(tmp / "ckpt"),
+            "--max-restarts", str(max_restarts), "--monitor-interval", "0.1",
+            str(DDP), "--steps", str(steps), "--ckpt-every", "5", "--ckpt-dir", str(tmp / "ckpt"),
             "--timeline", str(timeline), *extra,
         ]  # fmt: skip
         log = open(tmp / f"torchrun-{node_rank}.log", "w")  # noqa: SIM115

@@ -27,6 +27,7 @@ __all__ = [
     "checkpoint_rows",
     "overhead_row",
     "reliability_rows",
+    "run_job",
     "scale_rows",
 ]
 
@@ -544,26 +545,11 @@ def _process_job(steps: int) -> dict[str, Any]:
 def torchrun_reliability(tmp: Path, crashes: int) -> dict[str, Any]:
     """The DDP script under torchrun --max-restarts=`crashes`, rank 3 exiting 1 once in each of
     the first `crashes` attempts; a restart that makes no step within 90 s counts as failed."""
-    from relaunch.bench import _free_port, _stop_torchrun, _timeline
+    from relaunch.bench import _start_torchrun, _stop_torchrun, _timeline
 
     timeline = tmp / "timeline.txt"
-    port = _free_port()
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1"}
-    agents = []
-    for node_rank in range(2):
-        args = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "rel",
-            "--max-restarts", str(crashes), "--monitor-interval", "0.1",
-            str(DDP), "--steps", str(10 * crashes + 20), "--ckpt-every", "5",
-            "--ckpt-dir", str(tmp / "ckpt"), "--timeline", str(timeline),
-            "--crash-every", "10", "--crash-attempts", str(crashes),
-        ]  # fmt: skip
-        log = open(tmp / f"torchrun-{node_rank}.log", "w")  # noqa: SIM115
-        proc = subprocess.Popen(
-            args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
-        )
-        agents.append((proc, log))
+    crash = ["--crash-every", "10", "--crash-attempts", str(crashes)]
+    agents = _start_torchrun(tmp, timeline, crash, max_restarts=crashes, steps=10 * crashes + 20)
     stalled = False
     while any(p.poll() is None for p, _ in agents):
         events = _timeline(timeline)

@@ -947,15 +947,7 @@ class Controller:
         if not parked or self.active is not None or job.status is not JobStatus.RUNNING:
             return
         pods = self.store.pods(self.job_id)
-        used = {p.node for p in pods if p.idx not in parked}
-        free = [
-            n.name
-            for n in self.store.nodes()
-            if n.schedulable
-            and n.name in self.agents
-            and n.name not in used
-            and n.chips >= self.spec.chips_per_pod
-        ]
+        free = self._free_nodes({p.node for p in pods if p.idx not in parked})
         back: list[int] = []
         for idx, node in zip(sorted(parked), free, strict=False):
             pod = next(p for p in pods if p.idx == idx)
@@ -1079,15 +1071,18 @@ class Controller:
         schedulable node with a live agent that no pod of the job uses."""
         if not (self.recovery.process_level and self.spec.warm_spares):
             return set()
-        used = {p.node for p in self.store.pods(self.job_id)}
-        return {
+        return set(self._free_nodes({p.node for p in self.store.pods(self.job_id)}))
+
+    def _free_nodes(self, used: set[str]) -> list[str]:
+        """Schedulable nodes with a live agent and chips for a pod that no pod in `used` is on."""
+        return [
             n.name
             for n in self.store.nodes()
             if n.schedulable
             and n.name in self.agents
             and n.name not in used
             and n.chips >= self.spec.chips_per_pod
-        }
+        ]
 
     def _awaiting_launcher(self) -> set[str]:
         """Nodes where a pod was placed and has no launcher yet (a standby one may become it)."""
