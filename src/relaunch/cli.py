@@ -332,14 +332,40 @@ def run(
     quiet: Annotated[
         bool, typer.Option("--quiet", "-q", help="Do not echo the processes' output.")
     ] = False,
+    engine: Annotated[
+        str,
+        typer.Option(
+            "--engine",
+            help="local: the embedded cluster; ray: a Ray cluster (--address, or a local trial "
+            "cluster shaped by --cluster).",
+        ),
+    ] = "local",
+    address: Annotated[
+        str | None,
+        typer.Option("--address", help="With --engine ray: the running Ray cluster to use."),
+    ] = None,
+    ray_select: Annotated[
+        str | None,
+        typer.Option(
+            "--ray-select",
+            help="With --engine ray: use only nodes carrying this resource or label (KEY or "
+            "KEY=VALUE).",
+        ),
+    ] = None,
 ) -> None:
-    """Run a job on the embedded cluster until it succeeds or fails (exit 0 / 1; 2 for bad input)."""
+    """Run a job until it succeeds or fails (exit 0 / 1; 2 for bad input), on the embedded
+    cluster or on Ray."""
+    engine = _choices("--engine", engine, ("local", "ray"))[0]
+    if engine == "local" and (address or ray_select):
+        err.print("[bold red]error:[/] --address and --ray-select need --engine ray")
+        raise typer.Exit(EXIT_INVALID)
     directory = _state_dir(state_dir)
     try:
         held = runner.lock(directory)
     except RuntimeError as error:
         err.print(f"[bold red]error:[/] {error}", highlight=False)
         raise typer.Exit(EXIT_INVALID) from None
+    trial: Any = None
     try:
         table, rules = runner.table_from(fault_table)
         store = Store(directory / "relaunch.db")
@@ -356,6 +382,9 @@ def run(
                 if chips_per_node is not None:
                     cluster_raw["chips_per_node"] = chips_per_node
             plan_raw = read_document(faults_file) if faults_file else None
+            engine_spec = None
+            if engine == "ray":
+                cluster_raw, engine_spec, trial = _ray_cluster(cluster_raw, address, ray_select)
             submission = runner.Submission(
                 raw=read_document(job_file),
                 source=str(job_file),
@@ -364,15 +393,18 @@ def run(
                 plan=runner.plan_entries(plan_raw, source=str(faults_file)),
                 fault_table=str(fault_table.resolve()) if fault_table else None,
                 startup_s=startup_s,
+                engine=engine_spec,
             )
             runner.abandon_unfinished(store, directory)
             job_id = runner.submit(store, submission, time.time())
             store.claim_job(job_id, time.time())
     except InputError as error:
         held.close()
+        _stop_trial(trial)
         raise _fail_input(error) from None
     except RuntimeError as error:
         held.close()
+        _stop_trial(trial)
         err.print(f"[bold red]error:[/] {error}", highlight=False)
         raise typer.Exit(EXIT_INVALID) from None
 
@@ -407,6 +439,7 @@ def run(
             on_output=on_output,
             on_tick=live.refresh if live else None,
             on_start=on_start,
+            remove_node=trial.remove_node if trial is not None else None,
         )
     except (InputError, RuntimeError) as error:
         runner.could_not_start(store, job_id, error)
@@ -416,11 +449,61 @@ def run(
         if live is not None:
             live.stop()
         held.close()
+        _stop_trial(trial)
     summary = build_report(store, job_id)
     _print_summary(summary)
     if report is not None:
         report.write_text(json.dumps(summary, indent=2))
     raise typer.Exit(0 if status is JobStatus.SUCCEEDED else 1)
+
+
+def _ray_module() -> Any:
+    try:
+        from relaunch.cluster import ray as ray_engine
+    except ImportError:
+        err.print(
+            "[bold red]error:[/] --engine ray needs Ray: pip install 'relaunch[ray]'",
+            highlight=False,
+        )
+        raise typer.Exit(EXIT_INVALID) from None
+    return ray_engine
+
+
+def _ray_cluster(
+    cluster_raw: Any, address: str | None, select: str | None
+) -> tuple[dict[str, Any], dict[str, Any], Any]:
+    """The job's nodes on Ray: the cluster at `address`, or a local trial cluster shaped by the
+    cluster file (started here, removed when the run ends). Returns the cluster settings with the
+    Ray nodes as nodes, the engine's stored settings, and the trial cluster (or None)."""
+    ray_engine = _ray_module()
+    shape = parse_cluster(cluster_raw, source="cluster settings")
+    trial = None
+    if address is None:
+        trial = ray_engine.TrialCluster(shape.nodes)
+        out.print(
+            f"[bold cyan]\\[relaunch][/] starting a local Ray cluster: a head and "
+            f"{len(shape.nodes)} node(s) ({trial.log})",
+            highlight=False,
+        )
+        address = trial.start()
+    ray_engine.connect(address)
+    found = ray_engine.discover(select)
+    if not found:
+        _stop_trial(trial)
+        raise RuntimeError(
+            f"the Ray cluster at {address} has no live node"
+            + (f" carrying {select!r}" if select else "")
+            + "; see `relaunch nodes --engine ray --address ...`"
+        )
+    settings = dict(cluster_raw) if isinstance(cluster_raw, dict) else {}
+    settings["nodes"] = [{"name": n.name, "chips": n.chips} for n in found]
+    settings.pop("chips_per_node", None)
+    return settings, {"kind": "ray", "address": address, "select": select}, trial
+
+
+def _stop_trial(trial: Any) -> None:
+    if trial is not None:
+        trial.stop()
 
 
 class _LiveView:
@@ -590,13 +673,56 @@ def nodes(
     state_dir: StateDirOption = None,
     server: ServerOption = None,
     token: TokenOption = None,
+    engine: Annotated[
+        str, typer.Option("--engine", help="local, or ray: the Ray cluster's nodes.")
+    ] = "local",
+    address: Annotated[
+        str | None, typer.Option("--address", help="With --engine ray: the Ray cluster.")
+    ] = None,
+    ray_select: Annotated[
+        str | None,
+        typer.Option("--ray-select", help="With --engine ray: only nodes carrying this."),
+    ] = None,
 ) -> None:
-    """List the embedded cluster's nodes: state, chips, chip health, isolation."""
+    """List the nodes: state, chips, chip health, isolation (with --engine ray, the Ray nodes and
+    their relaunch state)."""
+    engine = _choices("--engine", engine, ("local", "ray"))[0]
+    if engine == "ray":
+        if address is None:
+            err.print("[bold red]error:[/] --engine ray needs --address (the Ray cluster)")
+            raise typer.Exit(EXIT_INVALID)
+        _ray_nodes_table(address, ray_select, state_dir)
+        return
     if server:
         client = _client(server, token, state_dir, "default")
         _nodes_table(_remote(client.nodes))
         return
     _nodes_table([node_view(n) for n in _store(state_dir).nodes()])
+
+
+def _ray_nodes_table(address: str, select: str | None, state_dir: Path | None) -> None:
+    ray_engine = _ray_module()
+    try:
+        ray_engine.connect(address)
+    except RuntimeError as error:
+        err.print(f"[bold red]error:[/] {error}", highlight=False)
+        raise typer.Exit(EXIT_INVALID) from None
+    known = {n.name: n for n in _store(state_dir).nodes()}
+    view = Table(show_edge=False)
+    for column in ("node", "ray", "ray node id", "address", "chips", "relaunch", "reason"):
+        view.add_column(column)
+    for n in ray_engine.discover(select, include_dead=True):
+        row = known.get(n.name)
+        view.add_row(
+            n.name,
+            "alive" if n.alive else "dead",
+            n.node_id[:12],
+            n.address,
+            str(n.chips),
+            row.state.value if row else "-",
+            row.reason if row else "not used by relaunch yet",
+        )
+    out.print(view)
 
 
 def _node_verb(

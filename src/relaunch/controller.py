@@ -10,8 +10,8 @@ without losing or repeating anything.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
+import json
 import os
 import queue
 import socket
@@ -23,13 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from relaunch.chaos import ChaosEntry, ChaosKind, parse_plan
+from relaunch.cluster import Engine
 from relaunch.cluster.config import ClusterConfig
-from relaunch.cluster.local import LocalCluster
 from relaunch.faults import DEFAULT_TABLE, EscalationRules, Fault, FaultCodeTable, FaultKind
 from relaunch.launcher import LaunchPlan
 from relaunch.policy import Action, ClusterView, Decision, PodView, decide
 from relaunch.spec import JobSpec, process_recovery_env
 from relaunch.store import JobStatus, NodeRow, NodeState, Outcome, PodRow, Store
+from relaunch.train.checkpoint import FENCE_FILE
 from relaunch.wire import Connection, write_controller_address
 
 __all__ = ["Controller", "RunOptions"]
@@ -103,7 +104,7 @@ class Controller:
     def __init__(
         self,
         store: Store,
-        engine: LocalCluster,
+        engine: Engine,
         state_dir: Path,
         cluster: ClusterConfig,
         job_id: int,
@@ -150,9 +151,10 @@ class Controller:
         """Ranks of a scale-out that have not reported progress yet (the others wait for them)."""
         self.joining_until = 0.0
         self.next_pass = 0.0
+        self._fence: dict[str, Any] = {}
         self.server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.server.bind(("127.0.0.1", 0))
+        self.server.bind((engine.bind_host, 0))
         self.server.listen(256)
 
     # -- connections --------------------------------------------------------------------------------
@@ -198,7 +200,7 @@ class Controller:
                 self.job_id,
                 status=JobStatus.RUNNING,
                 attempt_started_at=now,
-                master_port=_free_port(),
+                master_port=self._master_port(),
             )
             self._publish_membership()
         try:
@@ -458,18 +460,23 @@ class Controller:
         if now < self.adopt_until:
             return
         timeout = self.cluster.heartbeat_timeout_s
+        gone = self.engine.lost_nodes()
         for node in self.store.nodes():
             if node.state not in (NodeState.READY, NodeState.FAULTY):
                 continue  # lost already, or isolated: no pod of the job goes there
             agent = self.agents.get(node.name)
             last = agent.last_hb if agent is not None else (self.adopt_until or now)
-            if now - last > timeout:
-                self.store.set_node_state(
-                    node.name, NodeState.LOST, f"no heartbeat for {timeout:g} s"
+            if now - last > timeout or node.name in gone:
+                # whichever comes first: the agent's silence or the engine's word (Ray: node dead)
+                why = (
+                    f"no heartbeat for {timeout:g} s"
+                    if now - last > timeout
+                    else "the engine reports the node dead"
                 )
+                self.store.set_node_state(node.name, NodeState.LOST, why)
                 self.agents.pop(node.name, None)
                 at = self.injected_at.pop(("node", node.name), last)
-                self.event(f"node {node.name} lost: no heartbeat for {now - last:.1f} s")
+                self.event(f"node {node.name} lost: {why} (last heartbeat {now - last:.1f} s ago)")
                 self._fault(
                     Fault(FaultKind.NODE_LOST, at, node=node.name),
                     source=f"lost:{node.name}:{last:.3f}",
@@ -792,7 +799,7 @@ class Controller:
             status=JobStatus.RECOVERING,
             attempt=job.attempt + 1,
             attempt_started_at=now,
-            master_port=_free_port(),
+            master_port=self._master_port(),
         )
 
     def _placement(
@@ -910,12 +917,12 @@ class Controller:
         elif not previous or not (joiners or parked):
             port = job.master_port
         else:
-            port = _free_port()
+            port = self._master_port()
         active = [p for p in self.store.pods(self.job_id) if p.idx not in parked]
         members = [r for p in active for r in self._ranks_of(p.idx)]
         membership = {
             "generation": generation,
-            "addr": "127.0.0.1",
+            "addr": self.engine.node_address(active[0].node) if active else "127.0.0.1",
             "port": port,
             "world_size": len(members),
             "ranks": {str(r): i for i, r in enumerate(members)},
@@ -1006,6 +1013,7 @@ class Controller:
         if job.status.ended or now < self.adopt_until:
             return
         pods = self.store.pods(self.job_id)
+        self._write_fence(job.attempt, pods)
         for stale in list(self.launchers.values()):
             desired = next((p for p in pods if p.idx == stale.pod), None)
             if desired is None or desired.generation != stale.gen:
@@ -1050,6 +1058,24 @@ class Controller:
                 link.conn.send(
                     {"t": "start", "attempt": job.attempt, "env": self._env(pod, job.attempt)}
                 )
+
+    def _write_fence(self, attempt: int, pods: list[PodRow]) -> None:
+        """Fencing: the attempt and pod generations now in force, for the SDK to refuse a
+        checkpoint from a process of an older one (a node declared dead can still be running
+        it). Written before any process of a newer attempt or generation starts."""
+        fence = {"attempt": attempt, "generations": {str(p.idx): p.generation for p in pods}}
+        if fence == self._fence:
+            return
+        path = self.state_dir / "jobs" / str(self.job_id) / "shared" / FENCE_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(fence))
+        tmp.replace(path)
+        self._fence = fence
+
+    def _master_port(self) -> int:
+        """A port free on the node of rank 0 (pod 0), for MASTER_PORT."""
+        return self.engine.free_port(self._pod(0).node)
 
     def _assume(self, standby: LauncherLink, pod: PodRow) -> None:
         """The standby launcher on the pod's new node becomes its launcher: its warm spares
@@ -1208,7 +1234,7 @@ class Controller:
             "WORLD_SIZE": str(self.spec.world_size),
             "LOCAL_WORLD_SIZE": str(self.spec.procs_per_pod),
             "GROUP_RANK": str(pod.idx),
-            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_ADDR": self.engine.node_address(self._pod(0).node),
             "MASTER_PORT": str(job.master_port),
             "TORCHELASTIC_RESTART_COUNT": str(attempt - 1),
             "MA_SCHEDULE_CNT": str(pod.schedule_cnt),
@@ -1218,6 +1244,7 @@ class Controller:
             "RELAUNCH_POD": str(pod.idx),
             "RELAUNCH_NODE": pod.node,
             "RELAUNCH_ATTEMPT": str(attempt),
+            "RELAUNCH_GENERATION": str(pod.generation),
             "RELAUNCH_SHARED_DIR": str(self.state_dir / "jobs" / str(self.job_id) / "shared"),
         }
         env.update(process_recovery_env(self.recovery))
@@ -1256,10 +1283,3 @@ def create_pods(store: Store, state_dir: Path, job_id: int, spec: JobSpec) -> li
         store.put_pod(pod)
         pods.append(pod)
     return pods
-
-
-def _free_port() -> int:
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port

@@ -24,6 +24,7 @@ from typing import IO, Any
 import psutil
 
 from relaunch.chaos import ChaosEntry, parse_plan
+from relaunch.cluster import Engine
 from relaunch.cluster.config import ClusterConfig, parse_cluster
 from relaunch.cluster.local import LocalCluster
 from relaunch.controller import Controller, RunOptions, create_pods
@@ -39,6 +40,7 @@ __all__ = [
     "could_not_start",
     "ensure_runner",
     "lock",
+    "make_engine",
     "plan_entries",
     "run_job",
     "run_queue",
@@ -88,6 +90,8 @@ class Submission:
     project: str = "default"
     fault_table: str | None = None
     startup_s: float | None = None
+    engine: Mapping[str, Any] | None = None
+    """None: the embedded cluster; {"kind": "ray", "address": ..., "select": ...}: Ray."""
 
 
 def submit(store: Store, submission: Submission, now: float) -> int:
@@ -105,6 +109,7 @@ def submit(store: Store, submission: Submission, now: float) -> int:
         "cluster": submission.cluster,
         "fault_table": submission.fault_table,
         "startup_s": submission.startup_s,
+        "engine": dict(submission.engine) if submission.engine else None,
     }
     return store.create_job(job.name, stored, list(submission.plan), now, submission.project)
 
@@ -152,12 +157,33 @@ def _stored(store: Store, job_id: int) -> tuple[JobSpec, ClusterConfig, tuple[Ch
     return job, cluster, plan
 
 
+def make_engine(
+    stored: Mapping[str, Any] | None,
+    directory: Path,
+    cluster: ClusterConfig,
+    remove_node: Callable[[str], None] | None = None,
+) -> Engine:
+    """The engine a job was submitted to: the embedded cluster, or Ray at the stored address."""
+    if not stored or stored.get("kind", "local") == "local":
+        return LocalCluster(directory)
+    from relaunch.cluster.ray import RayCluster  # only with the `ray` extra
+
+    return RayCluster.open(
+        directory,
+        str(stored["address"]),
+        [n.name for n in cluster.nodes],
+        select=stored.get("select"),
+        remove_node=remove_node,
+    )
+
+
 def run_job(
     store: Store,
     directory: Path,
     job_id: int,
     *,
     resume: bool,
+    remove_node: Callable[[str], None] | None = None,
     options: RunOptions | None = None,
     on_event: Callable[[str], None] = print,
     on_output: Callable[[int, int, str], None] | None = None,
@@ -176,7 +202,7 @@ def run_job(
         create_pods(store, directory, job_id, job)
     controller = Controller(
         store,
-        LocalCluster(directory),
+        make_engine(row.spec.get("engine"), directory, cluster, remove_node),
         directory,
         cluster,
         job_id,

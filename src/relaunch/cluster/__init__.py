@@ -1,1 +1,56 @@
-"""Cluster engines: where pods run. `local` is the embedded default."""
+"""Cluster engines: where pods run. `local` is the embedded default; `ray` runs the same agents
+and launchers on the nodes of a Ray cluster (optional: `pip install relaunch[ray]`).
+
+The controller talks to an engine only through :class:`Engine`; nothing here imports Ray.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from relaunch.cluster.config import NodeSpec
+    from relaunch.launcher import LaunchPlan
+
+__all__ = ["Engine"]
+
+
+class Engine(Protocol):
+    """Starts and kills the processes of a job on the nodes of a cluster."""
+
+    bind_host: str
+    """The address the controller listens on: one every node can reach."""
+
+    def start_agent(self, node: NodeSpec, interval: float, grace: float, blip_s: float) -> int:
+        """Start the node agent of `node` (its heartbeat and chip health); its pid."""
+        ...
+
+    def start_pod(self, plan: LaunchPlan) -> int:
+        """Start a pod's launcher on `plan.node` in `plan.workdir`; its pid."""
+        ...
+
+    def assumed(self, job: int, node: str, pod: int, generation: int) -> None:
+        """The standby launcher on `node` became the launcher of `pod`."""
+        ...
+
+    def kill_node(self, node: str) -> None:
+        """Lose a node (the fault plan's node-down): its agent and every pod on it die at once."""
+        ...
+
+    def shutdown(self) -> None:
+        """Kill everything this engine started and is still running."""
+        ...
+
+    def agent_alive(self, node: str) -> bool: ...
+
+    def lost_nodes(self) -> set[str]:
+        """Nodes the engine itself knows to be gone (besides a silent agent); non-blocking."""
+        ...
+
+    def node_address(self, node: str) -> str:
+        """An address of `node` the other nodes reach (MASTER_ADDR when rank 0 is there)."""
+        ...
+
+    def free_port(self, node: str) -> int:
+        """A TCP port free on `node` now (MASTER_PORT when rank 0 is there)."""
+        ...

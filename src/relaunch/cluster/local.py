@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
+import socket
 import subprocess
 import sys
 from dataclasses import asdict
@@ -21,7 +22,15 @@ import psutil
 from relaunch.cluster.config import NodeSpec
 from relaunch.launcher import LaunchPlan
 
-__all__ = ["LocalCluster", "kill_tree"]
+__all__ = ["LocalCluster", "free_port", "kill_tree"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on at `host` right now."""
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
 
 
 def kill_tree(pid: int) -> None:
@@ -39,6 +48,8 @@ def kill_tree(pid: int) -> None:
 
 class LocalCluster:
     """Starts and kills the processes of the embedded cluster; remembers their pids on disk."""
+
+    bind_host = "127.0.0.1"
 
     def __init__(self, state_dir: Path) -> None:
         self.state_dir = state_dir
@@ -133,3 +144,12 @@ class LocalCluster:
     def agent_alive(self, node: str) -> bool:
         pid = self._pids()["agents"].get(node)
         return pid is not None and psutil.pid_exists(pid)
+
+    def lost_nodes(self) -> set[str]:
+        return set()  # the agents' heartbeats are the only witness of a simulated node
+
+    def node_address(self, node: str) -> str:
+        return "127.0.0.1"
+
+    def free_port(self, node: str) -> int:
+        return free_port()

@@ -34,9 +34,36 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-__all__ = ["Checkpoint", "CheckpointManager", "CheckpointWarning"]
+__all__ = ["FENCE_FILE", "Checkpoint", "CheckpointManager", "CheckpointWarning", "StaleProcess"]
 
 _STEP_DIR = re.compile(r"step-(\d{9})")
+FENCE_FILE = "fence.json"
+"""In RELAUNCH_SHARED_DIR: the attempt and pod generations in force, written by the controller."""
+
+
+class StaleProcess(RuntimeError):
+    """This process belongs to an attempt or pod generation the job has left behind (its node was
+    declared lost and the pod runs elsewhere now): it must not write a checkpoint."""
+
+
+def check_fence() -> None:
+    """Raise StaleProcess if the controller's fence says this process is stale. Outside relaunch
+    (no RELAUNCH_SHARED_DIR) nothing is fenced."""
+    shared = os.environ.get("RELAUNCH_SHARED_DIR")
+    if not shared:
+        return
+    try:
+        fence = json.loads((Path(shared) / FENCE_FILE).read_text())
+    except (OSError, ValueError):
+        return
+    attempt = int(os.environ.get("RELAUNCH_ATTEMPT", "0"))
+    generation = int(os.environ.get("RELAUNCH_GENERATION", "0"))
+    current = fence.get("generations", {}).get(os.environ.get("RELAUNCH_POD", ""), 0)
+    if attempt < int(fence.get("attempt", 0)) or generation < int(current):
+        raise StaleProcess(
+            f"attempt {attempt}, pod generation {generation} is stale (the job is at attempt "
+            f"{fence.get('attempt')}, this pod at generation {current}): checkpoint not written"
+        )
 
 
 class CheckpointWarning(UserWarning):
@@ -181,6 +208,7 @@ class CheckpointManager:
             directory = self.directory / f"step-{step:09d}"
             directory.mkdir(parents=True, exist_ok=True)
             name = f"rank-{self.rank}.ckpt"
+            check_fence()  # a stale process must not overwrite the new generation's shard
             _write_atomic(directory / name, data)
             manifest = {
                 "step": step,
@@ -188,6 +216,7 @@ class CheckpointManager:
                 "format": fmt,
                 "files": {name: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}},
             }
+            check_fence()  # ... nor commit one the new generation would load
             _write_atomic(
                 directory / f"rank-{self.rank}.manifest.json", json.dumps(manifest).encode()
             )

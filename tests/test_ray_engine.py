@@ -1,0 +1,293 @@
+"""relaunch on Ray: the same recoveries as on the embedded cluster, on a real Ray cluster.
+
+The cluster is a head and four nodes (node-0 .. node-3, each with its own `relaunch_node:<name>`
+resource and `relaunch_chips: 2`) started by `python -m relaunch.cluster.ray --heal` inside a
+network namespace that has only a loopback interface (Ray would otherwise rewrite 127.0.0.1 to the
+host's address); relaunch runs inside the same namespace with `--engine ray --address`. The
+cluster is shared by the tests of this module; a test that removes a node gets it back (`--heal`)
+before the next one starts. Each job and fault plan also runs on the embedded cluster, and the two
+reports must agree: same actions, outcomes, faults, isolated nodes, counters and budgets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import yaml
+
+from tests.runtime import (
+    AUTO,
+    FAST_CLUSTER,
+    HANG,
+    POD_LEVEL,
+    ROOT,
+    UNCONDITIONAL,
+    Cluster,
+    Result,
+    toy_job,
+)
+
+NAMESPACE = f"relaunch-test-{os.getpid()}"
+NODES = [f"node-{i}" for i in range(4)]
+RAY_MARK = "/tmp/relaunch-ray-"
+"""Every local Ray cluster relaunch starts keeps its files under /tmp/relaunch-ray-*."""
+
+
+def ray_processes(mark: str = RAY_MARK) -> list[psutil.Process]:
+    """Processes of the local Ray clusters relaunch started (`ray start`, GCS, raylets, agents,
+    and, by default, every Ray worker: their titles are `ray::...`)."""
+    found = []
+    for process in psutil.process_iter(["cmdline", "status"]):
+        if process.info["status"] == psutil.STATUS_ZOMBIE:
+            continue  # dead; its parent died before reaping it
+        try:
+            cmdline = " ".join(process.info["cmdline"] or [])
+        except psutil.Error:
+            continue
+        ours = mark == RAY_MARK and (
+            cmdline.startswith("ray::") or "relaunch.cluster.ray" in cmdline
+        )
+        if mark in cmdline or ours:
+            found.append(process)
+    return found
+
+
+@dataclass
+class RayTrial:
+    """The shared cluster: its status file says its address, live nodes and `ray start` pids."""
+
+    status_file: Path
+    process: subprocess.Popen[bytes]
+
+    def status(self) -> dict[str, Any]:
+        try:
+            data: dict[str, Any] = json.loads(self.status_file.read_text())
+            return data
+        except (OSError, ValueError):
+            return {}
+
+    @property
+    def address(self) -> str:
+        return str(self.status()["address"])
+
+    def wait_whole(self, timeout: float = 120) -> None:
+        """Until every node is alive in Ray again (a status written after this call)."""
+        since = time.time()
+        deadline = since + timeout
+        while time.time() < deadline:
+            status = self.status()
+            if status.get("at", 0) > since and status.get("alive") == NODES:
+                return
+            assert self.process.poll() is None, "the Ray cluster's keeper exited"
+            time.sleep(0.2)
+        raise AssertionError(f"the Ray cluster did not come back whole: {self.status()}")
+
+    def command(self, args: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", NAMESPACE, *args]
+
+    def run(
+        self,
+        cluster: Cluster,
+        job: dict[str, Any],
+        faults: list[dict[str, Any]] | None = None,
+        shape: dict[str, Any] | None = None,
+        *,
+        trial: bool = False,
+        timeout: float = 150,
+        startup_s: float = 8,
+    ) -> Result:
+        """`relaunch run --engine ray` in the namespace: on this cluster, or (trial) on a local
+        cluster of its own shaped by the cluster file."""
+        engine = ["--engine", "ray"] + ([] if trial else ["--address", self.address])
+        args = cluster.command(job, faults, shape, extra=tuple(engine), startup_s=startup_s)
+        done = subprocess.run(
+            self.command(args),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=ROOT,
+            check=False,
+        )
+        return cluster.result(done.returncode, done.stdout, done.stderr)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayTrial]:
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.fail(
+            "the Ray tests start Ray inside a network namespace: run them as root with iproute2 "
+            "installed (CI does)"
+        )
+    tmp = tmp_path_factory.mktemp("ray")
+    subprocess.run(["ip", "netns", "add", NAMESPACE], check=True)
+    subprocess.run(["ip", "netns", "exec", NAMESPACE, "ip", "link", "set", "lo", "up"], check=True)
+    shape = tmp / "cluster.yaml"
+    shape.write_text(yaml.safe_dump(FAST_CLUSTER))
+    status = tmp / "status.json"
+    keeper = subprocess.Popen(
+        ["ip", "netns", "exec", NAMESPACE, sys.executable, "-m", "relaunch.cluster.ray",
+         "--cluster", str(shape), "--status", str(status), "--heal"],
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    trial = RayTrial(status, keeper)
+    try:
+        trial.wait_whole(timeout=150)
+        yield trial
+    finally:
+        keeper.send_signal(signal.SIGTERM)
+        try:
+            keeper.wait(timeout=90)
+        finally:
+            deadline = time.time() + 10  # SIGKILLed ones take a moment to die
+            while (left := ray_processes()) and time.time() < deadline:
+                time.sleep(0.2)
+            for process in left:
+                process.kill()
+            subprocess.run(["ip", "netns", "del", NAMESPACE], check=False)
+    assert not left, f"Ray processes outlived the tests: {[p.pid for p in left]}"
+
+
+@pytest.fixture
+def whole(ray_cluster: RayTrial) -> RayTrial:
+    """The shared cluster with all four nodes alive (an earlier test may have removed one)."""
+    ray_cluster.wait_whole()
+    return ray_cluster
+
+
+def embedded(cluster: Cluster, name: str = "embedded") -> Cluster:
+    """A second state directory in the test's directory, for the same job on the embedded engine."""
+    other = cluster.dir / name
+    other.mkdir()
+    return Cluster(other)
+
+
+def summary(report: dict[str, Any]) -> dict[str, Any]:
+    """What must not depend on the engine: actions, outcomes, faults, nodes, counters, budgets."""
+    return {
+        "status": report["status"],
+        "attempt": report["attempt"],
+        "restarts_used": report["restarts_used"],
+        "pod_restarts_used": report["pod_restarts_used"],
+        "isolated_nodes": report["isolated_nodes"],
+        "budgets_left": report["budgets_left"],
+        "pods": [
+            (p["node"], p["generation"], p["schedule_count"], p["proc_start_count"])
+            for p in report["pods"]
+        ],
+        "recoveries": [
+            {
+                "action": r["action"],
+                "outcome": r["outcome"],
+                "fault": {k: r["fault"][k] for k in ("kind", "node", "pod", "rank", "exit_code")},
+                "isolated_nodes": r["isolated_nodes"],
+                "consumed_budget": r["consumed_budget"],
+                "counters_after": r["counters_after"],
+            }
+            for r in report["recoveries"]
+        ],
+    }
+
+
+def both(
+    cluster: Cluster, ray: RayTrial, job: dict[str, Any], faults: list[dict[str, Any]], **kw: Any
+) -> tuple[Result, Result]:
+    on_ray = ray.run(cluster, job, faults, **kw)
+    assert on_ray.returncode == 0, on_ray.stdout + on_ray.stderr
+    local = embedded(cluster).run(job, faults)
+    assert local.returncode == 0, local.stdout + local.stderr
+    assert summary(on_ray.report) == summary(local.report)
+    return on_ray, local
+
+
+def test_nodes_lists_the_ray_nodes_with_their_relaunch_state(
+    whole: RayTrial, tmp_path: Path
+) -> None:
+    done = subprocess.run(
+        whole.command(
+            [sys.executable, "-m", "relaunch", "nodes", "--engine", "ray", "--address",
+             whole.address, "--state-dir", str(tmp_path / "state")]
+        ),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = [
+        [cell.strip() for cell in line.split("│")]
+        for line in done.stdout.splitlines()
+        if line.strip().startswith("node-")
+    ]
+    assert [row[0] for row in rows] == NODES
+    assert all(row[1] == "alive" and row[4] == "2" for row in rows), done.stdout
+    wrong = subprocess.run(
+        [sys.executable, "-m", "relaunch", "nodes", "--engine", "ray"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT, check=False,
+    )  # fmt: skip
+    assert wrong.returncode == 2 and "--address" in wrong.stderr
+
+
+def test_crash_with_unconditional_retry_on_a_trial_cluster_matches_embedded(
+    cluster: Cluster, ray_cluster: RayTrial
+) -> None:
+    """Without --address, `relaunch run --engine ray` starts its own local Ray cluster, shaped
+    by the cluster file, and removes it at the end."""
+    faults = [{"kind": "process-exit", "at_step": 10, "pod": 1, "exit_code": 1}]
+    on_ray, _ = both(cluster, ray_cluster, toy_job(UNCONDITIONAL), faults, trial=True)
+    assert on_ray.actions == ["job-reschedule"]
+    found = re.search(r"a head and 4 node\(s\) \((/tmp/relaunch-ray-[0-9-]+)\.log\)", on_ray.stdout)
+    assert found, on_ray.stdout
+    left = ray_processes(found[1])
+    assert not left, f"the trial cluster outlived its run: {[p.cmdline() for p in left]}"
+    assert not Path(found[1]).exists()
+
+
+def test_node_removed_from_ray_isolates_it_and_rebuilds_the_job_on_a_standby_node(
+    cluster: Cluster, whole: RayTrial
+) -> None:
+    # A long agent timeout: the node's loss can only be seen this fast through Ray.
+    shape = {**FAST_CLUSTER, "heartbeat_timeout_s": 20}
+    faults = [{"kind": "node-down", "at_step": 10, "pod": 1}]
+    on_ray, _ = both(cluster, whole, toy_job(AUTO), faults, shape=shape)
+    assert on_ray.actions == ["isolated-job-reschedule"]
+    assert on_ray.report["isolated_nodes"] == ["node-1"]
+    assert on_ray.launch_nodes()[:2] == ["node-0", "node-1"]
+    assert "node-1" not in on_ray.launch_nodes()[2:]
+    assert "node node-1 lost: the engine reports the node dead" in on_ray.stdout
+    assert on_ray.report["recoveries"][0]["detect_s"] < 10
+
+
+def test_node_removed_from_ray_pod_level_moves_only_the_lost_pod(
+    cluster: Cluster, whole: RayTrial
+) -> None:
+    faults = [{"kind": "node-down", "at_step": 10, "pod": 1}]
+    on_ray, _ = both(cluster, whole, toy_job(POD_LEVEL), faults)
+    assert on_ray.actions == ["pod-reschedule"]
+    pods = on_ray.report["pods"]
+    assert (pods[0]["node"], pods[0]["generation"]) == ("node-0", 1)  # kept its container
+    assert (pods[1]["node"], pods[1]["generation"]) == ("node-2", 2)
+    assert on_ray.launch_nodes() == ["node-0", "node-1", "node-2"]
+
+
+def test_hang_restarts_in_place_on_ray_as_on_embedded(cluster: Cluster, whole: RayTrial) -> None:
+    faults = [{"kind": "hang", "at_step": 10, "pod": 0, "rank": 1}]
+    on_ray, _ = both(cluster, whole, toy_job(HANG), faults)
+    assert on_ray.actions == ["hang-restart"]
+    assert [p["proc_start_count"] for p in on_ray.report["pods"]] == [2, 2]
