@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.runtime import Cluster, kill_all, wait_gone
+from tests.runtime import DDP_CLUSTER, Cluster, ddp_job, kill_all, wait_gone
 
 
 @pytest.fixture
@@ -18,3 +18,15 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
     left = wait_gone(c.state, timeout=5)
     kill_all(c.state)
     assert not left, f"processes outlived the run: {[p.pid for p in left]}"
+
+
+@pytest.fixture(scope="session")
+def unbroken(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The SHA-256 of the DDP example's parameters after a fault-free run (embedded cluster)."""
+    tmp = tmp_path_factory.mktemp("unbroken")
+    result = Cluster(tmp).run(
+        ddp_job(tmp / "hash.txt", 10), None, DDP_CLUSTER, timeout=240, startup_s=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.report["recoveries"] == []
+    return (tmp / "hash.txt").read_text().strip()

@@ -60,6 +60,20 @@ def toy_job(
     }
 
 
+DDP_JOB = yaml.safe_load((ROOT / "examples" / "ddp" / "job.yaml").read_text())
+DDP_FAULTS = yaml.safe_load((ROOT / "examples" / "ddp" / "faults.yaml").read_text())["faults"]
+DDP_CLUSTER = yaml.safe_load((ROOT / "examples" / "cluster-small.yaml").read_text())
+
+
+def ddp_job(out: Path, ckpt_every: int) -> dict[str, Any]:
+    """The PyTorch DDP example, 120 steps, writing its final parameters' SHA-256 to `out`."""
+    job = yaml.safe_load(yaml.safe_dump(DDP_JOB))
+    job["spec"]["command"] = (
+        f"python {ROOT / 'examples' / 'ddp' / 'train_ddp.py'} --steps 120 --ckpt-every {ckpt_every} --out {out}"
+    )
+    return job
+
+
 @dataclass
 class Result:
     returncode: int

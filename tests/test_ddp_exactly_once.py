@@ -5,36 +5,10 @@ periodic checkpoints, and then resumes where each fault struck instead of at an 
 from __future__ import annotations
 
 import re
-from pathlib import Path
-from typing import Any
 
-import pytest
-import yaml
-
-from tests.runtime import ROOT, Cluster
-
-JOB = yaml.safe_load((ROOT / "examples" / "ddp" / "job.yaml").read_text())
-FAULTS = yaml.safe_load((ROOT / "examples" / "ddp" / "faults.yaml").read_text())["faults"]
-CLUSTER = yaml.safe_load((ROOT / "examples" / "cluster-small.yaml").read_text())
-
-
-def ddp_job(out: Path, ckpt_every: int) -> dict[str, Any]:
-    job = yaml.safe_load(yaml.safe_dump(JOB))
-    job["spec"]["command"] = (
-        f"python {ROOT / 'examples' / 'ddp' / 'train_ddp.py'} --steps 120 --ckpt-every {ckpt_every} --out {out}"
-    )
-    return job
-
-
-@pytest.fixture(scope="module")
-def unbroken(tmp_path_factory: pytest.TempPathFactory) -> str:
-    tmp = tmp_path_factory.mktemp("unbroken")
-    result = Cluster(tmp).run(
-        ddp_job(tmp / "hash.txt", 10), None, CLUSTER, timeout=240, startup_s=60
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.report["recoveries"] == []
-    return (tmp / "hash.txt").read_text().strip()
+from tests.runtime import DDP_CLUSTER as CLUSTER
+from tests.runtime import DDP_FAULTS as FAULTS
+from tests.runtime import Cluster, ddp_job
 
 
 def resume_steps(logs: str, rank: int = 0) -> list[int]:

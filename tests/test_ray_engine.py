@@ -11,11 +11,13 @@ reports must agree: same actions, outcomes, faults, isolated nodes, counters and
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -30,6 +32,7 @@ import yaml
 
 from tests.runtime import (
     AUTO,
+    DDP_CLUSTER,
     FAST_CLUSTER,
     HANG,
     POD_LEVEL,
@@ -37,6 +40,7 @@ from tests.runtime import (
     UNCONDITIONAL,
     Cluster,
     Result,
+    ddp_job,
     toy_job,
 )
 
@@ -132,6 +136,12 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayTrial]:
             "installed (CI does)"
         )
     tmp = tmp_path_factory.mktemp("ray")
+    # The namespace's own /etc/hosts (ip netns exec mounts /etc/netns/NAME/hosts): the host name
+    # and the v4-mapped loopback resolve without DNS, which the namespace cannot reach.
+    etc = Path("/etc/netns") / NAMESPACE
+    etc.mkdir(parents=True, exist_ok=True)
+    names = f"localhost {socket.gethostname()}"
+    (etc / "hosts").write_text(f"127.0.0.1 {names}\n::1 {names}\n::ffff:127.0.0.1 {names}\n")
     subprocess.run(["ip", "netns", "add", NAMESPACE], check=True)
     subprocess.run(["ip", "netns", "exec", NAMESPACE, "ip", "link", "set", "lo", "up"], check=True)
     shape = tmp / "cluster.yaml"
@@ -160,6 +170,7 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayTrial]:
             for process in left:
                 process.kill()
             subprocess.run(["ip", "netns", "del", NAMESPACE], check=False)
+            shutil.rmtree(etc, ignore_errors=True)
     assert not left, f"Ray processes outlived the tests: {[p.pid for p in left]}"
 
 
@@ -291,3 +302,91 @@ def test_hang_restarts_in_place_on_ray_as_on_embedded(cluster: Cluster, whole: R
     on_ray, _ = both(cluster, whole, toy_job(HANG), faults)
     assert on_ray.actions == ["hang-restart"]
     assert [p["proc_start_count"] for p in on_ray.report["pods"]] == [2, 2]
+
+
+def test_ddp_loses_a_ray_node_and_ends_bit_identical_to_the_fault_free_run(
+    cluster: Cluster, whole: RayTrial, unbroken: str
+) -> None:
+    out = cluster.dir / "hash.txt"
+    faults = [{"kind": "node-down", "at_step": 40, "pod": 1}]
+    result = whole.run(cluster, ddp_job(out, 10), faults, DDP_CLUSTER, timeout=300, startup_s=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.actions == ["pod-reschedule"]
+    assert [p["node"] for p in result.report["pods"]] == ["node-0", "node-2"]
+    assert out.read_text().strip() == unbroken
+
+
+def _family(pid: int) -> list[psutil.Process]:
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def _generation_one_of_pod_one() -> list[psutil.Process]:
+    """Processes of pod 1's first container: its launcher and its ranks."""
+    found = []
+    for process in psutil.process_iter(["cmdline", "status"]):
+        if process.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        try:
+            cmdline = " ".join(process.info["cmdline"] or [])
+            env = process.environ()
+        except psutil.Error:
+            continue
+        rank = env.get("RELAUNCH_POD") == "1" and env.get("RELAUNCH_GENERATION") == "1"
+        if "pod-1-g1" in cmdline or rank:
+            found.append(process)
+    return found
+
+
+def test_a_hung_node_declared_dead_is_fenced_when_it_comes_back(
+    cluster: Cluster, whole: RayTrial
+) -> None:
+    """Every process of node-1 stops (SIGSTOP: its `ray start`, raylet, workers and the pod there)
+    as in a hang or a partition. Ray declares the node dead, relaunch moves the pod; when the node
+    runs again, the old pod's processes get the controller's shutdown and die, and the job ends
+    as if the node had simply been lost."""
+    job = toy_job(POD_LEVEL, steps=200)
+    args = cluster.command(job, None, None, extra=("--engine", "ray", "--address", whole.address))
+    run = subprocess.Popen(
+        whole.command(args), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    from relaunch.store import NodeState, Store
+
+    store = None
+    stopped: list[psutil.Process] = []
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            if store is None and (cluster.state / "relaunch.db").exists():
+                store = Store(cluster.state / "relaunch.db")
+            if store is not None and store.jobs() and (store.jobs()[0].last_step or 0) >= 10:
+                break
+            time.sleep(0.1)
+        assert store is not None and _generation_one_of_pod_one()
+        stopped = _family(whole.status()["pids"]["node-1"])
+        for process in stopped:
+            process.suspend()
+        while time.time() < deadline:
+            node = store.node("node-1")
+            pods = store.pods(store.jobs()[0].id)
+            if node is not None and node.state is NodeState.LOST and pods[1].generation == 2:
+                break
+            time.sleep(0.1)
+        assert pods[1].node == "node-2", "the pod did not move off the hung node"
+        assert _generation_one_of_pod_one(), "the old pod should still exist while stopped"
+    finally:
+        for process in stopped:
+            with contextlib.suppress(psutil.Error):
+                process.resume()
+    gone_by = time.time() + 15
+    while _generation_one_of_pod_one() and time.time() < gone_by:
+        time.sleep(0.1)
+    assert not _generation_one_of_pod_one(), "the old generation outlived its node's return"
+    output, _ = run.communicate(timeout=120)
+    result = cluster.result(run.returncode, output)
+    assert result.returncode == 0, output
+    assert result.actions == ["pod-reschedule"]
+    assert [(p["node"], p["generation"]) for p in result.report["pods"]] == [
+        ("node-0", 1),
+        ("node-2", 2),
+    ]

@@ -306,3 +306,38 @@ def test_env_reads_the_job_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     job = env()
     assert (job.rank, job.local_rank, job.world_size, job.pod) == (3, 1, 4, 1)
     assert job.rescheduled and job.restarted_in_place and job.attempt == 5
+
+
+def test_fencing_a_stale_generation_cannot_write_or_commit_a_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The controller's fence (RELAUNCH_SHARED_DIR/fence.json) names the attempt and pod
+    generations in force; a process of an older one (its node was declared lost and came back)
+    must not touch the checkpoints the new generation loads."""
+    import json
+
+    from relaunch.train.checkpoint import FENCE_FILE, StaleProcess
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    monkeypatch.setenv("RELAUNCH_SHARED_DIR", str(shared))
+    monkeypatch.setenv("RELAUNCH_POD", "1")
+    monkeypatch.setenv("RELAUNCH_ATTEMPT", "1")
+    monkeypatch.setenv("RELAUNCH_GENERATION", "1")
+    fence = shared / FENCE_FILE
+    fence.write_text(json.dumps({"attempt": 1, "generations": {"0": 1, "1": 1}}))
+    manager = CheckpointManager(tmp_path / "ckpt", rank=2)
+    manager.save(10, {"w": 1})  # current: allowed
+    fence.write_text(json.dumps({"attempt": 1, "generations": {"0": 1, "1": 2}}))
+    with pytest.raises(StaleProcess, match="pod generation 1 is stale"):
+        manager.save(20, {"w": 2})
+    fence.write_text(json.dumps({"attempt": 2, "generations": {"0": 2, "1": 2}}))
+    with pytest.raises(StaleProcess):
+        manager.save(10, {"w": "overwritten"})
+    assert manager.steps() == [10]
+    loaded = manager.load()
+    assert loaded is not None and loaded.state == {"w": 1}
+    monkeypatch.setenv("RELAUNCH_ATTEMPT", "2")
+    monkeypatch.setenv("RELAUNCH_GENERATION", "2")
+    manager.save(20, {"w": 3})  # the new generation writes as usual
+    assert manager.steps() == [20, 10]

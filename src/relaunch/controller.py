@@ -71,6 +71,7 @@ class LauncherLink:
     gen: int
     pid: int
     started_attempt: int = 0
+    node: str = ""
     stopping: bool = False
     procs: dict[int, Proc] = field(default_factory=dict)
 
@@ -407,7 +408,9 @@ class Controller:
                 {"t": "shutdown", "grace": 0}
             )  # a duplicate started across a controller restart
             return
-        link = LauncherLink(conn, m["pod"], m["gen"], m["pid"], started_attempt=m["attempt"])
+        link = LauncherLink(
+            conn, m["pod"], m["gen"], m["pid"], started_attempt=m["attempt"], node=m["node"]
+        )
         now = time.time()
         for rank_text, p in m["procs"].items():
             link.procs[int(rank_text)] = Proc(p["attempt"], p["running"], now, now, code=p["code"])
@@ -1019,7 +1022,11 @@ class Controller:
             if desired is None or desired.generation != stale.gen:
                 stale.conn.send({"t": "shutdown", "grace": self.recovery.termination_grace_s})
                 self.launchers.pop(stale.pod, None)
-                self.tearing_down[stale.pod] = (stale, now)
+                old_node = self.store.node(stale.node)
+                if old_node is None or old_node.state is not NodeState.LOST:
+                    # a lost node's pods are not waited for: it may never answer (hung or cut
+                    # off); they are fenced instead, and get this shutdown if it comes back
+                    self.tearing_down[stale.pod] = (stale, now)
         parked = self._parked()
         pods = [p for p in pods if p.idx not in parked]
         ready = True
@@ -1083,7 +1090,7 @@ class Controller:
         plan = self._launch_plan(pod)
         standby.conn.send({"t": "assume", "plan": asdict(plan)})
         self.engine.assumed(self.job_id, pod.node, pod.idx, pod.generation)
-        link = LauncherLink(standby.conn, pod.idx, pod.generation, standby.pid)
+        link = LauncherLink(standby.conn, pod.idx, pod.generation, standby.pid, node=pod.node)
         self.launchers[pod.idx] = link
         membership = self.store.job(self.job_id).membership
         if self.recovery.process_level and membership is not None:

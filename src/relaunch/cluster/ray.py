@@ -423,7 +423,14 @@ class TrialCluster:
                    "--memory", str(self.memory), "--object-store-memory", str(self.object_store),
                    "--disable-usage-stats", "--temp-dir", str(self.temp_dir),
                    "--include-log-monitor", "false", *args]  # fmt: skip
-        env = {**os.environ, **HEALTH_CHECK, "RAY_USAGE_STATS_ENABLED": "0"}
+        # Every node of a trial cluster is on 127.0.0.1: the node environment tells gloo so
+        # (it would look for the host name's address, absent in a loopback-only namespace).
+        env = {
+            **os.environ,
+            **HEALTH_CHECK,
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+        }
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as out:
             self.procs[name] = subprocess.Popen(

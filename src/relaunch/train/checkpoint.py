@@ -205,10 +205,10 @@ class CheckpointManager:
     def _write(self, step: int, snapshot: Any) -> None:
         data, fmt = _serialize(snapshot)
         with self._lock:
+            check_fence()  # a stale process must not overwrite the new generation's shard
             directory = self.directory / f"step-{step:09d}"
             directory.mkdir(parents=True, exist_ok=True)
             name = f"rank-{self.rank}.ckpt"
-            check_fence()  # a stale process must not overwrite the new generation's shard
             _write_atomic(directory / name, data)
             manifest = {
                 "step": step,
