@@ -17,7 +17,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ import psutil
 import pytest
 import yaml
 
+from relaunch.cluster.ray import LoopbackNamespace
 from tests.runtime import (
     AUTO,
     DDP_CLUSTER,
@@ -136,20 +136,13 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayTrial]:
             "installed (CI does)"
         )
     tmp = tmp_path_factory.mktemp("ray")
-    # The namespace's own /etc/hosts (ip netns exec mounts /etc/netns/NAME/hosts): the host name
-    # and the v4-mapped loopback resolve without DNS, which the namespace cannot reach.
-    etc = Path("/etc/netns") / NAMESPACE
-    etc.mkdir(parents=True, exist_ok=True)
-    names = f"localhost {socket.gethostname()}"
-    (etc / "hosts").write_text(f"127.0.0.1 {names}\n::1 {names}\n::ffff:127.0.0.1 {names}\n")
-    subprocess.run(["ip", "netns", "add", NAMESPACE], check=True)
-    subprocess.run(["ip", "netns", "exec", NAMESPACE, "ip", "link", "set", "lo", "up"], check=True)
+    namespace = LoopbackNamespace(NAMESPACE).create()
     shape = tmp / "cluster.yaml"
     shape.write_text(yaml.safe_dump(FAST_CLUSTER))
     status = tmp / "status.json"
     keeper = subprocess.Popen(
-        ["ip", "netns", "exec", NAMESPACE, sys.executable, "-m", "relaunch.cluster.ray",
-         "--cluster", str(shape), "--status", str(status), "--heal"],
+        namespace.command([sys.executable, "-m", "relaunch.cluster.ray",
+         "--cluster", str(shape), "--status", str(status), "--heal"]),
         cwd=ROOT,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
@@ -169,8 +162,7 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayTrial]:
                 time.sleep(0.2)
             for process in left:
                 process.kill()
-            subprocess.run(["ip", "netns", "del", NAMESPACE], check=False)
-            shutil.rmtree(etc, ignore_errors=True)
+            namespace.remove()
     assert not left, f"Ray processes outlived the tests: {[p.pid for p in left]}"
 
 
@@ -390,3 +382,6 @@ def test_a_hung_node_declared_dead_is_fenced_when_it_comes_back(
         ("node-0", 1),
         ("node-2", 2),
     ]
+    # the fence the SDK checks before writing a checkpoint: pod 1 below generation 2 may not
+    fence = json.loads((cluster.state / "jobs" / "1" / "shared" / "fence.json").read_text())
+    assert fence == {"generations": {"1": 2}}

@@ -311,9 +311,9 @@ def test_env_reads_the_job_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_fencing_a_stale_generation_cannot_write_or_commit_a_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The controller's fence (RELAUNCH_SHARED_DIR/fence.json) names the attempt and pod
-    generations in force; a process of an older one (its node was declared lost and came back)
-    must not touch the checkpoints the new generation loads."""
+    """The controller's fence (RELAUNCH_SHARED_DIR/fence.json) names, for each pod moved off a
+    lost node, the oldest generation allowed to write; a process of an older one (its node was
+    declared lost and came back) must not touch the checkpoints the new generation loads."""
     import json
 
     from relaunch.train.checkpoint import FENCE_FILE, StaleProcess
@@ -322,22 +322,20 @@ def test_fencing_a_stale_generation_cannot_write_or_commit_a_checkpoint(
     shared.mkdir()
     monkeypatch.setenv("RELAUNCH_SHARED_DIR", str(shared))
     monkeypatch.setenv("RELAUNCH_POD", "1")
-    monkeypatch.setenv("RELAUNCH_ATTEMPT", "1")
     monkeypatch.setenv("RELAUNCH_GENERATION", "1")
     fence = shared / FENCE_FILE
-    fence.write_text(json.dumps({"attempt": 1, "generations": {"0": 1, "1": 1}}))
     manager = CheckpointManager(tmp_path / "ckpt", rank=2)
-    manager.save(10, {"w": 1})  # current: allowed
-    fence.write_text(json.dumps({"attempt": 1, "generations": {"0": 1, "1": 2}}))
+    manager.save(10, {"w": 1})  # no fence yet
+    fence.write_text(json.dumps({"generations": {"0": 3}}))
+    manager.save(11, {"w": 1})  # another pod was fenced, not this one
+    fence.write_text(json.dumps({"generations": {"0": 3, "1": 2}}))
     with pytest.raises(StaleProcess, match="pod generation 1 is stale"):
         manager.save(20, {"w": 2})
-    fence.write_text(json.dumps({"attempt": 2, "generations": {"0": 2, "1": 2}}))
     with pytest.raises(StaleProcess):
-        manager.save(10, {"w": "overwritten"})
-    assert manager.steps() == [10]
+        manager.save(11, {"w": "overwritten"})
+    assert manager.steps() == [11, 10]
     loaded = manager.load()
-    assert loaded is not None and loaded.state == {"w": 1}
-    monkeypatch.setenv("RELAUNCH_ATTEMPT", "2")
+    assert loaded is not None and (loaded.step, loaded.state) == (11, {"w": 1})
     monkeypatch.setenv("RELAUNCH_GENERATION", "2")
     manager.save(20, {"w": 3})  # the new generation writes as usual
-    assert manager.steps() == [20, 10]
+    assert manager.steps() == [20, 11, 10]

@@ -336,10 +336,10 @@ def run(
         str,
         typer.Option(
             "--engine",
-            help="local: the embedded cluster; ray: a Ray cluster (--address, or a local trial "
-            "cluster shaped by --cluster).",
+            help="embedded: the embedded cluster; ray: a Ray cluster (--address, or a local "
+            "trial cluster shaped by --cluster).",
         ),
-    ] = "local",
+    ] = "embedded",
     address: Annotated[
         str | None,
         typer.Option("--address", help="With --engine ray: the running Ray cluster to use."),
@@ -355,8 +355,8 @@ def run(
 ) -> None:
     """Run a job until it succeeds or fails (exit 0 / 1; 2 for bad input), on the embedded
     cluster or on Ray."""
-    engine = _choices("--engine", engine, ("local", "ray"))[0]
-    if engine == "local" and (address or ray_select):
+    engine = _engine(engine)
+    if engine == "embedded" and (address or ray_select):
         err.print("[bold red]error:[/] --address and --ray-select need --engine ray")
         raise typer.Exit(EXIT_INVALID)
     directory = _state_dir(state_dir)
@@ -455,6 +455,13 @@ def run(
     if report is not None:
         report.write_text(json.dumps(summary, indent=2))
     raise typer.Exit(0 if status is JobStatus.SUCCEEDED else 1)
+
+
+def _engine(given: str) -> str:
+    if given not in ("embedded", "ray"):
+        err.print(f"[bold red]error:[/] --engine {given}: choose embedded or ray", highlight=False)
+        raise typer.Exit(EXIT_INVALID)
+    return given
 
 
 def _ray_module() -> Any:
@@ -674,8 +681,8 @@ def nodes(
     server: ServerOption = None,
     token: TokenOption = None,
     engine: Annotated[
-        str, typer.Option("--engine", help="local, or ray: the Ray cluster's nodes.")
-    ] = "local",
+        str, typer.Option("--engine", help="embedded, or ray: the Ray cluster's nodes.")
+    ] = "embedded",
     address: Annotated[
         str | None, typer.Option("--address", help="With --engine ray: the Ray cluster.")
     ] = None,
@@ -686,8 +693,7 @@ def nodes(
 ) -> None:
     """List the nodes: state, chips, chip health, isolation (with --engine ray, the Ray nodes and
     their relaunch state)."""
-    engine = _choices("--engine", engine, ("local", "ray"))[0]
-    if engine == "ray":
+    if _engine(engine) == "ray":
         if address is None:
             err.print("[bold red]error:[/] --engine ray needs --address (the Ray cluster)")
             raise typer.Exit(EXIT_INVALID)
@@ -901,7 +907,16 @@ def stop(
 def server(
     host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port to listen on.")] = 8080,
-    engine: Annotated[str, typer.Option("--engine", help="embedded or ray.")] = "embedded",
+    engine: Annotated[
+        str, typer.Option("--engine", help="embedded, or ray (with --address).")
+    ] = "embedded",
+    address: Annotated[
+        str | None, typer.Option("--address", help="With --engine ray: the Ray cluster.")
+    ] = None,
+    ray_select: Annotated[
+        str | None,
+        typer.Option("--ray-select", help="With --engine ray: only nodes carrying this."),
+    ] = None,
     state_dir: StateDirOption = None,
     cluster_file: Annotated[
         Path | None, typer.Option("--cluster", help="Cluster file the submitted jobs run on.")
@@ -921,21 +936,23 @@ def server(
     from relaunch.api.app import ServerSettings, load_or_create_token
     from relaunch.api.server import serve
 
-    if engine != "embedded":
-        err.print(
-            f"[bold red]error:[/] --engine {engine}: only `embedded` is available in this "
-            "version; the Ray engine is not built yet",
-            highlight=False,
-        )
+    engine_spec = None
+    if _engine(engine) == "ray" and address is None:
+        err.print("[bold red]error:[/] a server on Ray needs --address (a running Ray cluster)")
         raise typer.Exit(EXIT_INVALID)
     directory = _state_dir(state_dir)
     try:
         cluster_raw = read_document(cluster_file) if cluster_file else None
         if nodes_count is not None:
             cluster_raw = {**(cluster_raw or {}), "nodes": nodes_count}
+        if engine == "ray":
+            cluster_raw, engine_spec, _ = _ray_cluster(cluster_raw, address, ray_select)
         cluster = parse_cluster(cluster_raw, source=str(cluster_file or "cluster settings"))
     except InputError as error:
         raise _fail_input(error) from None
+    except RuntimeError as error:
+        err.print(f"[bold red]error:[/] {error}", highlight=False)
+        raise typer.Exit(EXIT_INVALID) from None
     store = Store(directory / "relaunch.db")
     store.ensure_nodes([(n.name, n.chips) for n in cluster.nodes])
     store.close()
@@ -959,7 +976,9 @@ def server(
     def log(text: str) -> None:
         out.print(f"[bold cyan]\\[relaunch][/] {text}", highlight=False, soft_wrap=True)
 
-    settings = ServerSettings(directory, token, cluster_raw, lock_reads=lock_reads)
+    settings = ServerSettings(
+        directory, token, cluster_raw, lock_reads=lock_reads, engine=engine_spec
+    )
     serve(settings, host, port, paused=paused, log=log)
 
 

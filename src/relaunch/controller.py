@@ -10,6 +10,7 @@ without losing or repeating anything.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -153,6 +154,12 @@ class Controller:
         self.joining_until = 0.0
         self.next_pass = 0.0
         self._fence: dict[str, Any] = {}
+        self._fenced: dict[int, int] = {}
+        """Pod -> the oldest generation allowed to write checkpoints (see _write_fence)."""
+        self._placed: dict[int, tuple[int, str]] = {}
+        with contextlib.suppress(OSError, ValueError):  # a restarted controller keeps the fence
+            self._fence = json.loads(self._fence_path().read_text())
+            self._fenced = {int(k): int(v) for k, v in self._fence["generations"].items()}
         self.server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.server.bind((engine.bind_host, 0))
@@ -1016,7 +1023,7 @@ class Controller:
         if job.status.ended or now < self.adopt_until:
             return
         pods = self.store.pods(self.job_id)
-        self._write_fence(job.attempt, pods)
+        self._write_fence(pods)
         for stale in list(self.launchers.values()):
             desired = next((p for p in pods if p.idx == stale.pod), None)
             if desired is None or desired.generation != stale.gen:
@@ -1066,19 +1073,30 @@ class Controller:
                     {"t": "start", "attempt": job.attempt, "env": self._env(pod, job.attempt)}
                 )
 
-    def _write_fence(self, attempt: int, pods: list[PodRow]) -> None:
-        """Fencing: the attempt and pod generations now in force, for the SDK to refuse a
-        checkpoint from a process of an older one (a node declared dead can still be running
-        it). Written before any process of a newer attempt or generation starts."""
-        fence = {"attempt": attempt, "generations": {str(p.idx): p.generation for p in pods}}
+    def _write_fence(self, pods: list[PodRow]) -> None:
+        """Fencing: a pod moved off a lost node (hung or cut off, it may still run the old pod)
+        gets its new generation written to the fence before it starts; the SDK refuses a
+        checkpoint from any older generation of that pod. Pods stopped in order (on nodes that
+        answer) are not fenced: their dying gasp is part of the recovery."""
+        for pod in pods:
+            seen = self._placed.get(pod.idx)
+            if seen is not None and seen[0] != pod.generation:
+                old = self.store.node(seen[1])
+                if old is None or old.state is NodeState.LOST:
+                    self._fenced[pod.idx] = max(self._fenced.get(pod.idx, 0), pod.generation)
+            self._placed[pod.idx] = (pod.generation, pod.node)
+        fence = {"generations": {str(k): v for k, v in sorted(self._fenced.items())}}
         if fence == self._fence:
             return
-        path = self.state_dir / "jobs" / str(self.job_id) / "shared" / FENCE_FILE
+        path = self._fence_path()
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(fence))
         tmp.replace(path)
         self._fence = fence
+
+    def _fence_path(self) -> Path:
+        return self.state_dir / "jobs" / str(self.job_id) / "shared" / FENCE_FILE
 
     def _master_port(self) -> int:
         """A port free on the node of rank 0 (pod 0), for MASTER_PORT."""

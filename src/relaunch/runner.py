@@ -164,7 +164,7 @@ def make_engine(
     remove_node: Callable[[str], None] | None = None,
 ) -> Engine:
     """The engine a job was submitted to: the embedded cluster, or Ray at the stored address."""
-    if not stored or stored.get("kind", "local") == "local":
+    if not stored or stored.get("kind") != "ray":
         return LocalCluster(directory)
     from relaunch.cluster.ray import RayCluster  # only with the `ray` extra
 

@@ -54,6 +54,8 @@ class ServerSettings:
     """The cluster settings (as a cluster file holds them) that submitted jobs run on."""
     lock_reads: bool = False
     """Reads need the token too (they always do from other hosts than loopback)."""
+    engine: Any = None
+    """Where submitted jobs run: None for the embedded cluster, or Ray's stored settings."""
 
 
 def load_or_create_token(state_dir: Path) -> tuple[str, bool]:
@@ -265,6 +267,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
                     cluster=settings.cluster,
                     plan=entries,
                     project=project_id,
+                    engine=settings.engine,
                 ),
                 time.time(),
             )

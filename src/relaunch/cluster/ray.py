@@ -406,6 +406,7 @@ class TrialCluster:
         memory_mb: int = 512,
         object_store_mb: int = 80,
         log: Path | None = None,
+        health_check: dict[str, str] | None = None,
     ) -> None:
         self.nodes = nodes
         self.memory = memory_mb * 1024 * 1024
@@ -414,6 +415,8 @@ class TrialCluster:
         self.log = log or Path(f"{self.temp_dir}.log")
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
+        self.health_check = HEALTH_CHECK if health_check is None else health_check
+        """GCS settings (environment variables); {} keeps Ray's defaults (benchmarks)."""
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._dead_since: dict[str, float] = {}
 
@@ -427,7 +430,7 @@ class TrialCluster:
         # (it would look for the host name's address, absent in a loopback-only namespace).
         env = {
             **os.environ,
-            **HEALTH_CHECK,
+            **self.health_check,
             "RAY_USAGE_STATS_ENABLED": "0",
             "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
         }
@@ -567,3 +570,36 @@ def serve(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     serve()
+
+
+class LoopbackNamespace:
+    """A network namespace with only a loopback interface (root and iproute2 needed), in which a
+    local Ray cluster keeps 127.0.0.1 (on the host network Ray rewrites it to the host's address).
+    Its own /etc/hosts (mounted by `ip netns exec`) resolves the host name and the loopback
+    addresses without DNS, which the namespace cannot reach. Used by the tests and benchmarks."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.etc = Path("/etc/netns") / name
+
+    def create(self) -> LoopbackNamespace:
+        if os.geteuid() != 0 or shutil.which("ip") is None:
+            raise RuntimeError("a network namespace needs root and iproute2 (`ip`)")
+        self.etc.mkdir(parents=True, exist_ok=True)
+        names = f"localhost {socket.gethostname()}"
+        (self.etc / "hosts").write_text(
+            f"127.0.0.1 {names}\n::1 {names}\n::ffff:127.0.0.1 {names}\n"
+        )
+        subprocess.run(["ip", "netns", "add", self.name], check=True)
+        subprocess.run(
+            ["ip", "netns", "exec", self.name, "ip", "link", "set", "lo", "up"], check=True
+        )
+        return self
+
+    def command(self, args: list[str]) -> list[str]:
+        """`args` run inside the namespace."""
+        return ["ip", "netns", "exec", self.name, *args]
+
+    def remove(self) -> None:
+        subprocess.run(["ip", "netns", "del", self.name], check=False, capture_output=True)
+        shutil.rmtree(self.etc, ignore_errors=True)

@@ -38,12 +38,12 @@ __all__ = ["FENCE_FILE", "Checkpoint", "CheckpointManager", "CheckpointWarning",
 
 _STEP_DIR = re.compile(r"step-(\d{9})")
 FENCE_FILE = "fence.json"
-"""In RELAUNCH_SHARED_DIR: the attempt and pod generations in force, written by the controller."""
+"""In RELAUNCH_SHARED_DIR: {"generations": {pod: oldest generation allowed}}, by the controller."""
 
 
 class StaleProcess(RuntimeError):
-    """This process belongs to an attempt or pod generation the job has left behind (its node was
-    declared lost and the pod runs elsewhere now): it must not write a checkpoint."""
+    """This process belongs to a pod generation the job has left behind (its node was declared
+    lost and the pod runs elsewhere now): it must not write a checkpoint."""
 
 
 def check_fence() -> None:
@@ -54,15 +54,14 @@ def check_fence() -> None:
         return
     try:
         fence = json.loads((Path(shared) / FENCE_FILE).read_text())
-    except (OSError, ValueError):
+        oldest = int(fence["generations"][os.environ.get("RELAUNCH_POD", "")])
+    except (OSError, ValueError, KeyError, TypeError):
         return
-    attempt = int(os.environ.get("RELAUNCH_ATTEMPT", "0"))
     generation = int(os.environ.get("RELAUNCH_GENERATION", "0"))
-    current = fence.get("generations", {}).get(os.environ.get("RELAUNCH_POD", ""), 0)
-    if attempt < int(fence.get("attempt", 0)) or generation < int(current):
+    if generation < oldest:
         raise StaleProcess(
-            f"attempt {attempt}, pod generation {generation} is stale (the job is at attempt "
-            f"{fence.get('attempt')}, this pod at generation {current}): checkpoint not written"
+            f"pod generation {generation} is stale (the pod was moved off a lost node and runs "
+            f"as generation {oldest} now): checkpoint not written"
         )
 
 
