@@ -61,13 +61,20 @@ def toy_job(
 
 
 DDP_JOB = yaml.safe_load((ROOT / "examples" / "ddp" / "job.yaml").read_text())
-DDP_FAULTS = yaml.safe_load((ROOT / "examples" / "ddp" / "faults.yaml").read_text())["faults"]
 DDP_CLUSTER = yaml.safe_load((ROOT / "examples" / "cluster-small.yaml").read_text())
+DDP_FAULTS = [
+    {**f, "rank": f["pod"]} if "rank" in f else f  # one rank per pod in the tests: see ddp_job
+    for f in yaml.safe_load((ROOT / "examples" / "ddp" / "faults.yaml").read_text())["faults"]
+]
+"""The example's fault plan (a crash, a chip fault, a lost node, a hang), on the tests' ranks."""
 
 
 def ddp_job(out: Path, ckpt_every: int) -> dict[str, Any]:
-    """The PyTorch DDP example, 120 steps, writing its final parameters' SHA-256 to `out`."""
+    """The PyTorch DDP example, 120 steps, writing its final parameters' SHA-256 to `out`; one
+    process per pod (world size 2) so that each restart costs two torch start-ups, not four, on
+    the tests' two cores."""
     job = yaml.safe_load(yaml.safe_dump(DDP_JOB))
+    job["spec"]["procs_per_pod"] = 1
     job["spec"]["command"] = (
         f"python {ROOT / 'examples' / 'ddp' / 'train_ddp.py'} --steps 120 --ckpt-every {ckpt_every} --out {out}"
     )

@@ -12,7 +12,7 @@ from tests.runtime import Cluster, ddp_job
 
 
 def resume_steps(logs: str, rank: int = 0) -> list[int]:
-    return [int(m) for m in re.findall(rf"start: rank {rank}/4 .* resume_step=(\d+)", logs)]
+    return [int(m) for m in re.findall(rf"start: rank {rank}/2 .* resume_step=(\d+)", logs)]
 
 
 def test_ddp_with_every_fault_ends_bit_identical(cluster: Cluster, unbroken: str) -> None:

@@ -208,11 +208,19 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
 
 
 def both(
-    cluster: Cluster, ray: RayTrial, job: dict[str, Any], faults: list[dict[str, Any]], **kw: Any
+    cluster: Cluster,
+    ray: RayTrial,
+    job: dict[str, Any],
+    faults: list[dict[str, Any]],
+    shape: dict[str, Any] | None = None,
+    ray_shape: dict[str, Any] | None = None,
+    **kw: Any,
 ) -> tuple[Result, Result]:
-    on_ray = ray.run(cluster, job, faults, **kw)
+    """The job on Ray (cluster file `ray_shape`, else `shape`) and on the embedded cluster; the
+    two reports must agree."""
+    on_ray = ray.run(cluster, job, faults, ray_shape or shape, **kw)
     assert on_ray.returncode == 0, on_ray.stdout + on_ray.stderr
-    local = embedded(cluster).run(job, faults)
+    local = embedded(cluster).run(job, faults, shape)
     assert local.returncode == 0, local.stdout + local.stderr
     assert summary(on_ray.report) == summary(local.report)
     return on_ray, local
@@ -253,9 +261,10 @@ def test_crash_with_unconditional_retry_on_a_trial_cluster_matches_embedded(
     """Without --address, `relaunch run --engine ray` starts its own local Ray cluster, shaped
     by the cluster file, and removes it at the end."""
     faults = [{"kind": "process-exit", "at_step": 10, "pod": 1, "exit_code": 1}]
-    on_ray, _ = both(cluster, ray_cluster, toy_job(UNCONDITIONAL), faults, trial=True)
+    shape = {**FAST_CLUSTER, "nodes": 3}
+    on_ray, _ = both(cluster, ray_cluster, toy_job(UNCONDITIONAL), faults, shape, trial=True)
     assert on_ray.actions == ["job-reschedule"]
-    found = re.search(r"a head and 4 node\(s\) \((/tmp/relaunch-ray-[0-9-]+)\.log\)", on_ray.stdout)
+    found = re.search(r"a head and 3 node\(s\) \((/tmp/relaunch-ray-[0-9-]+)\.log\)", on_ray.stdout)
     assert found, on_ray.stdout
     left = ray_processes(found[1])
     assert not left, f"the trial cluster outlived its run: {[p.cmdline() for p in left]}"
@@ -268,7 +277,7 @@ def test_node_removed_from_ray_isolates_it_and_rebuilds_the_job_on_a_standby_nod
     # A long agent timeout: the node's loss can only be seen this fast through Ray.
     shape = {**FAST_CLUSTER, "heartbeat_timeout_s": 20}
     faults = [{"kind": "node-down", "at_step": 10, "pod": 1}]
-    on_ray, _ = both(cluster, whole, toy_job(AUTO), faults, shape=shape)
+    on_ray, _ = both(cluster, whole, toy_job(AUTO), faults, ray_shape=shape)
     assert on_ray.actions == ["isolated-job-reschedule"]
     assert on_ray.report["isolated_nodes"] == ["node-1"]
     assert on_ray.launch_nodes()[:2] == ["node-0", "node-1"]

@@ -142,13 +142,19 @@ class Row:
     """Median seconds of each part of the recovery (PHASES), from rank 0's timeline."""
 
 
-def _job(workload: str, level: str, timeline: Path | None, pods: int = 2) -> dict[str, Any]:
+def _job(
+    workload: str, level: str, timeline: Path | None, pods: int = 2, procs: int = 2
+) -> dict[str, Any]:
     annotations, _ = LEVELS[level]
     if workload == "light":
         command = f"python {TOY} --steps 60 --step-seconds 0.03 --ckpt-every 5"
         hang_s, grace = 2, 1
     else:
-        crash = f" --crash-at-step {FAULT_STEP}" if level == "job-reschedule" else ""
+        crash = (
+            f" --crash-at-step {FAULT_STEP} --crash-rank {pods * procs - 1}"
+            if level == "job-reschedule"
+            else ""
+        )
         command = f"python {DDP} --steps 60 --ckpt-every 5 --timeline {timeline}{crash}"
         hang_s, grace = 4, 3
     labels = {"fault-scheduling": "grace", "grace-over-time": str(grace)}
@@ -168,7 +174,7 @@ def _job(workload: str, level: str, timeline: Path | None, pods: int = 2) -> dic
         },
         "spec": {
             "replicas": pods,
-            "procs_per_pod": 2,
+            "procs_per_pod": procs,
             "chips_per_pod": 2,
             "command": command,
             "hang_detect_seconds": hang_s,
@@ -259,7 +265,7 @@ def _single_recovery(report: dict[str, Any] | None, level: str) -> dict[str, Any
     return record
 
 
-def _relaunch_once(workload: str, level: str, tmp: Path) -> Sample:
+def _relaunch_once(workload: str, level: str, tmp: Path, procs: int = 2) -> Sample:
     timeline = tmp / "timeline.txt"
     _, fault = LEVELS[level]
     faults = (
@@ -267,7 +273,7 @@ def _relaunch_once(workload: str, level: str, tmp: Path) -> Sample:
         if (workload == "ddp" and level == "job-reschedule")
         else [{**fault, "at_step": FAULT_STEP}]
     )
-    report = _run_relaunch(tmp, _job(workload, level, timeline), faults)
+    report = _run_relaunch(tmp, _job(workload, level, timeline, procs=procs), faults)
     record = _single_recovery(report, level)
     if record is None:
         shown = (
@@ -321,11 +327,16 @@ def _relaunch_hang(window: float, tmp: Path) -> dict[str, Any]:
     }
 
 
-def _torchrun_hang(limit: float, tmp: Path) -> dict[str, Any]:
+def _torchrun_hang(limit: float, tmp: Path, procs: int = 2) -> dict[str, Any]:
     """The same SIGSTOP under torchrun, which has no hang detector: does anything restart the job
     within `limit` s? (The script's gloo group times out after 60 s.)"""
     timeline = tmp / "timeline.txt"
-    agents = _start_torchrun(tmp, timeline, ["--hang-at-step", str(FAULT_STEP)])
+    agents = _start_torchrun(
+        tmp,
+        timeline,
+        ["--hang-at-step", str(FAULT_STEP), "--crash-rank", str(2 * procs - 1)],
+        procs=procs,
+    )
     deadline = time.time() + 120
     hung_at = None
     while time.time() < deadline:
@@ -375,15 +386,20 @@ def _free_port() -> int:
 
 
 def _start_torchrun(
-    tmp: Path, timeline: Path, extra: list[str], max_restarts: int = 3, steps: int = 60
+    tmp: Path,
+    timeline: Path,
+    extra: list[str],
+    max_restarts: int = 3,
+    steps: int = 60,
+    procs: int = 2,
 ) -> list[tuple[subprocess.Popen[bytes], Any]]:
-    """The DDP script under torchrun --max-restarts=N: two agents (pods) of two workers."""
+    """The DDP script under torchrun --max-restarts=N: two agents (pods) of `procs` workers."""
     port = _free_port()
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1"}
     agents = []
     for node_rank in range(2):
         args = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(procs),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench",
             "--max-restarts", str(max_restarts), "--monitor-interval", "0.1",
             str(DDP), "--steps", str(steps), "--ckpt-every", "5", "--ckpt-dir", str(tmp / "ckpt"),
@@ -412,9 +428,10 @@ def _stop_torchrun(agents: list[tuple[subprocess.Popen[bytes], Any]], wait_s: fl
     return ok
 
 
-def _torchrun_once(tmp: Path) -> Sample:
+def _torchrun_once(tmp: Path, procs: int = 2) -> Sample:
     timeline = tmp / "timeline.txt"
-    agents = _start_torchrun(tmp, timeline, ["--crash-at-step", str(FAULT_STEP)])
+    crash = ["--crash-at-step", str(FAULT_STEP), "--crash-rank", str(2 * procs - 1)]
+    agents = _start_torchrun(tmp, timeline, crash, procs=procs)
     ok = _stop_torchrun(agents, wait_s=240)
     measured = _from_timeline(timeline)
     if measured is None or not ok:
@@ -455,6 +472,7 @@ def _median_phases(samples: list[dict[str, float]]) -> dict[str, float] | None:
 def run_bench(options: BenchOptions) -> dict[str, Any]:
     options.out.mkdir(parents=True, exist_ok=True)
     repeats = 1 if options.quick else options.repeats
+    procs = 1 if options.quick else 2  # DDP processes per pod: --quick starts half as many
     plan: list[tuple[str, str, str]] = [
         ("relaunch", "light", level) for level in LEVELS if level not in PROCESS_LEVELS
     ]
@@ -474,9 +492,11 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         for i in range(repeats):
             with tempfile.TemporaryDirectory(prefix="relaunch-bench-") as tmp:
                 sample = (
-                    _torchrun_once(Path(tmp))
+                    _torchrun_once(Path(tmp), procs)
                     if system == "torchrun"
-                    else _relaunch_once(workload, level, Path(tmp))
+                    else _relaunch_once(
+                        workload, level, Path(tmp), procs if workload == "ddp" else 2
+                    )
                 )
             samples.append(sample)
             shown = (
@@ -496,7 +516,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         )
     if "hang" in sections:
         with tempfile.TemporaryDirectory(prefix="relaunch-bench-") as tmp:
-            hangs.append(_torchrun_hang(10.0 if options.quick else 90.0, Path(tmp)))
+            hangs.append(_torchrun_hang(3.0 if options.quick else 90.0, Path(tmp), procs))
         options.progress(f"[{time.time() - started:6.0f} s] torchrun hang: {hangs[-1]}")
     if "scale" in sections:
         sizes = [2] if options.quick else [2, 4, 8, 16, 64]

@@ -277,7 +277,15 @@ class RayCluster:
         """Connect to the cluster at `address` and find the job's nodes in it by name."""
         connect(address)
         found = [n for n in discover(select, include_dead=True) if n.name in expected]
-        return cls(state_dir, address, found, expected=expected, remove_node=remove_node)
+        engine = cls(state_dir, address, found, expected=expected, remove_node=remove_node)
+        engine.start_hosts()
+        return engine
+
+    def start_hosts(self) -> None:
+        """Create (or find) every live node's host at once: each is a Ray worker process, and
+        starting them one by one as agents start would add their start-up times."""
+        refs = [self._host(name).ping.remote() for name in self.nodes if name not in self._lost]
+        ray.wait(refs, num_returns=len(refs), timeout=CALL_TIMEOUT_S)
 
     # -- node loss ----------------------------------------------------------------------------------
 
@@ -366,15 +374,15 @@ class RayCluster:
 
     def shutdown(self) -> None:
         self._stop.set()
+        hosts = []
         for node in list(self.nodes):
             if node in self.lost_nodes():
                 continue
-            try:
-                host = ray.get_actor(f"{self.prefix}:{node}", namespace=NAMESPACE)
-            except ValueError:
-                continue
-            with contextlib.suppress(ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
-                ray.get(host.kill_all.remote(), timeout=CALL_TIMEOUT_S)
+            with contextlib.suppress(ValueError):
+                hosts.append(ray.get_actor(f"{self.prefix}:{node}", namespace=NAMESPACE))
+        done: list[Any] = [host.kill_all.remote() for host in hosts]  # every node at once
+        ray.wait(done, num_returns=len(done), timeout=CALL_TIMEOUT_S)
+        for host in hosts:
             with contextlib.suppress(ray.exceptions.RayError):
                 ray.kill(host)
         self.hosts.clear()
@@ -498,12 +506,22 @@ class TrialCluster:
         """Remove every node, the head last, and the cluster's temporary directory."""
         with contextlib.suppress(Exception):
             ray.shutdown()
-        for name in [n for n in self.procs if n != "head"] + ["head"]:
-            self.remove_node(name)
-        for proc in psutil.process_iter(["pid", "cmdline"]):
+        family: list[psutil.Process] = []  # every node's processes, killed at once
+        for proc in self.procs.values():
+            with contextlib.suppress(psutil.Error):
+                root = psutil.Process(proc.pid)
+                family += [root, *root.children(recursive=True)]
+        for process in family:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+        psutil.wait_procs(family, timeout=10)
+        for proc in self.procs.values():
+            proc.wait()
+        self.procs.clear()
+        for leftover in psutil.process_iter(["pid", "cmdline"]):
             with contextlib.suppress(psutil.Error, TypeError):
-                if any(str(self.temp_dir) in part for part in proc.info["cmdline"] or []):
-                    kill_tree(proc.info["pid"])
+                if any(str(self.temp_dir) in part for part in leftover.info["cmdline"] or []):
+                    kill_tree(leftover.info["pid"])
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     def heal(self, grace_s: float = 2.0) -> list[str]:
