@@ -68,6 +68,7 @@ def ray_alone(settings: dict[str, str], repeats: int, hang_repeats: int) -> dict
         for kind, count in (("crash", repeats), ("hang", hang_repeats)):
             for _ in range(count):
                 trial.heal()
+                time.sleep(6)  # a node that just joined is not health-checked at once
                 target = next(n for n in discover() if n.name == "node-1")
                 raylet = raylet_of(trial, "node-1")
                 at = time.time()
