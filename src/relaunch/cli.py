@@ -275,6 +275,18 @@ def faults(fault_table: FaultTableOption = None) -> None:
 # Running jobs on the embedded cluster
 # ---------------------------------------------------------------------------------------------
 
+AddressOption = Annotated[
+    str | None,
+    typer.Option("--address", help="With --engine ray: the running Ray cluster to use."),
+]
+RaySelectOption = Annotated[
+    str | None,
+    typer.Option(
+        "--ray-select",
+        help="With --engine ray: use only nodes carrying this resource or label (KEY or "
+        "KEY=VALUE).",
+    ),
+]
 StateDirOption = Annotated[
     Path | None,
     typer.Option(
@@ -340,18 +352,8 @@ def run(
             "trial cluster shaped by --cluster).",
         ),
     ] = "embedded",
-    address: Annotated[
-        str | None,
-        typer.Option("--address", help="With --engine ray: the running Ray cluster to use."),
-    ] = None,
-    ray_select: Annotated[
-        str | None,
-        typer.Option(
-            "--ray-select",
-            help="With --engine ray: use only nodes carrying this resource or label (KEY or "
-            "KEY=VALUE).",
-        ),
-    ] = None,
+    address: AddressOption = None,
+    ray_select: RaySelectOption = None,
 ) -> None:
     """Run a job until it succeeds or fails (exit 0 / 1; 2 for bad input), on the embedded
     cluster or on Ray."""
@@ -683,13 +685,8 @@ def nodes(
     engine: Annotated[
         str, typer.Option("--engine", help="embedded, or ray: the Ray cluster's nodes.")
     ] = "embedded",
-    address: Annotated[
-        str | None, typer.Option("--address", help="With --engine ray: the Ray cluster.")
-    ] = None,
-    ray_select: Annotated[
-        str | None,
-        typer.Option("--ray-select", help="With --engine ray: only nodes carrying this."),
-    ] = None,
+    address: AddressOption = None,
+    ray_select: RaySelectOption = None,
 ) -> None:
     """List the nodes: state, chips, chip health, isolation (with --engine ray, the Ray nodes and
     their relaunch state)."""
@@ -910,13 +907,8 @@ def server(
     engine: Annotated[
         str, typer.Option("--engine", help="embedded, or ray (with --address).")
     ] = "embedded",
-    address: Annotated[
-        str | None, typer.Option("--address", help="With --engine ray: the Ray cluster.")
-    ] = None,
-    ray_select: Annotated[
-        str | None,
-        typer.Option("--ray-select", help="With --engine ray: only nodes carrying this."),
-    ] = None,
+    address: AddressOption = None,
+    ray_select: RaySelectOption = None,
     state_dir: StateDirOption = None,
     cluster_file: Annotated[
         Path | None, typer.Option("--cluster", help="Cluster file the submitted jobs run on.")
