@@ -41,6 +41,7 @@ from tests.runtime import (
     Cluster,
     Result,
     ddp_job,
+    free_port,
     toy_job,
 )
 
@@ -394,3 +395,52 @@ def test_a_hung_node_declared_dead_is_fenced_when_it_comes_back(
     # the fence the SDK checks before writing a checkpoint: pod 1 below generation 2 may not
     fence = json.loads((cluster.state / "jobs" / "1" / "shared" / "fence.json").read_text())
     assert fence == {"generations": {"1": 2}}
+
+
+def test_a_server_on_ray_runs_what_is_submitted_to_it_there(
+    cluster: Cluster, whole: RayTrial
+) -> None:
+    """`relaunch server --engine ray --address`: its nodes are the Ray nodes, and a job submitted
+    to it (here with a node-down) runs on Ray through its detached runner."""
+    port = str(free_port())
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        whole.command(
+            [sys.executable, "-m", "relaunch", "server", "--engine", "ray", "--address",
+             whole.address, "--cluster", str(cluster.write("cluster.yaml", FAST_CLUSTER)),
+             "--state-dir", str(cluster.state), "--port", port]
+        ),
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+    def cli(*args: str) -> str:
+        done = subprocess.run(
+            whole.command([sys.executable, "-m", "relaunch", *args, "--server", url,
+                           "--state-dir", str(cluster.state)]),
+            capture_output=True, text=True, timeout=60, cwd=ROOT, check=False,
+        )  # fmt: skip
+        return done.stdout + done.stderr
+
+    try:
+        deadline = time.time() + 60
+        while "node-3" not in (listed := cli("nodes")) and time.time() < deadline:
+            time.sleep(0.5)
+        assert all(name in listed for name in NODES), listed
+        job = cluster.write("job.yaml", toy_job(POD_LEVEL))
+        faults = cluster.write(
+            "faults.yaml", {"faults": [{"kind": "node-down", "at_step": 10, "pod": 1}]}
+        )
+        assert "submitted (id 1)" in cli("submit", str(job), "--faults", str(faults))
+        while time.time() < deadline + 60:
+            report = json.loads(cli("describe", "1", "-o", "json") or "{}")
+            if report.get("status") in ("Succeeded", "Failed"):
+                break
+            time.sleep(0.5)
+    finally:
+        server.terminate()
+        server.communicate(timeout=30)
+    assert report["status"] == "Succeeded", report
+    assert [r["action"] for r in report["recoveries"]] == ["pod-reschedule"]
+    assert [p["node"] for p in report["pods"]] == ["node-0", "node-2"]
+    runner_log = (cluster.state / "runner.log").read_text()
+    assert "ended: Succeeded" in runner_log, runner_log
