@@ -494,7 +494,11 @@ def _ray_cluster(
             f"{len(shape.nodes)} node(s) ({trial.log})",
             highlight=False,
         )
-        address = trial.start()
+        address = trial.start(
+            progress=lambda up, total: out.print(
+                f"[bold cyan]\\[relaunch][/] Ray node {up} of {total} joined", highlight=False
+            )
+        )
     ray_engine.connect(address)
     found = ray_engine.discover(select)
     if not found:

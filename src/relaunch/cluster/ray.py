@@ -393,7 +393,8 @@ class RayCluster:
         return bool(self._call(node, "alive", "agent"))
 
     def node_address(self, node: str) -> str:
-        return self.nodes[node].address
+        known = self.nodes.get(node)
+        return known.address if known is not None else self.bind_host
 
     def free_port(self, node: str) -> int:
         return int(self._call(node, "free_port") or free_port())
