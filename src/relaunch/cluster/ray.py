@@ -195,15 +195,6 @@ class NodeHost:
         if old in self.children:
             self.children[new] = self.children.pop(old)
 
-    def alive(self, key: str) -> bool:
-        pid = self.children.get(key)
-        if pid is None:
-            return False
-        try:
-            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return False
-
     def kill_all(self) -> None:
         for pid in self.children.values():
             kill_tree(pid)
@@ -388,9 +379,6 @@ class RayCluster:
             with contextlib.suppress(ray.exceptions.RayError):
                 ray.kill(host)
         self.hosts.clear()
-
-    def agent_alive(self, node: str) -> bool:
-        return bool(self._call(node, "alive", "agent"))
 
     def node_address(self, node: str) -> str:
         known = self.nodes.get(node)
