@@ -383,3 +383,91 @@ def test_warm_spares_are_a_small_count_per_pod() -> None:
             job(warm_spares=bad)
         assert [p.key for p in error.value.problems] == ["spec.warm_spares"]
         assert "spare processes per pod" in str(error.value)
+
+
+# -- stopping processes, hang detection settings ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "labels, grace",
+    [
+        ({}, 30.0),  # ModelArts annotations only: Kubernetes' default termination grace
+        ({"fault-scheduling": "grace"}, 900.0),  # MindCluster's grace-over-time default
+        ({"fault-scheduling": "force"}, 0.0),
+        ({"fault-scheduling": "grace", "grace-over-time": "12"}, 12.0),
+        ({"grace-over-time": "7"}, 7.0),
+    ],
+)
+def test_termination_grace_defaults_follow_the_product_the_job_is_written_for(
+    labels: dict[str, str], grace: float
+) -> None:
+    assert settings(AUTO, labels).termination_grace_s == grace
+
+
+def test_hang_grace_and_startup_allowance_are_settings_with_documented_defaults() -> None:
+    r = settings(AUTO, hang_detect_seconds=20)
+    assert r.hang_grace_s == 5.0 and r.startup_s == 60.0
+    assert settings(AUTO, hang_detect_seconds=45).startup_s == 90.0  # twice the window
+    r = settings(AUTO, hang_grace_seconds=0, startup_seconds=3)
+    assert r.hang_grace_s == 0.0 and r.startup_s == 3.0
+    assert "spec.hang_grace_seconds" in problems(AUTO, hang_grace_seconds=-1)
+
+
+# -- values a process or a response cannot carry ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "section, value",
+    [
+        ("annotations", {"nested": {"deeper": "x"}}),
+        ("annotations", ["a", "list"]),
+        ("labels", None),
+        ("labels", float("nan")),
+        ("annotations", "with\x00nul"),
+    ],
+)
+def test_annotation_and_label_values_are_strings(section: str, value: Any) -> None:
+    data = {"kind": "job", "metadata": {section: {"team/x": value}}, "spec": {"command": "x"}}
+    with pytest.raises(SpecError) as caught:
+        parse_job(data)
+    [problem] = caught.value.problems
+    assert problem.key == f"metadata.{section}.team/x" and "a string" in problem.allowed
+
+
+def test_numbers_and_booleans_in_yaml_annotations_are_read_as_their_text() -> None:
+    parsed = job({**AUTO, "team/size": 8, "team/on": True})
+    assert parsed.annotations["team/size"] == "8" and parsed.annotations["team/on"] == "True"
+
+
+@pytest.mark.parametrize(
+    "annotations, spec, key",
+    [
+        ({**AUTO, "fault-tolerance/pod-retry-num": "9" * 400}, {}, "fault-tolerance/pod-retry-num"),
+        ({**AUTO, "fault-tolerance/pod-retry-num": "1001"}, {}, "fault-tolerance/pod-retry-num"),
+        (AUTO, {"hang_detect_seconds": float("inf")}, "hang_detect_seconds"),
+        (AUTO, {"hang_detect_seconds": 1e300}, "hang_detect_seconds"),
+        (AUTO, {"monitor_interval": float("nan")}, "monitor_interval"),
+        (AUTO, {"replicas": 10**30}, "replicas"),
+    ],
+)
+def test_every_number_has_an_upper_bound(
+    annotations: dict[str, Any], spec: dict[str, Any], key: str
+) -> None:
+    found = problems(annotations, **spec)
+    assert any(k.endswith(key) for k in found), found
+
+
+@pytest.mark.parametrize(
+    "spec, key",
+    [
+        ({"command": "python\x00 train.py"}, "spec.command"),
+        ({"command": ["python", "a\x00b"]}, "spec.command"),
+        ({"env": {"A": "x\x00y"}}, "spec.env"),
+        ({"working_dir": "/tmp/\x00"}, "spec.working_dir"),
+        ({"working_dir": ""}, "spec.working_dir"),
+    ],
+)
+def test_a_nul_byte_or_an_empty_path_that_no_process_can_be_given_is_refused(
+    spec: dict[str, Any], key: str
+) -> None:
+    assert key in problems(AUTO, **spec)

@@ -1,7 +1,24 @@
 """relaunch keeps distributed training jobs alive through faults."""
 
-from relaunch.errors import FaultTableError, InputError, Problem, RelaunchError, SpecError
+from relaunch.errors import (
+    FaultPlanError,
+    FaultTableError,
+    InputError,
+    Problem,
+    RelaunchError,
+    SpecError,
+    StoreError,
+)
 
 __version__ = "0.1.0"
 
-__all__ = ["FaultTableError", "InputError", "Problem", "RelaunchError", "SpecError", "__version__"]
+__all__ = [
+    "FaultPlanError",
+    "FaultTableError",
+    "InputError",
+    "Problem",
+    "RelaunchError",
+    "SpecError",
+    "StoreError",
+    "__version__",
+]

@@ -10,7 +10,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FaultTableError", "InputError", "Problem", "RelaunchError", "SpecError"]
+__all__ = [
+    "FaultPlanError",
+    "FaultTableError",
+    "InputError",
+    "Problem",
+    "RelaunchError",
+    "SpecError",
+    "StoreError",
+]
 
 
 class RelaunchError(Exception):
@@ -74,3 +82,21 @@ class FaultTableError(InputError):
     """A fault code table file is invalid."""
 
     what = "fault table"
+
+
+class FaultPlanError(InputError):
+    """A fault plan is invalid, or names a pod, rank, chip or node the job and cluster lack."""
+
+    what = "fault plan"
+
+
+class StoreError(RelaunchError):
+    """The state directory's database cannot be used (not a database, damaged, unreadable)."""
+
+    def __init__(self, path: str, detail: str) -> None:
+        self.path = path
+        self.detail = detail
+        super().__init__(
+            f"{path}: {detail}; this is not a usable relaunch state database (move it away, "
+            "or pass another --state-dir)"
+        )

@@ -20,6 +20,7 @@ reads. This module is pure: it never touches files, the clock or an engine.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -64,6 +65,15 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------
 
 JOB_RETRY_NUM_MAX: Final = 128
+POD_RETRY_NUM_MAX: Final = 1000
+MODELARTS_GRACE_S: Final = 30
+"""SIGTERM -> SIGKILL grace without a `fault-scheduling` label (ModelArts semantics): Kubernetes'
+default termination grace period, which ModelArts training containers get."""
+MINDCLUSTER_GRACE_S: Final = 900
+"""`grace-over-time`'s MindCluster default, with `fault-scheduling: grace`."""
+HANG_GRACE_S: Final = 5.0
+"""Default grace for processes stopped because the job hung: a hung process cannot save."""
+MIN_STARTUP_S: Final = 60.0
 MAX_RESTARTS_UNSET: Final = 32767
 """`max_restarts` of 0 or absent means this many process restarts per container (seed 004)."""
 
@@ -155,17 +165,34 @@ def _strategies(value: Any) -> tuple[RecoverStrategy, ...]:
     return tuple(sorted(chosen, key=lambda s: s.priority))
 
 
+MAX_TEXT: Final = 65536
+"""The longest string any spec value may be (a command, an env value, an annotation)."""
+
+
+def _text_ok(value: str) -> bool:
+    """A string a process can be given: no NUL byte (no C string holds one), not too long."""
+    return "\0" not in value and len(value) <= MAX_TEXT
+
+
 def _command(value: Any) -> tuple[str, ...]:
-    allowed = "a non-empty shell command string or a non-empty list of strings"
-    if isinstance(value, str) and value.strip():
+    allowed = "a non-empty shell command string or a non-empty list of strings, without NUL bytes"
+    if isinstance(value, str) and value.strip() and _text_ok(value):
         return ("/bin/sh", "-c", value)
     if (
         isinstance(value, list | tuple)
         and value
-        and all(isinstance(a, str | int | float) and not isinstance(a, bool) for a in value)
+        and len(value) <= 4096
+        and all(isinstance(a, str | int) and not isinstance(a, bool) for a in value)
+        and all(_text_ok(str(a)) for a in value)
     ):
         return tuple(str(a) for a in value)
     raise reject(allowed)
+
+
+def _path(value: Any) -> str:
+    if isinstance(value, str) and value.strip() and "\0" not in value and len(value) <= 4096:
+        return value
+    raise reject("a directory path (a non-empty string without NUL bytes)")
 
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -177,18 +204,33 @@ def _env(value: Any) -> dict[str, str]:
         raise reject(allowed)
     env: dict[str, str] = {}
     for name, item in value.items():
-        if not isinstance(name, str) or not _ENV_NAME.fullmatch(name):
+        if not isinstance(name, str) or len(name) > 256 or not _ENV_NAME.fullmatch(name):
             raise reject(f"{allowed}; {name!r} is not a valid variable name")
         if isinstance(item, bool):
-            env[name] = "true" if item else "false"
-        elif isinstance(item, str | int | float):
-            env[name] = str(item)
+            text = "true" if item else "false"
+        elif isinstance(item, str | int) or (isinstance(item, float) and math.isfinite(item)):
+            text = str(item)
         else:
             raise reject(f"{allowed}; the value of {name} is a {type(item).__name__}")
+        if not _text_ok(text):
+            raise reject(f"{allowed}; the value of {name} holds a NUL byte or is too long")
+        env[name] = text
     return env
 
 
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+
+
+def _short_text(value: Any) -> str:
+    if isinstance(value, str) and len(value) <= 253 and "\0" not in value:
+        return value
+    raise reject("a string of at most 253 characters")
+
+
+def _long_text(value: Any) -> str:
+    if isinstance(value, str) and _text_ok(value):
+        return value
+    raise reject(f"a string of at most {MAX_TEXT} characters, without NUL bytes")
 
 
 def _job_name(value: Any) -> str:
@@ -216,8 +258,8 @@ class Annotations(BaseModel):
         False, alias=JOB_UNCONDITIONAL_RETRY
     )
     hang_retry: Annotated[bool, v(boolean)] = Field(False, alias=HANG_RETRY)
-    pod_retry_num: Annotated[int | None, v(integer(1, None, "pod reschedules"))] = Field(
-        None, alias=POD_RETRY_NUM
+    pod_retry_num: Annotated[int | None, v(integer(1, POD_RETRY_NUM_MAX, "pod reschedules"))] = (
+        Field(None, alias=POD_RETRY_NUM)
     )
     recover_strategy: Annotated[tuple[RecoverStrategy, ...], v(_strategies)] = Field(
         (), alias=RECOVER_STRATEGY
@@ -239,8 +281,8 @@ class Labels(BaseModel):
         FaultScheduling | None,
         v(choice(FaultScheduling, extra="grace: SIGTERM then SIGKILL; force: SIGKILL at once")),
     ] = Field(None, alias=FAULT_SCHEDULING)
-    grace_over_time: Annotated[int, v(integer(1, 86400, "seconds"))] = Field(
-        900, alias=GRACE_OVER_TIME
+    grace_over_time: Annotated[int | None, v(integer(1, 86400, "seconds"))] = Field(
+        None, alias=GRACE_OVER_TIME
     )
     fault_retry_times: Annotated[int, v(integer(0, 100, "unconditional retries"))] = Field(
         0, alias=FAULT_RETRY_TIMES
@@ -257,8 +299,8 @@ class Metadata(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: Annotated[str, v(_job_name)] = "job"
-    namespace: str | None = None
-    description: str = ""
+    namespace: Annotated[str | None, v(_short_text)] = None
+    description: Annotated[str, v(_long_text)] = ""
     annotations: Annotations = Annotations()
     labels: Labels = Labels()
 
@@ -273,10 +315,12 @@ class Workload(BaseModel):
     procs_per_pod: Annotated[int, v(integer(1, 1024, "processes per pod"))] = 1
     chips_per_pod: Annotated[int | None, v(integer(0, 1024, "chips per pod"))] = None
     env: Annotated[dict[str, str], v(_env)] = Field(default_factory=dict)
-    working_dir: str | None = None
+    working_dir: Annotated[str | None, v(_path)] = None
     max_restarts: Annotated[int, v(integer(0, MAX_RESTARTS_UNSET, "0 means 32767"))] = 0
     monitor_interval: Annotated[float, v(seconds(0, 3600))] = 5.0
-    hang_detect_seconds: Annotated[float | None, v(seconds(0))] = None
+    hang_detect_seconds: Annotated[float | None, v(seconds(0, 7 * 86400))] = None
+    hang_grace_seconds: Annotated[float, v(seconds(-1e-9, 86400))] = HANG_GRACE_S
+    startup_seconds: Annotated[float | None, v(seconds(0, 7 * 86400))] = None
     backoff_limit: Annotated[int | None, v(integer(0, 1000, "total reschedules"))] = None
     graceful_fault_tolerance: Annotated[bool, v(boolean)] = False
     warm_spares: Annotated[int, v(integer(0, 16, "spare processes per pod"))] = 0
@@ -329,10 +373,17 @@ class RecoverySettings:
     wait_reschedule_timeout_s: float
     fault_scheduling: FaultScheduling | None
     termination_grace_s: float
-    """SIGTERM -> SIGKILL grace; 0 for fault-scheduling force."""
+    """SIGTERM -> SIGKILL grace: `grace-over-time` if given; else 900 s with fault-scheduling
+    grace (MindCluster), 0 with force, and 30 s without a fault-scheduling label (ModelArts)."""
+    hang_grace_s: float
+    """The grace when the processes are stopped because the job hung (R-24): a hung process
+    cannot save, so at most this long (spec.hang_grace_seconds, default 5 s)."""
     volume_teardown_grace_s: float | None
     """MA_FAILOVER_TERMINATION_GRACE_PERIOD_SECONDS when > 0, else None."""
     hang_detect_s: float
+    startup_s: float
+    """Allowance for a (re)started rank's first sign of progress (R-25's "own, longer
+    allowance"): spec.startup_seconds, default max(2 x hang window, 60 s)."""
     max_restarts: int
     monitor_interval_s: float
     framework: Framework
@@ -389,11 +440,14 @@ def parse_job(data: Any, *, source: str = "<job>") -> JobSpec:
             source,
             [Problem("(top level)", data, "a mapping with keys kind, metadata and spec")],
         )
-    problems = _unknown_fault_tolerance_keys(data)
+    problems = _unknown_fault_tolerance_keys(data) + _string_map_problems(data)
     try:
         parsed = _File.model_validate(dict(data))
     except ValidationError as error:
-        problems.extend(problems_from(error, data, _File, _FIELD_HINTS))
+        seen = {p.key for p in problems}
+        problems.extend(
+            p for p in problems_from(error, data, _File, _FIELD_HINTS) if p.key not in seen
+        )
         raise SpecError(source, problems) from None
     if problems:
         raise SpecError(source, problems)
@@ -401,6 +455,57 @@ def parse_job(data: Any, *, source: str = "<job>") -> JobSpec:
     if problems:
         raise SpecError(source, problems)
     return _build(parsed, data)
+
+
+MAX_MAP_KEYS: Final = 1024
+_MAP_VALUE = (
+    "a string (annotation and label values are strings in both ModelArts' API and Kubernetes; "
+    "a number or true/false is read as its text)"
+)
+
+
+def _string_map_problems(data: Mapping[str, Any]) -> list[Problem]:
+    """Annotations and labels are maps of strings to strings: a nested mapping, a list, null or
+    NaN is refused here, naming the key, before anything else reads it."""
+    metadata = data.get("metadata")
+    problems: list[Problem] = []
+    if not isinstance(metadata, Mapping):
+        return problems
+    for section, model in (("annotations", Annotations), ("labels", Labels)):
+        known = {f.alias or name for name, f in model.model_fields.items()}
+        entries = metadata.get(section)
+        if entries is None or not isinstance(entries, Mapping):
+            continue  # the model reports a section that is not a mapping
+        where = f"metadata.{section}"
+        if len(entries) > MAX_MAP_KEYS:
+            problems.append(Problem(where, f"{len(entries)} keys", f"at most {MAX_MAP_KEYS} keys"))
+            continue
+        for key, value in entries.items():
+            if key in known:
+                continue  # read by its own field, which says what it allows
+            if not isinstance(key, str) or not key or len(key) > 317 or "\0" in key:
+                problems.append(
+                    Problem(where, key, "keys that are non-empty strings of at most 317 characters")
+                )
+                continue
+            text_ok = isinstance(value, str) and _text_ok(value)
+            scalar_ok = isinstance(value, bool | int) or (
+                isinstance(value, float) and math.isfinite(value)
+            )
+            if not (text_ok or scalar_ok):
+                problems.append(Problem(f"{where}.{key}", _summary(value), _MAP_VALUE))
+    return problems
+
+
+def _summary(value: Any) -> Any:
+    """A value fit to show in a problem: nested structures as their type, not their content."""
+    if isinstance(value, Mapping):
+        return f"a mapping of {len(value)} key(s)"
+    if isinstance(value, list | tuple):
+        return f"a list of {len(value)} item(s)"
+    if isinstance(value, str) and len(value) > 80:
+        return value[:77] + "..."
+    return value
 
 
 def _unknown_fault_tolerance_keys(data: Mapping[str, Any]) -> list[Problem]:
@@ -603,11 +708,13 @@ def _build(parsed: _File, data: Mapping[str, Any]) -> JobSpec:
         recover_strategies=ann.recover_strategy if process is ProcessRecoverEnable.ON else (),
         wait_reschedule_timeout_s=float(ann.wait_reschedule_timeout),
         fault_scheduling=lab.fault_scheduling,
-        termination_grace_s=0.0
-        if lab.fault_scheduling is FaultScheduling.FORCE
-        else float(lab.grace_over_time),
+        termination_grace_s=_termination_grace(lab),
+        hang_grace_s=work.hang_grace_seconds,
         volume_teardown_grace_s=float(teardown) if teardown > 0 else None,
         hang_detect_s=hang_s,
+        startup_s=work.startup_seconds
+        if work.startup_seconds is not None
+        else max(2 * hang_s, MIN_STARTUP_S),
         max_restarts=work.max_restarts or MAX_RESTARTS_UNSET,
         monitor_interval_s=work.monitor_interval,
         framework=lab.framework,
@@ -626,6 +733,16 @@ def _build(parsed: _File, data: Mapping[str, Any]) -> JobSpec:
         recovery=recovery,
         warm_spares=work.warm_spares,
     )
+
+
+def _termination_grace(lab: Labels) -> float:
+    if lab.fault_scheduling is FaultScheduling.FORCE:
+        return 0.0
+    if lab.grace_over_time is not None:
+        return float(lab.grace_over_time)
+    if lab.fault_scheduling is FaultScheduling.GRACE:
+        return float(MINDCLUSTER_GRACE_S)
+    return float(MODELARTS_GRACE_S)
 
 
 def _string_map(value: Any) -> dict[str, str]:

@@ -30,44 +30,46 @@ def reject(allowed: str) -> PydanticCustomError:
     return PydanticCustomError("relaunch", "{allowed}", {"allowed": allowed})
 
 
-def integer(lo: int | None, hi: int | None, what: str = "") -> Callable[[Any], int]:
-    if lo is not None and hi is not None:
-        span = f"an integer from {lo} to {hi}"
-    elif lo is not None:
-        span = f"an integer >= {lo}"
-    else:
-        span = "an integer"
-    allowed = span + (f" ({what})" if what else "") + ', given as a number or a string like "8"'
+def integer(lo: int, hi: int, what: str = "") -> Callable[[Any], int]:
+    """A reader of an integer from `lo` to `hi`: every integer relaunch reads is bounded, so that
+    no input can carry a number too large for a float, a metric or a timer."""
+    allowed = f"an integer from {lo} to {hi}" + (f" ({what})" if what else "")
+    allowed += ', given as a number or a string like "8"'
 
     def read(value: Any) -> int:
         if isinstance(value, bool):
             raise reject(allowed)
         if isinstance(value, int):
             number = value
-        elif (isinstance(value, str) and re.fullmatch(r"\s*[-+]?\d+\s*", value)) or (
-            isinstance(value, float) and value.is_integer()
+        elif (
+            isinstance(value, str)
+            and len(value) <= 32
+            and re.fullmatch(r"\s*[-+]?[0-9]+\s*", value)
         ):
+            number = int(value)
+        elif isinstance(value, float) and value.is_integer():
             number = int(value)
         else:
             raise reject(allowed)
-        if (lo is not None and number < lo) or (hi is not None and number > hi):
+        if not lo <= number <= hi:
             raise reject(allowed)
         return number
 
     return read
 
 
-def seconds(lo_exclusive: float, hi: float | None = None) -> Callable[[Any], float]:
-    allowed = f"a number of seconds > {lo_exclusive:g}" + (f" and <= {hi:g}" if hi else "")
+def seconds(lo_exclusive: float, hi: float) -> Callable[[Any], float]:
+    """A reader of a finite number of seconds above `lo_exclusive`, at most `hi`."""
+    allowed = f"a number of seconds > {lo_exclusive:g} and <= {hi:g}"
 
     def read(value: Any) -> float:
-        if isinstance(value, bool):
+        if isinstance(value, bool) or (isinstance(value, str) and len(value) > 32):
             raise reject(allowed)
         try:
             number = float(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise reject(allowed) from None
-        if not number > lo_exclusive or (hi is not None and number > hi) or number != number:
+        if not (lo_exclusive < number <= hi):  # False for NaN too
             raise reject(allowed)
         return number
 
