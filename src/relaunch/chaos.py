@@ -7,27 +7,43 @@ A plan is YAML or JSON::
       - {kind: chip-fault, after_s: 5, pod: 0, chip: 0, code: 80E18005, heals: true}
       - {kind: node-down, at_step: 60, pod: 1}
       - {kind: hang, at_step: 80, pod: 0, rank: 1}
+      - {kind: hang, at_step: 90, pod: 1, local_rank: 1}
       - {kind: network, after_s: 3, node: node-2, duration_s: 30}
       - {kind: memory-uce, at_step: 10, pod: 1, chip: 1}
 
 `at_step` fires when the job reports that step; `after_s` that many seconds after the current
 attempt started. Each entry fires once. `pod: i` targets the node pod i is on when it fires.
-Pure: parsing and trigger arithmetic only.
+`rank` is a global rank (`RANK`), and must be one of the ranks the pod holds; `local_rank` is a
+rank within the pod (`LOCAL_RANK`). `chip` is a chip of the target node.
+
+:func:`parse_plan` checks each entry on its own; :func:`check_plan` checks that every entry can
+hit its target in a given job on a given cluster, so that a plan is refused before anything
+starts rather than silently dropped at run time. Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Final
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from relaunch.errors import InputError, Problem
+from relaunch.errors import FaultPlanError, Problem
 from relaunch.faults import normalize_code
 from relaunch.validation import boolean, choice, integer, problems_from, reject, seconds, v
 
-__all__ = ["ChaosEntry", "ChaosKind", "parse_plan"]
+if TYPE_CHECKING:
+    from relaunch.cluster.config import ClusterConfig
+    from relaunch.spec import JobSpec
+
+__all__ = ["MAX_ENTRIES", "ChaosEntry", "ChaosKind", "check_plan", "parse_plan"]
+
+MAX_ENTRIES: Final = 1000
+"""A plan holds at most this many entries."""
+_MAX_STEP: Final = 10**12
+_MAX_AFTER_S: Final = 30 * 86400.0
 
 
 class ChaosKind(StrEnum):
@@ -39,6 +55,22 @@ class ChaosKind(StrEnum):
     MEMORY_UCE = "memory-uce"
 
 
+_CHIP_KINDS: Final = (ChaosKind.CHIP_FAULT, ChaosKind.MEMORY_UCE)
+_PROCESS_KINDS: Final = (ChaosKind.PROCESS_EXIT, ChaosKind.HANG)
+
+_ONLY_FOR: Final[dict[str, tuple[ChaosKind, ...]]] = {
+    "rank": _PROCESS_KINDS,
+    "local_rank": _PROCESS_KINDS,
+    "exit_code": (ChaosKind.PROCESS_EXIT,),
+    "chip": _CHIP_KINDS,
+    "code": _CHIP_KINDS,
+    "heals": (*_CHIP_KINDS, ChaosKind.NETWORK),
+    "duration_s": (ChaosKind.NETWORK,),
+}
+"""Keys that mean something only for some kinds: given for another kind, they are an error
+rather than silently ignored."""
+
+
 def _code(value: Any) -> str:
     try:
         return normalize_code(value)
@@ -46,24 +78,31 @@ def _code(value: Any) -> str:
         raise reject("an 8-hex-digit fault code like 80E18005") from None
 
 
+def _node_name(value: Any) -> str:
+    if isinstance(value, str) and 0 < len(value) <= 253 and "\0" not in value:
+        return value
+    raise reject("a node name, as the cluster lists it")
+
+
 class _Entry(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     kind: Annotated[ChaosKind, v(choice(ChaosKind))]
-    at_step: Annotated[int | None, v(integer(0, None, "steps"))] = None
-    after_s: Annotated[float | None, v(seconds(-1e-9))] = None
-    pod: Annotated[int | None, v(integer(0, None, "pod index"))] = None
-    node: str | None = None
-    rank: Annotated[int | None, v(integer(0, None, "global rank"))] = None
-    chip: Annotated[int, v(integer(0, 64, "chip index"))] = 0
+    at_step: Annotated[int | None, v(integer(0, _MAX_STEP, "steps"))] = None
+    after_s: Annotated[float | None, v(seconds(-1e-9, _MAX_AFTER_S))] = None
+    pod: Annotated[int | None, v(integer(0, 4095, "pod index"))] = None
+    node: Annotated[str | None, v(_node_name)] = None
+    rank: Annotated[int | None, v(integer(0, 4096 * 1024, "global rank"))] = None
+    local_rank: Annotated[int | None, v(integer(0, 1023, "rank within the pod"))] = None
+    chip: Annotated[int | None, v(integer(0, 64, "chip index"))] = None
     exit_code: Annotated[int, v(integer(1, 255, "exit code"))] = 1
     code: Annotated[str | None, v(_code)] = None
     heals: Annotated[bool, v(boolean)] = True
-    duration_s: Annotated[float | None, v(seconds(0))] = None
+    duration_s: Annotated[float | None, v(seconds(0, 86400))] = None
 
 
 class _Plan(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    faults: list[_Entry] = Field(default_factory=list)
+    faults: list[_Entry] = Field(default_factory=list, max_length=MAX_ENTRIES)
 
 
 _DEFAULT_CODES = {ChaosKind.CHIP_FAULT: "80E18005", ChaosKind.MEMORY_UCE: "80E01801"}
@@ -78,36 +117,60 @@ class ChaosEntry:
     pod: int | None
     node: str | None
     rank: int | None
+    """A global rank (RANK), if the entry names one."""
     chip: int
     exit_code: int
     code: str | None
     heals: bool
     duration_s: float | None
+    local_rank: int | None = None
+    """A rank within the pod (LOCAL_RANK), if the entry names one that way."""
+
+    @property
+    def targets_process(self) -> bool:
+        return self.kind in _PROCESS_KINDS
 
     def due(self, step: int | None, attempt_elapsed_s: float) -> bool:
         if self.at_step is not None:
             return step is not None and step >= self.at_step
         return self.after_s is not None and attempt_elapsed_s >= self.after_s
 
+    def target_rank(self, procs_per_pod: int) -> int:
+        """The global rank a process entry hits: `rank`, `local_rank` within its pod, or the
+        pod's first rank."""
+        first = (self.pod or 0) * procs_per_pod
+        if self.rank is not None:
+            return self.rank
+        return first + (self.local_rank or 0)
+
     def describe(self) -> str:
         trigger = (
             f"at step {self.at_step}" if self.at_step is not None else f"after {self.after_s:g} s"
         )
         target = f"pod {self.pod}" if self.pod is not None else f"node {self.node}"
+        if self.rank is not None:
+            target += f" rank {self.rank}"
+        elif self.local_rank is not None:
+            target += f" local rank {self.local_rank}"
+        if self.kind in _CHIP_KINDS:
+            target += f" chip {self.chip}"
         return f"{self.kind.value} on {target} {trigger}"
 
 
 def parse_plan(data: Any, *, source: str = "<fault plan>") -> tuple[ChaosEntry, ...]:
+    """Read a plan (`{faults: [...]}` or a list); :class:`FaultPlanError` lists every problem."""
     if data is None:
         return ()
     if isinstance(data, list):
         data = {"faults": data}
     if not isinstance(data, dict):
-        raise InputError(source, [Problem("(top level)", data, "a mapping with a `faults` list")])
+        raise FaultPlanError(
+            source, [Problem("(top level)", data, "a mapping with a `faults` list")]
+        )
     try:
         parsed = _Plan.model_validate(data)
     except ValidationError as error:
-        raise InputError(source, problems_from(error, data, _Plan)) from None
+        raise FaultPlanError(source, problems_from(error, data, _Plan)) from None
     problems: list[Problem] = []
     entries = []
     for i, e in enumerate(parsed.faults):
@@ -120,14 +183,24 @@ def parse_plan(data: Any, *, source: str = "<fault plan>") -> tuple[ChaosEntry, 
             problems.append(
                 Problem(f"{where}.pod", e.pod, "exactly one of pod or node as the target")
             )
-        if e.kind in (ChaosKind.PROCESS_EXIT, ChaosKind.HANG) and e.pod is None:
+        if e.kind in _PROCESS_KINDS and e.pod is None:
             problems.append(
                 Problem(f"{where}.pod", None, f"{e.kind.value} needs a pod (and optionally a rank)")
             )
-        if e.code is not None and e.kind not in _DEFAULT_CODES:
+        if e.rank is not None and e.local_rank is not None:
             problems.append(
-                Problem(f"{where}.code", e.code, "a code only for chip-fault or memory-uce")
+                Problem(
+                    f"{where}.local_rank",
+                    e.local_rank,
+                    "either rank (global) or local_rank (within the pod), not both",
+                )
             )
+        for key, kinds in _ONLY_FOR.items():
+            if key in e.model_fields_set and e.kind not in kinds:
+                names = " or ".join(k.value for k in kinds)
+                problems.append(
+                    Problem(f"{where}.{key}", getattr(e, key), f"{key} only for {names}")
+                )
         entries.append(
             ChaosEntry(
                 index=i,
@@ -137,13 +210,86 @@ def parse_plan(data: Any, *, source: str = "<fault plan>") -> tuple[ChaosEntry, 
                 pod=e.pod,
                 node=e.node,
                 rank=e.rank,
-                chip=e.chip,
+                chip=e.chip or 0,
                 exit_code=e.exit_code,
                 code=e.code or _DEFAULT_CODES.get(e.kind),
                 heals=e.heals,
                 duration_s=e.duration_s,
+                local_rank=e.local_rank,
             )
         )
     if problems:
-        raise InputError(source, problems)
+        raise FaultPlanError(source, problems)
     return tuple(entries)
+
+
+def check_plan(
+    entries: Sequence[ChaosEntry], job: JobSpec, cluster: ClusterConfig
+) -> list[Problem]:
+    """Every way the plan's entries cannot hit their targets in `job` on `cluster`: a pod the job
+    does not have, a rank the pod does not hold, a chip the node lacks, a node the cluster lacks.
+    An empty list means every entry can fire (its target may still be gone by then: the job's
+    run records that as "not fired")."""
+    problems: list[Problem] = []
+    ppp = job.procs_per_pod
+    nodes = {n.name: n for n in cluster.nodes}
+    known = ", ".join(nodes) if len(nodes) <= 16 else f"{', '.join(list(nodes)[:16])}, ..."
+    hosts = [n for n in cluster.nodes if n.chips >= job.chips_per_pod]
+    for e in entries:
+        where = f"faults[{e.index}]"
+        if e.pod is not None and e.pod >= job.replicas:
+            problems.append(
+                Problem(
+                    f"{where}.pod",
+                    e.pod,
+                    f"a pod of job {job.name}: 0 to {job.replicas - 1} ({job.replicas} pod(s))",
+                )
+            )
+            continue
+        if e.node is not None and e.node not in nodes:
+            problems.append(Problem(f"{where}.node", e.node, f"a node of the cluster: {known}"))
+            continue
+        if e.targets_process and e.pod is not None:
+            first, last = e.pod * ppp, e.pod * ppp + ppp - 1
+            held = f"{first}" if first == last else f"{first} to {last}"
+            if e.rank is not None and not first <= e.rank <= last:
+                problems.append(
+                    Problem(
+                        f"{where}.rank",
+                        e.rank,
+                        f"a global rank that pod {e.pod} holds: {held} (rank is global, as "
+                        f"RANK; use local_rank 0 to {ppp - 1} for a rank within the pod)",
+                    )
+                )
+            if e.local_rank is not None and e.local_rank >= ppp:
+                problems.append(
+                    Problem(
+                        f"{where}.local_rank",
+                        e.local_rank,
+                        f"a rank within the pod: 0 to {ppp - 1} ({ppp} process(es) per pod)",
+                    )
+                )
+        if e.kind in _CHIP_KINDS:
+            problem = _chip_problem(where, e, nodes, hosts)
+            if problem is not None:
+                problems.append(problem)
+    return problems
+
+
+def _chip_problem(
+    where: str, e: ChaosEntry, nodes: dict[str, Any], hosts: Sequence[Any]
+) -> Problem | None:
+    """A chip entry's chip must exist on its node, or on every node its pod can run on."""
+    if e.node is not None:
+        chips = int(nodes[e.node].chips)
+        what = f"node {e.node} has {chips} chip(s)"
+    else:
+        if not hosts:
+            return None  # the job does not fit at all: its own check says so
+        chips = min(int(n.chips) for n in hosts)
+        what = f"the smallest node pod {e.pod} can run on has {chips} chip(s)"
+    if chips == 0:
+        return Problem(f"{where}.chip", e.chip, f"a chip of the target node; {what}")
+    if e.chip >= chips:
+        return Problem(f"{where}.chip", e.chip, f"a chip index from 0 to {chips - 1}; {what}")
+    return None

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from relaunch.chaos import parse_plan
+from relaunch.errors import InputError
 from relaunch.policy import Budget
 from relaunch.spec import parse_job
 from relaunch.store import JobRow, NodeRow, Store
 
-__all__ = ["budgets_left", "build_report", "node_view"]
+__all__ = ["budgets_left", "build_report", "node_view", "plan_view"]
 
 
 def budgets_left(store: Store, job: JobRow) -> dict[str, int]:
@@ -55,7 +57,31 @@ def build_report(store: Store, job_id: int) -> dict[str, Any]:
             for p in pods
         ],
         "recoveries": [r.to_json() for r in records],
+        "fault_plan": plan_view(store, job),
     }
+
+
+def plan_view(store: Store, job: JobRow) -> list[dict[str, Any]]:
+    """Each fault-plan entry and what became of it: fired (when), not fired (why), or pending."""
+    try:
+        entries = parse_plan(job.plan, source="stored fault plan") if job.plan else ()
+    except InputError:
+        return []
+    done = store.fired(job.id)
+    view = []
+    for entry in entries:
+        at, note = done.get(entry.index, (None, ""))
+        state = "pending" if at is None else ("not fired" if note else "fired")
+        view.append(
+            {
+                "index": entry.index,
+                "entry": entry.describe(),
+                "state": state,
+                "at": at,
+                "note": note.removeprefix("not fired: "),
+            }
+        )
+    return view
 
 
 def node_view(n: NodeRow) -> dict[str, Any]:

@@ -81,8 +81,13 @@ class Agent:
         kind = message["t"]
         with self.lock:
             if kind == "chip_fault":
+                chip = int(message["chip"])
+                if not 0 <= chip < self.chips:  # never wrapped onto another chip
+                    why = f"node {self.node} has {self.chips} chip(s); chip {chip} does not exist"
+                    conn.send({"t": "injected", "index": message.get("index"), "ok": False,
+                               "why": why, "at": time.time()})  # fmt: skip
+                    return
                 self.seq += 1
-                chip = int(message["chip"]) % max(self.chips, 1)
                 self.faults[chip] = ChipFault(
                     self.seq,
                     chip,
@@ -91,6 +96,8 @@ class Agent:
                     message["kind"],
                     time.time(),
                 )
+                conn.send({"t": "injected", "index": message.get("index"), "ok": True,
+                           "why": "", "at": time.time()})  # fmt: skip
             elif kind == "network":
                 self.seq += 1
                 self.link = LinkDown(
@@ -99,6 +106,8 @@ class Agent:
                     message.get("duration_s"),
                     bool(message.get("heals", True)),
                 )
+                conn.send({"t": "injected", "index": message.get("index"), "ok": True,
+                           "why": "", "at": time.time()})  # fmt: skip
             elif kind == "heal":
                 ok = True
                 for chip, fault in list(self.faults.items()):
