@@ -48,6 +48,7 @@ def test_r08_fault_kinds() -> None:
         "hang",
         "network",
         "memory-uce",
+        "controller-outage",  # relaunch's own: its controller away longer than the adopt grace
     }
 
 

@@ -618,3 +618,26 @@ def test_a_failed_move_does_not_turn_its_fault_into_an_ignore() -> None:
         tried=frozenset({Action.POD_RESCHEDULE}),
     )
     assert d.action is Action.JOB_RESCHEDULE
+
+
+# -- relaunch's own outage -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "s",
+    [settings(UNCONDITIONAL), settings(AUTO), settings(), process_settings("retry,dump,exit")],
+    ids=["unconditional", "auto-restart", "no-fault-tolerance", "process-level"],
+)
+def test_controller_outage_rebuilds_the_job_without_spending_a_budget(s: RecoverySettings) -> None:
+    outage = Fault(FaultKind.CONTROLLER_OUTAGE, 0.0, detail="away 40 s")
+    d = first(s, outage)
+    assert d.action is Action.JOB_RESCHEDULE and d.pods == (0, 1)
+    assert d.consumes == frozenset() and not d.isolate_nodes
+
+
+def test_controller_outage_neither_breaks_nor_extends_an_unconditional_streak() -> None:
+    s, c, h = settings(UNCONDITIONAL), cluster(), history()
+    for i, fault in enumerate([crash(), crash(), Fault(FaultKind.CONTROLLER_OUTAGE, 0.0)]):
+        d = decide(s, replace(fault, at=float(i)), h, c, float(i))
+        h = carry_out(h, d)
+    assert h.streaks.unconditional == 2

@@ -2,13 +2,22 @@
 
 Everything a controller needs to carry on after a restart lives here: the desired state of every
 pod (node, generation, counters), the job's attempt, budgets spent (derived from the records),
-and which planned faults already fired. The controller is the only writer; CLI commands read.
+which planned faults already fired, and the faults still waiting for a decision. The controller
+writes a job's running state; the API and the CLI add jobs, stop requests, fault-plan entries and
+node cordons.
+
+Every thread gets its own SQLite connection (a server answers requests from a thread pool): a
+transaction or a row id read on one thread can never be another thread's. The database file is
+created readable by its owner only (it holds every job's spec and environment).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import sqlite3
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -17,10 +26,23 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from relaunch.errors import StoreError
 from relaunch.faults import Cause, Fault, FaultKind, Severity
 from relaunch.policy import Action, Budget, Counters, JobHistory, RecoveryRecord
 
-__all__ = ["JobRow", "JobStatus", "NodeRow", "NodeState", "PodRow", "RecordRow", "Store"]
+__all__ = [
+    "JOB_ID",
+    "JobRow",
+    "JobStatus",
+    "NodeRow",
+    "NodeState",
+    "PodRow",
+    "RecordRow",
+    "Store",
+]
+
+JOB_ID = re.compile(r"[0-9]{1,18}")
+"""A job id as text: ASCII digits only ('²' is a digit to str.isdigit, not to int)."""
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS nodes (
@@ -60,6 +82,10 @@ CREATE TABLE IF NOT EXISTS progress (
     job_id INTEGER NOT NULL, at REAL NOT NULL, step INTEGER NOT NULL
 );
 CREATE INDEX IF NOT EXISTS progress_job ON progress (job_id, at);
+CREATE TABLE IF NOT EXISTS pending_decisions (
+    job_id INTEGER NOT NULL, fault_id INTEGER NOT NULL, tried TEXT NOT NULL,
+    PRIMARY KEY (job_id, fault_id)
+);
 """
 
 # Columns added after the first release: a state directory written by an older relaunch gains them.
@@ -69,6 +95,8 @@ MIGRATIONS = (
     ("nodes", "chip_faults", "TEXT NOT NULL DEFAULT '[]'"),
     ("nodes", "last_heartbeat", "REAL"),
     ("jobs", "membership", "TEXT"),
+    ("chaos_fired", "note", "TEXT NOT NULL DEFAULT ''"),
+    ("jobs", "controller_seen_at", "REAL"),
 )
 
 
@@ -139,6 +167,8 @@ class JobRow:
     """Why a stop was asked for (API or CLI) while the job ran; its controller carries it out."""
     membership: dict[str, Any] | None = None
     """The process group's current membership, for process-level recovery (see train.group)."""
+    controller_seen_at: float | None = None
+    """When the job's controller last said it was alive (a resume tells how long it was away)."""
 
 
 @dataclass(frozen=True)
@@ -227,48 +257,104 @@ def fault_from_json(text: str) -> Fault:
 
 
 class Store:
-    """One SQLite database in the state directory."""
+    """One SQLite database in the state directory, one connection per thread."""
 
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.path = path
-        self._db = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(SCHEMA)
-        for table, column, declaration in MIGRATIONS:
-            known = {r["name"] for r in self._db.execute(f"PRAGMA table_info({table})")}
-            if column not in known:
-                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
+        self._local = threading.local()
+        self._connections: list[sqlite3.Connection] = []
+        self._lock = threading.Lock()
+        if not path.exists():
+            with _errors_named(path):
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+        _owner_only(path)
+        with _errors_named(path):
+            db = self._db
+            db.execute("PRAGMA journal_mode=WAL")
+            with self.transaction():  # two processes opening one new state dir: one migrates
+                for statement in SCHEMA.split(";"):
+                    if statement.strip():
+                        db.execute(statement)
+                for table, column, declaration in MIGRATIONS:
+                    known = {r["name"] for r in db.execute(f"PRAGMA table_info({table})")}
+                    if column not in known:
+                        db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
+
+    @property
+    def _db(self) -> sqlite3.Connection:
+        """This thread's connection (opened on first use)."""
+        db: sqlite3.Connection | None = getattr(self._local, "db", None)
+        if db is None:
+            db = sqlite3.connect(
+                self.path, timeout=30, isolation_level=None, check_same_thread=False
+            )
+            db.row_factory = sqlite3.Row
+            db.execute("PRAGMA synchronous=NORMAL")
+            self._local.db = db
+            self._local.depth = 0
+            with self._lock:
+                self._connections.append(db)
+        return db
+
+    def _execute(self, sql: str, params: Sequence[Any] = ()) -> sqlite3.Cursor:
+        with _errors_named(self.path):
+            return self._db.execute(sql, params)
+
+    def _all(self, sql: str, params: Sequence[Any] = ()) -> list[sqlite3.Row]:
+        with _errors_named(self.path):
+            return self._db.execute(sql, params).fetchall()
+
+    def _one(self, sql: str, params: Sequence[Any] = ()) -> sqlite3.Row | None:
+        with _errors_named(self.path):
+            row: sqlite3.Row | None = self._db.execute(sql, params).fetchone()
+            return row
 
     def close(self) -> None:
-        self._db.close()
+        with self._lock:
+            connections, self._connections = self._connections, []
+        for db in connections:
+            db.close()
+        self._local = threading.local()
 
     @contextmanager
     def transaction(self) -> Iterator[None]:
-        """All writes inside happen together or not at all (a controller killed midway)."""
-        self._db.execute("BEGIN IMMEDIATE")
+        """All writes inside happen together or not at all (a controller killed midway). Nested
+        uses on one thread join the outermost transaction."""
+        db = self._db
+        if self._local.depth:
+            self._local.depth += 1
+            try:
+                yield
+            finally:
+                self._local.depth -= 1
+            return
+        with _errors_named(self.path):
+            db.execute("BEGIN IMMEDIATE")
+        self._local.depth = 1
         try:
             yield
         except BaseException:
-            self._db.execute("ROLLBACK")
+            self._local.depth = 0
+            db.execute("ROLLBACK")
             raise
-        self._db.execute("COMMIT")
+        self._local.depth = 0
+        with _errors_named(self.path):
+            db.execute("COMMIT")
 
     # -- nodes ----------------------------------------------------------------------------------
 
     def ensure_nodes(self, nodes: Sequence[tuple[str, int]]) -> None:
         """Adds nodes the store does not know, in order; known nodes keep their state."""
         for position, (name, chips) in enumerate(nodes):
-            self._db.execute(
+            self._execute(
                 "INSERT INTO nodes (name, chips, state, position) VALUES (?, ?, ?, ?) "
                 "ON CONFLICT(name) DO UPDATE SET chips = excluded.chips, position = excluded.position",
                 (name, chips, NodeState.READY.value, position),
             )
 
     def nodes(self) -> list[NodeRow]:
-        rows = self._db.execute("SELECT * FROM nodes ORDER BY position").fetchall()
+        rows = self._all("SELECT * FROM nodes ORDER BY position")
         return [
             NodeRow(
                 r["name"],
@@ -290,7 +376,7 @@ class Store:
         self, name: str, state: NodeState, reason: str = "", at: float | None = None
     ) -> None:
         isolated_at = at if state is NodeState.ISOLATED else None
-        self._db.execute(
+        self._execute(
             "UPDATE nodes SET state = ?, reason = ?, isolated_at = COALESCE(?, isolated_at) "
             "WHERE name = ?",
             (state.value, reason, isolated_at, name),
@@ -299,7 +385,7 @@ class Store:
     def set_chip_health(self, name: str, faults: Sequence[Mapping[str, Any]], at: float) -> None:
         """What a node's last heartbeat said of its chips (only changes are written)."""
         text = json.dumps(list(faults), sort_keys=True)
-        self._db.execute(
+        self._execute(
             "UPDATE nodes SET chip_faults = ?, last_heartbeat = ? WHERE name = ? "
             "AND (chip_faults != ? OR last_heartbeat IS NULL OR ? - last_heartbeat > 1.0)",
             (text, at, name, text, at),
@@ -315,9 +401,9 @@ class Store:
         now: float,
         project: str = "default",
     ) -> int:
-        cursor = self._db.execute(
+        row = self._one(
             "INSERT INTO jobs (name, spec, plan, status, created_at, attempt_started_at, project) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+            "VALUES (?, ?, ?, ?, ?, ?, ?) RETURNING id",
             (
                 name,
                 json.dumps(spec),
@@ -328,12 +414,12 @@ class Store:
                 project,
             ),
         )
-        assert cursor.lastrowid is not None
-        return cursor.lastrowid
+        assert row is not None
+        return int(row["id"])
 
     def claim_job(self, job_id: int, now: float) -> bool:
         """Pending -> Running for exactly one runner; False if it was stopped or taken meanwhile."""
-        cursor = self._db.execute(
+        cursor = self._execute(
             "UPDATE jobs SET status = ?, attempt_started_at = ? WHERE id = ? AND status = ?",
             (JobStatus.RUNNING.value, now, job_id, JobStatus.PENDING.value),
         )
@@ -358,34 +444,32 @@ class Store:
         return len(plan)
 
     def add_progress(self, job_id: int, at: float, step: int) -> None:
-        self._db.execute(
+        self._execute(
             "INSERT INTO progress (job_id, at, step) VALUES (?, ?, ?)", (job_id, at, step)
         )
 
     def progress(self, job_id: int, since: float | None = None) -> list[tuple[float, int]]:
-        rows = self._db.execute(
+        rows = self._all(
             "SELECT at, step FROM progress WHERE job_id = ? AND at > ? ORDER BY at",
             (job_id, since if since is not None else 0.0),
-        ).fetchall()
+        )
         return [(r["at"], r["step"]) for r in rows]
 
     def job(self, job_id: int) -> JobRow:
-        row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        row = self._one("SELECT * FROM jobs WHERE id = ?", (job_id,))
         if row is None:
             raise KeyError(job_id)
         return self._job(row)
 
     def jobs(self) -> list[JobRow]:
-        return [self._job(r) for r in self._db.execute("SELECT * FROM jobs ORDER BY id").fetchall()]
+        return [self._job(r) for r in self._all("SELECT * FROM jobs ORDER BY id")]
 
     def find_job(self, ref: str) -> JobRow | None:
-        """A job by id, or the newest job with that name."""
-        if ref.isdigit():
-            row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (int(ref),)).fetchone()
+        """A job by id (ASCII digits), or the newest job with that name."""
+        if JOB_ID.fullmatch(ref):
+            row = self._one("SELECT * FROM jobs WHERE id = ?", (int(ref),))
         else:
-            row = self._db.execute(
-                "SELECT * FROM jobs WHERE name = ? ORDER BY id DESC LIMIT 1", (ref,)
-            ).fetchone()
+            row = self._one("SELECT * FROM jobs WHERE name = ? ORDER BY id DESC LIMIT 1", (ref,))
         return self._job(row) if row else None
 
     @staticmethod
@@ -406,6 +490,7 @@ class Store:
             r["project"],
             r["stop_requested"],
             json.loads(r["membership"]) if r["membership"] else None,
+            r["controller_seen_at"],
         )
 
     def update_job(self, job_id: int, **fields: Any) -> None:
@@ -416,14 +501,12 @@ class Store:
             for v in fields.values()
         ]
         assignments = ", ".join(f"{k} = ?" for k in fields)
-        self._db.execute(f"UPDATE jobs SET {assignments} WHERE id = ?", (*values, job_id))
+        self._execute(f"UPDATE jobs SET {assignments} WHERE id = ?", (*values, job_id))
 
     # -- pods -----------------------------------------------------------------------------------
 
     def pods(self, job_id: int) -> list[PodRow]:
-        rows = self._db.execute(
-            "SELECT * FROM pods WHERE job_id = ? ORDER BY idx", (job_id,)
-        ).fetchall()
+        rows = self._all("SELECT * FROM pods WHERE job_id = ? ORDER BY idx", (job_id,))
         return [
             PodRow(
                 r["job_id"],
@@ -438,7 +521,7 @@ class Store:
         ]
 
     def put_pod(self, pod: PodRow) -> None:
-        self._db.execute(
+        self._execute(
             "INSERT OR REPLACE INTO pods VALUES (?, ?, ?, ?, ?, ?, ?)",
             (
                 pod.job_id,
@@ -457,17 +540,18 @@ class Store:
         self, job_id: int, fault: Fault, detected_at: float, source: str = ""
     ) -> int | None:
         """Stores an observed fault; None if a fault from the same source was stored before."""
-        cursor = self._db.execute(
-            "INSERT OR IGNORE INTO faults (job_id, fault, at, detected_at, source) VALUES (?, ?, ?, ?, ?)",
+        row = self._one(
+            "INSERT OR IGNORE INTO faults (job_id, fault, at, detected_at, source) "
+            "VALUES (?, ?, ?, ?, ?) RETURNING id",
             (job_id, fault_to_json(fault), fault.at, detected_at, source),
         )
-        return cursor.lastrowid if cursor.rowcount else None
+        return None if row is None else int(row["id"])
 
     def faults(self, job_id: int, before: int | None = None) -> list[Fault]:
-        rows = self._db.execute(
+        rows = self._all(
             "SELECT fault FROM faults WHERE job_id = ? AND id < ? ORDER BY id",
             (job_id, before if before is not None else 2**62),
-        ).fetchall()
+        )
         return [fault_from_json(r["fault"]) for r in rows]
 
     def add_record(
@@ -486,9 +570,10 @@ class Store:
         started_at: float,
         outcome: Outcome,
     ) -> int:
-        cursor = self._db.execute(
+        row = self._one(
             "INSERT INTO recoveries (job_id, fault_id, action, cause, reason, pods, isolated, consumed, "
-            "tried, counters, budgets, started_at, outcome) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "tried, counters, budgets, started_at, outcome) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
             (
                 job_id,
                 fault_id,
@@ -505,8 +590,8 @@ class Store:
                 outcome.value,
             ),
         )
-        assert cursor.lastrowid is not None
-        return cursor.lastrowid
+        assert row is not None
+        return int(row["id"])
 
     def settle_record(
         self,
@@ -516,17 +601,17 @@ class Store:
         fault_at: float | None = None,
     ) -> None:
         mttr = None if resumed_at is None or fault_at is None else round(resumed_at - fault_at, 3)
-        self._db.execute(
+        self._execute(
             "UPDATE recoveries SET outcome = ?, resumed_at = ?, mttr_s = ? WHERE id = ?",
             (outcome.value, resumed_at, mttr, record_id),
         )
 
     def records(self, job_id: int) -> list[RecordRow]:
-        rows = self._db.execute(
+        rows = self._all(
             "SELECT r.*, f.fault AS fault_json, f.at AS fault_at, f.detected_at AS detected_at "
             "FROM recoveries r JOIN faults f ON f.id = r.fault_id WHERE r.job_id = ? ORDER BY r.id",
             (job_id,),
-        ).fetchall()
+        )
         return [
             RecordRow(
                 id=r["id"],
@@ -578,23 +663,82 @@ class Store:
 
     # -- fault plan, events ---------------------------------------------------------------------
 
-    def fired(self, job_id: int) -> set[int]:
-        rows = self._db.execute(
-            "SELECT idx FROM chaos_fired WHERE job_id = ?", (job_id,)
-        ).fetchall()
-        return {r["idx"] for r in rows}
+    def fired(self, job_id: int) -> dict[int, tuple[float, str]]:
+        """Fault-plan entries done with, by index: when, and "" if fired or why not."""
+        rows = self._all("SELECT idx, at, note FROM chaos_fired WHERE job_id = ?", (job_id,))
+        return {r["idx"]: (r["at"], r["note"]) for r in rows}
 
-    def mark_fired(self, job_id: int, idx: int, at: float) -> None:
-        self._db.execute("INSERT OR IGNORE INTO chaos_fired VALUES (?, ?, ?)", (job_id, idx, at))
+    def mark_fired(self, job_id: int, idx: int, at: float, note: str = "") -> None:
+        """An entry is done with: fired (`note` empty) or, saying why, not fired."""
+        self._execute(
+            "INSERT INTO chaos_fired (job_id, idx, at, note) VALUES (?, ?, ?, ?) "
+            "ON CONFLICT (job_id, idx) DO UPDATE SET note = excluded.note",
+            (job_id, idx, at, note),
+        )
+
+    # -- faults waiting for a decision ------------------------------------------------------------
+
+    def add_pending(self, job_id: int, fault_id: int, tried: Sequence[Action]) -> None:
+        """`fault_id` needs a (next) decision, `tried` already done for it. Written in the same
+        transaction as the fault (or as the record that failed), so that a controller killed
+        before it decides finds the fault still waiting after a restart."""
+        self._execute(
+            "INSERT INTO pending_decisions (job_id, fault_id, tried) VALUES (?, ?, ?) "
+            "ON CONFLICT (job_id, fault_id) DO UPDATE SET tried = excluded.tried",
+            (job_id, fault_id, json.dumps(sorted(a.value for a in tried))),
+        )
+
+    def drop_pending(self, job_id: int, fault_id: int) -> None:
+        self._execute(
+            "DELETE FROM pending_decisions WHERE job_id = ? AND fault_id = ?", (job_id, fault_id)
+        )
+
+    def pending(self, job_id: int) -> list[tuple[int, Fault, frozenset[Action]]]:
+        """Faults waiting for a decision, oldest first: (fault id, fault, actions tried)."""
+        rows = self._all(
+            "SELECT p.fault_id, p.tried, f.fault FROM pending_decisions p "
+            "JOIN faults f ON f.id = p.fault_id WHERE p.job_id = ? ORDER BY p.fault_id",
+            (job_id,),
+        )
+        return [
+            (
+                int(r["fault_id"]),
+                fault_from_json(r["fault"]),
+                frozenset(Action(a) for a in json.loads(r["tried"])),
+            )
+            for r in rows
+        ]
 
     def event(self, job_id: int | None, text: str, at: float | None = None) -> None:
-        self._db.execute(
+        self._execute(
             "INSERT INTO events (job_id, at, text) VALUES (?, ?, ?)",
             (job_id, at or time.time(), text),
         )
 
     def events(self, job_id: int) -> list[tuple[float, str]]:
-        rows = self._db.execute(
-            "SELECT at, text FROM events WHERE job_id = ? ORDER BY id", (job_id,)
-        ).fetchall()
+        rows = self._all("SELECT at, text FROM events WHERE job_id = ? ORDER BY id", (job_id,))
         return [(r["at"], r["text"]) for r in rows]
+
+
+@contextmanager
+def _errors_named(path: Path) -> Iterator[None]:
+    """A damaged or foreign database file becomes a :class:`StoreError` naming it (one line for
+    the user, not a traceback). A busy database stays an OperationalError: it is not damaged."""
+    try:
+        yield
+    except sqlite3.OperationalError as error:
+        if "locked" in str(error) or "busy" in str(error):
+            raise  # busy, not broken: the caller may try again
+        raise StoreError(str(path), str(error)) from None
+    except (sqlite3.DatabaseError, PermissionError, IsADirectoryError) as error:
+        raise StoreError(str(path), str(error) or type(error).__name__) from None
+
+
+def _owner_only(path: Path) -> None:
+    """The database holds every job's spec and environment: readable by its owner only."""
+    for candidate in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        try:
+            if candidate.stat().st_mode & 0o077 and candidate.stat().st_uid == os.getuid():
+                candidate.chmod(0o600)
+        except OSError:
+            continue

@@ -67,6 +67,12 @@ def assess(
         return _plain(fault, Cause.SOFTWARE, "no progress for the hang window")
     if kind is FaultKind.NODE_LOST:
         return _plain(fault, Cause.ENVIRONMENT, "node heartbeat lost")
+    if kind is FaultKind.CONTROLLER_OUTAGE:
+        return _plain(
+            fault,
+            Cause.ENVIRONMENT,
+            "relaunch's controller was away longer than the adopt grace: the pods ended themselves",
+        )
     if kind is FaultKind.NETWORK:
         if is_network_blip(fault, rules):
             return _plain(

@@ -17,6 +17,9 @@ class FaultKind(StrEnum):
     HANG = "hang"  # no progress for the hang window (suspension)
     NETWORK = "network"  # a link went down, for duration_s seconds
     MEMORY_UCE = "memory-uce"  # on-chip memory uncorrectable error
+    CONTROLLER_OUTAGE = "controller-outage"
+    """relaunch's own controller was away longer than the adopt grace, so the pods ended
+    themselves: not the job's fault, and not the user's to pay for."""
 
 
 class Severity(IntEnum):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from relaunch.faults import Cause, Fault
+from relaunch.faults import Cause, Fault, FaultKind
 from relaunch.policy.decision import Action, Budget, Counters, Decision, Streaks
 
 __all__ = ["JobHistory", "RecoveryRecord"]
@@ -107,8 +107,13 @@ class JobHistory:
 
 def _streaks(records: tuple[RecoveryRecord, ...]) -> Streaks:
     """Trailing runs: unconditional reschedules of software faults, and hang restarts. Records
-    that changed nothing (ignore) do not break a run; any other recovery does."""
-    relevant = [r for r in records if r.action is not Action.IGNORE]
+    that changed nothing (ignore), and relaunch's own outages, do not break a run; any other
+    recovery does."""
+    relevant = [
+        r
+        for r in records
+        if r.action is not Action.IGNORE and r.fault.kind is not FaultKind.CONTROLLER_OUTAGE
+    ]
     unconditional = 0
     for r in reversed(relevant):
         if r.action is Action.JOB_RESCHEDULE and r.cause is Cause.SOFTWARE:

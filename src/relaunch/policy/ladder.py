@@ -253,16 +253,20 @@ def _scale_in(c: _Context) -> Answer:
     )
 
 
+_NO_LIVE_PROCESSES = (FaultKind.HANG, FaultKind.CONTROLLER_OUTAGE)
+"""Faults after which no healthy process can save or exit on request (dump / exit)."""
+
+
 @_process_rung(RecoverStrategy.DUMP)
 def _dump(c: _Context) -> Answer:
-    if c.fault.kind is FaultKind.HANG:
+    if c.fault.kind in _NO_LIVE_PROCESSES:
         return None
     return Proposal("healthy ranks save a dying-gasp checkpoint, then the next level runs (R-34)")
 
 
 @_process_rung(RecoverStrategy.EXIT)
 def _exit(c: _Context) -> Answer:
-    if c.fault.kind is FaultKind.HANG:
+    if c.fault.kind in _NO_LIVE_PROCESSES:
         return None
     return Proposal("training processes exit, then the next level runs (R-35)")
 
@@ -340,6 +344,12 @@ def _isolated_job_reschedule(c: _Context) -> Answer:
 
 def _job_reschedule(c: _Context) -> Answer:
     everything = tuple(p.index for p in c.cluster.pods)
+    if c.fault.kind is FaultKind.CONTROLLER_OUTAGE:
+        return Proposal(
+            "relaunch's controller was away longer than the adopt grace and the pods ended "
+            "themselves: rebuild the job; relaunch's own outage spends no restart",
+            pods=everything,
+        )
     if Action.POD_RESCHEDULE in c.tried:
         if not c.settings.pod_may_fall_back_to_job:
             return Blocked(
