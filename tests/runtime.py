@@ -125,14 +125,17 @@ class Cluster:
         faults: list[dict[str, Any]] | None = None,
         cluster: dict[str, Any] | None = None,
         extra: tuple[str, ...] = (),
-        startup_s: float = 8,
+        startup_s: float | None = 8,
     ) -> list[str]:
+        """`relaunch run` for `job`; `startup_s` None leaves the allowance to the job's spec."""
         args = [
             sys.executable, "-m", "relaunch", "run", str(self.write("job.yaml", job)),
             "--cluster", str(self.write("cluster.yaml", cluster or FAST_CLUSTER)),
             "--state-dir", str(self.state), "--report", str(self.dir / "report.json"),
-            "--startup-seconds", str(startup_s), "-q", *extra,
+            "-q", *extra,
         ]  # fmt: skip
+        if startup_s is not None:
+            args += ["--startup-seconds", str(startup_s)]
         if faults is not None:
             args += ["--faults", str(self.write("faults.yaml", {"faults": faults}))]
         return args
@@ -143,7 +146,7 @@ class Cluster:
         faults: list[dict[str, Any]] | None = None,
         cluster: dict[str, Any] | None = None,
         timeout: float = 90,
-        startup_s: float = 8,
+        startup_s: float | None = 8,
     ) -> Result:
         done = subprocess.run(
             self.command(job, faults, cluster, startup_s=startup_s),

@@ -22,6 +22,8 @@ from typing import Any
 import psutil
 import yaml
 
+from relaunch.cluster.local import LocalCluster
+
 __all__ = [
     "RELIABILITY_LEVELS",
     "checkpoint_rows",
@@ -205,17 +207,10 @@ def _cpu(processes: list[psutil.Process]) -> float:
 
 def _family(state: Path) -> tuple[list[psutil.Process], list[psutil.Process], list[psutil.Process]]:
     """The embedded cluster's launchers, agents and workers (every process under a launcher)."""
-    try:
-        pids = json.loads((state / "pids.json").read_text())
-    except (OSError, ValueError):
-        pids = {"agents": {}, "launchers": {}}
-    launchers: list[psutil.Process] = []
-    agents: list[psutil.Process] = []
+    cluster = LocalCluster(state)
+    launchers = cluster.processes("launchers")
+    agents = cluster.processes("agents")
     workers: list[psutil.Process] = []
-    for kind, into in (("launchers", launchers), ("agents", agents)):
-        for pid in pids[kind].values():
-            with contextlib.suppress(psutil.Error):
-                into.append(psutil.Process(pid))
     for launcher in launchers:
         with contextlib.suppress(psutil.Error):
             workers += launcher.children(recursive=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import sqlite3
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -19,11 +21,12 @@ from rich.table import Table
 
 from relaunch import __version__, runner
 from relaunch.api import TOKEN_FILE
+from relaunch.chaos import ChaosEntry, parse_plan
 from relaunch.cluster.config import parse_cluster
 from relaunch.controller import Controller, RunOptions
-from relaunch.errors import MISSING, InputError, Problem
+from relaunch.errors import MISSING, InputError, Problem, RelaunchError, StoreError
 from relaunch.faults import EscalationRules, Fault, FaultCodeTable, FaultKind
-from relaunch.files import load_job, read_document
+from relaunch.files import load_cluster, load_job, read_document
 from relaunch.policy import ClusterView, Decision, JobHistory, PodView, plan
 from relaunch.report import build_report, node_view
 from relaunch.spec import JobSpec, parse_job, process_recovery_env
@@ -46,7 +49,19 @@ EXIT_INVALID = 2
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except StoreError as error:
+        err.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
+        sys.exit(EXIT_INVALID)
+    except sqlite3.OperationalError as error:
+        err.print(
+            f"[bold red]error:[/] the state database: {error} (another relaunch may hold it "
+            "busy; try again)",
+            highlight=False,
+            soft_wrap=True,
+        )
+        sys.exit(EXIT_INVALID)
 
 
 def _print_version(value: bool) -> None:
@@ -92,11 +107,28 @@ def validate(
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the effective settings as JSON.")
     ] = False,
+    faults_file: Annotated[
+        Path | None,
+        typer.Option("--faults", help="Also check this fault plan against the job and cluster."),
+    ] = None,
+    cluster_file: Annotated[
+        Path | None,
+        typer.Option("--cluster", help="The cluster the fault plan is checked against."),
+    ] = None,
 ) -> None:
-    """Check a job spec; print its effective recovery settings, or every problem (exit 2)."""
+    """Check a job spec (and a fault plan against it); print its effective recovery settings,
+    or every problem (exit 2)."""
     try:
         job = load_job(file)
         table, rules = runner.table_from(fault_table)
+        plan: tuple[ChaosEntry, ...] = ()
+        if faults_file is not None:
+            source = str(faults_file)
+            cluster = load_cluster(cluster_file) if cluster_file else parse_cluster(None)
+            plan = parse_plan(read_document(faults_file), source=source)
+            runner.check_plan_fits(
+                runner.plan_entries(read_document(faults_file), source), job, cluster, source
+            )
     except InputError as error:
         raise _fail_input(error) from None
     if as_json:
@@ -112,11 +144,19 @@ def validate(
             "ladder": {
                 name: [d.action.value for d in steps] for name, steps in _ladder(job, table, rules)
             },
+            "fault_plan": [e.describe() for e in plan],
         }
         out.print_json(json.dumps(payload, default=str))
         return
     _print_settings(file, job)
     _print_ladder(job, table, rules)
+    if faults_file is not None:
+        out.print(
+            f"fault plan {faults_file}: {len(plan)} entr(ies), each can hit its target",
+            highlight=False,
+        )
+        for entry in plan:
+            out.print(f"  - {entry.describe()}", highlight=False, markup=False)
 
 
 def _print_settings(file: Path, job: JobSpec) -> None:
@@ -298,10 +338,12 @@ StateDirOption = Annotated[
 
 
 def _state_dir(path: Path | None) -> Path:
+    """The state directory, created readable by its owner only (it holds every job's spec,
+    environment and logs, and the server's token)."""
     if path is None:
         base = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
         path = base / "relaunch"
-    path.mkdir(parents=True, exist_ok=True)
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
     return path.resolve()
 
 
@@ -384,21 +426,26 @@ def run(
                 if chips_per_node is not None:
                     cluster_raw["chips_per_node"] = chips_per_node
             plan_raw = read_document(faults_file) if faults_file else None
+            raw = read_document(job_file)
+            parse_job(raw, source=str(job_file))  # before a trial cluster starts for it
+            plan = runner.plan_entries(plan_raw, source=str(faults_file))
             engine_spec = None
             if engine == "ray":
                 cluster_raw, engine_spec, trial = _ray_cluster(cluster_raw, address, ray_select)
             submission = runner.Submission(
-                raw=read_document(job_file),
+                raw=raw,
                 source=str(job_file),
                 cwd=os.getcwd(),
                 cluster=cluster_raw,
-                plan=runner.plan_entries(plan_raw, source=str(faults_file)),
+                plan=plan,
+                plan_source=str(faults_file),
                 fault_table=str(fault_table.resolve()) if fault_table else None,
                 startup_s=startup_s,
                 engine=engine_spec,
             )
-            runner.abandon_unfinished(store, directory)
-            job_id = runner.submit(store, submission, time.time())
+            job_id = runner.submit(store, submission, time.time())  # checks all, starts nothing
+            for old in runner.abandon_unfinished(store, directory):
+                _warn_abandoned(old, store.job(job_id).name, directory)
             store.claim_job(job_id, time.time())
     except InputError as error:
         held.close()
@@ -428,6 +475,7 @@ def run(
         )
 
     live = _LiveView(store, job_id) if out.is_terminal else None
+    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         if live is not None:
             live.start()
@@ -448,6 +496,7 @@ def run(
         err.print(f"[bold red]error:[/] {error}", highlight=False)
         raise typer.Exit(EXIT_INVALID) from None
     finally:
+        signal.signal(signal.SIGTERM, previous)
         if live is not None:
             live.stop()
         held.close()
@@ -456,7 +505,52 @@ def run(
     _print_summary(summary)
     if report is not None:
         report.write_text(json.dumps(summary, indent=2))
-    raise typer.Exit(0 if status is JobStatus.SUCCEEDED else 1)
+    _start_queued(directory)
+    raise typer.Exit(_exit_code(status, store.job(job_id).reason))
+
+
+def _stop_on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM (systemd, docker, `timeout`) stops the job in order, as Ctrl-C does; a second
+    one does not cut that stop short."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise runner.Interrupted("SIGTERM")
+
+
+def _exit_code(status: JobStatus, reason: str) -> int:
+    """0 succeeded, 1 failed or stopped, 130 / 143 stopped by Ctrl-C / SIGTERM."""
+    if status is JobStatus.SUCCEEDED:
+        return 0
+    if status is JobStatus.STOPPED and reason.endswith("(SIGTERM)"):
+        return 143
+    if status is JobStatus.STOPPED and reason.endswith("(Ctrl-C)"):
+        return 130
+    return 1
+
+
+def _warn_abandoned(old: JobRow, name: str, directory: Path) -> None:
+    err.print(
+        f"[bold yellow]warning:[/] job {old.name} (id {old.id}) was still {old.status.value} in "
+        f"{directory}, but its controller is gone: it is abandoned now and its processes are "
+        f"stopped, and this run starts job {name} from step 0 in a new shared directory. To "
+        f"continue job {old.name} instead, stop this run and use `relaunch run --resume "
+        f"--state-dir {directory}`.",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
+def _start_queued(directory: Path) -> None:
+    """Jobs submitted while this foreground run held the state directory start now."""
+    try:
+        state = runner.ensure_runner(directory)
+    except (OSError, RelaunchError):
+        return
+    if state.started is not None:
+        out.print(
+            f"queued jobs in {directory}: runner started (pid {state.started}); see "
+            "`relaunch jobs`",
+            highlight=False,
+        )
 
 
 def _engine(given: str) -> str:
@@ -581,6 +675,15 @@ def _print_summary(summary: dict[str, Any]) -> None:
         f"isolated nodes: {', '.join(summary['isolated_nodes']) or 'none'}",
         highlight=False,
     )
+    plan = summary.get("fault_plan") or []
+    missed = [e for e in plan if e["state"] != "fired"]
+    if missed:
+        out.print(
+            f"[bold yellow]fault plan: {len(missed)} of {len(plan)} entr(ies) not fired[/]",
+            highlight=False,
+        )
+        for e in missed:
+            out.print(f"  - {e['entry']}: {e['note'] or e['state']}", markup=False, highlight=False)
 
 
 def _records_table(summary: dict[str, Any]) -> None:
@@ -871,14 +974,23 @@ def submit(
             cwd=os.getcwd(),
             cluster=read_document(cluster_file) if cluster_file else None,
             plan=plan,
+            plan_source=str(faults_file),
             project=project,
         )
         job_id = runner.submit(store, submission, time.time())
     except InputError as error:
         raise _fail_input(error) from None
-    pid = runner.ensure_runner(directory)
-    started = f"; runner started (pid {pid})" if pid else "; the running runner will take it"
-    out.print(f"job {store.job(job_id).name} submitted (id {job_id}){started}", highlight=False)
+    state = runner.ensure_runner(directory)
+    if state.started is not None:
+        how = f"; runner started (pid {state.started})"
+    elif state.foreground is not None:
+        how = (
+            f"; queued: a foreground `relaunch run` (pid {state.foreground}) holds {directory}, "
+            "and the job starts when that run ends"
+        )
+    else:
+        how = "; the running runner will take it"
+    out.print(f"job {store.job(job_id).name} submitted (id {job_id}){how}", highlight=False)
 
 
 @app.command()
@@ -983,7 +1095,7 @@ def runner_command(state_dir: StateDirOption = None) -> None:
     """Run queued jobs of a state directory until none is left (started by submit / server)."""
     directory = _state_dir(state_dir)
     try:
-        held = runner.lock(directory)
+        held = runner.lock(directory, role="runner")
     except RuntimeError:
         return  # another run or runner has it; it takes the queue
     try:

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from relaunch import failpoints
 from relaunch.chaos import ChaosEntry, ChaosKind, parse_plan
 from relaunch.cluster import Engine
 from relaunch.cluster.config import ClusterConfig
@@ -30,25 +31,31 @@ from relaunch.faults import DEFAULT_TABLE, EscalationRules, Fault, FaultCodeTabl
 from relaunch.launcher import LaunchPlan
 from relaunch.policy import Action, ClusterView, Decision, PodView, decide
 from relaunch.spec import JobSpec, process_recovery_env
-from relaunch.store import JobStatus, NodeRow, NodeState, Outcome, PodRow, Store
+from relaunch.store import JobRow, JobStatus, NodeRow, NodeState, Outcome, PodRow, Store
 from relaunch.train.checkpoint import FENCE_FILE
 from relaunch.wire import Connection, write_controller_address
 
 __all__ = ["Controller", "RunOptions"]
 
 JOB_LEVEL = (Action.ISOLATED_JOB_RESCHEDULE, Action.JOB_RESCHEDULE)
-UNSUPPORTED: dict[Action, str] = {}
 FAILED_AT_START_S = 5.0
 
 
 TICK_S = 0.05
 """How often the controller's checks run (heartbeats, hangs, fault plan, reconcile)."""
+ACTIVE_CPU_SHARE = 0.10
+"""A silent rank whose processes used at least this share of one core since the last sample is
+computing, not hung (R-25; MindCluster's detector counts a round as hung only under 5 s of CPU
+in 60 s). A SIGSTOPped rank uses none, nor does one blocked in a gloo collective."""
+SEEN_EVERY_S = 0.5
+"""How often the controller writes that it is alive (a resume tells how long it was away)."""
 
 
 @dataclass
 class RunOptions:
     startup_s: float | None = None
-    """Allowance before the first sign of life after a (re)start; default max(2 x hang window, 60 s)."""
+    """Allowance before the first sign of progress after a (re)start; overrides the job's
+    spec.startup_seconds (default max(2 x hang window, 60 s))."""
     table: FaultCodeTable = DEFAULT_TABLE
     rules: EscalationRules = field(default_factory=EscalationRules)
     resume: bool = False
@@ -63,6 +70,8 @@ class Proc:
     progressed: bool = False
     code: int | None = None
     signal: int | None = None
+    usage: tuple[float, float, int] | None = None
+    """(when, CPU seconds, I/O bytes) of the rank's last usage sample."""
 
 
 @dataclass
@@ -127,7 +136,7 @@ class Controller:
         self.options = options
         self.recovery = spec.recovery
         self.hang_s = spec.recovery.hang_detect_s
-        self.startup_s = options.startup_s or max(2 * self.hang_s, 60.0)
+        self.startup_s = options.startup_s or spec.recovery.startup_s
         self.on_event = on_event
         self.on_output = on_output
         self.on_tick = on_tick
@@ -142,6 +151,16 @@ class Controller:
         """Pods whose launcher connection closed: (generation, when)."""
         self.tearing_down: dict[int, tuple[LauncherLink, float]] = {}
         self.injected_at: dict[tuple[str, str], float] = {}
+        self.injecting: dict[int, tuple[str, str]] = {}
+        """Fault-plan entries sent and not yet acknowledged: index -> their injected_at key."""
+        self.silent_plan_warned = False
+        self.seen_written = 0.0
+        self.decide_pending = False
+        """Faults wait for a decision: after a resume, until pods are adopted; a failure at
+        start, until every pod failed or the start window passed (R-41)."""
+        self.decide_after = 0.0
+        self.hang_stop = False
+        """The processes are being stopped because the job hung: the hang grace applies."""
         self.heal_replies: dict[int, queue.Queue[bool]] = {}
         self.ids = itertools.count(1)
         self.active: Active | None = None
@@ -197,11 +216,7 @@ class Controller:
         self.step = job.last_step
         self.uses_sdk = job.last_step is not None
         if self.options.resume:
-            self.adopt_until = now + max(2.0, 3 * self.cluster.heartbeat_interval_s)
-            self._resume_active()
-            self.event(
-                f"controller resumed job {job.name} (attempt {job.attempt}); re-adopting pods"
-            )
+            self._resume(job, now)
         else:
             self._start_agents(now)
             self.store.update_job(
@@ -209,6 +224,7 @@ class Controller:
                 status=JobStatus.RUNNING,
                 attempt_started_at=now,
                 master_port=self._master_port(),
+                controller_seen_at=now,
             )
             self._publish_membership()
         try:
@@ -216,20 +232,66 @@ class Controller:
                 self.tick()
                 job = self.store.job(self.job_id)
                 if job.status.ended:
-                    if self.step is not None and self.step != job.last_step:
-                        self.store.update_job(self.job_id, last_step=self.step)
-                    if self.step is not None:
-                        self.store.add_progress(self.job_id, time.time(), self.step)
-                    self._shutdown_pods()
+                    self._finish(job)
                     return job.status, job.reason
         finally:
             self.server.close()
 
-    def _start_agents(self, now: float) -> None:
+    def _finish(self, job: JobRow) -> None:
+        for fault_id, fault, _ in self.store.pending(self.job_id):
+            self.store.drop_pending(self.job_id, fault_id)  # the job ended: nothing to decide
+            self.event(f"{fault.describe()}: not decided, the job had ended")
+        if self.step is not None and self.step != job.last_step:
+            self.store.update_job(self.job_id, last_step=self.step)
+        if self.step is not None:
+            self.store.add_progress(self.job_id, time.time(), self.step)
+        self._unfired_at_end(job)
+        self._shutdown_pods()
+
+    def _resume(self, job: JobRow, now: float) -> None:
+        """Take over a job whose controller died. Away for less than the adopt grace, its pods
+        and agents still run and are re-adopted. Away longer, they have ended themselves: the
+        agents are started again and the job is rebuilt at job level, recorded as relaunch's own
+        outage (no restart budget spent)."""
+        self._resume_active()
+        seen = job.controller_seen_at
+        away = now - seen if seen is not None else 0.0
+        grace = self.cluster.adopt_grace_s
+        if seen is None or away <= grace:
+            self.adopt_until = now + max(2.0, 3 * self.cluster.heartbeat_interval_s)
+            self.decide_pending = True
+            self.store.update_job(self.job_id, controller_seen_at=now)
+            self.event(
+                f"controller resumed job {job.name} (attempt {job.attempt}); re-adopting pods"
+            )
+            return
+        self.event(
+            f"controller resumed job {job.name} after {away:.0f} s away, longer than "
+            f"adopt_grace_s ({grace:g} s): its pods and node agents have ended themselves; "
+            "starting the agents again and restarting the job from its checkpoints"
+        )
+        self.store.update_job(self.job_id, controller_seen_at=now)
+        self._decide_waiting()  # what the dead controller left undecided comes first
+        if not self.store.job(self.job_id).status.ended:
+            outage = Fault(
+                FaultKind.CONTROLLER_OUTAGE,
+                seen + grace,
+                detail=f"controller away {away:.0f} s (adopt_grace_s {grace:g} s)",
+            )
+            self._fault(outage, source=f"outage:{job.attempt}:{seen:.3f}")
+        self._start_agents(time.time(), keep_lost=True)
+
+    def _start_agents(self, now: float, keep_lost: bool = False) -> None:
+        """Start every node's agent and wait for them to connect. A new run starts lost nodes
+        again (the embedded cluster can); a resume keeps them lost (`keep_lost`)."""
+        wanted: set[str] = set()
         for node in self.cluster.nodes:
             row = self.store.node(node.name)
             if row is not None and row.state is NodeState.LOST:
+                if keep_lost:
+                    continue
                 self.store.set_node_state(node.name, NodeState.READY, "agent started again")
+            wanted.add(node.name)
             self.engine.start_agent(
                 node,
                 self.cluster.heartbeat_interval_s,
@@ -239,7 +301,7 @@ class Controller:
             self.agents.pop(node.name, None)
         self.adopt_until = now + max(5.0, 4 * self.cluster.heartbeat_timeout_s)
         deadline = now + 15.0
-        while time.time() < deadline and len(self.agents) < len(self.cluster.nodes):
+        while time.time() < deadline and not wanted <= set(self.agents):
             self._drain(0.05)
         self.adopt_until = 0.0
 
@@ -257,9 +319,10 @@ class Controller:
             break
 
     def _shutdown_pods(self) -> None:
+        grace = self._stop_grace()
         for link in [*self.launchers.values(), *self.standby.values()]:
-            link.conn.send({"t": "shutdown", "grace": self.recovery.termination_grace_s})
-        deadline = time.time() + self.recovery.termination_grace_s + 5
+            link.conn.send({"t": "shutdown", "grace": grace})
+        deadline = time.time() + grace + 5
         while (self.launchers or self.standby) and time.time() < deadline:
             self._drain(0.05)
         for agent in self.agents.values():
@@ -271,6 +334,7 @@ class Controller:
         self.store.update_job(
             self.job_id, status=JobStatus.STOPPED, reason=reason, ended_at=time.time()
         )
+        self._unfired_at_end(self.store.job(self.job_id))
         self._shutdown_pods()
 
     def event(self, text: str) -> None:
@@ -288,6 +352,11 @@ class Controller:
                 break
         self.next_pass = time.time() + TICK_S
         now = time.time()
+        if now - self.seen_written >= SEEN_EVERY_S:
+            self.seen_written = now
+            self.store.update_job(self.job_id, controller_seen_at=now)
+        if self.decide_pending and now >= max(self.adopt_until, self.decide_after):
+            self._decide_waiting()
         self._check_requests(now)
         self._check_heartbeats(now)
         self._check_launchers(now)
@@ -354,8 +423,14 @@ class Controller:
                 agent.last_hb = time.time()
                 self._chip_health(m)
             return
+        if kind == "injected":
+            self._injected(m)
+            return
         link = next((lk for lk in self.launchers.values() if lk.conn is conn), None)
         if link is None:
+            return
+        if kind == "usage":
+            self._usage(link, m)
             return
         if kind == "progress_batch":
             for report in m["reports"]:
@@ -553,6 +628,41 @@ class Controller:
         )
         self._fault(fault, source=f"hang:{job.attempt}:{rank}:{now:.3f}")
 
+    def _usage(self, link: LauncherLink, m: dict[str, Any]) -> None:
+        """A rank that computes or does I/O is alive though silent (R-25): its usage samples
+        count as activity for hang detection, not as progress. I/O counts only for jobs that do
+        not report progress through the SDK (their steps are the better signal)."""
+        now = time.time()
+        for rank_text, (cpu, io) in m["ranks"].items():
+            proc = link.procs.get(int(rank_text))
+            if proc is None or proc.attempt != m["attempt"]:
+                continue
+            if proc.usage is not None:
+                then, cpu_then, io_then = proc.usage
+                busy = cpu - cpu_then >= ACTIVE_CPU_SHARE * max(now - then, 1e-3)
+                io_moved = not self.uses_sdk and io > io_then
+                if busy or io_moved:
+                    proc.last_activity = now
+            proc.usage = (now, float(cpu), int(io))
+
+    def _injected(self, m: dict[str, Any]) -> None:
+        """A launcher or agent says whether a fault-plan entry it was sent really fired."""
+        index = m.get("index")
+        if not isinstance(index, int):
+            return
+        key = self.injecting.pop(index, None)
+        if m.get("ok"):
+            return
+        if key is not None:
+            self.injected_at.pop(key, None)  # nothing will be detected: later entries go on
+        self._not_fired(index, str(m.get("why") or "the target refused it"), time.time())
+
+    def _not_fired(self, index: int, why: str, now: float) -> None:
+        entry = next((e for e in self.plan if e.index == index), None)
+        self.store.mark_fired(self.job_id, index, now, note=f"not fired: {why}")
+        what = entry.describe() if entry is not None else f"entry {index}"
+        self.event(f"fault plan: {what}: not fired: {why}")
+
     def _exit(self, link: LauncherLink, m: dict[str, Any]) -> None:
         rank = m["rank"]
         proc = link.procs.setdefault(rank, Proc(m["attempt"]))
@@ -571,6 +681,7 @@ class Controller:
             rank=rank,
             exit_code=m["code"],
             signal=m["signal"],
+            detail=str(m.get("detail") or ""),
         )
         # a replacement (process level) reuses attempt, generation and rank: the exit time tells
         self._fault(fault, source=f"exit:{job.attempt}:{link.gen}:{rank}:{m['at']:.6f}")
@@ -578,6 +689,10 @@ class Controller:
     # -- fault injection ------------------------------------------------------------------------------
 
     def _fire_chaos(self, now: float) -> None:
+        """Fire the fault plan's due entries, one per pass. An entry whose target has gone (its
+        node isolated or lost, its pod parked, its rank exited) is recorded as not fired, with
+        the reason, and never holds back the entries after it; one whose target is still
+        starting waits for it."""
         if not self.plan:
             return
         job = self.store.job(self.job_id)
@@ -587,47 +702,127 @@ class Controller:
         for key, at in list(self.injected_at.items()):
             if now - at > self.startup_s:
                 del self.injected_at[key]
+        self.injecting = {i: k for i, k in self.injecting.items() if k in self.injected_at}
         if self.injected_at:
             return
-        fired = self.store.fired(self.job_id)
+        done = self.store.fired(self.job_id)
         elapsed = now - (job.attempt_started_at or now)
+        self._warn_silent_plan(done, now, elapsed)
         for entry in self.plan:
-            if entry.index in fired or not entry.due(self.step, elapsed):
+            if entry.index in done or not entry.due(self.step, elapsed):
+                continue
+            failpoints.reach("fault-plan-due")
+            target = self._chaos_target(entry)
+            if target is None:
+                continue  # its rank is (re)starting: it fires once the rank runs
+            if isinstance(target, str):
+                self._not_fired(entry.index, target, now)
                 continue
             self.store.mark_fired(self.job_id, entry.index, now)
             self.event(f"fault plan: {entry.describe()}")
-            self._inject(entry, now)
+            self._inject(entry, target, now)
             return  # one per pass, so each is seen on its own
 
-    def _inject(self, entry: ChaosEntry, now: float) -> None:
-        pod = self._pod(entry.pod) if entry.pod is not None else None
-        node = entry.node or (pod.node if pod else None)
-        first_rank = (pod.idx * self.spec.procs_per_pod) if pod else 0
-        rank = entry.rank if entry.rank is not None else first_rank
-        if entry.kind in (ChaosKind.PROCESS_EXIT, ChaosKind.HANG):
-            link = self.launchers.get(pod.idx) if pod else None
-            if link is not None:
-                kind = "exit" if entry.kind is ChaosKind.PROCESS_EXIT else "hang"
-                self.injected_at[(kind, str(rank) if kind == "exit" else "job")] = now
-                link.conn.send(
-                    {"t": "inject", "kind": kind, "rank": rank, "exit_code": entry.exit_code}
+    def _warn_silent_plan(
+        self, done: dict[int, tuple[float, str]], now: float, elapsed: float
+    ) -> None:
+        """`at_step` entries wait for progress reports: say so once if none has come."""
+        waiting = [e for e in self.plan if e.at_step is not None and e.index not in done]
+        if self.silent_plan_warned or not waiting or self.step is not None:
+            return
+        if elapsed > self.startup_s:
+            self.silent_plan_warned = True
+            self.event(
+                f"fault plan: {len(waiting)} entr(ies) wait for a step (at_step), and the job "
+                f"has reported none in {elapsed:.0f} s: at_step needs the script to call "
+                "relaunch.train.report_progress(step); use after_s otherwise"
+            )
+
+    def _chaos_target(self, entry: ChaosEntry) -> tuple[str | None, int | None] | str | None:
+        """Where `entry` fires now: (node, rank) to hit; a string saying why it cannot fire any
+        more; or None while its target is starting."""
+        parked = self._parked()
+        nodes = {n.name: n for n in self.store.nodes()}
+        rank = None
+        if entry.pod is not None:
+            pods = {p.idx: p for p in self.store.pods(self.job_id)}
+            pod = pods.get(entry.pod)
+            if pod is None:
+                return f"job {self.spec.name} has no pod {entry.pod}"
+            if entry.pod in parked:
+                return f"pod {entry.pod} is parked (elastic scale-in)"
+            node_name = pod.node
+        else:
+            node_name = entry.node or ""
+        node = nodes.get(node_name)
+        if node is None:
+            return f"node {node_name} is not in the cluster"
+        if node.state in (NodeState.LOST, NodeState.ISOLATED):
+            return f"node {node_name} is {node.state.value.lower()}"
+        if entry.targets_process:
+            assert entry.pod is not None
+            rank = entry.target_rank(self.spec.procs_per_pod)
+            link = self.launchers.get(entry.pod)
+            proc = link.procs.get(rank) if link is not None else None
+            attempt = self.store.job(self.job_id).attempt
+            if proc is None or proc.attempt != attempt:
+                return None
+            if not proc.running:
+                return f"rank {rank} has exited (code {proc.code}, signal {proc.signal})"
+        elif entry.kind is not ChaosKind.NODE_DOWN:
+            if node_name not in self.agents:
+                return None
+            if (
+                entry.kind in (ChaosKind.CHIP_FAULT, ChaosKind.MEMORY_UCE)
+                and entry.chip >= node.chips
+            ):
+                return (
+                    f"node {node_name} has {node.chips} chip(s); chip {entry.chip} does not exist"
                 )
-        elif entry.kind is ChaosKind.NODE_DOWN and node is not None:
+        return node_name, rank
+
+    def _inject(self, entry: ChaosEntry, target: tuple[str | None, int | None], now: float) -> None:
+        node, rank = target
+        if entry.kind in (ChaosKind.PROCESS_EXIT, ChaosKind.HANG):
+            assert entry.pod is not None and rank is not None
+            link = self.launchers[entry.pod]
+            kind = "exit" if entry.kind is ChaosKind.PROCESS_EXIT else "hang"
+            key = (kind, str(rank) if kind == "exit" else "job")
+            self.injected_at[key] = now
+            self.injecting[entry.index] = key
+            link.conn.send(
+                {
+                    "t": "inject",
+                    "index": entry.index,
+                    "kind": kind,
+                    "rank": rank,
+                    "exit_code": entry.exit_code,
+                }
+            )
+        elif entry.kind is ChaosKind.NODE_DOWN:
+            assert node is not None
             self.injected_at[("node", node)] = now
             self.engine.kill_node(node)
-        elif node is not None:
-            agent = self.agents.get(node)
-            if agent is None:
-                return
-            self.injected_at[("net" if entry.kind is ChaosKind.NETWORK else "chip", node)] = now
+        else:
+            assert node is not None
+            agent = self.agents[node]
+            key = ("net" if entry.kind is ChaosKind.NETWORK else "chip", node)
+            self.injected_at[key] = now
+            self.injecting[entry.index] = key
             if entry.kind is ChaosKind.NETWORK:
                 agent.conn.send(
-                    {"t": "network", "duration_s": entry.duration_s, "heals": entry.heals}
+                    {
+                        "t": "network",
+                        "index": entry.index,
+                        "duration_s": entry.duration_s,
+                        "heals": entry.heals,
+                    }
                 )
             else:
                 agent.conn.send(
                     {
                         "t": "chip_fault",
+                        "index": entry.index,
                         "chip": entry.chip,
                         "code": entry.code,
                         "heals": entry.heals,
@@ -635,64 +830,171 @@ class Controller:
                     }
                 )
 
+    def _unfired_at_end(self, job: JobRow) -> None:
+        """Every entry the job ended without firing is recorded as not fired, saying why."""
+        if not self.plan:
+            return
+        done = self.store.fired(self.job_id)
+        now = time.time()
+        elapsed = now - (job.attempt_started_at or now)
+        for entry in self.plan:
+            if entry.index in done:
+                continue
+            if entry.due(self.step, elapsed):
+                why = (
+                    f"the job ended ({job.status.value}) while the entry waited for an earlier "
+                    "fault to be detected and recovered"
+                )
+            elif entry.at_step is not None and self.step is None:
+                why = (
+                    "the job never reported a step (at_step needs the script to call "
+                    "relaunch.train.report_progress)"
+                )
+            elif entry.at_step is not None:
+                why = f"the job ended ({job.status.value}) at step {self.step}, before step {entry.at_step}"
+            else:
+                why = (
+                    f"the job ended ({job.status.value}) {elapsed:.1f} s into attempt "
+                    f"{job.attempt}, before {entry.after_s:g} s"
+                )
+            self._not_fired(entry.index, why, now)
+
     # -- faults and decisions --------------------------------------------------------------------------
 
     def _fault(self, fault: Fault, source: str) -> None:
+        """Store a fault and what waits for a decision because of it, in one transaction; then
+        decide. A controller killed in between finds the decision still waiting on resume."""
         now = time.time()
         job = self.store.job(self.job_id)
         if job.status.ended:
             return
+        active = self.active
+        superseded = False
         with self.store.transaction():
             fault_id = self.store.add_fault(self.job_id, fault, now, source)
-        if fault_id is None:
-            return  # seen before (a heartbeat repeats it, or a restarted controller re-reads it)
-        self.event(f"fault: {fault.describe()}")
-        self.next_pass = 0.0  # act on it now, not at the next scheduled pass
-        active = self.active
+            if fault_id is None:
+                return  # seen before (a heartbeat repeats it, or a restarted controller re-reads it)
+            waiting, tried = fault_id, frozenset[Action]()
+            if active is not None:
+                self.store.settle_record(active.record_id, Outcome.FAILED)
+                finer = active.action not in JOB_LEVEL
+                if finer and fault.kind in (FaultKind.PROCESS_EXIT, FaultKind.HANG):
+                    # the finer recovery did not work: its fault goes one level down
+                    superseded = True
+                    waiting, tried = active.fault_id, active.tried | {active.action}
+            self.store.add_pending(self.job_id, waiting, sorted(tried))
         if active is not None:
             self.active = None
-            self.store.settle_record(active.record_id, Outcome.FAILED)
-            finer = active.action not in JOB_LEVEL
-            if finer and fault.kind in (FaultKind.PROCESS_EXIT, FaultKind.HANG):
-                self.event(f"{active.action.value} did not recover {active.fault.describe()}")
-                self._decide(active.fault, active.fault_id, active.tried | {active.action})
+        self.event(f"fault: {fault.describe()}")
+        if superseded and active is not None:
+            self.event(f"{active.action.value} did not recover {active.fault.describe()}")
+        self.next_pass = 0.0  # act on it now, not at the next scheduled pass
+        failpoints.reach("fault-stored")
+        self._decide_waiting()
+
+    def _decide_waiting(self) -> None:
+        """Decide every fault that waits for a decision (normally the one just stored; after a
+        resume, what the killed controller stored and did not decide). Not while pods and agents
+        are still being re-adopted: healing a chip needs its agent."""
+        if time.time() < self.adopt_until:
+            self.decide_pending = True
+            return
+        waiting = self.store.pending(self.job_id)
+        hold = self._failing_at_start(waiting)
+        if hold is not None:
+            self.decide_pending, self.decide_after = True, hold
+            return
+        self.decide_pending = False
+        for fault_id, fault, tried in waiting:
+            if self.store.job(self.job_id).status.ended:
                 return
-        self._decide(fault, fault_id, frozenset())
+            if self.active is not None:  # a newer fault outranks a recovery under way
+                self.store.settle_record(self.active.record_id, Outcome.FAILED)
+                self.active = None
+            self._decide(fault, fault_id, tried)
+
+    def _failing_at_start(
+        self, waiting: list[tuple[int, Fault, frozenset[Action]]]
+    ) -> float | None:
+        """R-41: "every pod failed within a few seconds of each other at start" is only known
+        once every pod has failed. A job whose policy reads it (fault-retry-times without
+        job-unconditional-retry) decides an exit in the first FAILED_AT_START_S of an attempt
+        when every pod has failed, or when that window has passed; returns until when to hold."""
+        r = self.recovery
+        if not waiting or r.fault_retry_times == 0 or r.unconditional_retry:
+            return None
+        if any(f.kind is not FaultKind.PROCESS_EXIT or tried for _, f, tried in waiting):
+            return None
+        job = self.store.job(self.job_id)
+        window_ends = (job.attempt_started_at or 0.0) + FAILED_AT_START_S
+        if time.time() >= window_ends or self._all_pods_failed(job):
+            return None
+        return window_ends
+
+    def _all_pods_failed(self, job: JobRow) -> bool:
+        failed = {
+            link.pod
+            for link in self.launchers.values()
+            for p in link.procs.values()
+            if p.attempt == job.attempt and not p.running and (p.code or p.signal)
+        }
+        return len(failed) == len(self.store.pods(self.job_id))
 
     def _decide(self, fault: Fault, fault_id: int, tried: frozenset[Action]) -> None:
-        now = time.time()
-        history = self.store.history(self.job_id, before_fault=fault_id)
-        view = self._cluster_view(fault, now)
-        decision = decide(
-            self.recovery,
-            fault,
-            history,
-            view,
-            now,
-            table=self.options.table,
-            rules=self.options.rules,
-            tried=tried,
-        )
-        self.event(f"decision: {decision.summary()}")
+        """Climb down the ladder for `fault` until an action is under way or the job ends. Each
+        record is stored with the desired-state change it makes and with what still waits for a
+        decision, in one transaction."""
+        while True:
+            now = time.time()
+            history = self.store.history(self.job_id, before_fault=fault_id)
+            view = self._cluster_view(fault, now)
+            decision = decide(
+                self.recovery,
+                fault,
+                history,
+                view,
+                now,
+                table=self.options.table,
+                rules=self.options.rules,
+                tried=tried,
+            )
+            self.event(f"decision: {decision.summary()}")
+            action = decision.action
+            self.hang_stop = fault.kind is FaultKind.HANG
+            if action is Action.IN_PLACE and not self._heal(fault):
+                record = self._record(
+                    decision, fault_id, tried, now, Outcome.FAILED, apply=False,
+                    still_waiting=tried | {action},
+                )  # fmt: skip
+                self.event(f"in-place: the chip did not heal (record {record})")
+                tried |= {action}
+                continue
+            if action.final or action.hands_over:
+                outcome = Outcome.FAILED if action is Action.FAIL else Outcome.SUCCEEDED
+                self._record(
+                    decision, fault_id, tried, now, outcome,
+                    still_waiting=tried | {action} if action.hands_over else None,
+                )  # fmt: skip
+                if action.hands_over:
+                    tried |= {action}
+                    continue
+                return
+            self._begin(decision, fault, fault_id, tried, now)
+            return
+
+    def _begin(
+        self,
+        decision: Decision,
+        fault: Fault,
+        fault_id: int,
+        tried: frozenset[Action],
+        now: float,
+    ) -> None:
+        """Carry out a decision whose record says it runs until progress resumes."""
         action = decision.action
-        if action is Action.IN_PLACE and not self._heal(fault):
-            record = self._record(decision, fault_id, tried, now, Outcome.FAILED, apply=False)
-            self.event(f"in-place: the chip did not heal (record {record})")
-            self._decide(fault, fault_id, tried | {action})
-            return
-        if action in UNSUPPORTED:
-            self._record(decision, fault_id, tried, now, Outcome.FAILED, apply=False)
-            self.event(f"{action.value}: {UNSUPPORTED[action]}; falling back")
-            self._decide(fault, fault_id, tried | {action})
-            return
-        if action.final or action.hands_over:
-            outcome = Outcome.FAILED if action is Action.FAIL else Outcome.SUCCEEDED
-            self._record(decision, fault_id, tried, now, outcome)
-            if action.hands_over:
-                self._decide(fault, fault_id, tried | {action})
-            return
         attempt = self.store.job(self.job_id).attempt
         record_id = self._record(decision, fault_id, tried, now, Outcome.RUNNING)
+        failpoints.reach("decision-stored")
         ranks: tuple[int, ...] = ()
         after_step = None
         if action is Action.PROCESS_IN_PLACE:
@@ -727,7 +1029,10 @@ class Controller:
         now: float,
         outcome: Outcome,
         apply: bool = True,
+        still_waiting: frozenset[Action] | None = None,
     ) -> int:
+        """Store a record, the desired-state change it makes (`apply`), and whether its fault
+        still waits for a decision (`still_waiting`: the actions tried by then), together."""
         budgets = d.budgets_left
         with self.store.transaction():
             record_id = self.store.add_record(
@@ -749,6 +1054,10 @@ class Controller:
             )
             if apply:
                 self._apply(d, now)
+            if still_waiting is None:
+                self.store.drop_pending(self.job_id, fault_id)
+            else:
+                self.store.add_pending(self.job_id, fault_id, sorted(still_waiting))
         return record_id
 
     def _apply(self, d: Decision, now: float) -> None:
@@ -833,16 +1142,10 @@ class Controller:
             if n.schedulable and n.name not in used and n.chips >= self.spec.chips_per_pod
         )
         job = self.store.job(self.job_id)
-        failed_pods = {
-            link.pod
-            for link in self.launchers.values()
-            for p in link.procs.values()
-            if p.attempt == job.attempt and not p.running and (p.code or p.signal)
-        }
         at_start = (
             fault.kind is FaultKind.PROCESS_EXIT
-            and now - (job.attempt_started_at or now) < FAILED_AT_START_S
-            and len(failed_pods) == len(pods)
+            and fault.at - (job.attempt_started_at or fault.at) < FAILED_AT_START_S
+            and self._all_pods_failed(job)
         )
         schedulable = [n for n in self.store.nodes() if n.schedulable]
         slots = tuple(
@@ -1012,9 +1315,11 @@ class Controller:
             active.record_id, Outcome.SUCCEEDED, resumed_at=now, fault_at=active.fault.at
         )
         self.store.update_job(self.job_id, status=JobStatus.RUNNING)
+        self.hang_stop = False
         self.event(
             f"{active.action.value} worked: progress resumed {now - active.fault.at:.2f} s after the fault"
         )
+        failpoints.reach("recovered")
 
     # -- convergence ------------------------------------------------------------------------------------
 
@@ -1024,16 +1329,20 @@ class Controller:
             return
         pods = self.store.pods(self.job_id)
         self._write_fence(pods)
+        retired = 0
         for stale in list(self.launchers.values()):
             desired = next((p for p in pods if p.idx == stale.pod), None)
             if desired is None or desired.generation != stale.gen:
-                stale.conn.send({"t": "shutdown", "grace": self.recovery.termination_grace_s})
+                stale.conn.send({"t": "shutdown", "grace": self._stop_grace()})
                 self.launchers.pop(stale.pod, None)
+                retired += 1
                 old_node = self.store.node(stale.node)
                 if old_node is None or old_node.state is not NodeState.LOST:
                     # a lost node's pods are not waited for: it may never answer (hung or cut
                     # off); they are fenced instead, and get this shutdown if it comes back
                     self.tearing_down[stale.pod] = (stale, now)
+        if retired:
+            self._said_stopping(retired, "their containers are rebuilt")
         parked = self._parked()
         pods = [p for p in pods if p.idx not in parked]
         ready = True
@@ -1059,19 +1368,43 @@ class Controller:
         links = [self.launchers[p.idx] for p in pods]
         old = [lk for lk in links if lk.running_older_than(job.attempt)]
         if old:
-            for link in old:
-                if not link.stopping:
-                    link.stopping = True
-                    link.conn.send({"t": "stop", "grace": self.recovery.termination_grace_s})
+            grace = self._stop_grace()
+            stopping = [lk for lk in old if not lk.stopping]
+            for link in stopping:
+                link.stopping = True
+                link.conn.send({"t": "stop", "grace": grace})
+            if stopping:
+                self._said_stopping(len(stopping), "their containers stay")
             return
         if any(lk.stopping for lk in links):
             return
+        started = False
         for pod, link in zip(pods, links, strict=True):
             if link.started_attempt < job.attempt:
                 link.started_attempt = job.attempt
+                started = True
                 link.conn.send(
                     {"t": "start", "attempt": job.attempt, "env": self._env(pod, job.attempt)}
                 )
+        if started and job.attempt > 1:
+            failpoints.reach("starting")
+
+    def _said_stopping(self, pods: int, containers: str) -> None:
+        why = "; the job hung: hang grace" if self.hang_stop else ""
+        self.event(
+            f"stopping the processes of {pods} pod(s) ({containers}): SIGTERM, SIGKILL after "
+            f"{self._stop_grace():g} s{why}"
+        )
+        failpoints.reach("stopping")
+
+    def _stop_grace(self) -> float:
+        """SIGTERM -> SIGKILL grace for the processes being stopped: the job's termination
+        grace, bounded by its hang grace when they are stopped because the job hung (a hung
+        process cannot save; waiting 900 s for it only stalls the job)."""
+        grace = self.recovery.termination_grace_s
+        if self.hang_stop:
+            grace = min(grace, self.recovery.hang_grace_s)
+        return grace
 
     def _write_fence(self, pods: list[PodRow]) -> None:
         """Fencing: a pod moved off a lost node (hung or cut off, it may still run the old pod)
@@ -1194,6 +1527,8 @@ class Controller:
         return True
 
     def _check_done(self, now: float) -> None:
+        if self.decide_pending:
+            return  # a stored fault waits for its decision: the job is not done before it
         job = self.store.job(self.job_id)
         parked = self._parked()
         active = [p.idx for p in self.store.pods(self.job_id) if p.idx not in parked]
@@ -1245,7 +1580,13 @@ class Controller:
             env=dict(self.spec.env),
             warm_spares=self.spec.warm_spares if self.recovery.process_level else 0,
             progress_interval_s=self._progress_interval(),
+            termination_grace_s=self.recovery.termination_grace_s,
+            activity_interval_s=self._activity_interval(),
         )
+
+    def _activity_interval(self) -> float:
+        """CPU and I/O samples: five per hang window, between 0.2 s and 30 s apart."""
+        return min(30.0, max(0.2, self.hang_s / 5))
 
     def _progress_interval(self) -> float:
         """20 ms for a small job, longer for a large one: about 500 progress messages a second

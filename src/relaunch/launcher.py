@@ -6,8 +6,15 @@ relays it (and their progress reports) to the controller; checks them every `mon
 stops them with SIGTERM then SIGKILL after the grace period; and injects faults on request.
 
 If the controller goes away, the launcher keeps its processes running and reconnects to the next
-controller that writes its address into the state directory; after `adopt_grace_s` without one it
-stops its processes and exits, so that nothing outlives an abandoned job.
+controller that writes its address into the state directory. After `adopt_grace_s` without one
+the pod is abandoned: its processes get SIGTERM (a dying gasp can still save) and SIGKILL once the
+job's termination grace has passed, but never more than `adopt_grace_s` later, also when a stop
+was already under way; then the launcher exits. Nothing outlives an abandoned job by more than
+twice the adopt grace.
+
+A command that cannot be started (its working directory is gone, the program does not exist) is
+reported as that rank's exit, with code 127 or 126 as a shell would give, so that the recovery
+ladder handles it like any failed start.
 """
 
 from __future__ import annotations
@@ -51,6 +58,10 @@ class Worker:
     stopping: bool = False
     reported: bool = False
     pump: threading.Thread | None = None
+    start_error: str | None = None
+    """Why the command could not be started, if it could not."""
+    usage: tuple[float, int] = (0.0, 0)
+    """CPU seconds and I/O bytes of the rank's processes, as last sent."""
 
 
 @dataclass
@@ -73,6 +84,10 @@ class LaunchPlan:
     """Processes kept started (Python up, torch imported) for process-level restarts."""
     progress_interval_s: float = 0.02
     """At most one progress message per this interval (the controller scales it with the job)."""
+    termination_grace_s: float = 30.0
+    """SIGTERM -> SIGKILL grace the job asks for: used when the pod is abandoned."""
+    activity_interval_s: float = 1.0
+    """How often each rank's CPU time and I/O are sampled and sent (hang detection, R-25)."""
     standby: bool = False
     """A launcher on a standby node that runs no rank yet: it keeps `warm_spares` processes
     ready and becomes a pod's launcher when the controller moves a pod to its node ("assume")."""
@@ -105,6 +120,8 @@ class Launcher:
         self.running = True
         self.latest_progress: dict[int, dict[str, Any]] = {}
         self.progress_sent_at = 0.0
+        self.abandoned_at: float | None = None
+        self.usage_sent_at = 0.0
         self.progress_name = f"relaunch-{os.getpid()}-{plan.job}-{plan.pod}-{plan.generation}"
         self.progress = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.progress.bind("\0" + self.progress_name)
@@ -224,6 +241,7 @@ class Launcher:
                 f"--- relaunch: attempt {attempt}, MA_PROC_START_CNT={env.get('MA_PROC_START_CNT')}{how} ---\n"
             )
             log.flush()
+            start_error = None
             if spare is not None:
                 proc = spare.proc
                 assert proc.stdin is not None
@@ -231,19 +249,28 @@ class Launcher:
                 proc.stdin.write((json.dumps(identity) + "\n").encode())
                 proc.stdin.close()
             else:
-                proc = subprocess.Popen(
-                    self.plan.command,
-                    cwd=cwd,
-                    env=child_env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                    preexec_fn=_die_with_parent,
-                )
-            worker = Worker(rank, local_rank, attempt, proc, log)
-            worker.pump = threading.Thread(target=self.pump, args=(worker,), daemon=True)
-            worker.pump.start()
+                try:
+                    proc = subprocess.Popen(
+                        self.plan.command,
+                        cwd=cwd,
+                        env=child_env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                        preexec_fn=_die_with_parent,
+                    )
+                except (OSError, ValueError, subprocess.SubprocessError) as error:
+                    start_error = f"could not start {self.plan.command[0]!r} in {cwd}: {error}"
+                    proc = _NotStarted(126 if isinstance(error, PermissionError) else 127)  # type: ignore[assignment]
+                    log.write(f"relaunch: {start_error}\n")
+                    log.flush()
+            worker = Worker(rank, local_rank, attempt, proc, log, start_error=start_error)
+            if start_error is None:
+                worker.pump = threading.Thread(target=self.pump, args=(worker,), daemon=True)
+                worker.pump.start()
+            else:
+                log.close()
             self.workers[rank] = worker
             self.send(
                 {
@@ -323,6 +350,9 @@ class Launcher:
                 worker.log.flush()
                 message = {"t": "output", "rank": worker.rank, "attempt": worker.attempt}
                 self.send({**message, "line": line[:2000]})
+        # Output closed: the rank has most likely exited. Check now rather than at the next
+        # monitor interval, so that a crash is reported at once (not taken for a hang).
+        self.commands.put({"t": "check", "rank": worker.rank})
 
     def monitor(self) -> None:
         for worker in list(self.workers.values()):
@@ -342,14 +372,34 @@ class Launcher:
                     "signal": signum,
                     "expected": worker.stopping,
                     "at": time.time(),
+                    "detail": worker.start_error or "",
                 }
             )
 
+    def send_usage(self) -> None:
+        """CPU time and I/O of each running rank (its whole process tree), when they changed:
+        the controller counts a rank that computes or does I/O as alive though it is silent.
+        One walk of the process table per sample, whatever the number of ranks."""
+        running = [w for w in self.workers.values() if not w.start_error and w.proc.poll() is None]
+        if not running:
+            return
+        children = _children_by_parent()
+        ranks: dict[str, list[float]] = {}
+        for worker in running:
+            usage = _tree_usage(worker.proc.pid, children)
+            if usage is not None and usage != worker.usage:
+                worker.usage = usage
+                ranks[str(worker.rank)] = [usage[0], usage[1]]
+        if ranks:
+            self.send({"t": "usage", "attempt": self.attempt, "at": time.time(), "ranks": ranks})
+
     def stop(self, grace: float, ranks: list[int] | None = None) -> None:
         """SIGTERM every process group, SIGKILL what is left after `grace` seconds."""
-        targets = [w for w in self.workers.values() if ranks is None or w.rank in ranks]
-        for worker in targets:
+        chosen = [w for w in self.workers.values() if ranks is None or w.rank in ranks]
+        for worker in chosen:
             worker.stopping = True
+        targets = [w for w in chosen if w.start_error is None]  # pid 0 would be our own group
+        for worker in targets:
             if worker.proc.poll() is None:
                 _signal_group(worker.proc.pid, signal.SIGCONT)
                 if grace > 0:
@@ -359,7 +409,9 @@ class Launcher:
         # Wait for every process of each group, not only its leader: a shell dies at once on
         # SIGTERM while the Python under it is still saving its dying gasp.
         deadline = time.time() + grace
-        while time.time() < deadline and any(_group_alive(w.proc) for w in targets):
+        while time.time() < min(deadline, self.kill_by()) and any(
+            _group_alive(w.proc) for w in targets
+        ):
             time.sleep(0.02)
         for worker in targets:
             _signal_group(worker.proc.pid, signal.SIGKILL)
@@ -368,12 +420,28 @@ class Launcher:
         self.monitor()
 
     def inject(self, message: dict[str, Any]) -> None:
-        worker = self.workers.get(int(message["rank"]))
-        if worker is None or worker.proc.poll() is not None:
-            return
+        """A fault plan's process fault; the controller hears back whether it fired, and why not."""
+        rank = int(message["rank"])
+        worker = self.workers.get(rank)
+        why = self._inject(worker, message)
+        self.send(
+            {
+                "t": "injected",
+                "index": message.get("index"),
+                "ok": why is None,
+                "why": why or "",
+                "at": time.time(),
+            }
+        )
+
+    def _inject(self, worker: Worker | None, message: dict[str, Any]) -> str | None:
+        if worker is None or worker.start_error:
+            return f"rank {message['rank']} has no process in pod {self.plan.pod}"
+        if worker.proc.poll() is not None:
+            return f"rank {worker.rank} has exited (code {worker.proc.returncode})"
         if message["kind"] == "hang":
             _signal_group(worker.proc.pid, signal.SIGSTOP)
-            return
+            return None
         code = int(message.get("exit_code", 1))
         try:
             tree = [
@@ -381,12 +449,13 @@ class Launcher:
                 *psutil.Process(worker.proc.pid).children(recursive=True),
             ]
         except psutil.NoSuchProcess:
-            return
+            return f"rank {worker.rank} has exited"
         pythons = [p for p in tree if _is_python(p)] or tree[:1]
         for process in pythons:
             (self.inject_dir / str(process.pid)).write_text(str(code))
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.send_signal(signal.SIGUSR2)
+        return None
 
     def assume(self, plan: LaunchPlan) -> None:
         """A standby launcher becomes the launcher of a pod moved to its node; its warm spares
@@ -428,15 +497,42 @@ class Launcher:
                 self.monitor()
                 self.refill_spares()
                 next_check = now + interval
-            with self.lock:
-                alone = self.alone_since
-            if alone is not None and now - alone > self.plan.adopt_grace_s:
-                self.stop(0.0)
+            if now - self.usage_sent_at >= self.plan.activity_interval_s:
+                self.usage_sent_at = now
+                self.send_usage()
+            if self.abandoned():
+                self.stop(self.plan.termination_grace_s)
                 self.running = False
+
+    def abandoned(self) -> bool:
+        """No controller for `adopt_grace_s`: the pod is abandoned (see the module docstring)."""
+        with self.lock:
+            alone = self.alone_since
+        if alone is None:
+            return False
+        if time.time() - alone > self.plan.adopt_grace_s:
+            if self.abandoned_at is None:
+                self.abandoned_at = time.time()
+            return True
+        return False
+
+    def kill_by(self) -> float:
+        """The latest moment a process of this pod may still run: once abandoned, at most
+        `adopt_grace_s` (and the job's grace) after that. A stop in progress checks it too."""
+        if not self.abandoned() or self.abandoned_at is None:
+            return float("inf")
+        grace = min(self.plan.termination_grace_s, self.plan.adopt_grace_s)
+        return self.abandoned_at + grace
 
     def handle(self, message: dict[str, Any]) -> None:
         kind = message["t"]
-        if kind == "start":
+        if kind == "check":
+            worker = self.workers.get(int(message["rank"]))
+            deadline = time.time() + 0.5  # its output closes a moment before it can be reaped
+            while worker is not None and worker.proc.poll() is None and time.time() < deadline:
+                time.sleep(0.01)
+            self.monitor()
+        elif kind == "start":
             self.start(int(message["attempt"]), message["env"], message.get("ranks"))
         elif kind == "stop":
             self.stop(float(message["grace"]), message.get("ranks"))
@@ -451,6 +547,60 @@ class Launcher:
             self.stop(float(message.get("grace", 0)))
             self.send({"t": "stopped", "attempt": self.attempt, "at": time.time(), "final": True})
             self.running = False
+
+
+class _NotStarted:
+    """Stands in for the Popen of a command that could not be started: it has "exited"."""
+
+    pid = 0
+    stdout = None
+
+    def __init__(self, code: int) -> None:
+        self.returncode = code
+
+    def poll(self) -> int:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.returncode
+
+    def kill(self) -> None:
+        return None
+
+
+def _children_by_parent() -> dict[int, list[int]]:
+    """Every process's children, from one walk of the process table."""
+    children: dict[int, list[int]] = {}
+    for process in psutil.process_iter(["ppid"]):
+        parent = process.info.get("ppid")
+        if parent:
+            children.setdefault(int(parent), []).append(process.pid)
+    return children
+
+
+def _tree_usage(pid: int, children: dict[int, list[int]]) -> tuple[float, int] | None:
+    """CPU seconds (user + system) and bytes read and written, summed over a process and its
+    descendants; None if it is gone."""
+    family, queue_ = [], [pid]
+    while queue_:
+        current = queue_.pop()
+        family.append(current)
+        queue_.extend(children.get(current, ()))
+    cpu, io, seen = 0.0, 0, False
+    for member in family:
+        try:
+            process = psutil.Process(member)
+            with process.oneshot():
+                times = process.cpu_times()
+                cpu += times.user + times.system
+                counters = process.io_counters()
+                io += int(getattr(counters, "read_chars", 0)) + int(
+                    getattr(counters, "write_chars", 0)
+                )
+            seen = True
+        except (psutil.Error, AttributeError):
+            continue
+    return (round(cpu, 2), io) if seen else None
 
 
 def _spare_argv(command: list[str]) -> list[str] | None:
@@ -468,6 +618,8 @@ def _spare_argv(command: list[str]) -> list[str] | None:
 
 
 def _signal_group(pid: int, signum: int) -> None:
+    if pid <= 0:
+        return  # killpg(0) would signal the launcher's own group
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signum)
 

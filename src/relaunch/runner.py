@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import json
 import os
 import subprocess
 import sys
@@ -23,43 +24,73 @@ from typing import IO, Any
 
 import psutil
 
-from relaunch.chaos import ChaosEntry, parse_plan
+from relaunch.chaos import ChaosEntry, check_plan, parse_plan
 from relaunch.cluster import Engine
 from relaunch.cluster.config import ClusterConfig, parse_cluster
 from relaunch.cluster.local import LocalCluster
 from relaunch.controller import Controller, RunOptions, create_pods
-from relaunch.errors import InputError, Problem, SpecError
+from relaunch.errors import FaultPlanError, InputError, Problem, SpecError
 from relaunch.faults import DEFAULT_TABLE, EscalationRules, FaultCodeTable
 from relaunch.files import load_fault_table
 from relaunch.spec import JobSpec, parse_job
-from relaunch.store import JobStatus, Store
+from relaunch.store import JobRow, JobStatus, Store
 
 __all__ = [
+    "Interrupted",
+    "RunnerState",
     "Submission",
     "abandon_unfinished",
+    "check_plan_fits",
     "could_not_start",
     "ensure_runner",
     "lock",
+    "lock_holder",
     "make_engine",
     "plan_entries",
     "run_job",
     "run_queue",
+    "stored_job",
     "submit",
     "table_from",
 ]
 
 
-def lock(directory: Path) -> IO[str]:
-    """The state directory's run lock; RuntimeError if another run or runner holds it."""
+def lock(directory: Path, role: str = "run") -> IO[str]:
+    """The state directory's run lock; RuntimeError if another run or runner holds it. The
+    holder writes its pid and role ("run": a foreground `relaunch run`; "runner": the queue's
+    runner) into the lock file, so that others can say who has it."""
     handle = open(directory / "run.lock", "a+")  # noqa: SIM115
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         handle.close()
+        holder = lock_holder(directory)
+        who = f" (pid {holder[0]}, {holder[1]})" if holder else ""
         raise RuntimeError(
-            f"another `relaunch run` is using {directory}; wait for it or pass another --state-dir"
+            f"another `relaunch run` or runner{who} is using {directory}; wait for it or pass "
+            "another --state-dir"
         ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(json.dumps({"pid": os.getpid(), "role": role}))
+    handle.flush()
     return handle
+
+
+def lock_holder(directory: Path) -> tuple[int, str] | None:
+    """(pid, role) of whoever holds the state directory's lock now, if anyone does."""
+    path = directory / "run.lock"
+    try:
+        with open(path) as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError:
+                data = json.loads(path.read_text() or "{}")
+                return int(data["pid"]), str(data["role"])
+            fcntl.flock(handle, fcntl.LOCK_UN)
+            return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def table_from(path: str | Path | None) -> tuple[FaultCodeTable, EscalationRules]:
@@ -70,12 +101,21 @@ def table_from(path: str | Path | None) -> tuple[FaultCodeTable, EscalationRules
 
 
 def plan_entries(data: Any, source: str) -> list[dict[str, Any]]:
-    """A fault plan's entries as stored, after checking them all (InputError otherwise)."""
+    """A fault plan's entries as stored, after checking each (FaultPlanError otherwise)."""
     if data is None:
         return []
     parse_plan(data, source=source)
     entries = data.get("faults", []) if isinstance(data, Mapping) else data
     return [dict(e) for e in entries or []]
+
+
+def check_plan_fits(
+    entries: Sequence[Mapping[str, Any]], job: JobSpec, cluster: ClusterConfig, source: str
+) -> None:
+    """FaultPlanError naming every entry that cannot hit its target in this job and cluster."""
+    problems = check_plan(parse_plan(list(entries), source=source), job, cluster)
+    if problems:
+        raise FaultPlanError(source, problems)
 
 
 @dataclass(frozen=True)
@@ -92,6 +132,8 @@ class Submission:
     startup_s: float | None = None
     engine: Mapping[str, Any] | None = None
     """None: the embedded cluster; {"kind": "ray", "address": ..., "select": ...}: Ray."""
+    plan_source: str = ""
+    """Where the fault plan came from, for its problems (default: the job's source)."""
 
 
 def submit(store: Store, submission: Submission, now: float) -> int:
@@ -100,8 +142,11 @@ def submit(store: Store, submission: Submission, now: float) -> int:
     cluster = parse_cluster(submission.cluster, source="cluster settings")
     if submission.fault_table is not None:
         table_from(submission.fault_table)
-    plan_entries(list(submission.plan), source=f"{submission.source}: fault plan")
     _check_fits(job, cluster, submission.source)
+    if not submission.engine:
+        _check_working_dir(job, submission.cwd, submission.source)
+    plan_source = submission.plan_source or f"{submission.source}: fault plan"
+    check_plan_fits(submission.plan, job, cluster, plan_source)
     stored = {
         "raw": submission.raw,
         "source": submission.source,
@@ -134,8 +179,29 @@ def _check_fits(job: JobSpec, cluster: ClusterConfig, source: str) -> None:
         )
 
 
-def abandon_unfinished(store: Store, directory: Path) -> None:
-    """A new foreground run ends what an earlier, dead run left running (queued jobs stay)."""
+def _check_working_dir(job: JobSpec, cwd: str, source: str) -> None:
+    """A job whose working directory does not exist could never start: refused up front."""
+    if job.working_dir is None:
+        return
+    where = Path(cwd, job.working_dir)
+    if not where.is_dir():
+        raise SpecError(
+            source,
+            [
+                Problem(
+                    "spec.working_dir",
+                    job.working_dir,
+                    f"an existing directory ({where} is not one; a relative path is taken from "
+                    f"{cwd})",
+                )
+            ],
+        )
+
+
+def abandon_unfinished(store: Store, directory: Path) -> list[JobRow]:
+    """A new foreground run ends what an earlier, dead run left running (queued jobs stay);
+    returns the jobs it abandoned, so that the caller can say so."""
+    abandoned = []
     for job in store.jobs():
         if job.status.active:
             store.update_job(
@@ -144,15 +210,23 @@ def abandon_unfinished(store: Store, directory: Path) -> None:
                 reason="abandoned: its controller died and `relaunch run --resume` was not used",
                 ended_at=time.time(),
             )
+            abandoned.append(job)
     LocalCluster(directory).shutdown()
+    return abandoned
+
+
+def stored_job(row: JobRow) -> tuple[JobSpec, ClusterConfig]:
+    """The job and cluster a stored job runs with (its working directory made absolute)."""
+    job = parse_job(row.spec["raw"], source=row.spec["source"])
+    cwd = row.spec.get("cwd") or os.getcwd()
+    job = dataclasses.replace(job, working_dir=str(Path(cwd, job.working_dir or ".")))
+    cluster = parse_cluster(row.spec.get("cluster"), source="stored cluster settings")
+    return job, cluster
 
 
 def _stored(store: Store, job_id: int) -> tuple[JobSpec, ClusterConfig, tuple[ChaosEntry, ...]]:
     row = store.job(job_id)
-    job = parse_job(row.spec["raw"], source=row.spec["source"])
-    if job.working_dir is None:
-        job = dataclasses.replace(job, working_dir=row.spec.get("cwd"))
-    cluster = parse_cluster(row.spec.get("cluster"), source="stored cluster settings")
+    job, cluster = stored_job(row)
     plan = parse_plan(row.plan, source="stored fault plan") if row.plan else ()
     return job, cluster, plan
 
@@ -217,10 +291,22 @@ def run_job(
         on_start(controller)
     try:
         status, _ = controller.run()
+    except Interrupted as interrupt:
+        controller.stop(f"stopped by the user ({interrupt.how})")
+        status = JobStatus.STOPPED
     except KeyboardInterrupt:
         controller.stop("stopped by the user (Ctrl-C)")
         status = JobStatus.STOPPED
     return status
+
+
+class Interrupted(KeyboardInterrupt):
+    """`relaunch run` was asked to stop by a signal (SIGTERM from systemd, docker, `timeout`):
+    handled as Ctrl-C is, the job stopped in order."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__(how)
+        self.how = how
 
 
 def run_queue(directory: Path, log: Callable[[str], None]) -> int:
@@ -264,27 +350,41 @@ def could_not_start(store: Store, job_id: int, error: Exception) -> None:
     )
 
 
-def ensure_runner(directory: Path) -> int | None:
-    """Start a detached runner if jobs wait and nobody holds the lock; its pid, or None."""
+@dataclass(frozen=True)
+class RunnerState:
+    """What `ensure_runner` found or did."""
+
+    started: int | None = None
+    """The pid of a runner started now."""
+    running: int | None = None
+    """The pid of a runner already running (or starting)."""
+    foreground: int | None = None
+    """The pid of a foreground `relaunch run` holding the state directory: queued jobs start
+    when it ends (it starts a runner for them then)."""
+    idle: bool = False
+    """No job waits."""
+
+
+def ensure_runner(directory: Path) -> RunnerState:
+    """Start a detached runner if jobs wait and nobody holds the lock."""
     store = Store(directory / "relaunch.db")
     try:
         waiting = any(not j.status.ended for j in store.jobs())
     finally:
         store.close()
     if not waiting:
-        return None
+        return RunnerState(idle=True)
     pid_file = directory / "runner.pid"
-    if pid_file.exists():
-        try:
-            known = psutil.Process(int(pid_file.read_text()))
-            if known.is_running() and known.status() != psutil.STATUS_ZOMBIE:
-                return None  # started a moment ago and not holding the lock yet, or running
-        except (ValueError, psutil.Error):
-            pass
+    known = _runner_of(directory, pid_file)
+    if known is not None:
+        return RunnerState(running=known)  # started a moment ago and not holding the lock yet
     try:
-        lock(directory).close()  # free now; the runner takes it (and a racing one exits quietly)
+        lock(directory, role="probe").close()  # free now; the runner takes it
     except RuntimeError:
-        return None
+        holder = lock_holder(directory)
+        if holder is not None and holder[1] == "run":
+            return RunnerState(foreground=holder[0])
+        return RunnerState(running=holder[0] if holder else None)
     log = open(directory / "runner.log", "ab")  # noqa: SIM115
     env = dict(os.environ)
     process = subprocess.Popen(
@@ -297,4 +397,19 @@ def ensure_runner(directory: Path) -> int | None:
     )
     log.close()
     pid_file.write_text(str(process.pid))
-    return process.pid
+    return RunnerState(started=process.pid)
+
+
+def _runner_of(directory: Path, pid_file: Path) -> int | None:
+    """The pid in runner.pid if it is a live runner of this state directory (a pid the kernel
+    has since given to another process is not)."""
+    try:
+        process = psutil.Process(int(pid_file.read_text()))
+        if process.status() == psutil.STATUS_ZOMBIE:
+            return None
+        command = process.cmdline()
+    except (OSError, ValueError, psutil.Error):
+        return None
+    if "runner" in command and str(directory) in command:
+        return process.pid
+    return None

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -47,7 +48,12 @@ def kill_tree(pid: int) -> None:
 
 
 class LocalCluster:
-    """Starts and kills the processes of the embedded cluster; remembers their pids on disk."""
+    """Starts and kills the processes of the embedded cluster; remembers them on disk.
+
+    `pids.json` holds each agent's and launcher's pid with its start time. A pid is only trusted
+    while the process that has it started at that time and runs from this state directory: a
+    pid the kernel gave to an unrelated process since is never signalled.
+    """
 
     bind_host = "127.0.0.1"
 
@@ -57,19 +63,45 @@ class LocalCluster:
         self.logs = state_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
 
-    def _pids(self) -> dict[str, dict[str, int]]:
+    def _pids(self) -> dict[str, dict[str, Any]]:
         try:
-            data: dict[str, dict[str, int]] = json.loads(self.pid_file.read_text())
-            return data
+            data = json.loads(self.pid_file.read_text())
+            if isinstance(data, dict) and {"agents", "launchers"} <= set(data):
+                return data
         except (OSError, ValueError):
-            return {"agents": {}, "launchers": {}}
+            pass
+        return {"agents": {}, "launchers": {}}
 
-    def _save(self, pids: dict[str, dict[str, int]]) -> None:
+    def _save(self, pids: dict[str, dict[str, Any]]) -> None:
         tmp = self.pid_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(pids))
         tmp.replace(self.pid_file)
 
+    def _ours(self, ref: Any) -> psutil.Process | None:
+        """The live process `ref` (a pid, or [pid, start time]) names, if it is still ours."""
+        try:
+            pid, started = (ref, None) if isinstance(ref, int) else (int(ref[0]), float(ref[1]))
+            process = psutil.Process(pid)
+            if started is not None and abs(process.create_time() - started) > 0.5:
+                return None
+            if str(self.state_dir) not in " ".join(process.cmdline()):
+                return None
+            return process
+        except (psutil.Error, ValueError, TypeError, IndexError):
+            return None
+
+    def _kill(self, ref: Any) -> None:
+        process = self._ours(ref)
+        if process is not None:
+            kill_tree(process.pid)
+
+    def processes(self, kind: str) -> list[psutil.Process]:
+        """The live agents (`kind` "agents") or launchers ("launchers") this cluster started."""
+        found = (self._ours(ref) for ref in self._pids()[kind].values())
+        return [p for p in found if p is not None]
+
     def start_agent(self, node: NodeSpec, interval: float, grace: float, blip_s: float) -> int:
+        self._kill(self._pids()["agents"].get(node.name))  # a node has one agent at a time
         pid = self._spawn(
             ["relaunch.cluster.agent", "--node", node.name, "--chips", str(node.chips),
              "--interval", str(interval), "--grace", str(grace), "--blip", str(blip_s)],
@@ -90,9 +122,9 @@ class LocalCluster:
     def assumed(self, job: int, node: str, pod: int, generation: int) -> None:
         """The standby launcher on `node` became the launcher of `pod` (see Launcher.assume)."""
         pids = self._pids()
-        pid = pids["launchers"].pop(f"{job}/-1/0/{node}", None)
-        if pid is not None:
-            pids["launchers"][f"{job}/{pod}/{generation}/{node}"] = pid
+        ref = pids["launchers"].pop(f"{job}/-1/0/{node}", None)
+        if ref is not None:
+            pids["launchers"][f"{job}/{pod}/{generation}/{node}"] = ref
             self._save(pids)
 
     def _spawn(self, module_and_args: list[str], log_path: Path) -> int:
@@ -109,41 +141,39 @@ class LocalCluster:
         return proc.pid
 
     def _remember(self, kind: str, key: str, pid: int) -> None:
+        try:
+            started = psutil.Process(pid).create_time()
+        except psutil.Error:
+            return  # it died already: nothing to remember
         pids = self._pids()
-        pids[kind][key] = pid
+        pids[kind][key] = [pid, started]
         self._save(pids)
 
     def kill_node(self, node: str) -> None:
         """A node is lost: its agent and every pod on it die at once."""
         pids = self._pids()
-        agent = pids["agents"].pop(node, None)
-        if agent is not None:
-            kill_tree(agent)
-        for key, pid in list(pids["launchers"].items()):
+        self._kill(pids["agents"].pop(node, None))
+        for key, ref in list(pids["launchers"].items()):
             if key.rsplit("/", 1)[1] == node:
-                kill_tree(pid)
+                self._kill(ref)
                 del pids["launchers"][key]
         self._save(pids)
 
     def kill_pod(self, job: int, pod: int, generation: int) -> None:
         pids = self._pids()
-        for key, pid in list(pids["launchers"].items()):
+        for key, ref in list(pids["launchers"].items()):
             j, p, g, _ = key.split("/")
             if (int(j), int(p), int(g)) == (job, pod, generation):
-                kill_tree(pid)
+                self._kill(ref)
                 del pids["launchers"][key]
         self._save(pids)
 
     def shutdown(self) -> None:
         """Kill everything this cluster started and is still running."""
         pids = self._pids()
-        for pid in [*pids["launchers"].values(), *pids["agents"].values()]:
-            kill_tree(pid)
+        for ref in [*pids["launchers"].values(), *pids["agents"].values()]:
+            self._kill(ref)
         self._save({"agents": {}, "launchers": {}})
-
-    def agent_alive(self, node: str) -> bool:
-        pid = self._pids()["agents"].get(node)
-        return pid is not None and psutil.pid_exists(pid)
 
     def lost_nodes(self) -> set[str]:
         return set()  # the agents' heartbeats are the only witness of a simulated node
