@@ -34,6 +34,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from relaunch.train import rng
+
 __all__ = ["FENCE_FILE", "Checkpoint", "CheckpointManager", "CheckpointWarning", "StaleProcess"]
 
 _STEP_DIR = re.compile(r"step-(\d{9})")
@@ -111,13 +113,25 @@ def _deserialize(data: bytes, fmt: str) -> Any:
     return pickle.loads(data)
 
 
+TMP_MARK = ".tmp-"
+"""Temporary files are `.NAME.tmp-PID` beside their target until they are renamed into place."""
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
+    """Write `data` to a temporary file, fsync, rename over `path`, fsync the directory. On any
+    error the temporary file is removed: a failed save (a full disk) leaves nothing behind that
+    would make the next save fail too."""
+    tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
     _fsync_dir(path.parent)
 
 
@@ -159,10 +173,24 @@ class CheckpointManager:
         self._writer: threading.Thread | None = None
         self._error: BaseException | None = None
         self._lock = threading.Lock()
-        self.completed_step: int | None = None
+        self._completed_step: int | None = None
+        self._rng_completed: dict[str, Any] | None = None
         self._in_step = False
         self._term_pending = False
         self._gasp: Callable[[], Any] | None = None
+        self.sweep()
+
+    @property
+    def completed_step(self) -> int | None:
+        """The last step that ended without an error: what a dying gasp saves."""
+        return self._completed_step
+
+    @completed_step.setter
+    def completed_step(self, step: int | None) -> None:
+        # The random streams as they are at the end of this step: a gasp that comes in the
+        # middle of the next step (which may have drawn already) saves them, not the current.
+        self._completed_step = step
+        self._rng_completed = rng.capture() if step is not None else None
 
     # -- saving -------------------------------------------------------------------------------------
 
@@ -220,6 +248,19 @@ class CheckpointManager:
                 directory / f"rank-{self.rank}.manifest.json", json.dumps(manifest).encode()
             )
             self._rotate()
+
+    def sweep(self) -> int:
+        """Remove this rank's temporary files that no save of this process is writing: what a
+        process killed (or a disk filled) mid-save left behind. Returns how many."""
+        removed = 0
+        own = f"{TMP_MARK}{os.getpid()}"
+        for path in self.directory.glob(f"step-*/.rank-{self.rank}.*{TMP_MARK}*"):
+            if path.name.endswith(own) and self._writer is not None and self._writer.is_alive():
+                continue
+            with contextlib.suppress(OSError):
+                path.unlink()
+                removed += 1
+        return removed
 
     def _rotate(self) -> None:
         """Keep the newest `keep` steps this rank has verified shards for; drop its older shards."""
@@ -345,6 +386,8 @@ class CheckpointManager:
     def _gasp_and_exit(self) -> None:
         if self._gasp is not None and self.completed_step is not None:
             try:
+                if self._rng_completed is not None:
+                    rng.restore(self._rng_completed)  # as of the end of the completed step
                 self.save(self.completed_step, self._gasp(), blocking=True)
                 print(
                     f"relaunch: dying gasp saved step {self.completed_step} (rank {self.rank})",

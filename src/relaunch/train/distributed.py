@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from relaunch.train import rng
 from relaunch.train.checkpoint import Checkpoint, CheckpointManager
 
 __all__ = [
@@ -53,11 +54,13 @@ def parameter_hash(model: torch.nn.Module) -> str:
 
 
 def rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state()}
+    """Every random stream the script uses (torch CPU and CUDA, `random`, NumPy), for its
+    checkpoint: see :mod:`relaunch.train.rng`."""
+    return rng.capture()
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
+    rng.restore(state)
 
 
 def settle_ddp_buckets(
@@ -69,8 +72,10 @@ def settle_ddp_buckets(
     of floating-point sums in the allreduce. Without this pass, the first step after a restart
     would be summed with the initial layout and an unbroken run's with the rebuilt one: the same
     maths, other rounding, and a resumed job no longer ends bit for bit where an unbroken one does.
-    Changes no parameter and no optimizer state. A collective: every rank must call it.
+    Changes no parameter, no optimizer state and no random stream (the forward pass may draw,
+    for dropout: every stream is put back as it was). A collective: every rank must call it.
     """
-    output = ddp(*inputs)
-    (output.sum() * 0.0).backward()
+    with rng.preserved():
+        output = ddp(*inputs)
+        (output.sum() * 0.0).backward()
     ddp.module.zero_grad(set_to_none=True)
