@@ -1,4 +1,5 @@
-"""Schemathesis against the OpenAPI document of a real server process: no server error."""
+"""Schemathesis against the OpenAPI document of a real server process: no server error, and every
+answer in its documented status codes, content types and response schemas."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def _schemathesis(server: Server, config: Path, *extra: str) -> subprocess.Compl
             "run",
             f"{server.url}/openapi.json",
             "--checks",
-            "not_a_server_error",
+            "not_a_server_error,status_code_conformance,content_type_conformance,"
+            "response_schema_conformance,response_headers_conformance",
             "-H",
             f"Authorization: Bearer {server.token}",
             "--max-examples",
@@ -36,6 +38,7 @@ def _schemathesis(server: Server, config: Path, *extra: str) -> subprocess.Compl
         text=True,
         timeout=600,
         check=False,
+        cwd=config.parent,  # its cache goes beside the config, not into the checkout
     )
 
 

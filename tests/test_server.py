@@ -182,7 +182,8 @@ def test_malformed_requests_are_400_with_a_reason(server: Server) -> None:
         json={**SEED_BODY, "spec": {"command": "true"}, "fault_plan": [{"kind": "meteor"}]},
         headers=auth(server),
     )
-    assert r.status_code == 400 and r.json()["problems"][0]["key"].startswith("faults")
+    # a fault plan's problems are 422 (the request was well formed; its faults cannot happen)
+    assert r.status_code == 422 and r.json()["problems"][0]["key"].startswith("faults")
     r = httpx.post(
         url, json={**SEED_BODY, "spec": {"command": "true", "replicas": 99}}, headers=auth(server)
     )

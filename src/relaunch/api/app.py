@@ -9,8 +9,6 @@ runner and its controller act on what the store says. Every error is JSON with t
 
 # No `from __future__ import annotations`: FastAPI reads the handlers' annotations at runtime,
 # and the dependencies they name are local to create_app.
-import hmac
-import ipaddress
 import json
 import os
 import secrets
@@ -23,7 +21,7 @@ from typing import Annotated, Any
 from fastapi import Body, Depends, FastAPI, Query, Request
 from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -32,10 +30,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from relaunch import __version__, runner
 from relaunch.api import TOKEN_FILE
+from relaunch.api.guard import MAX_BODY, Guard
 from relaunch.api.metrics import StoreCollector
-from relaunch.errors import MISSING, InputError, Problem
+from relaunch.errors import MISSING, FaultPlanError, InputError, Problem
 from relaunch.report import budgets_left, build_report, node_view
-from relaunch.store import JobRow, NodeState, Store
+from relaunch.store import JOB_ID, JobRow, NodeState, Store
 
 __all__ = [
     "ApiError",
@@ -125,15 +124,21 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorOut, "description": "Invalid input; `problems` names every key."},
     401: {"model": ErrorOut, "description": "A bearer token is needed."},
     404: {"model": ErrorOut, "description": "No such job or node."},
+    413: {"model": ErrorOut, "description": f"The body is larger than {MAX_BODY} bytes."},
+    422: {
+        "model": ErrorOut,
+        "description": "A fault plan that cannot hit its targets in this job and cluster; "
+        "`problems` names every entry.",
+    },
 }
 
 
 def _problem_json(p: Problem) -> dict[str, Any]:
     value = None if p.value is MISSING else p.value
     try:
-        json.dumps(value)
-    except (TypeError, ValueError):
-        value = repr(value)
+        json.dumps(value, allow_nan=False)  # what the response encoder will demand
+    except (TypeError, ValueError, RecursionError):
+        value = repr(value)[:200]
     return {"key": p.key, "value": value, "allowed": p.allowed, "message": str(p)}
 
 
@@ -147,14 +152,6 @@ def _error(
     }
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
     return JSONResponse(body, status_code=status, headers=headers)
-
-
-def _is_loopback(request: Request) -> bool:
-    host = request.client.host if request.client else ""
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a name, or nothing: not provably this machine
 
 
 def create_app(settings: ServerSettings) -> FastAPI:
@@ -172,29 +169,25 @@ def create_app(settings: ServerSettings) -> FastAPI:
         "fault-recovery records, nodes and metrics.",
     )
 
-    def _token_ok(credentials: HTTPAuthorizationCredentials | None) -> bool:
-        return credentials is not None and hmac.compare_digest(
-            credentials.credentials.encode(), settings.token.encode()
-        )
-
+    # The Guard middleware checks the token before any handler runs or any body is read; these
+    # dependencies only put the bearer scheme into the OpenAPI document.
     def write_access(
         credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
     ) -> None:
-        if not _token_ok(credentials):
-            raise ApiError(
-                401,
-                "this request changes state: send `Authorization: Bearer <token>` "
-                f"with the token in {settings.state_dir / TOKEN_FILE}",
-            )
+        return None
 
     def read_access(
-        request: Request,
         credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
     ) -> None:
-        if (settings.lock_reads or not _is_loopback(request)) and not _token_ok(credentials):
-            raise ApiError(
-                401, "reads are locked on this server: send `Authorization: Bearer <token>`"
-            )
+        return None
+
+    app.add_middleware(
+        Guard,
+        token=settings.token,
+        lock_reads=settings.lock_reads,
+        protected=lambda path: path.startswith("/v2/") or path == "/metrics",
+        token_file=str(settings.state_dir / TOKEN_FILE),
+    )
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, error: ApiError) -> JSONResponse:
@@ -224,7 +217,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         return _error(error.status_code, str(error.detail))
 
     def job_or_404(project_id: str, job_id: str) -> JobRow:
-        row = store.find_job(job_id) if job_id.isdigit() and len(job_id) < 16 else None
+        row = store.find_job(job_id) if JOB_ID.fullmatch(job_id) else None
         if row is None or row.project != project_id:
             raise ApiError(404, f"no training job {job_id!r} in project {project_id!r}")
         return row
@@ -272,7 +265,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
                 time.time(),
             )
         except InputError as error:
-            raise ApiError(400, f"{error.source}: invalid {error.what}", error.problems) from None
+            raise _input_error(error) from None
         return job_view(store, store.job(job_id))
 
     @app.get(
@@ -375,12 +368,17 @@ def create_app(settings: ServerSettings) -> FastAPI:
         row = job_or_404(project_id, training_job_id)
         if row.status.ended:
             raise ApiError(409, f"job {row.id} has ended ({row.status.value})")
+        source = "fault plan"
         try:
-            entries = runner.plan_entries(plan, source="fault plan")
+            entries = runner.plan_entries(plan, source=source)
+            if not entries:
+                raise FaultPlanError(source, [Problem("faults", [], "at least one fault")])
+            job, cluster = runner.stored_job(row)
+            # numbered as they will be stored: after the entries the job already has
+            offset = [*row.plan, *entries]
+            runner.check_plan_fits(offset, job, cluster, source)
         except InputError as error:
-            raise ApiError(400, f"{error.source}: invalid {error.what}", error.problems) from None
-        if not entries:
-            raise ApiError(400, "empty fault plan", (Problem("faults", [], "at least one fault"),))
+            raise _input_error(error) from None
         first = store.append_plan(row.id, entries)
         return CreatedFaults(job_id=str(row.id), first_index=first, count=len(entries))
 
@@ -421,7 +419,13 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     # -- metrics, health, dashboard ---------------------------------------------------------------
 
-    @app.get("/metrics", dependencies=[Depends(read_access)], summary="Prometheus metrics")
+    @app.get(
+        "/metrics",
+        dependencies=[Depends(read_access)],
+        summary="Prometheus metrics",
+        response_class=PlainTextResponse,
+        responses={401: ERRORS[401]},
+    )
     def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -437,6 +441,13 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     app.mount("/static", StaticFiles(packages=[("relaunch.api", "static")]), name="static")
     return app
+
+
+def _input_error(error: InputError) -> ApiError:
+    """400 for a job that is not valid; 422 for a fault plan that is not valid or does not fit
+    its job (the request was well formed, its faults cannot happen)."""
+    status = 422 if isinstance(error, FaultPlanError) else 400
+    return ApiError(status, f"{error.source}: invalid {error.what}", error.problems)
 
 
 def job_view(store: Store, row: JobRow, brief: bool = False) -> dict[str, Any]:
@@ -477,5 +488,6 @@ def job_view(store: Store, row: JobRow, brief: bool = False) -> dict[str, Any]:
         "isolated_nodes": report["isolated_nodes"],
         "pods": report["pods"],
         "records": report["recoveries"],
+        "fault_plan": report["fault_plan"],
     }
     return view

@@ -102,4 +102,5 @@ def summary_from_view(view: dict[str, Any]) -> dict[str, Any]:
         "budgets_left": recovery.get("budgets_left", {}),
         "pods": recovery.get("pods", []),
         "recoveries": recovery.get("records", []),
+        "fault_plan": recovery.get("fault_plan", []),
     }

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import uvicorn
 
 from relaunch.api.app import ServerSettings, create_app
+from relaunch.errors import RelaunchError
 from relaunch.runner import ensure_runner
 
 __all__ = ["serve"]
@@ -28,12 +29,15 @@ def _keep_runner(settings: ServerSettings, interval_s: float, log: Callable[[str
     while not stop.wait(interval_s):
         _reap()
         try:
-            pid = ensure_runner(settings.state_dir)
-        except OSError as error:
+            state = ensure_runner(settings.state_dir)
+        except (OSError, RelaunchError) as error:
             log(f"could not start a runner: {error}")
             continue
-        if pid is not None:
-            log(f"runner started (pid {pid}); its log: {settings.state_dir / 'runner.log'}")
+        if state.started is not None:
+            log(
+                f"runner started (pid {state.started}); its log: "
+                f"{settings.state_dir / 'runner.log'}"
+            )
 
 
 def serve(
