@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import time
 from pathlib import Path
 
@@ -27,7 +28,14 @@ def main() -> None:
         "--crash-at-step", type=int, default=None, help="exit 1 here in every attempt (a code bug)"
     )
     parser.add_argument("--ckpt-dir", default=None, help="default: the job's shared directory")
+    parser.add_argument(
+        "--ignore-sigterm",
+        action="store_true",
+        help="ignore SIGTERM, as PyTorch Lightning's handler does (it only sets a flag)",
+    )
     args = parser.parse_args()
+    if args.ignore_sigterm:
+        signal.signal(signal.SIGTERM, lambda *_: print("SIGTERM ignored", flush=True))
     job = env()
     directory = Path(args.ckpt_dir or os.environ.get("RELAUNCH_SHARED_DIR", "."))
     directory.mkdir(parents=True, exist_ok=True)

@@ -48,9 +48,11 @@ def test_quick_bench_writes_json_markdown_and_chart(tmp_path: Path) -> None:
     }
     assert all(r["failures"] == 0 for r in rows if r["system"] == "relaunch")
     assert "ddp/job-reschedule" in result["ratios"]
-    hangs = {h["system"]: h for h in result["hang"]}
-    assert hangs["relaunch"]["detected"] and hangs["relaunch"]["detect_s"] is not None
-    assert set(hangs["torchrun"]) >= {"detected", "detect_s", "mttr_s", "note"}
+    relaunch_hangs = [h for h in result["hang"] if h["system"] == "relaunch"]
+    assert sorted(h["script"] for h in relaunch_hangs) == ["exits on SIGTERM", "ignores SIGTERM"]
+    assert all(h["detected"] and h["detect_s"] is not None for h in relaunch_hangs)
+    [torchrun_hang] = [h for h in result["hang"] if h["system"] == "torchrun"]
+    assert set(torchrun_hang) >= {"detected", "detect_s", "mttr_s", "note"}
     # where a DDP restart's time goes, for both systems
     phased = {
         r["system"]: r["phases"]

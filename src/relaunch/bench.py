@@ -302,14 +302,29 @@ def _relaunch_once(workload: str, level: str, tmp: Path, procs: int = 2) -> Samp
     )
 
 
-def _relaunch_hang(window: float, tmp: Path) -> dict[str, Any]:
-    """A rank stopped with SIGSTOP under relaunch, hang window `window` s (light workload)."""
+def _relaunch_hang(window: float, tmp: Path, ignores_sigterm: bool = False) -> dict[str, Any]:
+    """A rank stopped with SIGSTOP under relaunch, hang window `window` s (light workload).
+    `ignores_sigterm`: the script ignores SIGTERM, as PyTorch Lightning's handler does, in a job
+    with ModelArts annotations only (no fault-scheduling label): its hung processes wait for the
+    hang grace (spec.hang_grace_seconds, 5 s) before SIGKILL."""
     job = _job("light", "hang-restart", None)
     job["spec"]["hang_detect_seconds"] = window
-    job["spec"]["command"] = f"python {TOY} --steps 40 --step-seconds 0.03 --ckpt-every 5"
+    # the healthy ranks must still be training when the hang is detected and they are stopped
+    steps = FAULT_STEP + int((window + 2) / 0.03)
+    job["spec"]["command"] = f"python {TOY} --steps {steps} --step-seconds 0.03 --ckpt-every 5"
+    script = "exits on SIGTERM"
+    if ignores_sigterm:
+        job["spec"]["command"] += " --ignore-sigterm"
+        job["metadata"]["labels"] = {}
+        script = "ignores SIGTERM"
     report = _run_relaunch(tmp, job, [{**LEVELS["hang-restart"][1], "at_step": FAULT_STEP}])
     record = _single_recovery(report, "hang-restart")
-    row: dict[str, Any] = {"system": "relaunch", "workload": "light", "window_s": window}
+    row: dict[str, Any] = {
+        "system": "relaunch",
+        "workload": "light",
+        "script": script,
+        "window_s": window,
+    }
     if record is None:
         return {
             **row,
@@ -348,7 +363,12 @@ def _torchrun_hang(limit: float, tmp: Path, procs: int = 2) -> dict[str, Any]:
             break
         time.sleep(0.2)
     _stop_torchrun(agents)
-    row: dict[str, Any] = {"system": "torchrun", "workload": "ddp", "window_s": None}
+    row: dict[str, Any] = {
+        "system": "torchrun",
+        "workload": "ddp",
+        "script": "exits on SIGTERM",
+        "window_s": None,
+    }
     if hung_at is None:
         return {
             **row,
@@ -514,6 +534,13 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         options.progress(
             f"[{time.time() - started:6.0f} s] relaunch hang, window {window:g} s: {hangs[-1]}"
         )
+        if window == windows[0]:
+            with tempfile.TemporaryDirectory(prefix="relaunch-bench-") as tmp:
+                hangs.append(_relaunch_hang(window, Path(tmp), ignores_sigterm=True))
+            options.progress(
+                f"[{time.time() - started:6.0f} s] relaunch hang, script ignoring SIGTERM, "
+                f"window {window:g} s: {hangs[-1]}"
+            )
     if "hang" in sections:
         with tempfile.TemporaryDirectory(prefix="relaunch-bench-") as tmp:
             hangs.append(_torchrun_hang(3.0 if options.quick else 90.0, Path(tmp), procs))
@@ -608,8 +635,8 @@ MTTR_COLUMNS = {
     "detect_s": "detect s", "lost_steps": "lost steps",
 }  # fmt: skip
 HANG_COLUMNS = {
-    "system": "system", "workload": "workload", "window_s": "hang window s", "detected": "detected",
-    "detect_s": "detect s", "mttr_s": "MTTR s", "note": "note",
+    "system": "system", "workload": "workload", "script": "script", "window_s": "hang window s",
+    "detected": "detected", "detect_s": "detect s", "mttr_s": "MTTR s", "note": "note",
 }  # fmt: skip
 
 
