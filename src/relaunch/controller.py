@@ -305,6 +305,15 @@ class Controller:
             self._drain(0.05)
         self.adopt_until = 0.0
 
+    def _everyone_back(self) -> bool:
+        """Every live node's agent and every placed pod's launcher has reconnected."""
+        live = {
+            n.name for n in self.store.nodes() if n.state in (NodeState.READY, NodeState.FAULTY)
+        }
+        parked = self._parked()
+        pods = {p.idx for p in self.store.pods(self.job_id) if p.idx not in parked}
+        return live <= set(self.agents) and pods <= set(self.launchers)
+
     def _resume_active(self) -> None:
         for record in reversed(self.store.records(self.job_id)):
             if record.outcome is Outcome.RUNNING:
@@ -355,6 +364,8 @@ class Controller:
         if now - self.seen_written >= SEEN_EVERY_S:
             self.seen_written = now
             self.store.update_job(self.job_id, controller_seen_at=now)
+        if now < self.adopt_until and self._everyone_back():
+            self.adopt_until = now  # a resume need not wait out the window once all are back
         if self.decide_pending and now >= max(self.adopt_until, self.decide_after):
             self._decide_waiting()
         self._check_requests(now)
