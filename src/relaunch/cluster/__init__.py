@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from relaunch.cluster.config import NodeSpec
-    from relaunch.launcher import LaunchPlan
+    from relaunch.protocol import LaunchPlan
 
 __all__ = ["Engine"]
 

@@ -19,19 +19,21 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from relaunch.wire import Connection, controller_address
-
-
-@dataclass
-class ChipFault:
-    seq: int
-    chip: int
-    code: str
-    heals: bool
-    kind: str  # chip | memory-uce
-    at: float
+from relaunch.protocol.messages import (
+    AgentHello,
+    ChipReport,
+    Heal,
+    Healed,
+    Heartbeat,
+    InjectChipFault,
+    Injected,
+    InjectNetworkFault,
+    LinkReport,
+    Message,
+    Shutdown,
+)
+from relaunch.protocol.wire import Connection, controller_address
 
 
 @dataclass
@@ -52,12 +54,12 @@ class Agent:
         self.interval = interval
         self.grace = grace
         self.blip_s = blip_s
-        self.faults: dict[int, ChipFault] = {}
+        self.faults: dict[int, ChipReport] = {}
         self.link: LinkDown | None = None
         self.seq = 0
         self.lock = threading.Lock()
 
-    def heartbeat(self) -> dict[str, Any]:
+    def heartbeat(self) -> Heartbeat:
         now = time.time()
         with self.lock:
             link = None
@@ -66,60 +68,46 @@ class Agent:
                 restored = self.link.duration_s is not None and down_for >= self.link.duration_s
                 if restored or down_for > self.blip_s:
                     duration = self.link.duration_s if restored else None
-                    link = {"seq": self.link.seq, "at": self.link.at, "duration_s": duration}
+                    link = LinkReport(self.link.seq, self.link.at, duration)
                 if restored:
                     self.link = None
-            return {
-                "t": "hb",
-                "node": self.node,
-                "at": now,
-                "faults": [f.__dict__ for f in self.faults.values()],
-                "link": link,
-            }
+            return Heartbeat(self.node, now, tuple(self.faults.values()), link)
 
-    def handle(self, conn: Connection, message: dict[str, Any]) -> None:
-        kind = message["t"]
+    def handle(self, conn: Connection, message: Message) -> None:
         with self.lock:
-            if kind == "chip_fault":
-                chip = int(message["chip"])
-                if not 0 <= chip < self.chips:  # never wrapped onto another chip
-                    why = f"node {self.node} has {self.chips} chip(s); chip {chip} does not exist"
-                    conn.send({"t": "injected", "index": message.get("index"), "ok": False,
-                               "why": why, "at": time.time()})  # fmt: skip
-                    return
-                self.seq += 1
-                self.faults[chip] = ChipFault(
-                    self.seq,
-                    chip,
-                    message["code"],
-                    bool(message["heals"]),
-                    message["kind"],
-                    time.time(),
-                )
-                conn.send({"t": "injected", "index": message.get("index"), "ok": True,
-                           "why": "", "at": time.time()})  # fmt: skip
-            elif kind == "network":
-                self.seq += 1
-                self.link = LinkDown(
-                    self.seq,
-                    time.time(),
-                    message.get("duration_s"),
-                    bool(message.get("heals", True)),
-                )
-                conn.send({"t": "injected", "index": message.get("index"), "ok": True,
-                           "why": "", "at": time.time()})  # fmt: skip
-            elif kind == "heal":
-                ok = True
-                for chip, fault in list(self.faults.items()):
-                    if fault.heals:
-                        del self.faults[chip]
-                    else:
-                        ok = False
-                if self.link is not None:
-                    ok = ok and self.link.heals
-                    if self.link.heals:
-                        self.link = None
-                conn.send({"t": "healed", "id": message.get("id"), "node": self.node, "ok": ok})
+            match message:
+                case InjectChipFault(index=index, chip=chip):
+                    if not 0 <= chip < self.chips:  # never wrapped onto another chip
+                        why = (
+                            f"node {self.node} has {self.chips} chip(s); chip {chip} does not exist"
+                        )
+                        conn.send(Injected(index, False, why, time.time()))
+                        return
+                    self.seq += 1
+                    self.faults[chip] = ChipReport(
+                        self.seq, chip, message.code, message.heals, message.kind, time.time()
+                    )
+                    conn.send(Injected(index, True, "", time.time()))
+                case InjectNetworkFault(index=index):
+                    self.seq += 1
+                    self.link = LinkDown(self.seq, time.time(), message.duration_s, message.heals)
+                    conn.send(Injected(index, True, "", time.time()))
+                case Heal(request=request):
+                    conn.send(Healed(request, self.node, self._heal()))
+
+    def _heal(self) -> bool:
+        """Clear every fault that heals; True if nothing is left faulty."""
+        ok = True
+        for chip, fault in list(self.faults.items()):
+            if fault.heals:
+                del self.faults[chip]
+            else:
+                ok = False
+        if self.link is not None:
+            ok = ok and self.link.heals
+            if self.link.heals:
+                self.link = None
+        return ok
 
     def run(self) -> None:
         alone_since = time.time()
@@ -131,14 +119,12 @@ class Agent:
                     conn = Connection.connect(*address)
                 except OSError:
                     conn = None
-            if conn is not None and conn.send(
-                {"t": "hello", "role": "agent", "node": self.node, "chips": self.chips}
-            ):
+            if conn is not None and conn.send(AgentHello(self.node, self.chips)):
                 done = threading.Event()
 
                 def read(c: Connection = conn, done: threading.Event = done) -> None:
                     for message in c:
-                        if message["t"] == "shutdown":
+                        if isinstance(message, Shutdown):
                             os._exit(0)
                         self.handle(c, message)
                     done.set()

@@ -14,14 +14,13 @@ import signal
 import socket
 import subprocess
 import sys
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import psutil
 
 from relaunch.cluster.config import NodeSpec
-from relaunch.launcher import LaunchPlan
+from relaunch.protocol import LaunchPlan, PodDir, StateDir
 
 __all__ = ["LocalCluster", "free_port", "kill_tree"]
 
@@ -59,9 +58,9 @@ class LocalCluster:
 
     def __init__(self, state_dir: Path) -> None:
         self.state_dir = state_dir
-        self.pid_file = state_dir / "pids.json"
-        self.logs = state_dir / "logs"
-        self.logs.mkdir(parents=True, exist_ok=True)
+        self.layout = StateDir(state_dir)
+        self.pid_file = self.layout.pids
+        self.layout.logs.mkdir(parents=True, exist_ok=True)
 
     def _pids(self) -> dict[str, dict[str, Any]]:
         try:
@@ -105,17 +104,16 @@ class LocalCluster:
         pid = self._spawn(
             ["relaunch.cluster.agent", "--node", node.name, "--chips", str(node.chips),
              "--interval", str(interval), "--grace", str(grace), "--blip", str(blip_s)],
-            self.logs / f"agent-{node.name}.log",
+            self.layout.agent_log(node.name),
         )  # fmt: skip
         self._remember("agents", node.name, pid)
         return pid
 
     def start_pod(self, plan: LaunchPlan) -> int:
-        workdir = Path(plan.workdir)
-        workdir.mkdir(parents=True, exist_ok=True)
-        plan_file = workdir / "launch.json"
-        plan_file.write_text(json.dumps(asdict(plan)))
-        pid = self._spawn(["relaunch.launcher", "--plan", str(plan_file)], workdir / "launcher.log")
+        pod = PodDir(Path(plan.workdir))
+        pod.path.mkdir(parents=True, exist_ok=True)
+        pod.plan.write_text(plan.to_json())
+        pid = self._spawn(["relaunch.launcher", "--plan", str(pod.plan)], pod.launcher_log)
         self._remember("launchers", f"{plan.job}/{plan.pod}/{plan.generation}/{plan.node}", pid)
         return pid
 

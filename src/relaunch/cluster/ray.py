@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from relaunch.cluster.config import NodeSpec
 from relaunch.cluster.local import free_port, kill_tree
-from relaunch.launcher import LaunchPlan
+from relaunch.protocol import LaunchPlan, PodDir
 
 __all__ = [
     "CHIPS_RESOURCE",
@@ -338,7 +338,7 @@ class RayCluster:
         return int(pid or -1)
 
     def start_pod(self, plan: LaunchPlan) -> int:
-        plan_file = str(Path(plan.workdir) / "launch.json")
+        plan_file = str(PodDir(Path(plan.workdir)).plan)
         key = f"{plan.job}/{plan.pod}/{plan.generation}"
         pid = self._call(
             plan.node,
@@ -347,7 +347,7 @@ class RayCluster:
             "relaunch.launcher",
             ["--plan", plan_file],
             str(Path(plan.workdir) / "launcher.log"),
-            {plan_file: json.dumps(asdict(plan))},
+            {plan_file: plan.to_json()},
         )
         return int(pid or -1)
 

@@ -34,13 +34,14 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from relaunch.protocol.environment import Env
+from relaunch.protocol.layout import FENCE_FILE
 from relaunch.train import rng
+from relaunch.train.progress import SdkPhase, report_phase
 
 __all__ = ["FENCE_FILE", "Checkpoint", "CheckpointManager", "CheckpointWarning", "StaleProcess"]
 
 _STEP_DIR = re.compile(r"step-(\d{9})")
-FENCE_FILE = "fence.json"
-"""In RELAUNCH_SHARED_DIR: {"generations": {pod: oldest generation allowed}}, by the controller."""
 
 
 class StaleProcess(RuntimeError):
@@ -51,15 +52,15 @@ class StaleProcess(RuntimeError):
 def check_fence() -> None:
     """Raise StaleProcess if the controller's fence says this process is stale. Outside relaunch
     (no RELAUNCH_SHARED_DIR) nothing is fenced."""
-    shared = os.environ.get("RELAUNCH_SHARED_DIR")
+    shared = os.environ.get(Env.SHARED_DIR)
     if not shared:
         return
     try:
         fence = json.loads((Path(shared) / FENCE_FILE).read_text())
-        oldest = int(fence["generations"][os.environ.get("RELAUNCH_POD", "")])
+        oldest = int(fence["generations"][os.environ.get(Env.POD, "")])
     except (OSError, ValueError, KeyError, TypeError):
         return
-    generation = int(os.environ.get("RELAUNCH_GENERATION", "0"))
+    generation = int(os.environ.get(Env.GENERATION, "0"))
     if generation < oldest:
         raise StaleProcess(
             f"pod generation {generation} is stale (the pod was moved off a lost node and runs "
@@ -166,7 +167,7 @@ class CheckpointManager:
             raise ValueError("every must be at least 1 (or None)")
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+        self.rank = int(os.environ.get(Env.RANK, "0")) if rank is None else rank
         self.every = every
         self.keep = keep
         self.async_save = async_save
@@ -195,22 +196,32 @@ class CheckpointManager:
     # -- saving -------------------------------------------------------------------------------------
 
     def save(self, step: int, state: Any, *, blocking: bool | None = None) -> None:
-        """Save `state` as this rank's shard of `step`."""
-        self.wait()
-        snapshot = _snapshot(state)
-        if blocking if blocking is not None else not self.async_save:
-            self._write(step, snapshot)
-            return
-        self._writer = threading.Thread(
-            target=self._write_in_background, args=(step, snapshot), daemon=True
-        )
-        self._writer.start()
+        """Save `state` as this rank's shard of `step`. relaunch hears that the rank is saving
+        (no process-level recovery runs meanwhile, R-37) until the save returns: after the
+        write, or for an asynchronous save once the state is copied to host memory."""
+        report_phase(SdkPhase.CHECKPOINT)
+        try:
+            self.wait()
+            snapshot = _snapshot(state)
+            if blocking if blocking is not None else not self.async_save:
+                self._write(step, snapshot)
+                return
+            self._writer = threading.Thread(
+                target=self._write_in_background, args=(step, snapshot), daemon=True
+            )
+            self._writer.start()
+        finally:
+            report_phase(SdkPhase.TRAINING)
 
     def maybe_save(self, step: int, state: Any | Callable[[], Any]) -> bool:
-        """Save if `step` is a multiple of `every`; `state` may be a function, called only then."""
+        """Save if `step` is a multiple of `every`; `state` may be a function, called only then
+        (its call is part of the save)."""
         if self.every is None or step % self.every:
             return False
-        self.save(step, state() if callable(state) else state)
+        if callable(state):
+            report_phase(SdkPhase.CHECKPOINT)
+            state = state()
+        self.save(step, state)
         return True
 
     def wait(self) -> None:
@@ -361,7 +372,7 @@ class CheckpointManager:
             yield
         except Exception:
             self._in_step = False
-            if self._gasp is None or "RELAUNCH_JOB_ID" not in os.environ:
+            if self._gasp is None or Env.JOB_ID not in os.environ:
                 raise
             self._await_termination()
             raise
@@ -379,7 +390,7 @@ class CheckpointManager:
     def _await_termination(self) -> None:
         if self._term_pending:
             self._gasp_and_exit()
-        deadline = time.monotonic() + float(os.environ.get("RELAUNCH_GASP_WAIT_S", "600"))
+        deadline = time.monotonic() + float(os.environ.get(Env.GASP_WAIT_S, "600"))
         while time.monotonic() < deadline:  # the SIGTERM handler saves and exits from here
             time.sleep(0.05)
 

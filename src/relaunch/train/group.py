@@ -36,14 +36,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import os
 import socket
 import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn
@@ -53,50 +51,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from relaunch.protocol.environment import Env
+from relaunch.protocol.plans import Membership, read_membership
 from relaunch.train.distributed import rng_state, set_rng_state, settle_ddp_buckets
+from relaunch.train.progress import SdkPhase, report_phase
 
 __all__ = ["GroupLost", "Membership", "ProcessGroupKeeper", "read_membership"]
+# Membership and read_membership are the protocol's (relaunch.protocol.plans), re-exported here.
 
 
 class GroupLost(RuntimeError):
     """No working process group could be formed again within the wait (the controller's fallback
     takes over: a rank that raises this exits, and the next recovery level runs)."""
-
-
-@dataclass(frozen=True)
-class Membership:
-    generation: int
-    addr: str
-    port: int
-    world_size: int
-    ranks: dict[int, int]
-    """Original rank (RANK at start) -> rank in this generation."""
-    joiners: tuple[int, ...]
-    """Original ranks that start from nothing in this generation and receive the state."""
-    retry: bool = False
-    """An online retry: same group, every rank runs the current step again."""
-    pods: dict[int, int] | None = None
-    """Pod index -> the generation of its container: a process of an older container is stale."""
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Membership:
-        return cls(
-            generation=int(data["generation"]),
-            addr=str(data["addr"]),
-            port=int(data["port"]),
-            world_size=int(data["world_size"]),
-            ranks={int(k): int(v) for k, v in data["ranks"].items()},
-            joiners=tuple(int(r) for r in data.get("joiners", ())),
-            retry=bool(data.get("retry", False)),
-            pods={int(k): int(v) for k, v in data["pods"].items()} if data.get("pods") else None,
-        )
-
-
-def read_membership(path: Path) -> Membership | None:
-    try:
-        return Membership.from_json(json.loads(path.read_text()))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # absent, or being replaced right now: the caller reads again
 
 
 class _Retry(Exception):
@@ -120,20 +86,20 @@ class ProcessGroupKeeper:
         self.model = model
         self.optimizer = optimizer
         self.backend = backend
-        env_timeout = os.environ.get("RELAUNCH_COLLECTIVE_TIMEOUT")
+        env_timeout = os.environ.get(Env.COLLECTIVE_TIMEOUT)
         self.collective_timeout_s = collective_timeout_s or float(env_timeout or 30.0)
-        env_wait = os.environ.get("RELAUNCH_RECOVERY_WAIT")
+        env_wait = os.environ.get(Env.RECOVERY_WAIT)
         self.wait_s = wait_s or float(env_wait or 300.0)
         self.snapshot_enabled = snapshot
-        env_every = os.environ.get("RELAUNCH_ELASTIC_EVERY")
+        env_every = os.environ.get(Env.ELASTIC_EVERY)
         self.elastic_every = max(1, elastic_every or int(env_every or 20))
         self._boundary: dict[str, Any] | None = None
         self.ddp_options = ddp_options or {}
-        self.original_rank = int(os.environ.get("RANK", "0"))
-        pod = os.environ.get("RELAUNCH_POD")
+        self.original_rank = int(os.environ.get(Env.RANK, "0"))
+        pod = os.environ.get(Env.POD)
         self.pod = int(pod) if pod is not None else None
-        self.pod_generation = int(os.environ.get("RELAUNCH_POD_GENERATION", "1"))
-        path = os.environ.get("RELAUNCH_MEMBERSHIP")
+        self.pod_generation = int(os.environ.get(Env.POD_GENERATION, "1"))
+        path = os.environ.get(Env.MEMBERSHIP)
         self.membership_path = Path(path) if path else None
         self.membership: Membership | None = None
         self._seen_mtime = 0.0
@@ -159,7 +125,7 @@ class ProcessGroupKeeper:
     @property
     def world_size(self) -> int:
         if self.membership is None:
-            return int(os.environ.get("WORLD_SIZE", "1"))
+            return int(os.environ.get(Env.WORLD_SIZE, "1"))
         return self.membership.world_size
 
     @property
@@ -192,7 +158,7 @@ class ProcessGroupKeeper:
         while time.time() < deadline:
             found = read_membership(self.membership_path)
             if found is not None and found.generation > newer_than:
-                if found.pods is not None and self.pod is not None:
+                if found.pods and self.pod is not None:
                     current = found.pods.get(self.pod)
                     if current is not None and current != self.pod_generation:
                         raise GroupLost(
@@ -211,11 +177,15 @@ class ProcessGroupKeeper:
     # -- the group ------------------------------------------------------------------------------
 
     def _init(self, m: Membership | None) -> None:
+        """Form the group of membership `m` (relaunch hears that the rank is building its group:
+        no process-level recovery runs meanwhile, R-37)."""
+        report_phase(SdkPhase.GROUP)
         before = _tcp_sockets()
         try:
             self._form(m)
         finally:
             self._sockets = _tcp_sockets() - before
+            report_phase(SdkPhase.TRAINING)
         self.membership = m
 
     def _abort(self) -> None:

@@ -1,4 +1,5 @@
-"""The wire between the controller and its agents: newline-delimited JSON over loopback TCP.
+"""The wire between the controller and its agents and launchers: one message per line of JSON
+over TCP (see protocol.messages for the messages).
 
 The controller listens; node agents and pod launchers connect to it and say who they are. When the
 controller goes away, a peer reconnects to whichever controller next writes its address into the
@@ -13,12 +14,11 @@ import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+
+from relaunch.protocol.layout import StateDir
+from relaunch.protocol.messages import Message, decode, encode
 
 __all__ = ["Connection", "controller_address", "write_controller_address"]
-
-ADDRESS_FILE = "controller.json"
-Message = dict[str, Any]
 
 
 class Connection:
@@ -39,7 +39,7 @@ class Connection:
 
     def send(self, message: Message) -> bool:
         """False if the peer is gone; never raises for a closed connection."""
-        data = (json.dumps(message, separators=(",", ":")) + "\n").encode()
+        data = (encode(message) + "\n").encode()
         with self._lock:
             if self.closed:
                 return False
@@ -51,10 +51,12 @@ class Connection:
                 return False
 
     def __iter__(self) -> Iterator[Message]:
+        """The messages received, until the peer goes; a line that is not a message is skipped."""
         try:
             for line in self._reader:
-                if line.strip():
-                    yield json.loads(line)
+                message = decode(line) if line.strip() else None
+                if message is not None:
+                    yield message
         except (OSError, ValueError):
             pass
         finally:
@@ -69,7 +71,7 @@ class Connection:
 
 
 def write_controller_address(state_dir: Path, host: str, port: int, pid: int) -> None:
-    path = state_dir / ADDRESS_FILE
+    path = StateDir(state_dir).controller_address
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"host": host, "port": port, "pid": pid}))
     tmp.replace(path)
@@ -77,7 +79,7 @@ def write_controller_address(state_dir: Path, host: str, port: int, pid: int) ->
 
 def controller_address(state_dir: Path) -> tuple[str, int] | None:
     try:
-        data = json.loads((state_dir / ADDRESS_FILE).read_text())
+        data = json.loads(StateDir(state_dir).controller_address.read_text())
         return str(data["host"]), int(data["port"])
     except (OSError, ValueError, KeyError):
         return None

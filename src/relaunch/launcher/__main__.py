@@ -1,0 +1,30 @@
+"""`python -m relaunch.launcher --state-dir DIR --plan FILE`: a pod's launcher."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+
+from relaunch.launcher.supervisor import Launcher
+from relaunch.protocol import LaunchPlan
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="relaunch.launcher")
+    parser.add_argument("--state-dir", type=Path, required=True)
+    parser.add_argument("--plan", type=Path, required=True)
+    args = parser.parse_args(argv)
+    plan = LaunchPlan.from_json(args.plan.read_text())
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    launcher = Launcher(args.state_dir, plan)
+    try:
+        launcher.run()
+    finally:
+        launcher.spares.retire()
+        launcher.stop(0.0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""A launcher's processes: how they are started, signalled, watched and measured."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import threading
+from dataclasses import dataclass
+from typing import IO
+
+import psutil
+
+__all__ = [
+    "NotStarted",
+    "Worker",
+    "children_by_parent",
+    "die_with_parent",
+    "group_alive",
+    "is_python",
+    "signal_group",
+    "terminate",
+    "tree_usage",
+]
+
+SHELLS = {"sh", "dash", "bash", "zsh", "ksh"}
+
+
+def die_with_parent() -> None:
+    """In a child, before exec: the kernel SIGKILLs it when the launcher dies."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class NotStarted:
+    """Stands in for the Popen of a command that could not be started: it has "exited", with
+    127 (no such program) or 126 (not executable), as a shell would."""
+
+    pid = 0
+    stdout = None
+    stdin = None
+
+    def __init__(self, code: int) -> None:
+        self.returncode = code
+
+    def poll(self) -> int:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.returncode
+
+    def kill(self) -> None:
+        return None
+
+
+@dataclass
+class Worker:
+    """One rank of the pod, in one attempt."""
+
+    rank: int
+    local_rank: int
+    attempt: int
+    proc: subprocess.Popen[bytes] | NotStarted
+    log: IO[str]
+    stopping: bool = False
+    reported: bool = False
+    pump: threading.Thread | None = None
+    start_error: str | None = None
+    """Why the command could not be started, if it could not."""
+    usage: tuple[float, int] = (0.0, 0)
+    """CPU seconds and I/O bytes of the rank's processes, as last sent."""
+
+    @property
+    def started(self) -> bool:
+        return self.start_error is None
+
+
+def signal_group(pid: int, signum: int) -> None:
+    if pid <= 0:
+        return  # killpg(0) would signal the launcher's own group
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signum)
+
+
+def terminate(leader: int) -> None:
+    """SIGTERM for a rank's processes. A shell that runs the command is left to exit with its
+    child: killed first, it would take the child with it (PR_SET_PDEATHSIG) before the child's
+    dying gasp could save anything."""
+    try:
+        shell = psutil.Process(leader)
+        children = shell.children(recursive=True) if shell.name() in SHELLS else []
+    except psutil.Error:
+        children = []
+    if not children:
+        signal_group(leader, signal.SIGTERM)
+        return
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            if child.name() not in SHELLS:
+                child.send_signal(signal.SIGTERM)
+
+
+def group_alive(proc: subprocess.Popen[bytes] | NotStarted) -> bool:
+    """Some process of the group led by `proc` still runs (zombies do not count)."""
+    proc.poll()
+    if proc.pid <= 0:
+        return False
+    try:
+        members = [p for p in psutil.process_iter(["pid"]) if _pgid(p.pid) == proc.pid]
+    except psutil.Error:
+        return False
+    return any(_running(p) for p in members)
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def _running(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def is_python(process: psutil.Process) -> bool:
+    try:
+        name = process.name()
+        exe = os.path.basename(process.exe())
+    except (psutil.NoSuchProcess, psutil.AccessDenied, OSError):
+        return False
+    return name.startswith("python") or exe.startswith("python")
+
+
+def children_by_parent() -> dict[int, list[int]]:
+    """Every process's children, from one walk of the process table."""
+    children: dict[int, list[int]] = {}
+    for process in psutil.process_iter(["ppid"]):
+        parent = process.info.get("ppid")
+        if parent:
+            children.setdefault(int(parent), []).append(process.pid)
+    return children
+
+
+def tree_usage(pid: int, children: dict[int, list[int]]) -> tuple[float, int] | None:
+    """CPU seconds (user + system) and bytes read and written, summed over a process and its
+    descendants; None if it is gone."""
+    family, pending = [], [pid]
+    while pending:
+        current = pending.pop()
+        family.append(current)
+        pending.extend(children.get(current, ()))
+    cpu, io, seen = 0.0, 0, False
+    for member in family:
+        try:
+            process = psutil.Process(member)
+            with process.oneshot():
+                times = process.cpu_times()
+                cpu += times.user + times.system
+                counters = process.io_counters()
+                io += int(getattr(counters, "read_chars", 0)) + int(
+                    getattr(counters, "write_chars", 0)
+                )
+            seen = True
+        except (psutil.Error, AttributeError):
+            continue
+    return (round(cpu, 2), io) if seen else None

@@ -1,0 +1,95 @@
+"""Warm spares: processes started ahead of need with the heavy imports done, which a restart
+hands a rank's identity to instead of starting a process (see relaunch._spare)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shlex
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from relaunch.launcher.processes import die_with_parent
+
+__all__ = ["Spare", "SparePool", "spare_argv"]
+
+
+@dataclass
+class Spare:
+    proc: subprocess.Popen[bytes]
+    ready: threading.Event
+
+    def become(self, env: dict[str, str], argv: list[str], cwd: str) -> subprocess.Popen[bytes]:
+        """Hand the spare its identity: from now on it is that rank's process."""
+        assert self.proc.stdin is not None
+        identity = {"env": env, "argv": argv, "cwd": cwd}
+        self.proc.stdin.write((json.dumps(identity) + "\n").encode())
+        self.proc.stdin.close()
+        return self.proc
+
+
+class SparePool:
+    """Keeps `size` spares started, for a command that one can become (`python script.py`)."""
+
+    def __init__(self, size: int, command: tuple[str, ...]) -> None:
+        self.size = size
+        self.argv = spare_argv(list(command))
+        self.spares: list[Spare] = []
+
+    def refill(self, cwd: Path, env: dict[str, str]) -> None:
+        if not self.size or self.argv is None:
+            return
+        self.spares = [sp for sp in self.spares if sp.proc.poll() is None]
+        while len(self.spares) < self.size:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "relaunch._spare"],
+                cwd=cwd,
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
+            )
+            spare = Spare(proc, threading.Event())
+            threading.Thread(target=_await_ready, args=(spare,), daemon=True).start()
+            self.spares.append(spare)
+
+    def take(self) -> Spare | None:
+        """A spare that is ready, or None."""
+        for spare in self.spares:
+            if spare.ready.is_set() and spare.proc.poll() is None:
+                self.spares.remove(spare)
+                return spare
+        return None
+
+    def retire(self) -> None:
+        for spare in self.spares:
+            with contextlib.suppress(OSError):
+                spare.proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                spare.proc.wait(timeout=5)
+        self.spares = []
+
+
+def _await_ready(spare: Spare) -> None:
+    assert spare.proc.stdout is not None
+    if spare.proc.stdout.readline().strip() == b"ready":
+        spare.ready.set()
+
+
+def spare_argv(command: list[str]) -> list[str] | None:
+    """`[script, args...]` when the command is `python script.py args` (directly or through
+    /bin/sh -c without shell syntax): what a warm spare can become. None otherwise."""
+    if command[:2] == ["/bin/sh", "-c"] and len(command) == 3:
+        if any(ch in command[2] for ch in ";|&<>$`()*?~\n"):
+            return None
+        command = shlex.split(command[2])
+    if len(command) < 2 or not Path(command[0]).name.startswith("python"):
+        return None
+    if not command[1].endswith(".py"):
+        return None
+    return command[1:]

@@ -1,0 +1,457 @@
+"""The launcher: one per pod, the pod's "container". Run as `python -m relaunch.launcher`.
+
+It starts the job's command as `procs_per_pod` processes, each in its own process group with the
+torchrun-compatible and ModelArts environment; writes their output to per-rank log files and
+relays it (and their progress reports and SDK phases) to the controller; checks them every
+`monitor_interval`, and at once when a rank's output closes; samples their CPU time and I/O;
+stops them with SIGTERM then SIGKILL after the grace period; and injects faults on request.
+
+If the controller goes away, the launcher keeps its processes running and reconnects to the next
+controller that writes its address into the state directory. After `adopt_grace_s` without one
+the pod is abandoned: its processes get SIGTERM (a dying gasp can still save) and SIGKILL once the
+job's termination grace has passed, but never more than `adopt_grace_s` later, also when a stop
+was already under way; then the launcher exits. Nothing outlives an abandoned job by more than
+twice the adopt grace.
+
+A command that cannot be started (its working directory is gone, the program does not exist) is
+reported as that rank's exit, with code 127 or 126 as a shell would give, so that the recovery
+ladder handles it like any failed start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from relaunch.launcher.processes import (
+    NotStarted,
+    Worker,
+    children_by_parent,
+    die_with_parent,
+    group_alive,
+    is_python,
+    signal_group,
+    terminate,
+    tree_usage,
+)
+from relaunch.launcher.spares import SparePool
+from relaunch.protocol import Env, LaunchPlan, PodDir, write_atomically
+from relaunch.protocol.messages import (
+    Assume,
+    Exited,
+    Injected,
+    InjectProcessFault,
+    LauncherHello,
+    MembershipUpdate,
+    Message,
+    Output,
+    ProcReport,
+    Progress,
+    ProgressBatch,
+    RankPhase,
+    Shutdown,
+    Start,
+    Started,
+    Stop,
+    Stopped,
+    Usage,
+    parse_datagram,
+)
+from relaunch.protocol.wire import Connection, controller_address
+
+__all__ = ["INJECT_DIR", "Launcher"]
+
+INJECT_DIR = Path(__file__).parent.parent / "_inject"
+_KEPT_WHILE_AWAY = (Exited, Stopped, ProgressBatch)
+"""Messages kept for the next controller while none is connected."""
+
+
+class _Check(Message):
+    """Internal: a rank's output closed; check the processes now."""
+
+    KIND = "-check"
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+
+class Launcher:
+    def __init__(self, state_dir: Path, plan: LaunchPlan) -> None:
+        self.state_dir = state_dir
+        self.plan = plan
+        self.dir = PodDir(Path(plan.workdir))
+        self.dir.logs.mkdir(parents=True, exist_ok=True)
+        self.dir.inject.mkdir(exist_ok=True)
+        self.spares = SparePool(plan.warm_spares, plan.command)
+        self.commands: queue.Queue[Message] = queue.Queue()
+        self.workers: dict[int, Worker] = {}
+        self.conn: Connection | None = None
+        self.outbox: list[Message] = []  # kept while the controller is away
+        self.lock = threading.Lock()
+        self.attempt = 0
+        self.last_env: dict[str, str] = {}
+        self.alone_since: float | None = time.time()
+        self.abandoned_at: float | None = None
+        self.running = True
+        self.latest_progress: dict[int, Progress] = {}
+        self.phases: list[RankPhase] = []
+        self.progress_sent_at = 0.0
+        self.usage_sent_at = 0.0
+        self.progress_name = f"relaunch-{os.getpid()}-{plan.job}-{plan.pod}-{plan.generation}"
+        self.progress = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.progress.bind("\0" + self.progress_name)
+
+    # -- talking to the controller ---------------------------------------------------------------
+
+    def send(self, message: Message) -> None:
+        with self.lock:
+            conn = self.conn
+            undelivered = conn is None or not conn.send(message)
+            if undelivered and isinstance(message, _KEPT_WHILE_AWAY):
+                self.outbox.append(message)
+
+    def hello(self) -> LauncherHello:
+        procs = {
+            w.rank: ProcReport(w.attempt, w.proc.pid, w.proc.poll() is None, w.proc.returncode)
+            for w in self.workers.values()
+        }
+        return LauncherHello(
+            job=self.plan.job,
+            pod=self.plan.pod,
+            generation=self.plan.generation,
+            pid=os.getpid(),
+            attempt=self.attempt,
+            node=self.plan.node,
+            standby=self.plan.standby,
+            procs=procs,
+        )
+
+    def connect_loop(self) -> None:
+        """Connected to the controller whose address the state directory holds; reconnects to
+        the next one. An abandoned pod never reconnects: it is ending, and a controller that
+        adopted it would hear its processes stop without a fault."""
+        while self.running and self.abandoned_at is None:
+            address = controller_address(self.state_dir)
+            if address is not None:
+                try:
+                    conn = Connection.connect(*address)
+                except OSError:
+                    conn = None
+                if conn is not None and conn.send(self.hello()):
+                    with self.lock:
+                        self.conn = conn
+                        backlog, self.outbox = self.outbox, []
+                        self.alone_since = None
+                    for message in backlog:
+                        conn.send(message)
+                    for message in conn:
+                        self.commands.put(message)
+                    with self.lock:
+                        self.conn = None
+                        self.alone_since = time.time()
+            time.sleep(0.1)
+
+    def progress_loop(self) -> None:
+        """The SDK's datagrams: steps (the newest per rank is kept) and phases (sent at once:
+        whether a rank is saving a checkpoint decides which recovery can run, R-37)."""
+        while self.running:
+            try:
+                data = self.progress.recv(256)
+            except OSError:
+                return
+            parsed = parse_datagram(data)
+            if parsed is None:
+                continue
+            rank, value = parsed
+            worker = self.workers.get(rank)
+            attempt = worker.attempt if worker else self.attempt
+            with self.lock:
+                if isinstance(value, int):
+                    self.latest_progress[rank] = Progress(rank, value, attempt, time.time())
+                else:
+                    self.phases.append(RankPhase(rank, attempt, value, time.time()))
+            self.flush_progress(force=isinstance(value, str))
+
+    def flush_progress(self, force: bool = False) -> None:
+        """Forward the newest report of each rank in one message, at most every
+        `progress_interval_s`: a loop that reports thousands of steps a second costs the
+        controller a few messages a second per pod, and a large job's interval is longer."""
+        now = time.time()
+        with self.lock:
+            if not (self.latest_progress or self.phases) or (
+                not force and now - self.progress_sent_at < self.plan.progress_interval_s
+            ):
+                return
+            reports, self.latest_progress = tuple(self.latest_progress.values()), {}
+            phases, self.phases = tuple(self.phases), []
+            self.progress_sent_at = now
+        self.send(ProgressBatch(reports, phases))
+
+    # -- processes ----------------------------------------------------------------------------------
+
+    def start(self, attempt: int, env: dict[str, str], ranks: tuple[int, ...] | None) -> None:
+        self.attempt = attempt
+        self.last_env = env
+        for local_rank in range(self.plan.procs_per_pod):
+            rank = self.plan.first_rank + local_rank
+            if ranks is not None and rank not in ranks:
+                continue
+            old = self.workers.get(rank)
+            if old is not None and old.proc.poll() is None:
+                continue
+            worker = self._start_rank(attempt, env, rank, local_rank)
+            self.workers[rank] = worker
+            self.send(Started(rank, attempt, worker.proc.pid, time.time()))
+
+    def _start_rank(self, attempt: int, env: dict[str, str], rank: int, local_rank: int) -> Worker:
+        child_env = self._child_env(env)
+        child_env.update({Env.RANK: str(rank), Env.LOCAL_RANK: str(local_rank)})
+        log = open(self.dir.rank_log(rank), "a", encoding="utf-8")  # noqa: SIM115
+        spare = self.spares.take() if self.spares.argv is not None else None
+        cwd = self.plan.working_dir or str(self.dir.path)
+        how = f", warm spare pid {spare.proc.pid}" if spare is not None else ""
+        log.write(
+            f"--- relaunch: attempt {attempt}, "
+            f"{Env.PROC_START_CNT}={env.get(Env.PROC_START_CNT)}{how} ---\n"
+        )
+        log.flush()
+        start_error = None
+        proc: subprocess.Popen[bytes] | NotStarted
+        if spare is not None and self.spares.argv is not None:
+            proc = spare.become(child_env, self.spares.argv, cwd)
+        else:
+            try:
+                proc = subprocess.Popen(
+                    list(self.plan.command),
+                    cwd=cwd,
+                    env=child_env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    preexec_fn=die_with_parent,
+                )
+            except (OSError, ValueError, subprocess.SubprocessError) as error:
+                start_error = f"could not start {self.plan.command[0]!r} in {cwd}: {error}"
+                proc = NotStarted(126 if isinstance(error, PermissionError) else 127)
+                log.write(f"relaunch: {start_error}\n")
+        worker = Worker(rank, local_rank, attempt, proc, log, start_error=start_error)
+        if worker.started:
+            worker.pump = threading.Thread(target=self.pump, args=(worker,), daemon=True)
+            worker.pump.start()
+        else:
+            log.close()
+        return worker
+
+    def _child_env(self, env: dict[str, str]) -> dict[str, str]:
+        """What every process of the pod sees, before its rank is set."""
+        child_env = {**os.environ, **self.plan.env, **env}
+        child_env.update(
+            {
+                Env.PROGRESS_SOCKET: "@" + self.progress_name,
+                Env.INJECT_DIR: str(self.dir.inject),
+                Env.WORKDIR: str(self.dir.path),
+                "PYTHONPATH": os.pathsep.join(
+                    p for p in (str(INJECT_DIR), child_env.get("PYTHONPATH", "")) if p
+                ),
+                "PYTHONUNBUFFERED": "1",
+                # `python` in the command means the Python relaunch runs on, venv included.
+                "PATH": os.pathsep.join(
+                    (str(Path(sys.executable).parent), child_env.get("PATH", ""))
+                ),
+            }
+        )
+        return child_env
+
+    def pump(self, worker: Worker) -> None:
+        assert worker.proc.stdout is not None
+        with worker.log:  # the pump owns the log: a child may write after its group leader died
+            for raw in worker.proc.stdout:
+                line = raw.decode("utf-8", "replace").rstrip("\n")
+                worker.log.write(line + "\n")
+                worker.log.flush()
+                self.send(Output(worker.rank, worker.attempt, line[:2000]))
+        # Output closed: the rank has most likely exited. Check now rather than at the next
+        # monitor interval, so that a crash is reported at once (not taken for a hang).
+        self.commands.put(_Check(worker.rank))
+
+    def monitor(self) -> None:
+        for worker in list(self.workers.values()):
+            code = worker.proc.poll()
+            if code is None or worker.reported:
+                continue
+            if worker.pump is not None:
+                worker.pump.join(timeout=1.0)
+            worker.reported = True
+            signum = -code if code < 0 else None
+            self.send(
+                Exited(
+                    rank=worker.rank,
+                    attempt=worker.attempt,
+                    code=None if signum else code,
+                    signal=signum,
+                    expected=worker.stopping,
+                    at=time.time(),
+                    detail=worker.start_error or "",
+                )
+            )
+
+    def send_usage(self) -> None:
+        """CPU time and I/O of each running rank (its whole process tree), when they changed:
+        the controller counts a rank that computes or does I/O as alive though it is silent.
+        One walk of the process table per sample, whatever the number of ranks."""
+        running = [w for w in self.workers.values() if w.started and w.proc.poll() is None]
+        if not running:
+            return
+        children = children_by_parent()
+        ranks: dict[int, tuple[float, int]] = {}
+        for worker in running:
+            usage = tree_usage(worker.proc.pid, children)
+            if usage is not None and usage != worker.usage:
+                worker.usage = usage
+                ranks[worker.rank] = usage
+        if ranks:
+            self.send(Usage(self.attempt, time.time(), ranks))
+
+    def stop(self, grace: float, ranks: tuple[int, ...] | None = None) -> None:
+        """SIGTERM every process group, SIGKILL what is left after `grace` seconds."""
+        chosen = [w for w in self.workers.values() if ranks is None or w.rank in ranks]
+        for worker in chosen:
+            worker.stopping = True
+        targets = [w for w in chosen if w.started]
+        for worker in targets:
+            if worker.proc.poll() is None:
+                signal_group(worker.proc.pid, signal.SIGCONT)
+                if grace > 0:
+                    terminate(worker.proc.pid)
+                else:
+                    signal_group(worker.proc.pid, signal.SIGKILL)
+        # Wait for every process of each group, not only its leader: a shell dies at once on
+        # SIGTERM while the Python under it is still saving its dying gasp.
+        deadline = time.time() + grace
+        while time.time() < min(deadline, self.kill_by()) and any(
+            group_alive(w.proc) for w in targets
+        ):
+            time.sleep(0.02)
+        for worker in targets:
+            signal_group(worker.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                worker.proc.wait(timeout=5)
+        self.monitor()
+
+    def inject(self, message: InjectProcessFault) -> None:
+        """A fault plan's process fault; the controller hears back whether it fired, and why not."""
+        why = self._inject(self.workers.get(message.rank), message)
+        self.send(Injected(message.index, why is None, why or "", time.time()))
+
+    def _inject(self, worker: Worker | None, message: InjectProcessFault) -> str | None:
+        if worker is None or not worker.started:
+            return f"rank {message.rank} has no process in pod {self.plan.pod}"
+        if worker.proc.poll() is not None:
+            return f"rank {worker.rank} has exited (code {worker.proc.returncode})"
+        if message.kind == "hang":
+            signal_group(worker.proc.pid, signal.SIGSTOP)
+            return None
+        try:
+            root = psutil.Process(worker.proc.pid)
+            tree = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return f"rank {worker.rank} has exited"
+        for process in [p for p in tree if is_python(p)] or tree[:1]:
+            (self.dir.inject / str(process.pid)).write_text(str(message.exit_code))
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.send_signal(signal.SIGUSR2)
+        return None
+
+    def assume(self, plan: LaunchPlan) -> None:
+        """A standby launcher becomes the launcher of a pod moved to its node; its warm spares
+        will become the pod's processes."""
+        if not self.plan.standby or self.workers:
+            return
+        self.plan = plan
+        self.dir = PodDir(Path(plan.workdir))
+        self.dir.logs.mkdir(parents=True, exist_ok=True)
+        self.dir.inject.mkdir(exist_ok=True)
+        self.dir.plan.write_text(plan.to_json())
+
+    # -- main loop ------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        threading.Thread(target=self.connect_loop, daemon=True).start()
+        threading.Thread(target=self.progress_loop, daemon=True).start()
+        interval = self.plan.monitor_interval_s
+        next_check = 0.0
+        while self.running:
+            try:
+                message: Message | None = self.commands.get(timeout=min(0.05, interval))
+            except queue.Empty:
+                message = None
+            if message is not None:
+                self.handle(message)
+            now = time.time()
+            self.flush_progress()
+            if now >= next_check:
+                self.flush_progress(force=True)
+                self.monitor()
+                self.spares.refill(self.dir.path, self._child_env(self.last_env or {}))
+                next_check = now + interval
+            if now - self.usage_sent_at >= self.plan.activity_interval_s:
+                self.usage_sent_at = now
+                self.send_usage()
+            if self.abandoned():
+                self.stop(self.plan.termination_grace_s)
+                self.running = False
+
+    def abandoned(self) -> bool:
+        """No controller for `adopt_grace_s`: the pod is abandoned (see the module docstring)."""
+        with self.lock:
+            alone = self.alone_since
+        if alone is None:
+            return False
+        if time.time() - alone > self.plan.adopt_grace_s:
+            if self.abandoned_at is None:
+                self.abandoned_at = time.time()
+            return True
+        return False
+
+    def kill_by(self) -> float:
+        """The latest moment a process of this pod may still run: once abandoned, at most
+        `adopt_grace_s` (and the job's grace) after that. A stop in progress checks it too."""
+        if not self.abandoned() or self.abandoned_at is None:
+            return float("inf")
+        grace = min(self.plan.termination_grace_s, self.plan.adopt_grace_s)
+        return self.abandoned_at + grace
+
+    def handle(self, message: Message) -> None:
+        match message:
+            case _Check(rank=rank):
+                worker = self.workers.get(rank)
+                deadline = time.time() + 0.5  # its output closes a moment before it is reaped
+                while worker is not None and worker.proc.poll() is None and time.time() < deadline:
+                    time.sleep(0.01)
+                self.monitor()
+            case Start(attempt=attempt, env=env, ranks=ranks):
+                self.start(attempt, env, ranks)
+            case Stop(grace=grace, ranks=ranks):
+                self.stop(grace, ranks)
+                self.send(Stopped(self.attempt, time.time()))
+            case InjectProcessFault():
+                self.inject(message)
+            case MembershipUpdate(membership=membership):
+                write_atomically(self.dir.membership, membership.to_json())
+            case Assume(plan=plan):
+                self.assume(plan)
+            case Shutdown(grace=grace):
+                self.stop(grace)
+                self.send(Stopped(self.attempt, time.time(), final=True))
+                self.running = False

@@ -1,0 +1,104 @@
+"""The environment relaunch gives a job's processes, and the names of every variable it reads.
+
+Defined once: the controller builds a pod's environment here, the launcher adds the per-process
+part, and the training SDK reads the same names. Standard library only (the SDK imports it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Final
+
+__all__ = ["Env", "PodEnvironment"]
+
+
+class Env:
+    """Names of the variables relaunch sets or reads."""
+
+    # torchrun's contract (R-06)
+    RANK: Final = "RANK"
+    LOCAL_RANK: Final = "LOCAL_RANK"
+    WORLD_SIZE: Final = "WORLD_SIZE"
+    LOCAL_WORLD_SIZE: Final = "LOCAL_WORLD_SIZE"
+    GROUP_RANK: Final = "GROUP_RANK"
+    MASTER_ADDR: Final = "MASTER_ADDR"
+    MASTER_PORT: Final = "MASTER_PORT"
+    RESTART_COUNT: Final = "TORCHELASTIC_RESTART_COUNT"
+    # ModelArts' counters (R-04, R-05)
+    SCHEDULE_CNT: Final = "MA_SCHEDULE_CNT"
+    PROC_START_CNT: Final = "MA_PROC_START_CNT"
+    # the job and the pod
+    JOB: Final = "RELAUNCH_JOB"
+    JOB_ID: Final = "RELAUNCH_JOB_ID"
+    POD: Final = "RELAUNCH_POD"
+    NODE: Final = "RELAUNCH_NODE"
+    ATTEMPT: Final = "RELAUNCH_ATTEMPT"
+    GENERATION: Final = "RELAUNCH_GENERATION"
+    SHARED_DIR: Final = "RELAUNCH_SHARED_DIR"
+    WORKDIR: Final = "RELAUNCH_WORKDIR"
+    # process-level recovery (train.group)
+    MEMBERSHIP: Final = "RELAUNCH_MEMBERSHIP"
+    POD_GENERATION: Final = "RELAUNCH_POD_GENERATION"
+    RECOVERY_WAIT: Final = "RELAUNCH_RECOVERY_WAIT"
+    COLLECTIVE_TIMEOUT: Final = "RELAUNCH_COLLECTIVE_TIMEOUT"
+    ELASTIC_EVERY: Final = "RELAUNCH_ELASTIC_EVERY"
+    # the launcher's side channels
+    PROGRESS_SOCKET: Final = "RELAUNCH_PROGRESS_SOCKET"
+    INJECT_DIR: Final = "RELAUNCH_INJECT_DIR"
+    SPARE_PRELOAD: Final = "RELAUNCH_SPARE_PRELOAD"
+    GASP_WAIT_S: Final = "RELAUNCH_GASP_WAIT_S"
+    # relaunch's own processes
+    FAILPOINT: Final = "RELAUNCH_FAILPOINT"
+    STATE_DIR: Final = "RELAUNCH_STATE_DIR"
+    SERVER: Final = "RELAUNCH_SERVER"
+    TOKEN: Final = "RELAUNCH_TOKEN"
+
+
+@dataclass(frozen=True)
+class PodEnvironment:
+    """What every process of one pod sees (RANK and LOCAL_RANK are added per process)."""
+
+    job_name: str
+    job_id: int
+    pod: int
+    node: str
+    generation: int
+    attempt: int
+    world_size: int
+    procs_per_pod: int
+    master_addr: str
+    master_port: int
+    schedule_cnt: int
+    proc_start_cnt: int
+    shared_dir: str
+    process_recovery: Mapping[str, str]
+    """R-07's variables for the job's strategies (spec.process_recovery_env)."""
+    membership_file: str | None = None
+    """With process-level recovery: where the launcher writes the membership."""
+    recovery_wait_s: float | None = None
+
+    def variables(self) -> dict[str, str]:
+        env = {
+            Env.WORLD_SIZE: str(self.world_size),
+            Env.LOCAL_WORLD_SIZE: str(self.procs_per_pod),
+            Env.GROUP_RANK: str(self.pod),
+            Env.MASTER_ADDR: self.master_addr,
+            Env.MASTER_PORT: str(self.master_port),
+            Env.RESTART_COUNT: str(self.attempt - 1),
+            Env.SCHEDULE_CNT: str(self.schedule_cnt),
+            Env.PROC_START_CNT: str(self.proc_start_cnt),
+            Env.JOB: self.job_name,
+            Env.JOB_ID: str(self.job_id),
+            Env.POD: str(self.pod),
+            Env.NODE: self.node,
+            Env.ATTEMPT: str(self.attempt),
+            Env.GENERATION: str(self.generation),
+            Env.SHARED_DIR: self.shared_dir,
+        }
+        env.update(self.process_recovery)
+        if self.membership_file is not None:
+            env[Env.MEMBERSHIP] = self.membership_file
+            env[Env.POD_GENERATION] = str(self.generation)
+            env[Env.RECOVERY_WAIT] = str(self.recovery_wait_s)
+        return env

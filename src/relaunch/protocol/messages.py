@@ -1,0 +1,353 @@
+"""Every message between the controller, the node agents and the pod launchers.
+
+One frozen dataclass per message; `encode` and `decode` are the only places they meet JSON (a
+line on the wire is `{"t": KIND, ...fields}`). Who sends what:
+
+    agent -> controller      AgentHello, Heartbeat, Healed, Injected
+    controller -> agent      InjectChipFault, InjectNetworkFault, Heal, Shutdown
+    launcher -> controller   LauncherHello, Started, Output, ProgressBatch, Exited, Stopped,
+                             Usage, Injected
+    controller -> launcher   Start, Stop, Shutdown, InjectProcessFault, MembershipUpdate, Assume
+
+and, from the training SDK to its launcher, a datagram per report (`progress_datagram`).
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import ClassVar, Final
+
+from relaunch.protocol.codec import from_data, to_data
+from relaunch.protocol.plans import LaunchPlan, Membership
+
+__all__ = [
+    "AgentHello",
+    "Assume",
+    "ChipReport",
+    "Exited",
+    "Heal",
+    "Healed",
+    "Heartbeat",
+    "InjectChipFault",
+    "InjectNetworkFault",
+    "InjectProcessFault",
+    "Injected",
+    "LauncherHello",
+    "LinkReport",
+    "MembershipUpdate",
+    "Message",
+    "Output",
+    "ProcReport",
+    "Progress",
+    "ProgressBatch",
+    "RankPhase",
+    "SdkPhase",
+    "Shutdown",
+    "Start",
+    "Started",
+    "Stop",
+    "Stopped",
+    "Usage",
+    "decode",
+    "encode",
+    "parse_datagram",
+    "phase_datagram",
+    "progress_datagram",
+]
+
+
+class Message:
+    """Base of every wire message; KIND is its `t` on the wire."""
+
+    KIND: ClassVar[str] = ""
+
+
+# -- node agent -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AgentHello(Message):
+    KIND = "agent-hello"
+    node: str
+    chips: int
+
+
+@dataclass(frozen=True)
+class ChipReport:
+    """A chip the agent reports faulty: since `at`, with `code`; `seq` tells reports apart."""
+
+    seq: int
+    chip: int
+    code: str
+    heals: bool
+    kind: str
+    """"chip" or "memory-uce"."""
+    at: float
+
+
+@dataclass(frozen=True)
+class LinkReport:
+    seq: int
+    at: float
+    duration_s: float | None
+    """How long the link was down, once it is back; None while it is still down."""
+
+
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    KIND = "heartbeat"
+    node: str
+    at: float
+    chips: tuple[ChipReport, ...] = ()
+    link: LinkReport | None = None
+
+
+@dataclass(frozen=True)
+class Healed(Message):
+    KIND = "healed"
+    request: int
+    node: str
+    ok: bool
+
+
+@dataclass(frozen=True)
+class InjectChipFault(Message):
+    KIND = "inject-chip-fault"
+    index: int
+    chip: int
+    code: str
+    heals: bool
+    kind: str
+
+
+@dataclass(frozen=True)
+class InjectNetworkFault(Message):
+    KIND = "inject-network-fault"
+    index: int
+    duration_s: float | None
+    heals: bool
+
+
+@dataclass(frozen=True)
+class Heal(Message):
+    KIND = "heal"
+    request: int
+
+
+@dataclass(frozen=True)
+class Injected(Message):
+    """A fault-plan entry was (ok) or could not be (why) injected."""
+
+    KIND = "injected"
+    index: int
+    ok: bool
+    why: str = ""
+    at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Shutdown(Message):
+    """End: an agent exits; a launcher stops its processes (SIGTERM, SIGKILL after `grace`)."""
+
+    KIND = "shutdown"
+    grace: float = 0.0
+
+
+# -- pod launcher ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProcReport:
+    attempt: int
+    pid: int
+    running: bool
+    code: int | None
+
+
+@dataclass(frozen=True)
+class LauncherHello(Message):
+    KIND = "launcher-hello"
+    job: int
+    pod: int
+    generation: int
+    pid: int
+    attempt: int
+    node: str
+    standby: bool = False
+    procs: dict[int, ProcReport] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Started(Message):
+    KIND = "started"
+    rank: int
+    attempt: int
+    pid: int
+    at: float
+
+
+@dataclass(frozen=True)
+class Output(Message):
+    KIND = "output"
+    rank: int
+    attempt: int
+    line: str
+
+
+@dataclass(frozen=True)
+class Progress:
+    rank: int
+    step: int
+    attempt: int
+    at: float
+
+
+class SdkPhase:
+    """What the training SDK says a rank is doing, for R-37."""
+
+    TRAINING: Final = "training"
+    CHECKPOINT: Final = "checkpoint"
+    """Saving a checkpoint."""
+    GROUP: Final = "group"
+    """Building (or rebuilding) its communication group."""
+
+
+@dataclass(frozen=True)
+class RankPhase:
+    rank: int
+    attempt: int
+    phase: str
+    at: float
+
+
+@dataclass(frozen=True)
+class ProgressBatch(Message):
+    """The newest step of each rank that reported one, and phase changes, since the last batch."""
+
+    KIND = "progress"
+    reports: tuple[Progress, ...] = ()
+    phases: tuple[RankPhase, ...] = ()
+
+
+@dataclass(frozen=True)
+class Exited(Message):
+    KIND = "exited"
+    rank: int
+    attempt: int
+    code: int | None
+    signal: int | None
+    expected: bool
+    """The launcher stopped it (a stop or shutdown), so it is not a fault."""
+    at: float
+    detail: str = ""
+    """Why the command could not be started, if it could not."""
+
+
+@dataclass(frozen=True)
+class Stopped(Message):
+    KIND = "stopped"
+    attempt: int
+    at: float
+    final: bool = False
+
+
+@dataclass(frozen=True)
+class Usage(Message):
+    """Each running rank's process-tree CPU seconds and I/O bytes, when they changed."""
+
+    KIND = "usage"
+    attempt: int
+    at: float
+    ranks: dict[int, tuple[float, int]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Start(Message):
+    KIND = "start"
+    attempt: int
+    env: dict[str, str]
+    ranks: tuple[int, ...] | None = None
+    """Only these ranks (a process-level restart); None: every rank not running."""
+
+
+@dataclass(frozen=True)
+class Stop(Message):
+    KIND = "stop"
+    grace: float
+    ranks: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class InjectProcessFault(Message):
+    KIND = "inject-process-fault"
+    index: int
+    kind: str
+    """"exit" (the process exits with `exit_code`) or "hang" (SIGSTOP)."""
+    rank: int
+    exit_code: int = 1
+
+
+@dataclass(frozen=True)
+class MembershipUpdate(Message):
+    KIND = "membership"
+    membership: Membership
+
+
+@dataclass(frozen=True)
+class Assume(Message):
+    """A standby launcher becomes the launcher of the pod `plan` describes."""
+
+    KIND = "assume"
+    plan: LaunchPlan
+
+
+_KINDS: Final[dict[str, type[Message]]] = {
+    cls.KIND: cls
+    for cls in (
+        AgentHello, Heartbeat, Healed, InjectChipFault, InjectNetworkFault, Heal, Injected,
+        Shutdown, LauncherHello, Started, Output, ProgressBatch, Exited, Stopped, Usage, Start,
+        Stop, InjectProcessFault, MembershipUpdate, Assume,
+    )
+}  # fmt: skip
+
+
+def encode(message: Message) -> str:
+    """One line of JSON."""
+    data = to_data(message)
+    data["t"] = message.KIND
+    return json.dumps(data, separators=(",", ":"))
+
+
+def decode(line: str) -> Message | None:
+    """The message a line carries; None for a line that is not one (ignored, not fatal)."""
+    try:
+        data = json.loads(line)
+        kind = _KINDS[data.pop("t")]
+        return from_data(kind, data)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+# -- the SDK's datagrams to its launcher: "RANK STEP" or "RANK @PHASE" ------------------------------
+
+
+def progress_datagram(rank: int, step: int) -> bytes:
+    return f"{rank} {int(step)}".encode()
+
+
+def phase_datagram(rank: int, phase: str) -> bytes:
+    return f"{rank} @{phase}".encode()
+
+
+def parse_datagram(data: bytes) -> tuple[int, int | str] | None:
+    """(rank, step) or (rank, phase); None for anything else."""
+    try:
+        rank_text, value = data.decode().split()[:2]
+        rank = int(rank_text)
+        if value.startswith("@"):
+            return rank, value[1:]
+        return rank, int(value)
+    except (ValueError, UnicodeDecodeError):
+        return None

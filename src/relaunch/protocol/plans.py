@@ -1,0 +1,97 @@
+"""What a launcher is told to run (the launch plan), and the process group's membership.
+
+Both are written to files in the pod's directory and read by other processes, so each has one
+definition and one serialisation. Standard library only (the SDK reads the membership).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from relaunch.protocol.codec import from_data, to_data
+
+__all__ = ["LaunchPlan", "Membership", "read_membership", "write_atomically"]
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """A pod's launcher: what to run, where, and how to supervise it (the pod's launch.json)."""
+
+    job: int
+    pod: int
+    """-1 for a standby launcher."""
+    generation: int
+    node: str
+    command: tuple[str, ...]
+    procs_per_pod: int
+    first_rank: int
+    working_dir: str | None
+    monitor_interval_s: float
+    adopt_grace_s: float
+    workdir: str
+    env: dict[str, str] = field(default_factory=dict)
+    warm_spares: int = 0
+    """Processes kept started (Python up, torch imported) for process-level restarts."""
+    progress_interval_s: float = 0.02
+    """At most one progress message per this interval (the controller scales it with the job)."""
+    termination_grace_s: float = 30.0
+    """SIGTERM -> SIGKILL grace the job asks for: used when the pod is abandoned."""
+    activity_interval_s: float = 1.0
+    """How often each rank's CPU time and I/O are sampled and sent (hang detection, R-25)."""
+    standby: bool = False
+    """A launcher on a standby node that runs no rank yet: it keeps `warm_spares` processes
+    ready and becomes a pod's launcher when the controller moves a pod to its node ("assume")."""
+
+    def to_json(self) -> str:
+        return json.dumps(to_data(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> LaunchPlan:
+        return from_data(cls, json.loads(text))
+
+
+@dataclass(frozen=True)
+class Membership:
+    """One generation of a job's process group (process-level recovery, see train.group)."""
+
+    generation: int
+    addr: str
+    port: int
+    world_size: int
+    ranks: dict[int, int]
+    """Original rank (RANK at start) -> rank in this generation."""
+    joiners: tuple[int, ...] = ()
+    """Original ranks that start from nothing in this generation and receive the state."""
+    retry: bool = False
+    """An online retry: same group, every rank runs the current step again."""
+    pods: dict[int, int] = field(default_factory=dict)
+    """Pod index -> the generation of its container: a process of an older container is stale."""
+    parked: tuple[int, ...] = ()
+    """Pods left out by an elastic scale-in, until a node takes them back."""
+    procs_per_pod: int = 1
+
+    def to_json(self) -> str:
+        return json.dumps(to_data(self))
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Membership:
+        return from_data(cls, data)
+
+
+def read_membership(path: Path) -> Membership | None:
+    """The membership in `path`; None while it is absent or being replaced."""
+    try:
+        return Membership.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Replace `path` with `text` in one rename: a reader sees the old or the new, never half."""
+    partial = path.with_name(f".{path.name}.part-{os.getpid()}")
+    partial.write_text(text)
+    os.replace(partial, path)
