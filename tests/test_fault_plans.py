@@ -20,6 +20,7 @@ from relaunch.chaos import check_plan, parse_plan
 from relaunch.cluster.agent import Agent
 from relaunch.cluster.config import parse_cluster
 from relaunch.errors import FaultPlanError
+from relaunch.protocol.messages import InjectChipFault, Injected, Message
 from relaunch.spec import parse_job
 from tests.runtime import ROOT, TOY, UNCONDITIONAL, Cluster, processes_of, toy_job
 
@@ -246,7 +247,7 @@ def test_plan_hang_is_reported_fired_only_when_it_did(cluster: Cluster) -> None:
         "if os.environ['RANK'] == '1': sys.exit(0)\n"
         "time.sleep(0.5)\n"
         "print('first output', flush=True)\n"
-        "time.sleep(1)\n"
+        "time.sleep(3)\n"
     )
     job = toy_job(
         {**UNCONDITIONAL, "fault-tolerance/hang-retry": "true"},
@@ -256,7 +257,8 @@ def test_plan_hang_is_reported_fired_only_when_it_did(cluster: Cluster) -> None:
     )
     job["spec"]["command"] = [sys.executable, "-c", script]
     faults = [
-        {"kind": "hang", "after_s": 0.5, "pod": 0, "rank": 1},
+        # due 1.5 s into the attempt: rank 1 (which exits as soon as Python is up) is gone
+        {"kind": "hang", "after_s": 1.5, "pod": 0, "rank": 1},
         {"kind": "hang", "after_s": 0, "pod": 0, "rank": 0},
     ]
     result = cluster.run(job, faults, startup_s=None)
@@ -270,17 +272,18 @@ def test_plan_hang_is_reported_fired_only_when_it_did(cluster: Cluster) -> None:
 def test_agent_refuses_a_chip_it_does_not_have_instead_of_wrapping(tmp_path: Path) -> None:
     class Wire:
         def __init__(self) -> None:
-            self.sent: list[dict[str, Any]] = []
+            self.sent: list[Message] = []
 
-        def send(self, message: dict[str, Any]) -> bool:
+        def send(self, message: Message) -> bool:
             self.sent.append(message)
             return True
 
     agent = Agent(tmp_path, "node-0", chips=1, interval=1.0, grace=1.0, blip_s=20.0)
     wire = Wire()
-    fault = {"t": "chip_fault", "index": 3, "code": "80E18005", "heals": True, "kind": "chip"}
-    agent.handle(wire, {**fault, "chip": 7})  # type: ignore[arg-type]
+    agent.handle(wire, InjectChipFault(3, 7, "80E18005", True, "chip"))  # type: ignore[arg-type]
     assert agent.faults == {}  # chip 7 % 1 == 0 was faulted before the fix
-    assert wire.sent[-1]["ok"] is False and "chip 7 does not exist" in wire.sent[-1]["why"]
-    agent.handle(wire, {**fault, "chip": 0})  # type: ignore[arg-type]
-    assert list(agent.faults) == [0] and wire.sent[-1]["ok"] is True
+    [refused] = wire.sent
+    assert isinstance(refused, Injected) and refused.index == 3 and not refused.ok
+    assert "chip 7 does not exist" in refused.why
+    agent.handle(wire, InjectChipFault(4, 0, "80E18005", True, "chip"))  # type: ignore[arg-type]
+    assert list(agent.faults) == [0] and wire.sent[-1] == Injected(4, True, "", wire.sent[-1].at)  # type: ignore[attr-defined]

@@ -641,3 +641,26 @@ def test_controller_outage_neither_breaks_nor_extends_an_unconditional_streak() 
         d = decide(s, replace(fault, at=float(i)), h, c, float(i))
         h = carry_out(h, d)
     assert h.streaks.unconditional == 2
+
+
+def test_r31_the_others_migrate_when_the_rank0_pod_has_another_fault() -> None:
+    """R-31: "the eligible ones restart in place and the others migrate (R-32)": a fault kept
+    from restarting in place by the rank-0 rule moves its processes to a standby node, without
+    isolating its node (nothing says that node is faulty)."""
+    c = cluster(faulty_pods=frozenset({0}))
+    d = first(process_settings("recover-in-place,recover"), crash(pod=1), c)
+    assert d.action is Action.PROCESS_RESCHEDULE and d.pods == (1,) and not d.isolate_nodes
+    assert "the rank-0 pod has another fault (R-31)" in d.passed_over
+    assert "passed over: the rank-0 pod has another fault (R-31)" in d.summary()
+    # without recover-in-place in the list, nothing was kept from in place: nothing migrates
+    d = first(process_settings("recover"), crash(pod=1), c)
+    assert d.action is not Action.PROCESS_RESCHEDULE
+
+
+def test_r37_a_fault_during_a_checkpoint_save_goes_to_the_next_level() -> None:
+    s = process_settings("retry,recover-in-place,recover,dump,exit")
+    saving = cluster(checkpoint_saving=True)
+    d = first(s, uce(), saving)
+    assert d.action is Action.IN_PLACE
+    assert "a checkpoint is being saved (R-37)" in d.passed_over
+    assert first(s, uce(), cluster()).action is Action.PROCESS_RETRY

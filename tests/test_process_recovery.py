@@ -273,3 +273,54 @@ def test_r31_r32_warm_spares_replace_a_crashed_rank_then_a_lost_nodes_pod(
         ("node-2", 2),
     ]
     assert out.read_text().strip() == unbroken
+
+
+def events(result: Result) -> list[str]:
+    store = Store(result.state_dir / "relaunch.db")
+    return [text for _, text in store.events(1)]
+
+
+def test_r37_a_fault_while_a_checkpoint_is_saved_goes_to_the_next_level(
+    cluster: Cluster, unbroken: str
+) -> None:
+    """The ranks report that they are saving (the SDK's CheckpointManager); a memory UCE then
+    is not retried online (R-30) but goes down to in-place recovery (R-37), and the job still
+    ends bit-identical."""
+    out = cluster.dir / "hash.txt"
+    faults = [{"kind": "memory-uce", "at_step": 40, "pod": 0, "code": "80E01801", "heals": True}]
+    job = process_job(out, ckpt_every=40, extra="--slow-save-at 40 --slow-save-s 4")
+    result = run(cluster, job, faults)
+    assert result.actions == ["in-place"]
+    decided = [e for e in events(result) if e.startswith("decision: in-place")]
+    assert decided and "passed over: a checkpoint is being saved (R-37)" in decided[0]
+    assert out.read_text().strip() == unbroken
+
+
+def test_r31_with_another_fault_on_the_rank0_pod_the_others_migrate(
+    cluster: Cluster, unbroken: str
+) -> None:
+    """node-0 (the rank-0 pod's) reports a chip fault that is only recorded and stays; a crash
+    in pod 1 then cannot restart in place (R-31) and migrates to a standby node instead (R-32),
+    node-1 not isolated; the rank-0 pod's processes never restart."""
+    out = cluster.dir / "hash.txt"
+    faults = [
+        {
+            "kind": "chip-fault",
+            "at_step": 20,
+            "pod": 0,
+            "chip": 0,
+            "code": "80E21007",
+            "heals": False,
+        },
+        {"kind": "process-exit", "at_step": 40, "pod": 1, "rank": 3, "exit_code": 1},
+    ]
+    job = process_job(out, strategies="recover-in-place,recover,dump,exit")
+    result = run(cluster, job, faults)
+    assert result.actions == ["ignore", "process-reschedule"]
+    record = result.report["recoveries"][1]
+    assert record["outcome"] == "succeeded" and record["isolated_nodes"] == []
+    assert "rank-0 pod has another fault" in record["reason"]
+    pods = result.report["pods"]
+    assert [(p["node"], p["generation"]) for p in pods] == [("node-0", 1), ("node-2", 2)]
+    assert_kept(starts(result), [0, 1])
+    assert out.read_text().strip() == unbroken

@@ -69,6 +69,8 @@ def build(
     )
 
     def state() -> dict[str, object]:
+        if args.slow_save_at is not None and ckpt.completed_step == args.slow_save_at:
+            time.sleep(args.slow_save_s)
         return {
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
@@ -105,6 +107,13 @@ def main() -> None:
     parser.add_argument(
         "--process-recovery", action="store_true", help="healthy ranks survive a rank's fault"
     )
+    parser.add_argument(
+        "--slow-save-at",
+        type=int,
+        default=None,
+        help="tests: the checkpoint of this step takes --slow-save-s longer (a large model's save)",
+    )
+    parser.add_argument("--slow-save-s", type=float, default=0.0)
     parser.add_argument(
         "--replacements-crash",
         action="store_true",

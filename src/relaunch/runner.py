@@ -28,12 +28,14 @@ from relaunch.chaos import ChaosEntry, check_plan, parse_plan
 from relaunch.cluster import Engine
 from relaunch.cluster.config import ClusterConfig, parse_cluster
 from relaunch.cluster.local import LocalCluster
-from relaunch.controller import Controller, RunOptions, create_pods
+from relaunch.controller import Controller, RunOptions
 from relaunch.errors import FaultPlanError, InputError, Problem, SpecError
 from relaunch.faults import DEFAULT_TABLE, EscalationRules, FaultCodeTable
 from relaunch.files import load_fault_table
+from relaunch.policy.placement import NodeCapacity, initial_placement, slots
+from relaunch.protocol import StateDir
 from relaunch.spec import JobSpec, parse_job
-from relaunch.store import JobRow, JobStatus, Store
+from relaunch.store import JobRow, JobStatus, PodRow, Store
 
 __all__ = [
     "Interrupted",
@@ -42,6 +44,7 @@ __all__ = [
     "abandon_unfinished",
     "check_plan_fits",
     "could_not_start",
+    "create_pods",
     "ensure_runner",
     "lock",
     "lock_holder",
@@ -341,6 +344,25 @@ def run_queue(directory: Path, log: Callable[[str], None]) -> int:
             log(f"job {job_id} could not start: {error}")
             continue
         log(f"job {name} (id {job_id}) ended: {status.value}")
+
+
+def create_pods(store: Store, directory: Path, job_id: int, spec: JobSpec) -> list[PodRow]:
+    """Place a new job's pods in order on the first Ready nodes with chips for them."""
+    nodes = [NodeCapacity(n.name, n.chips, n.schedulable) for n in store.nodes()]
+    places = initial_placement(nodes, spec.replicas, spec.chips_per_pod)
+    if places is None:
+        room = len(slots([n for n in nodes if n.schedulable], spec.chips_per_pod, False))
+        raise RuntimeError(
+            f"job {spec.name} needs {spec.replicas} pod(s) with {spec.chips_per_pod} chip(s) each; "
+            f"the cluster has room for {room} on Ready nodes (see `relaunch nodes`)"
+        )
+    job_dir = StateDir(directory).job(job_id)
+    pods = []
+    for idx, node in enumerate(places):
+        pod = PodRow(job_id, idx, node, 1, 1, 1, str(job_dir.pod(idx, 1).path))
+        store.put_pod(pod)
+        pods.append(pod)
+    return pods
 
 
 def could_not_start(store: Store, job_id: int, error: Exception) -> None:

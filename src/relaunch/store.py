@@ -28,7 +28,7 @@ from typing import Any
 
 from relaunch.errors import StoreError
 from relaunch.faults import Cause, Fault, FaultKind, Severity
-from relaunch.policy import Action, Budget, Counters, JobHistory, RecoveryRecord
+from relaunch.policy import Action, Budget, Counters, Decision, JobHistory, RecoveryRecord
 
 __all__ = [
     "JOB_ID",
@@ -558,18 +558,14 @@ class Store:
         self,
         job_id: int,
         fault_id: int,
-        action: Action,
-        cause: Cause,
-        reason: str,
-        pods: Sequence[int],
-        isolated: Sequence[str],
-        consumed: Sequence[Budget],
+        decision: Decision,
         tried: Sequence[Action],
-        counters: Sequence[Counters],
         budgets: Mapping[str, int],
         started_at: float,
         outcome: Outcome,
     ) -> int:
+        """A recovery record: the decision taken for a fault, what had been tried before it,
+        the budgets left after it, and (until it is settled) how it went."""
         row = self._one(
             "INSERT INTO recoveries (job_id, fault_id, action, cause, reason, pods, isolated, consumed, "
             "tried, counters, budgets, started_at, outcome) "
@@ -577,14 +573,14 @@ class Store:
             (
                 job_id,
                 fault_id,
-                action.value,
-                cause.value,
-                reason,
-                json.dumps(list(pods)),
-                json.dumps(list(isolated)),
-                json.dumps(sorted(b.value for b in consumed)),
+                decision.action.value,
+                decision.assessment.cause.value,
+                decision.reason,
+                json.dumps(list(decision.pods)),
+                json.dumps(list(decision.isolate_nodes)),
+                json.dumps(sorted(b.value for b in decision.consumes)),
                 json.dumps(sorted(a.value for a in tried)),
-                json.dumps([[c.schedule_cnt, c.proc_start_cnt] for c in counters]),
+                json.dumps([[c.schedule_cnt, c.proc_start_cnt] for c in decision.counters]),
                 json.dumps(dict(budgets)),
                 started_at,
                 outcome.value,

@@ -126,9 +126,13 @@ class Decision:
     """How long the action may wait for a replacement (R-32), if it waits."""
     fallback: Action | None = None
     """What the policy would choose if this action fails (or, for dump / exit, what follows)."""
+    passed_over: tuple[str, ...] = ()
+    """Why the finer levels that would have applied did not run (a spent budget, R-37, R-31)."""
 
     def summary(self) -> str:
         text = f"{self.action.value}: {self.reason}"
+        if self.passed_over and self.action is not Action.FAIL:
+            text += f" (passed over: {'; '.join(self.passed_over)})"
         if self.fallback is not None and not self.action.final:
             text += f"; if it fails: {self.fallback.value}"
         return text

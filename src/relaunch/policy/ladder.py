@@ -205,8 +205,7 @@ def _process_in_place(c: _Context) -> Answer:
         return Blocked(
             f"the fault is {age:g} s old (> {c.rules.process_fault_max_age_s:g} s, R-31)"
         )
-    rank0 = c.cluster.rank0_pod
-    if rank0 is not None and rank0 in c.cluster.faulty_pods and rank0 not in c.pods:
+    if _rank0_pod_has_another_fault(c):
         return Blocked("the rank-0 pod has another fault (R-31)")
     for pod in c.pods:
         used = c.history.process_restarts(pod)
@@ -221,12 +220,32 @@ def _process_in_place(c: _Context) -> Answer:
     )
 
 
+def _rank0_pod_has_another_fault(c: _Context) -> bool:
+    rank0 = c.cluster.rank0_pod
+    return rank0 is not None and rank0 in c.cluster.faulty_pods and rank0 not in c.pods
+
+
 @_process_rung(RecoverStrategy.RECOVER)
 def _process_reschedule(c: _Context) -> Answer:
-    if not c.node_must_go or not c.pods:
+    """R-32, for a node that must go; and R-31's "the others migrate": a fault kept from
+    restarting in place by the rank-0 rule moves its processes to a standby node instead (its
+    node is not isolated: nothing says it is faulty)."""
+    migrate = (
+        Action.PROCESS_IN_PLACE not in c.tried
+        and c.allows(RecoverStrategy.RECOVER_IN_PLACE)
+        and _rank0_pod_has_another_fault(c)
+    )
+    if not (c.node_must_go or migrate) or not c.pods:
         return None
     if not c.cluster.standby_nodes:
         return Blocked("no standby node for the replacement processes (R-32)")
+    if not c.node_must_go:
+        return Proposal(
+            "the rank-0 pod has another fault, so not in place: replacement processes on a "
+            "standby node, healthy ranks keep running (R-31, R-32)",
+            pods=c.pods,
+            wait_s=c.settings.wait_reschedule_timeout_s,
+        )
     assert c.node is not None
     return Proposal(
         f"isolate {c.node}; replacement processes on a standby node, healthy ranks keep running (R-32)",
@@ -501,6 +520,7 @@ def _decision(
         budgets_left=_budgets_left(c, proposal.consumes),
         wait_s=proposal.wait_s,
         fallback=fallback,
+        passed_over=tuple(b.reason for b in blocked),
     )
     return replace(decision, streaks=c.history.streaks_with(decision))
 

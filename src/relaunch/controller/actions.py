@@ -1,0 +1,270 @@
+"""What each recovery level does, one small class per level, in a registry keyed by the policy's
+`Action`. Adding a level is adding a class here and a rung in policy.ladder.
+
+Each level says three things:
+
+- `change`: the desired state it sets, inside its record's transaction (nodes isolated, pods'
+  counters, nodes and generations, the job's attempt and status). The controller's reconcile then
+  converges the running pods to it;
+- `begin`: what it sends once its record is stored (memberships, restarts, a heal request);
+- `worked`: which sign of progress proves it worked.
+
+`ready_to_start` lets a level hold the start of the new processes (in-place waits for its heal).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+from relaunch.controller import commands
+from relaunch.policy import Action, Decision
+from relaunch.store import JobStatus, NodeState, PodRow
+
+if TYPE_CHECKING:
+    from relaunch.controller.active import ActiveRecovery
+    from relaunch.controller.core import Controller
+
+__all__ = ["ACTIONS", "LevelAction", "action_for"]
+
+
+class LevelAction:
+    """The defaults: nothing moves, the same processes run on, any progress proves it."""
+
+    action: ClassVar[Action]
+    new_attempt: ClassVar[bool] = False
+    """Every process of the job starts again (a new attempt)."""
+
+    def change(self, c: Controller, d: Decision, now: float) -> None:
+        isolate(c, d, now)
+        if d.counters:
+            move_pods(c, d, moved=set())
+        if self.new_attempt:
+            new_attempt(c, now)
+
+    def begin(self, c: Controller, d: Decision, active: ActiveRecovery, attempt: int) -> None:
+        if self.new_attempt and c.recovery.process_level:
+            c.membership.publish()  # every process starts again: a fresh group
+
+    def ready_to_start(self, active: ActiveRecovery) -> bool:
+        return True
+
+    def worked(
+        self, active: ActiveRecovery, rank: int, started_at: float, step: int | None
+    ) -> bool:
+        """Progress from a process started after the recovery began."""
+        return started_at >= active.started_at
+
+
+class Ignore(LevelAction):
+    action = Action.IGNORE
+
+    def change(self, c: Controller, d: Decision, now: float) -> None:
+        isolate(c, d, now)  # a fault on a node the job does not use may still take the node out
+
+
+class Fail(LevelAction):
+    action = Action.FAIL
+
+    def change(self, c: Controller, d: Decision, now: float) -> None:
+        isolate(c, d, now)
+        c.update_job(status=JobStatus.FAILED, reason=d.reason, ended_at=now)
+
+
+class HandOver(LevelAction):
+    """dump and exit: the healthy processes save (their dying gasp) or exit when the next level
+    stops them; the next level runs at once."""
+
+    action = Action.DUMP
+
+    def change(self, c: Controller, d: Decision, now: float) -> None:
+        isolate(c, d, now)
+
+
+class Exit(HandOver):
+    action = Action.EXIT
+
+
+class ProcessRetry(LevelAction):
+    """R-30: every rank rolls the step back and runs it again, in the same group."""
+
+    action = Action.PROCESS_RETRY
+
+    def begin(self, c: Controller, d: Decision, active: ActiveRecovery, attempt: int) -> None:
+        active.after_step = c.progress.step or 0
+        c.membership.publish(retry=True)
+
+    def worked(
+        self, active: ActiveRecovery, rank: int, started_at: float, step: int | None
+    ) -> bool:
+        return step is not None and step > (active.after_step or 0)
+
+
+class ProcessInPlace(LevelAction):
+    """R-31: only the faulty processes restart, on the same node; the others wait for them."""
+
+    action = Action.PROCESS_IN_PLACE
+
+    def begin(self, c: Controller, d: Decision, active: ActiveRecovery, attempt: int) -> None:
+        active.ranks = commands.faulty_ranks(c, active.fault)
+        c.membership.publish(joiners=active.ranks)
+        commands.restart_ranks(c, active.ranks)
+
+    def worked(
+        self, active: ActiveRecovery, rank: int, started_at: float, step: int | None
+    ) -> bool:
+        return rank in active.ranks and started_at >= active.started_at
+
+
+class ProcessReschedule(LevelAction):
+    """R-32: the faulty node's pods move to a standby node and join the running group."""
+
+    action = Action.PROCESS_RESCHEDULE
+
+    def change(self, c: Controller, d: Decision, now: float) -> None:
+        isolate(c, d, now)
+        move_pods(c, d, moved=set(d.pods))
+        c.update_job(status=JobStatus.RECOVERING)
+
+    def begin(self, c: Controller, d: Decision, active: ActiveRecovery, attempt: int) -> None:
+        active.ranks = tuple(r for pod in d.pods for r in c.ranks_of(pod))
+        c.membership.publish(joiners=active.ranks)
+
+    worked = ProcessInPlace.worked
+
+
+class ScaleIn(LevelAction):
+    """R-33: the lost pods are parked; the others go on with fewer replicas."""
+
+    action = Action.SCALE_IN
+
+    def change(self, c: Controller, d: Decision, now: float) -> None:
+        isolate(c, d, now)
+        move_pods(c, d, moved=set())
+        c.update_job(status=JobStatus.RECOVERING)
+
+    def begin(self, c: Controller, d: Decision, active: ActiveRecovery, attempt: int) -> None:
+        active.after_step = c.progress.step or 0
+        commands.park(c, d.pods)
+        c.membership.publish(parked=c.membership.parked() | set(d.pods))
+
+    worked = ProcessRetry.worked
+
+
+class InPlace(LevelAction):
+    """R-20: heal the chip, then every container re-runs the start command. The heal is a
+    request: the new processes start once the agent says the chip healed; a heal that fails (or
+    gets no answer) fails this recovery, and the policy moves one level down."""
+
+    action = Action.IN_PLACE
+    new_attempt = True
+
+    def begin(self, c: Controller, d: Decision, active: ActiveRecovery, attempt: int) -> None:
+        super().begin(c, d, active, attempt)
+        commands.request_heal(c, active)
+
+    def ready_to_start(self, active: ActiveRecovery) -> bool:
+        return active.heal is None or active.heal.ok is True
+
+
+class HangRestart(LevelAction):
+    """R-24: kill the processes (with the short hang grace), keep the containers, start again."""
+
+    action = Action.HANG_RESTART
+    new_attempt = True
+
+
+class PodReschedule(LevelAction):
+    """R-23: the faulty node's pods are recreated elsewhere; the others re-run the command."""
+
+    action = Action.POD_RESCHEDULE
+    new_attempt = True
+
+    def change(self, c: Controller, d: Decision, now: float) -> None:
+        isolate(c, d, now)
+        move_pods(c, d, moved=set(d.pods))
+        new_attempt(c, now)
+
+
+class JobReschedule(LevelAction):
+    """R-21: every pod is rebuilt (new containers, new generation)."""
+
+    action = Action.JOB_RESCHEDULE
+    new_attempt = True
+
+    def change(self, c: Controller, d: Decision, now: float) -> None:
+        isolate(c, d, now)
+        move_pods(c, d, moved={p.index for p in c.pods.values()})
+        new_attempt(c, now)
+
+
+class IsolatedJobReschedule(JobReschedule):
+    """R-22: the faulty node is isolated, then the whole job is rebuilt on healthy nodes."""
+
+    action = Action.ISOLATED_JOB_RESCHEDULE
+
+
+# -- the desired-state changes the levels share -------------------------------------------------
+
+
+def isolate(c: Controller, d: Decision, now: float) -> None:
+    for node in d.isolate_nodes:
+        row = c.node(node)
+        if row is None:
+            continue
+        if row.state is not NodeState.LOST:
+            c.store.set_node_state(
+                node, NodeState.ISOLATED, f"isolated: {d.assessment.fault.describe()}", now
+            )
+        else:
+            c.store.set_node_state(
+                node, NodeState.LOST, f"lost and isolated: {d.assessment.fault.describe()}"
+            )
+    c.refresh_nodes()
+
+
+def move_pods(c: Controller, d: Decision, moved: set[int]) -> None:
+    """Every pod gets the decision's counters; `moved` pods a new generation on a new node."""
+    places = commands.placement(c, moved, d.isolate_nodes) if moved else {}
+    for pod in c.pods.values():
+        row = pod.row
+        counters = d.counters[row.idx]
+        generation = row.generation + (1 if row.idx in moved else 0)
+        workdir = (
+            str(c.layout.job(c.job_id).pod(row.idx, generation).path)
+            if row.idx in moved
+            else row.workdir
+        )
+        c.put_pod(
+            PodRow(
+                row.job_id,
+                row.idx,
+                places.get(row.idx, row.node),
+                generation,
+                counters.schedule_cnt,
+                counters.proc_start_cnt,
+                workdir,
+            )
+        )
+
+
+def new_attempt(c: Controller, now: float) -> None:
+    c.update_job(
+        status=JobStatus.RECOVERING,
+        attempt=c.job.attempt + 1,
+        attempt_started_at=now,
+        master_port=commands.master_port(c),
+    )
+
+
+ACTIONS: dict[Action, LevelAction] = {
+    level.action: level
+    for level in (
+        Ignore(), Fail(), HandOver(), Exit(), ProcessRetry(), ProcessInPlace(),
+        ProcessReschedule(), ScaleIn(), InPlace(), HangRestart(), PodReschedule(),
+        JobReschedule(), IsolatedJobReschedule(),
+    )
+}  # fmt: skip
+
+
+def action_for(action: Action) -> LevelAction:
+    return ACTIONS[action]

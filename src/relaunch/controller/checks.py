@@ -1,0 +1,140 @@
+"""The checks of each pass: what the API asked, silent nodes, lost launchers, hangs, the end of
+the job, and the end of an adoption. Each feeds the detectors and hands faults to the recovery
+driver; none blocks."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from relaunch.controller import lifecycle
+from relaunch.controller.detectors import hang_fault, launcher_faults, lost_nodes
+from relaunch.controller.pods import PodPhase
+from relaunch.store import JobStatus, NodeState, Outcome
+
+if TYPE_CHECKING:
+    from relaunch.controller.core import Controller
+
+__all__ = ["adoption", "done", "hangs", "heartbeats", "launchers", "requests"]
+
+
+def adoption(c: Controller, now: float) -> None:
+    """A resume's adoption window ends when every agent and launcher is back, or at its
+    deadline; then lifecycle.adopted says what the missing ones mean."""
+    if not c.adopting:
+        return
+    live = {n.name for n in c.nodes.values() if n.state in (NodeState.READY, NodeState.FAULTY)}
+    parked = c.membership.parked()
+    back = live <= set(c.agents) and all(
+        p.connected for p in c.pods.values() if p.index not in parked
+    )
+    if now < c.adopt_until and not back:
+        return
+    c.adopting = False
+    c.adopt_until = now
+    lifecycle.adopted(c, now)
+
+
+def requests(c: Controller, now: float) -> None:
+    """What was asked of the job through the store (the API, `relaunch stop`)."""
+    job = c.job
+    if job.status.ended:
+        return
+    if job.stop_requested:
+        c.update_job(
+            status=JobStatus.STOPPED, reason=f"stopped: {job.stop_requested}", ended_at=now
+        )
+        c.event(f"stopping the job: {job.stop_requested}")
+        return
+    c.fault_plan.reload(job.plan)
+
+
+def heartbeats(c: Controller, now: float) -> None:
+    """A node whose agent is silent for the heartbeat timeout, or that the engine reports dead,
+    is lost (whichever comes first)."""
+    if now < c.adopt_until:
+        return
+    found = lost_nodes(
+        c.nodes.values(),
+        c.agents,
+        c.engine.lost_nodes(),
+        now,
+        c.cluster.heartbeat_timeout_s,
+        c.adopt_until or now,
+        c.fault_plan.injected_at,
+    )
+    for lost in found:
+        c.store.set_node_state(lost.node, NodeState.LOST, lost.why)
+        c.refresh_nodes()
+        c.agents.pop(lost.node, None)
+        c.event(f"node {lost.node} lost: {lost.why} (last heartbeat {lost.silent_s:.1f} s ago)")
+        c.recoveries.fault(lost.detected.fault, lost.detected.source)
+
+
+def launchers(c: Controller, now: float) -> None:
+    """A launcher that vanished while its node lives: the pod's container died."""
+    grace = c.cluster.heartbeat_timeout_s + 2 * c.cluster.heartbeat_interval_s
+    for pod, detected in launcher_faults(c.pods.values(), c.nodes, now, grace):
+        pod.placed(now)  # it needs a launcher again, whatever the recovery decides
+        c.recoveries.fault(detected.fault, detected.source)
+    for pod in c.pods.values():
+        if pod.phase is not PodPhase.LOST:
+            continue
+        node = c.node(pod.row.node)
+        if pod.lost_since_moved or node is None or node.state is NodeState.LOST:
+            pod.placed(now)  # moved since, or its node's loss is the fault: it needs a launcher
+
+
+def hangs(c: Controller, now: float) -> None:
+    """R-25, with the joining ranks of a scale-out and the healthy ranks that wait for a
+    process-level recovery's replacements left out."""
+    if c.job.status is not JobStatus.RUNNING and c.recoveries.active is None:
+        return
+    if c.membership.joining and now < c.membership.joining_until:
+        return  # a scale-out: the group waits for the joining ranks to start
+    active = c.recoveries.active
+    waiting = active is not None and active.action.process_level
+    links = [p.link for p in c.pods.values() if p.link is not None]
+    found = hang_fault(
+        links,
+        c.job.attempt,
+        now,
+        c.hang_s,
+        c.startup_s,
+        lambda rank: waiting and active is not None and rank not in active.ranks,
+        c.fault_plan.injected_at,
+    )
+    if found is None:
+        return
+    for link in links:
+        for rank in link.ranks.values():
+            rank.last_activity = max(rank.last_activity, now)  # one hang fault per silence
+    c.recoveries.fault(found.fault, found.source)
+
+
+def done(c: Controller, now: float) -> None:
+    """Every rank of the current attempt exited 0: the job succeeded."""
+    if c.recoveries.waiting or c.job.status.ended:
+        return  # a stored fault waits for its decision: the job is not done before it
+    parked = c.membership.parked()
+    pods = [p for p in c.pods.values() if p.index not in parked]
+    if any(p.link is None for p in pods):
+        return
+    ranks = [
+        r
+        for p in pods
+        if p.link is not None
+        for r in p.link.ranks.values()
+        if r.attempt == c.job.attempt
+    ]
+    if len(ranks) != len(pods) * c.spec.procs_per_pod:
+        return
+    if not all(not r.running and r.code == 0 for r in ranks):
+        return
+    active = c.recoveries.active
+    if active is not None:
+        c.recoveries.active = None
+        c.store.settle_record(
+            active.record_id, Outcome.SUCCEEDED, resumed_at=now, fault_at=active.fault.at
+        )
+    c.update_job(status=JobStatus.SUCCEEDED, reason="every rank exited 0", ended_at=now)
+    c.event(f"job {c.spec.name} succeeded")

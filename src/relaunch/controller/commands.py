@@ -1,0 +1,236 @@
+"""What the controller's parts ask of pods, agents and the engine, and the views they decide on:
+placement, the cluster view the policy reads, a pod's environment and launch plan, graces."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from relaunch import failpoints
+from relaunch.controller.active import HEAL_TIMEOUT_S, ActiveRecovery, HealRequest
+from relaunch.faults import Fault, FaultKind
+from relaunch.policy import ClusterView, PodView
+from relaunch.policy.placement import NodeCapacity, move, rebuild_slots
+from relaunch.policy.placement import free_nodes as _free
+from relaunch.protocol import LaunchPlan, PodEnvironment
+from relaunch.protocol.messages import Heal, SdkPhase, Shutdown, Start, Stop
+from relaunch.spec import process_recovery_env
+from relaunch.store import NodeState, PodRow
+
+if TYPE_CHECKING:
+    from relaunch.controller.core import Controller
+
+__all__ = [
+    "cluster_view",
+    "faulty_ranks",
+    "free_nodes",
+    "launch_plan",
+    "master_port",
+    "park",
+    "placement",
+    "pod_environment",
+    "request_heal",
+    "restart_ranks",
+    "said_stopping",
+    "stop_grace",
+    "unpark",
+]
+
+
+def capacities(c: Controller) -> list[NodeCapacity]:
+    return [NodeCapacity(n.name, n.chips, n.schedulable) for n in c.nodes.values()]
+
+
+def placement(c: Controller, moved: Iterable[int], isolating: Iterable[str]) -> dict[int, str]:
+    pods = {p.index: p.row.node for p in c.pods.values()}
+    return move(capacities(c), pods, moved, isolating, c.spec.chips_per_pod)
+
+
+def free_nodes(c: Controller, used: set[str]) -> list[str]:
+    """Standby nodes with a live agent: schedulable, chips for a pod, no pod of `used` on them."""
+    return [n for n in _free(capacities(c), used, c.spec.chips_per_pod) if n in c.agents]
+
+
+def master_port(c: Controller) -> int:
+    """A port free on the node of rank 0 (pod 0), for MASTER_PORT."""
+    return c.engine.free_port(c.pods[0].row.node)
+
+
+def cluster_view(c: Controller, fault: Fault) -> ClusterView:
+    """The facts a decision depends on, as observed now (R-31, R-37, R-41, placement)."""
+    used = {p.row.node for p in c.pods.values()}
+    standby = tuple(
+        n.name
+        for n in c.nodes.values()
+        if n.schedulable and n.name not in used and n.chips >= c.spec.chips_per_pod
+    )
+    attempt = c.job.attempt
+    phases = {
+        r.phase
+        for p in c.pods.values()
+        if p.link is not None
+        for r in p.link.ranks.values()
+        if r.attempt == attempt and r.running
+    }
+    failed = c.failed_pods()
+    started = c.job.attempt_started_at or fault.at
+    from relaunch.policy.fallback import FAILED_AT_START_S
+
+    return ClusterView(
+        pods=tuple(PodView(p.index, p.row.node, holds_rank0=p.index == 0) for p in c.pods.values()),
+        standby_nodes=standby,
+        checkpoint_saving=SdkPhase.CHECKPOINT in phases,
+        group_building=SdkPhase.GROUP in phases,
+        faulty_pods=frozenset(faulty_pods(c, fault) | failed),
+        all_pods_failed_at_start=(
+            fault.kind is FaultKind.PROCESS_EXIT
+            and fault.at - started < FAILED_AT_START_S
+            and len(failed) == len(c.pods)
+        ),
+        slots=rebuild_slots(capacities(c), c.spec.chips_per_pod),
+    )
+
+
+def faulty_pods(c: Controller, fault: Fault) -> set[int]:
+    """Pods with another fault now, besides `fault`'s own (R-31's rank-0 rule): a node that
+    reports a chip or link fault, or that is lost."""
+    found = set()
+    for pod in c.pods.values():
+        if pod.index == fault.pod or (fault.node is not None and pod.row.node == fault.node):
+            continue
+        node = c.node(pod.row.node)
+        if node is not None and (node.chip_faults or node.state is not NodeState.READY):
+            found.add(pod.index)
+    return found
+
+
+def faulty_ranks(c: Controller, fault: Fault) -> tuple[int, ...]:
+    """The processes a process-level in-place restart replaces: the one that failed, or the
+    one driving the faulty chip."""
+    if fault.rank is not None:
+        return (fault.rank,)
+    if fault.pod is not None and fault.chip is not None:
+        ppp = c.spec.procs_per_pod
+        return (fault.pod * ppp + fault.chip % ppp,)
+    return ()
+
+
+def restart_ranks(c: Controller, ranks: tuple[int, ...]) -> None:
+    """Stop (at once) and start again only these ranks, in their pod's container."""
+    if not ranks:
+        return
+    pod = c.pods.get(ranks[0] // c.spec.procs_per_pod)
+    link = pod.link if pod is not None else None
+    if pod is None or link is None:
+        return
+    running = tuple(r for r in ranks if (rank := link.ranks.get(r)) is not None and rank.running)
+    if running:  # a process on a faulty chip still runs: replace it
+        link.peer.send(Stop(0.0, running))
+    attempt = c.job.attempt
+    link.peer.send(Start(attempt, pod_environment(c, pod.row, attempt), ranks))
+
+
+def park(c: Controller, pods: Iterable[int]) -> None:
+    """Elastic scale-in: the pods leave the job; their launchers are shut down at once."""
+    now = c.clock.now()
+    for index in pods:
+        pod = c.pods[index]
+        if pod.link is not None:
+            pod.link.peer.send(Shutdown(0.0))
+        pod.park(now)
+
+
+def unpark(c: Controller, parked: list[int], free: list[str], now: float) -> list[int]:
+    """Scale-out: parked pods placed on free nodes (new containers); the ones placed."""
+    back = []
+    for index, node in zip(parked, free, strict=False):
+        row = c.pods[index].row
+        generation = row.generation + 1
+        workdir = str(c.layout.job(c.job_id).pod(index, generation).path)
+        c.put_pod(PodRow(c.job_id, index, node, generation, row.schedule_cnt + 1, 1, workdir))
+        c.pods[index].placed(now)
+        back.append(index)
+        c.event(f"scale-out: pod {index} back on {node}")
+    return back
+
+
+def request_heal(c: Controller, active: ActiveRecovery) -> None:
+    """In-place recovery asks the fault's node to heal its chips (or link); the answer, or its
+    absence by the deadline, decides whether the processes start again."""
+    node = active.fault.node or ""
+    agent = c.agents.get(node)
+    c.heal_requests += 1
+    heal = HealRequest(c.heal_requests, node, c.clock.now() + HEAL_TIMEOUT_S)
+    active.heal = heal
+    if agent is None:  # nobody to heal it: a network fault heals itself when the link returns
+        heal.ok = active.fault.kind is FaultKind.NETWORK
+        if not heal.ok:
+            c.recoveries.failed(f"{node or 'its node'} has no agent to heal the chip")
+        return
+    agent.peer.send(Heal(heal.request))
+
+
+def stop_grace(c: Controller) -> float:
+    """SIGTERM -> SIGKILL grace for the processes being stopped: the job's termination grace,
+    bounded by its hang grace when they are stopped because the job hung (a hung process
+    cannot save; waiting 900 s for it only stalls the job)."""
+    grace = c.recovery.termination_grace_s
+    if c.hang_stop:
+        grace = min(grace, c.recovery.hang_grace_s)
+    return grace
+
+
+def said_stopping(c: Controller, pods: int, containers: str) -> None:
+    why = "; the job hung: hang grace" if c.hang_stop else ""
+    c.event(
+        f"stopping the processes of {pods} pod(s) ({containers}): SIGTERM, SIGKILL after "
+        f"{stop_grace(c):g} s{why}"
+    )
+    failpoints.reach("stopping")
+
+
+def pod_environment(c: Controller, row: PodRow, attempt: int) -> dict[str, str]:
+    """R-04 to R-07: what every process of the pod sees (RANK and LOCAL_RANK are the launcher's)."""
+    process_level = c.recovery.process_level
+    return PodEnvironment(
+        job_name=c.spec.name,
+        job_id=c.job_id,
+        pod=row.idx,
+        node=row.node,
+        generation=row.generation,
+        attempt=attempt,
+        world_size=c.spec.world_size,
+        procs_per_pod=c.spec.procs_per_pod,
+        master_addr=c.engine.node_address(c.pods[0].row.node),
+        master_port=c.job.master_port,
+        schedule_cnt=row.schedule_cnt,
+        proc_start_cnt=row.proc_start_cnt,
+        shared_dir=str(c.layout.job(c.job_id).shared),
+        process_recovery=process_recovery_env(c.recovery),
+        membership_file=str(c.layout.job(c.job_id).pod(row.idx, row.generation).membership)
+        if process_level
+        else None,
+        recovery_wait_s=c.recovery.wait_reschedule_timeout_s if process_level else None,
+    ).variables()
+
+
+def launch_plan(c: Controller, row: PodRow) -> LaunchPlan:
+    """The one way a pod's launcher is described (a standby launcher's derives from it)."""
+    return LaunchPlan(
+        job=c.job_id,
+        pod=row.idx,
+        generation=row.generation,
+        node=row.node,
+        command=tuple(c.spec.command),
+        procs_per_pod=c.spec.procs_per_pod,
+        first_rank=row.idx * c.spec.procs_per_pod,
+        working_dir=c.spec.working_dir,
+        monitor_interval_s=c.recovery.monitor_interval_s,
+        adopt_grace_s=c.cluster.adopt_grace_s,
+        workdir=row.workdir,
+        env=dict(c.spec.env),
+        warm_spares=c.spec.warm_spares if c.recovery.process_level else 0,
+        progress_interval_s=max(0.02, 0.002 * c.spec.replicas),
+        termination_grace_s=c.recovery.termination_grace_s,
+        activity_interval_s=min(30.0, max(0.2, c.hang_s / 5)),
+    )

@@ -1,0 +1,230 @@
+"""The controller: the one loop that turns observations into faults, faults into decisions, and
+decisions into actions, and writes down everything it does.
+
+    step:  drain messages ──> detect (exits, heartbeats, launchers, hangs, chips) ──> decide
+           (recovery.RecoveryDriver) ──> act (actions.*: desired state + commands) ──> reconcile
+           (reconcile.Reconciler: the running pods converge to the desired state)
+
+Level-triggered, as a Kubernetes controller: the store holds the desired state (every pod's node,
+generation and counters; the job's attempt); each pass compares what agents and launchers report
+with it and converges. Never blocks: every wait (a heal, a teardown, an adoption) is a deadline
+checked by a later pass. Time comes from an injected clock, messages from an inbox, processes
+from an engine, so that the loop runs the same under unit tests with fakes as in production.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+from relaunch.chaos import ChaosEntry
+from relaunch.cluster import Engine
+from relaunch.cluster.config import ClusterConfig
+from relaunch.controller import checks, lifecycle
+from relaunch.controller.clock import TICK_S, Clock, SystemClock
+from relaunch.controller.dispatch import dispatch
+from relaunch.controller.faultplan import FaultPlanRunner
+from relaunch.controller.membership import MembershipPublisher
+from relaunch.controller.peers import AgentLink, LauncherLink, Peer
+from relaunch.controller.pods import Pod
+from relaunch.controller.reconcile import Reconciler
+from relaunch.controller.recovery import RecoveryDriver
+from relaunch.faults import DEFAULT_TABLE, EscalationRules, FaultCodeTable
+from relaunch.protocol import StateDir
+from relaunch.protocol.messages import Message
+from relaunch.spec import JobSpec
+from relaunch.store import JobRow, JobStatus, NodeRow, PodRow, Store
+
+__all__ = ["TICK_S", "Controller", "RunOptions"]
+
+SEEN_EVERY_S: Final = 0.5
+"""How often the controller writes that it is alive (a resume tells how long it was away)."""
+
+
+@dataclass
+class RunOptions:
+    startup_s: float | None = None
+    """Allowance before the first sign of progress after a (re)start; overrides the job's
+    spec.startup_seconds (default max(2 x hang window, 60 s))."""
+    table: FaultCodeTable = DEFAULT_TABLE
+    rules: EscalationRules = field(default_factory=EscalationRules)
+    resume: bool = False
+
+
+@dataclass
+class TrainingProgress:
+    """The newest step any rank reported, and whether the job reports steps at all."""
+
+    step: int | None = None
+    uses_sdk: bool = False
+    saved_at: float = 0.0
+
+
+Closed = None
+"""What the inbox carries when a peer's connection closed."""
+
+
+class Controller:
+    def __init__(
+        self,
+        store: Store,
+        engine: Engine,
+        state_dir: Path,
+        cluster: ClusterConfig,
+        job_id: int,
+        spec: JobSpec,
+        plan: tuple[ChaosEntry, ...],
+        options: RunOptions,
+        on_event: Callable[[str], None] = print,
+        on_output: Callable[[int, int, str], None] | None = None,
+        on_tick: Callable[[], None] | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        self.store = store
+        self.engine = engine
+        self.layout = StateDir(state_dir)
+        self.cluster = cluster
+        self.job_id = job_id
+        self.spec = spec
+        self.recovery = spec.recovery
+        self.options = options
+        self.clock: Clock = clock or SystemClock()
+        self.hang_s = spec.recovery.hang_detect_s
+        self.startup_s = options.startup_s or spec.recovery.startup_s
+        self.on_event = on_event
+        self.on_output = on_output
+        self.on_tick = on_tick
+        self.inbox: queue.Queue[tuple[Peer, Message | None]] = queue.Queue()
+        self.job: JobRow = store.job(job_id)
+        self.nodes: dict[str, NodeRow] = {}
+        self.refresh_nodes()
+        self.pods: dict[int, Pod] = {p.idx: Pod(p) for p in store.pods(job_id)}
+        self.agents: dict[str, AgentLink] = {}
+        self.progress = TrainingProgress(self.job.last_step, self.job.last_step is not None)
+        self.adopt_until = 0.0
+        """Until then, agents and launchers are being (re-)adopted: no node is declared lost."""
+        self.adopting = False
+        """A resume's adoption window is open (see checks.adoption)."""
+        self.away_s = 0.0
+        """How long the controller was away before this resume."""
+        self.next_pass = 0.0
+        self.seen_written = 0.0
+        self.hang_stop = False
+        """The processes are being stopped because the job hung: the hang grace applies."""
+        self.heal_requests = 0
+        self.recoveries = RecoveryDriver(self)
+        self.membership = MembershipPublisher(self)
+        self.fault_plan = FaultPlanRunner(self, plan)
+        self.reconciler = Reconciler(self)
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def receive(self, peer: Peer, message: Message | None) -> None:
+        """A message from a peer (None: its connection closed); handled by the next step."""
+        self.inbox.put((peer, message))
+
+    def hurry(self) -> None:
+        """Act on what just happened now, not at the next scheduled pass."""
+        self.next_pass = 0.0
+
+    def step(self, wait: float = 0.0) -> None:
+        """Handle what arrived (waiting up to `wait` for the first message), then one pass of
+        checks once TICK_S has elapsed since the last."""
+        self.drain(wait)
+        now = self.clock.now()
+        if now < self.next_pass:
+            return
+        self.next_pass = now + TICK_S
+        self.pass_(now)
+
+    def run(self) -> tuple[JobStatus, str]:
+        """Run (or resume) the job until it ends; its status and why."""
+        return lifecycle.run(self)
+
+    def stop(self, reason: str) -> None:
+        """Stop the job at the user's request (Ctrl-C, SIGTERM)."""
+        lifecycle.stop(self, reason)
+
+    def drain(self, wait: float) -> None:
+        """Handle every message that arrived, waiting up to `wait` for the first."""
+        try:
+            peer, message = self.inbox.get(timeout=wait) if wait > 0 else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            dispatch(self, peer, message)
+            try:
+                peer, message = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def pass_(self, now: float) -> None:
+        """One round of the level-triggered checks, in the flow's order."""
+        self.job = self.store.job(self.job_id)  # the API may have asked for a stop, added faults
+        self.refresh_nodes()
+        if now - self.seen_written >= SEEN_EVERY_S:
+            self.seen_written = now
+            self.update_job(controller_seen_at=now)
+        checks.adoption(self, now)
+        checks.requests(self, now)
+        # detect
+        self.recoveries.check(now)
+        checks.heartbeats(self, now)
+        checks.launchers(self, now)
+        checks.hangs(self, now)
+        # decide (every fault detected so far, here or while draining messages)
+        self.recoveries.decide_waiting(now)
+        # act
+        self.fault_plan.fire(now)
+        self.membership.scale_out(now)
+        self.reconciler.converge(now)
+        self.reconciler.keep_standby(now)
+        checks.done(self, now)
+        if self.on_tick is not None:
+            self.on_tick()
+
+    # -- the state the parts share ------------------------------------------------------------------
+
+    def event(self, text: str) -> None:
+        self.store.event(self.job_id, text, self.clock.now())
+        self.on_event(text)
+
+    def update_job(self, **fields: object) -> None:
+        self.store.update_job(self.job_id, **fields)
+        self.job = self.store.job(self.job_id)
+
+    def put_pod(self, row: PodRow) -> None:
+        self.store.put_pod(row)
+        pod = self.pods.get(row.idx)
+        if pod is None:
+            self.pods[row.idx] = Pod(row)
+        else:
+            pod.row = row
+
+    def refresh_nodes(self) -> None:
+        self.nodes = {n.name: n for n in self.store.nodes()}
+
+    def node(self, name: str) -> NodeRow | None:
+        return self.nodes.get(name)
+
+    def ranks_of(self, pod: int) -> tuple[int, ...]:
+        first = pod * self.spec.procs_per_pod
+        return tuple(range(first, first + self.spec.procs_per_pod))
+
+    def launcher_of(self, peer: Peer) -> LauncherLink | None:
+        return next(
+            (p.link for p in self.pods.values() if p.link is not None and p.link.peer is peer),
+            None,
+        )
+
+    def failed_pods(self) -> set[int]:
+        attempt = self.job.attempt
+        return {
+            p.index
+            for p in self.pods.values()
+            if p.link is not None
+            and any(r.attempt == attempt and r.failed for r in p.link.ranks.values())
+        }

@@ -1,0 +1,192 @@
+"""Detectors: observations in, faults out. Each returns the faults it sees with a `source`, a key
+that is the same every time the same fault is observed again (a heartbeat repeats a chip fault; a
+restarted controller hears the same exit), so that the store records each fault once.
+
+Pure functions of what they are given; the controller feeds them and acts on what they return.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Final
+
+from relaunch.controller.peers import AgentLink, LauncherLink, Rank
+from relaunch.controller.pods import Pod, PodPhase
+from relaunch.faults import Fault, FaultKind
+from relaunch.protocol.messages import Exited, Heartbeat
+from relaunch.store import NodeRow, NodeState
+
+__all__ = [
+    "ACTIVE_CPU_SHARE",
+    "Detected",
+    "InjectedAt",
+    "chip_faults",
+    "exit_fault",
+    "hang_fault",
+    "launcher_faults",
+    "lost_nodes",
+    "rank_active",
+]
+
+ACTIVE_CPU_SHARE: Final = 0.10
+"""A silent rank whose processes used at least this share of one core since the last sample is
+computing, not hung (R-25; MindCluster's detector counts a round as hung only under 5 s of CPU
+in 60 s). A SIGSTOPped rank uses none, nor does one blocked in a gloo collective."""
+
+InjectedAt = Callable[[tuple[str, str], float], float]
+"""When a planned fault with this key was injected (and forget it), else the default: a fault
+the plan caused is timed from its injection, not from when it was seen."""
+
+
+@dataclass(frozen=True)
+class Detected:
+    fault: Fault
+    source: str
+
+
+def exit_fault(
+    link: LauncherLink, node: str, message: Exited, attempt: int, injected_at: InjectedAt
+) -> Detected | None:
+    """A rank of the current attempt exited non-zero (or by a signal) without being stopped."""
+    if message.expected or message.attempt != attempt:
+        return None
+    if message.code == 0 and not message.signal:
+        return None
+    fault = Fault(
+        FaultKind.PROCESS_EXIT,
+        injected_at(("exit", str(message.rank)), message.at),
+        node=node,
+        pod=link.pod,
+        rank=message.rank,
+        exit_code=message.code,
+        signal=message.signal,
+        detail=message.detail,
+    )
+    # a replacement (process level) reuses attempt, generation and rank: the exit time tells
+    source = f"exit:{attempt}:{link.generation}:{message.rank}:{message.at:.6f}"
+    return Detected(fault, source)
+
+
+def chip_faults(beat: Heartbeat, pod: int | None, injected_at: InjectedAt) -> list[Detected]:
+    """The chip and link faults a node's heartbeat reports (repeated until they heal)."""
+    found = []
+    for chip in beat.chips:
+        kind = FaultKind.MEMORY_UCE if chip.kind == "memory-uce" else FaultKind.CHIP
+        at = injected_at(("chip", beat.node), chip.at)
+        fault = Fault(kind, at, node=beat.node, chip=chip.chip, pod=pod, code=chip.code)
+        found.append(Detected(fault, f"{beat.node}:{chip.seq}"))
+    link = beat.link
+    if link is not None:
+        at = injected_at(("net", beat.node), link.at)
+        fault = Fault(FaultKind.NETWORK, at, node=beat.node, pod=pod, duration_s=link.duration_s)
+        found.append(Detected(fault, f"{beat.node}:{link.seq}"))
+    return found
+
+
+@dataclass(frozen=True)
+class LostNode:
+    node: str
+    why: str
+    silent_s: float
+    detected: Detected
+
+
+def lost_nodes(
+    nodes: Iterable[NodeRow],
+    agents: Mapping[str, AgentLink],
+    gone: set[str],
+    now: float,
+    timeout: float,
+    silent_since: float,
+    injected_at: InjectedAt,
+) -> list[LostNode]:
+    """Nodes in use whose agent is silent for `timeout`, or that the engine reports dead,
+    whichever comes first. `silent_since`: when a node without a connected agent started
+    counting (a resume counts from the end of its adoption)."""
+    found = []
+    for node in nodes:
+        if node.state not in (NodeState.READY, NodeState.FAULTY):
+            continue  # lost already, or isolated: no pod of the job goes there
+        agent = agents.get(node.name)
+        last = agent.last_heartbeat if agent is not None else silent_since
+        if now - last > timeout or node.name in gone:
+            why = (
+                f"no heartbeat for {timeout:g} s"
+                if now - last > timeout
+                else "the engine reports the node dead"
+            )
+            at = injected_at(("node", node.name), last)
+            fault = Fault(FaultKind.NODE_LOST, at, node=node.name)
+            detected = Detected(fault, f"lost:{node.name}:{last:.3f}")
+            found.append(LostNode(node.name, why, now - last, detected))
+    return found
+
+
+def launcher_faults(
+    pods: Iterable[Pod], nodes: Mapping[str, NodeRow], now: float, grace: float
+) -> list[tuple[Pod, Detected]]:
+    """A launcher whose connection closed and did not come back within `grace` while its node
+    lives: the pod's container died."""
+    found = []
+    for pod in pods:
+        if pod.phase is not PodPhase.LOST or pod.lost_since_moved or now - pod.since <= grace:
+            continue
+        node = nodes.get(pod.row.node)
+        if node is None or node.state is NodeState.LOST:
+            continue  # the node's loss is the fault
+        fault = Fault(
+            FaultKind.PROCESS_EXIT,
+            pod.since,
+            node=pod.row.node,
+            pod=pod.index,
+            signal=9,
+            detail="launcher died",
+        )
+        found.append(
+            (pod, Detected(fault, f"launcher:{pod.index}:{pod.row.generation}:{pod.since:.3f}"))
+        )
+    return found
+
+
+def rank_active(rank: Rank, cpu: float, io: int, now: float, uses_sdk: bool) -> bool:
+    """A usage sample shows the rank alive: enough CPU since the last sample, or, for a job
+    that does not report steps, any I/O (R-25)."""
+    if rank.usage is None:
+        return False
+    then, cpu_then, io_then = rank.usage
+    busy = cpu - cpu_then >= ACTIVE_CPU_SHARE * max(now - then, 1e-3)
+    return busy or (not uses_sdk and io > io_then)
+
+
+def hang_fault(
+    links: Iterable[LauncherLink],
+    attempt: int,
+    now: float,
+    hang_s: float,
+    startup_s: float,
+    exempt: Callable[[int], bool],
+    injected_at: InjectedAt,
+) -> Detected | None:
+    """R-25: a rank of the current attempt silent for the hang window (before its first sign of
+    progress: the startup allowance). When several are silent (one stuck rank stalls its peers
+    at the next collective), the one silent longest is reported. `exempt` ranks (healthy ranks
+    waiting for replacements) are not hung."""
+    silent: list[tuple[float, LauncherLink, int, float]] = []
+    for link in links:
+        if link.stopping:
+            continue
+        for rank_index, rank in link.ranks.items():
+            if not rank.running or rank.attempt != attempt or exempt(rank_index):
+                continue
+            window = hang_s if rank.progressed else startup_s
+            if now - rank.last_activity > window:
+                silent.append((rank.last_activity, link, rank_index, window))
+    if not silent:
+        return None
+    _, link, rank_index, window = min(silent, key=lambda item: item[0])
+    at = injected_at(("hang", "job"), now - window)
+    fault = Fault(
+        FaultKind.HANG, at, pod=link.pod, rank=rank_index, detail=f"silent for {window:g} s"
+    )
+    return Detected(fault, f"hang:{attempt}:{rank_index}:{now:.3f}")

@@ -1,0 +1,191 @@
+"""Each message a peer sends, to what the controller observes and the faults it implies."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from relaunch.controller.detectors import chip_faults, exit_fault, rank_active
+from relaunch.controller.peers import AgentLink, LauncherLink, Peer, Rank
+from relaunch.controller.pods import PodPhase
+from relaunch.protocol.messages import (
+    AgentHello,
+    Exited,
+    Healed,
+    Heartbeat,
+    Injected,
+    LauncherHello,
+    MembershipUpdate,
+    Message,
+    Output,
+    ProgressBatch,
+    Shutdown,
+    Started,
+    Stopped,
+    Usage,
+)
+from relaunch.store import NodeState
+
+if TYPE_CHECKING:
+    from relaunch.controller.core import Controller
+
+__all__ = ["dispatch"]
+
+PROGRESS_SAVED_EVERY_S = 0.5
+"""The newest step is written to the store at most this often (the API's progress chart)."""
+
+
+def dispatch(c: Controller, peer: Peer, message: Message | None) -> None:
+    match message:
+        case None:
+            _closed(c, peer)
+        case AgentHello(node=node):
+            c.agents[node] = AgentLink(peer, node, c.clock.now())
+        case LauncherHello():
+            _launcher_hello(c, peer, message)
+        case Heartbeat():
+            agent = c.agents.get(message.node)
+            if agent is not None and agent.peer is peer:
+                agent.last_heartbeat = c.clock.now()
+                _chip_health(c, message)
+        case Healed(request=request, ok=ok):
+            c.recoveries.healed(request, ok)
+        case Injected():
+            c.fault_plan.acknowledged(message)
+        case _:
+            link = c.launcher_of(peer)
+            if link is not None:
+                _from_launcher(c, link, message)
+
+
+def _from_launcher(c: Controller, link: LauncherLink, message: Message) -> None:
+    now = c.clock.now()
+    match message:
+        case Started(rank=rank, attempt=attempt, at=at):
+            link.ranks[rank] = Rank(attempt, True, at, at)
+        case Output(rank=rank, attempt=attempt, line=line):
+            _activity(link, rank, attempt, now)
+            if c.on_output is not None:
+                c.on_output(link.pod, rank, line)
+            if not c.progress.uses_sdk:
+                _progressed(c, link, rank, attempt, None)
+        case ProgressBatch(reports=reports, phases=phases):
+            for phase in phases:
+                observed = link.ranks.get(phase.rank)
+                if observed is not None and observed.attempt == phase.attempt:
+                    observed.phase = phase.phase
+            for report in reports:
+                _step(c, link, report.rank, report.attempt, report.step, now)
+        case Usage(attempt=attempt, ranks=ranks):
+            for rank_index, (cpu, io) in ranks.items():
+                observed = link.ranks.get(rank_index)
+                if observed is None or observed.attempt != attempt:
+                    continue
+                if rank_active(observed, cpu, io, now, c.progress.uses_sdk):
+                    observed.last_activity = now
+                observed.usage = (now, float(cpu), int(io))
+        case Exited():
+            _exited(c, link, message)
+        case Stopped():
+            pod = c.pods.get(link.pod)
+            if pod is not None and pod.link is link:
+                pod.stopped(now)
+            else:
+                link.stopping = False
+
+
+def _activity(link: LauncherLink, rank: int, attempt: int, now: float) -> None:
+    observed = link.ranks.get(rank)
+    if observed is not None and observed.attempt == attempt:
+        observed.last_activity = now
+        observed.progressed = True
+
+
+def _step(
+    c: Controller, link: LauncherLink, rank: int, attempt: int, step: int, now: float
+) -> None:
+    _activity(link, rank, attempt, now)
+    progress = c.progress
+    progress.uses_sdk = True
+    c.membership.joined(rank)
+    progress.step = max(progress.step or 0, step)
+    if now - progress.saved_at > PROGRESS_SAVED_EVERY_S:
+        progress.saved_at = now
+        c.update_job(last_step=progress.step)
+        c.store.add_progress(c.job_id, now, progress.step)
+    _progressed(c, link, rank, attempt, step)
+
+
+def _progressed(
+    c: Controller, link: LauncherLink, rank: int, attempt: int, step: int | None
+) -> None:
+    observed = link.ranks.get(rank)
+    started_at = observed.started_at if observed is not None else 0.0
+    c.recoveries.progressed(rank, started_at, attempt, step)
+
+
+def _exited(c: Controller, link: LauncherLink, message: Exited) -> None:
+    observed = link.ranks.setdefault(message.rank, Rank(message.attempt))
+    observed.running = False
+    observed.code, observed.signal = message.code, message.signal
+    pod = c.pods.get(link.pod)
+    node = pod.row.node if pod is not None else link.node
+    found = exit_fault(link, node, message, c.job.attempt, c.fault_plan.injected_at)
+    if found is not None:
+        c.recoveries.fault(found.fault, found.source)
+
+
+def _chip_health(c: Controller, beat: Heartbeat) -> None:
+    """A node's chips and link, as its heartbeat says: the node's state follows, and each fault
+    reported is a fault (stored once)."""
+    now = c.clock.now()
+    c.store.set_chip_health(
+        beat.node, [{"chip": f.chip, "code": f.code, "kind": f.kind} for f in beat.chips], now
+    )
+    row = c.node(beat.node)
+    if beat.chips and row is not None and row.state is NodeState.READY:
+        c.store.set_node_state(beat.node, NodeState.FAULTY, "chip fault reported")
+    elif not beat.chips and row is not None and row.state is NodeState.FAULTY:
+        c.store.set_node_state(beat.node, NodeState.READY, "chips healthy")
+    c.refresh_nodes()
+    pod = next((p.index for p in c.pods.values() if p.row.node == beat.node), None)
+    for found in chip_faults(beat, pod, c.fault_plan.injected_at):
+        c.recoveries.fault(found.fault, found.source)
+
+
+def _launcher_hello(c: Controller, peer: Peer, hello: LauncherHello) -> None:
+    if hello.job != c.job_id:
+        peer.send(Shutdown(0.0))
+        return
+    link = LauncherLink(peer, hello.pod, hello.generation, hello.pid, node=hello.node)
+    now = c.clock.now()
+    for rank, report in hello.procs.items():
+        link.ranks[rank] = Rank(report.attempt, report.running, now, now, code=report.code)
+    link.started_attempt = hello.attempt
+    if hello.standby:
+        if not c.reconciler.standby_hello(link):
+            peer.send(Shutdown(0.0))
+        return
+    pod = c.pods.get(hello.pod)
+    if pod is None or pod.row.generation != hello.generation:
+        peer.send(Shutdown(0.0))
+        return
+    current = pod.link
+    if current is not None and not current.peer.closed and current.pid != hello.pid:
+        peer.send(Shutdown(0.0))  # a duplicate started across a controller restart
+        return
+    pod.connect(link, now)
+    membership = c.membership.current()
+    if c.recovery.process_level and membership is not None:
+        peer.send(MembershipUpdate(membership))
+
+
+def _closed(c: Controller, peer: Peer) -> None:
+    now = c.clock.now()
+    for pod in c.pods.values():
+        if pod.leaving is not None and pod.leaving.peer is peer:
+            pod.leaving = None
+        if pod.link is not None and pod.link.peer is peer and pod.phase is not PodPhase.PARKED:
+            pod.lost(now)
+    for node, standby in list(c.reconciler.standby.items()):
+        if standby.peer is peer:
+            del c.reconciler.standby[node]

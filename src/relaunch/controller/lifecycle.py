@@ -1,0 +1,209 @@
+"""A controller's life: listening for peers, starting or resuming a job, running the loop until
+the job ends, and shutting its pods and agents down."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from typing import TYPE_CHECKING, Final
+
+from relaunch.controller.active import ActiveRecovery
+from relaunch.controller.clock import TICK_S
+from relaunch.controller.commands import master_port, stop_grace
+from relaunch.faults import Fault, FaultKind
+from relaunch.protocol.messages import Shutdown
+from relaunch.protocol.wire import Connection, write_controller_address
+from relaunch.store import JobRow, JobStatus, NodeState, Outcome
+
+if TYPE_CHECKING:
+    from relaunch.controller.core import Controller
+
+__all__ = ["adopted", "listen", "run", "stop"]
+
+AGENTS_START_S: Final = 15.0
+"""How long a start waits for the node agents it started to connect."""
+
+
+def listen(c: Controller) -> socket.socket:
+    """Accept agents and launchers; each connection's messages go to the controller's inbox."""
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind((c.engine.bind_host, 0))
+    server.listen(256)
+
+    def read(conn: Connection) -> None:
+        for message in conn:
+            c.receive(conn, message)
+        c.receive(conn, None)
+
+    def accept() -> None:
+        while True:
+            try:
+                sock, _ = server.accept()
+            except OSError:
+                return
+            threading.Thread(target=read, args=(Connection(sock),), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    host, port = server.getsockname()
+    write_controller_address(c.layout.path, host, port, pid=os.getpid())
+    return server
+
+
+def run(c: Controller) -> tuple[JobStatus, str]:
+    server = listen(c)
+    try:
+        now = c.clock.now()
+        if c.options.resume:
+            resume(c, now)
+        else:
+            start_agents(c, now)
+            c.update_job(
+                status=JobStatus.RUNNING,
+                attempt_started_at=now,
+                master_port=master_port(c),
+                controller_seen_at=now,
+            )
+            c.membership.publish()
+        while not c.job.status.ended:
+            c.step(wait=max(0.0, c.next_pass - c.clock.now()))
+        finish(c, c.job)
+        return c.job.status, c.job.reason
+    finally:
+        server.close()
+
+
+def start_agents(c: Controller, now: float, keep_lost: bool = False) -> None:
+    """Start every node's agent and wait (draining messages) for them to connect. A new run
+    starts lost nodes again (the embedded cluster can); a resume keeps them lost."""
+    wanted: set[str] = set()
+    for spec in c.cluster.nodes:
+        row = c.node(spec.name)
+        if row is not None and row.state is NodeState.LOST:
+            if keep_lost:
+                continue
+            c.store.set_node_state(spec.name, NodeState.READY, "agent started again")
+        wanted.add(spec.name)
+        c.engine.start_agent(
+            spec,
+            c.cluster.heartbeat_interval_s,
+            c.cluster.adopt_grace_s,
+            c.options.rules.network_blip_s,
+        )
+        c.agents.pop(spec.name, None)
+    c.refresh_nodes()
+    c.adopt_until = now + max(5.0, 4 * c.cluster.heartbeat_timeout_s)
+    deadline = now + AGENTS_START_S
+    while c.clock.now() < deadline and not wanted <= set(c.agents):
+        c.drain(TICK_S)
+    c.adopt_until = 0.0
+
+
+def resume(c: Controller, now: float) -> None:
+    """Take over a job whose controller died: re-adopt the pods and agents that come back
+    (`adopted` decides, once they have or the window has passed, what the others mean)."""
+    job = c.job
+    _resume_active(c)
+    c.recoveries.waiting = True  # faults the dead controller stored and did not decide
+    seen = job.controller_seen_at
+    c.away_s = now - seen if seen is not None else 0.0
+    c.update_job(controller_seen_at=now)
+    c.adopting = True
+    c.adopt_until = now + max(2.0, 3 * c.cluster.heartbeat_interval_s)
+    c.event(
+        f"controller resumed job {job.name} (attempt {job.attempt}) after {c.away_s:.1f} s "
+        "away; re-adopting pods"
+    )
+
+
+def adopted(c: Controller, now: float) -> None:
+    """The adoption window is over. A pod whose launcher did not come back while its node lives
+    and no recovery is under way: its container died while the controller was away (a fault,
+    once the launcher grace has passed); a recovery under way launches its pods itself. Away longer than the adopt grace, pods and agents end themselves: the missing agents
+    are started again and, if pods are missing, the job is rebuilt at job level, recorded as
+    relaunch's own outage (no restart budget spent)."""
+    parked = c.membership.parked()
+    missing = [p for p in c.pods.values() if not p.connected and p.index not in parked]
+    grace = c.cluster.adopt_grace_s
+    if c.away_s <= grace:
+        if c.recoveries.active is None:  # a recovery under way launches its pods itself
+            for pod in missing:
+                pod.lost(now)
+        return
+    silent = [
+        spec
+        for spec in c.cluster.nodes
+        if spec.name not in c.agents
+        and (row := c.node(spec.name)) is not None
+        and row.state is not NodeState.LOST
+    ]
+    for spec in silent:  # they exited after the adopt grace: started again, not lost
+        c.engine.start_agent(
+            spec, c.cluster.heartbeat_interval_s, grace, c.options.rules.network_blip_s
+        )
+    if silent:
+        c.adopt_until = now + max(5.0, 4 * c.cluster.heartbeat_timeout_s)
+    if not missing:
+        return
+    c.event(
+        f"{len(missing)} pod(s) did not come back: the controller was away {c.away_s:.0f} s, "
+        f"longer than adopt_grace_s ({grace:g} s), and they ended themselves; restarting the "
+        "job from its checkpoints"
+    )
+    seen = (c.job.controller_seen_at or now) - c.away_s
+    outage = Fault(
+        FaultKind.CONTROLLER_OUTAGE,
+        seen + grace,
+        detail=f"controller away {c.away_s:.0f} s (adopt_grace_s {grace:g} s)",
+    )
+    c.recoveries.fault(outage, f"outage:{c.job.attempt}:{seen:.3f}")
+
+
+def _resume_active(c: Controller) -> None:
+    for record in reversed(c.store.records(c.job_id)):
+        if record.outcome is Outcome.RUNNING:
+            c.recoveries.active = ActiveRecovery(
+                record.id,
+                record.fault,
+                record.fault_id,
+                record.action,
+                frozenset(record.tried),
+                record.started_at,
+            )
+        break
+
+
+def finish(c: Controller, job: JobRow) -> None:
+    for fault_id, fault, _ in c.store.pending(c.job_id):
+        c.store.drop_pending(c.job_id, fault_id)  # the job ended: nothing to decide
+        c.event(f"{fault.describe()}: not decided, the job had ended")
+    step = c.progress.step
+    if step is not None:
+        if step != job.last_step:
+            c.update_job(last_step=step)
+        c.store.add_progress(c.job_id, c.clock.now(), step)
+    c.fault_plan.at_end(c.job)
+    shutdown_pods(c)
+
+
+def shutdown_pods(c: Controller) -> None:
+    """Every launcher stops its processes (with the grace) and exits; then the agents."""
+    grace = stop_grace(c)
+    links = [p.link for p in c.pods.values() if p.link is not None]
+    links += list(c.reconciler.standby.values())
+    for link in links:
+        link.peer.send(Shutdown(grace))
+    deadline = c.clock.now() + grace + 5
+    while c.clock.now() < deadline and not all(link.peer.closed for link in links):
+        c.drain(TICK_S)
+    for agent in c.agents.values():
+        agent.peer.send(Shutdown())
+    c.engine.shutdown()
+
+
+def stop(c: Controller, reason: str) -> None:
+    """Stop the job at the user's request (Ctrl-C, SIGTERM)."""
+    c.update_job(status=JobStatus.STOPPED, reason=reason, ended_at=c.clock.now())
+    c.fault_plan.at_end(c.job)
+    shutdown_pods(c)

@@ -1,0 +1,110 @@
+"""The process group's membership (process-level recovery): which ranks form each generation of
+the group, where its store listens, who joins, who is parked. Published to the store and to every
+launcher, which writes it where the SDK's ProcessGroupKeeper reads it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from relaunch.controller import commands
+from relaunch.protocol import Membership
+from relaunch.protocol.messages import MembershipUpdate
+from relaunch.store import JobStatus
+
+if TYPE_CHECKING:
+    from relaunch.controller.core import Controller
+
+__all__ = ["MembershipPublisher"]
+
+
+class MembershipPublisher:
+    def __init__(self, controller: Controller) -> None:
+        self.c = controller
+        self.joining: tuple[int, ...] = ()
+        """Ranks of a scale-out that have not reported progress yet (the others wait for them)."""
+        self.joining_until = 0.0
+
+    def current(self) -> Membership | None:
+        data = self.c.job.membership
+        return Membership.from_json(data) if data else None
+
+    def parked(self) -> set[int]:
+        """Pods left out of the group by an elastic scale-in, until a node takes them back."""
+        current = self.current()
+        return set(current.parked) if current is not None else set()
+
+    def publish(
+        self, joiners: tuple[int, ...] = (), retry: bool = False, parked: set[int] | None = None
+    ) -> None:
+        """The next generation of the group: a new store port unless it is an online retry,
+        which keeps the group. Parked pods' ranks are left out and the others are numbered
+        densely (elastic training)."""
+        c = self.c
+        if not c.recovery.process_level:
+            return
+        previous = self.current()
+        if parked is None:
+            parked = self.parked() if (joiners or retry) else set()
+        if retry and previous is not None:
+            port = previous.port
+        elif previous is None or not (joiners or parked):
+            port = c.job.master_port
+        else:
+            port = commands.master_port(c)
+        active = [p.row for p in c.pods.values() if p.index not in parked]
+        members = [r for pod in active for r in c.ranks_of(pod.idx)]
+        membership = Membership(
+            generation=(previous.generation if previous else 0) + 1,
+            addr=c.engine.node_address(active[0].node) if active else "127.0.0.1",
+            port=port,
+            world_size=len(members),
+            ranks={r: i for i, r in enumerate(members)},
+            joiners=tuple(sorted(joiners)),
+            retry=retry,
+            pods={p.idx: p.generation for p in active},
+            parked=tuple(sorted(parked)),
+            procs_per_pod=c.spec.procs_per_pod,
+        )
+        c.update_job(membership=_stored(membership))
+        for pod in c.pods.values():
+            if pod.link is not None:
+                pod.link.peer.send(MembershipUpdate(membership))
+        what = (
+            "online retry"
+            if retry
+            else f"replacements {sorted(joiners)}"
+            if joiners
+            else "fresh group"
+        )
+        if parked:
+            what += f"; pods {sorted(parked)} left out"
+        c.event(
+            f"process group generation {membership.generation}: {what}, world size {len(members)}"
+        )
+
+    def scale_out(self, now: float) -> None:
+        """Elastic training: a parked pod goes back into the group as soon as a Ready node with
+        a live agent can take it; its ranks join the running job."""
+        c = self.c
+        parked = self.parked()
+        if not parked or c.recoveries.active is not None or c.job.status is not JobStatus.RUNNING:
+            return
+        free = commands.free_nodes(
+            c, {p.row.node for p in c.pods.values() if p.index not in parked}
+        )
+        back = commands.unpark(c, sorted(parked), free, now)
+        if back:
+            self.joining = tuple(r for idx in back for r in c.ranks_of(idx))
+            self.joining_until = now + c.startup_s
+            self.publish(joiners=self.joining, parked=parked - set(back))
+
+    def joined(self, rank: int) -> None:
+        if rank in self.joining:
+            self.joining = ()
+            self.c.event("scale-out: the joining ranks are training")
+
+
+def _stored(membership: Membership) -> dict[str, object]:
+    import json
+
+    return dict(json.loads(membership.to_json()))

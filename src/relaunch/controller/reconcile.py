@@ -1,0 +1,231 @@
+"""Convergence: the running pods brought to their desired state, level-triggered, every pass.
+
+Compares every pod's launcher with its row (node, generation) and the job's attempt, and does the
+next thing: retires launchers of older generations, asks the engine for missing launchers (or
+turns a standby launcher into one), stops processes of older attempts, and starts the current
+attempt once every pod is connected and nothing is still stopping. Keeps one standby launcher
+per standby node when warm spares are on, and the checkpoint fence up to date. A restarted
+controller or a repeated message is harmless: each pass only looks at what is and what should be.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+from relaunch import failpoints
+from relaunch.controller import commands
+from relaunch.controller.actions import action_for
+from relaunch.controller.peers import LauncherLink
+from relaunch.controller.pods import LAUNCH_RETRY_S, Pod, PodPhase
+from relaunch.protocol import LaunchPlan, write_atomically
+from relaunch.protocol.messages import Assume, MembershipUpdate, Shutdown, Start, Stop
+from relaunch.store import NodeState
+
+if TYPE_CHECKING:
+    from relaunch.controller.core import Controller
+
+__all__ = ["Reconciler"]
+
+
+class Reconciler:
+    def __init__(self, controller: Controller) -> None:
+        self.c = controller
+        self.standby: dict[str, LauncherLink] = {}
+        """Launchers on standby nodes keeping warm spares (spec.warm_spares), by node."""
+        self.standby_launching: dict[str, float] = {}
+        self.placed: dict[int, tuple[int, str]] = {}
+        """Pod -> (generation, node) last seen, to tell a move off a lost node."""
+        self.fenced: dict[int, int] = {}
+        """Pod -> the oldest generation allowed to write checkpoints."""
+        self.fence_written: dict[str, dict[str, int]] = {}
+        try:  # a restarted controller keeps the fence
+            written = json.loads(self.c.layout.job(self.c.job_id).fence.read_text())
+            self.fenced = {int(k): int(v) for k, v in written["generations"].items()}
+            self.fence_written = {"generations": {str(k): v for k, v in self.fenced.items()}}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass  # no fence yet
+
+    def converge(self, now: float) -> None:
+        c = self.c
+        if c.job.status.ended or now < c.adopt_until:
+            return
+        self._write_fence()
+        retired = sum(self._retire(pod, now) for pod in c.pods.values())
+        if retired:
+            commands.said_stopping(c, retired, "their containers are rebuilt")
+        parked = c.membership.parked()
+        pods = [p for p in c.pods.values() if p.index not in parked]
+        if not all([self._connect(pod, now) for pod in pods]):
+            return
+        self._stop_or_start(pods)
+
+    def _retire(self, pod: Pod, now: float) -> int:
+        """A launcher of an older generation is told to shut down; 1 if one was."""
+        link = pod.link
+        if link is None or link.generation == pod.row.generation:
+            return 0
+        link.peer.send(Shutdown(commands.stop_grace(self.c)))
+        old = self.c.node(link.node)
+        # a lost node's pods are not waited for: it may never answer (hung or cut off); they
+        # are fenced instead, and get this shutdown if it comes back
+        pod.retire(now, wait=old is None or old.state is not NodeState.LOST)
+        return 1
+
+    def _connect(self, pod: Pod, now: float) -> bool:
+        """True if the pod has its launcher; otherwise asks for one when it can."""
+        c = self.c
+        if pod.connected:
+            return True
+        if pod.phase is PodPhase.LOST:
+            return False  # waiting for it to come back, or for the fault it becomes
+        limit = c.recovery.volume_teardown_grace_s
+        if limit is None:
+            limit = c.recovery.termination_grace_s + 10.0  # never wait forever for a dead peer
+        if pod.teardown_pending(now, limit):
+            return False
+        node = c.node(pod.row.node)
+        if node is None or node.state is NodeState.LOST or pod.row.node not in c.agents:
+            return False
+        standby = self.standby.pop(pod.row.node, None)
+        if standby is not None and not standby.peer.closed:
+            self._assume(standby, pod, now)
+            return True
+        if pod.needs_launch(now):
+            pod.launching(now)
+            c.engine.start_pod(commands.launch_plan(c, pod.row))
+        return False
+
+    def _stop_or_start(self, pods: list[Pod]) -> None:
+        c = self.c
+        attempt = c.job.attempt
+        links = [p.link for p in pods if p.link is not None]
+        old = [p for p in pods if p.link is not None and p.link.running_older_than(attempt)]
+        if old:
+            stopping = [p for p in old if p.phase is not PodPhase.STOPPING]
+            for pod in stopping:
+                assert pod.link is not None
+                pod.link.peer.send(Stop(commands.stop_grace(c)))
+                pod.stop_sent(c.clock.now())
+            if stopping:
+                commands.said_stopping(c, len(stopping), "their containers stay")
+            return
+        if any(link.stopping for link in links):
+            return
+        active = c.recoveries.active
+        if active is not None and not action_for(active.action).ready_to_start(active):
+            return  # in-place waits for its heal
+        started = False
+        for pod in pods:
+            link = pod.link
+            assert link is not None
+            if link.started_attempt < attempt:
+                link.started_attempt = attempt
+                started = True
+                link.peer.send(Start(attempt, commands.pod_environment(c, pod.row, attempt)))
+        if started and attempt > 1:
+            failpoints.reach("starting")
+
+    def _assume(self, standby: LauncherLink, pod: Pod, now: float) -> None:
+        """The standby launcher on the pod's new node becomes its launcher: its warm spares
+        become the pod's processes at the next start."""
+        c = self.c
+        plan = commands.launch_plan(c, pod.row)
+        standby.peer.send(Assume(plan))
+        c.engine.assumed(c.job_id, pod.row.node, pod.index, pod.row.generation)
+        link = LauncherLink(
+            standby.peer, pod.index, pod.row.generation, standby.pid, node=pod.row.node
+        )
+        pod.connect(link, now)
+        current = c.membership.current()
+        if c.recovery.process_level and current is not None:
+            link.peer.send(MembershipUpdate(current))
+        c.event(f"pod {pod.index} takes the standby launcher on {pod.row.node} and its warm spares")
+
+    # -- standby launchers ----------------------------------------------------------------------
+
+    def standby_nodes(self) -> set[str]:
+        """Nodes that keep a standby launcher: with warm spares for a process-level job, every
+        schedulable node with a live agent that no pod of the job uses."""
+        c = self.c
+        if not (c.recovery.process_level and c.spec.warm_spares):
+            return set()
+        return set(commands.free_nodes(c, {p.row.node for p in c.pods.values()}))
+
+    def awaiting_launcher(self) -> set[str]:
+        """Nodes where a pod was placed and has no launcher yet (a standby one may become it)."""
+        parked = self.c.membership.parked()
+        return {
+            p.row.node for p in self.c.pods.values() if not p.connected and p.index not in parked
+        }
+
+    def keep_standby(self, now: float) -> None:
+        """Level-triggered like the pods: one standby launcher per standby node, none elsewhere."""
+        c = self.c
+        if c.job.status.ended or now < c.adopt_until:
+            return
+        wanted = self.standby_nodes()
+        for node, link in list(self.standby.items()):
+            if node not in wanted and node not in self.awaiting_launcher():
+                link.peer.send(Shutdown(0.0))
+                del self.standby[node]
+        for node in sorted(wanted - set(self.standby)):
+            since = self.standby_launching.get(node)
+            if since is not None and now - since < LAUNCH_RETRY_S:
+                continue
+            self.standby_launching[node] = now
+            c.engine.start_pod(self._standby_plan(node))
+
+    def _standby_plan(self, node: str) -> LaunchPlan:
+        c = self.c
+        template = commands.launch_plan(c, next(iter(c.pods.values())).row)
+        return LaunchPlan(
+            **{
+                **template.__dict__,
+                "pod": -1,
+                "generation": 0,
+                "node": node,
+                "first_rank": 0,
+                "workdir": str(c.layout.job(c.job_id).standby(node).path),
+                "warm_spares": c.spec.warm_spares,
+                "standby": True,
+            }
+        )
+
+    def standby_hello(self, link: LauncherLink) -> bool:
+        """A standby launcher said hello: kept if its node wants one, refused otherwise."""
+        node = link.node
+        self.standby_launching.pop(node, None)
+        current = self.standby.get(node)
+        wanted = self.standby_nodes() | self.awaiting_launcher()
+        if node not in wanted or (
+            current is not None and not current.peer.closed and current.pid != link.pid
+        ):
+            return False
+        self.standby[node] = link
+        self.c.event(f"standby launcher on {node}: {self.c.spec.warm_spares} warm spare(s)")
+        return True
+
+    # -- fencing --------------------------------------------------------------------------------
+
+    def _write_fence(self) -> None:
+        """A pod moved off a lost node (hung or cut off, it may still run the old pod) gets its
+        new generation written to the fence before it starts; the SDK refuses a checkpoint
+        from any older generation of that pod. Pods stopped in order (on nodes that answer) are
+        not fenced: their dying gasp is part of the recovery."""
+        c = self.c
+        for pod in c.pods.values():
+            row = pod.row
+            seen = self.placed.get(row.idx)
+            if seen is not None and seen[0] != row.generation:
+                old = c.node(seen[1])
+                if old is None or old.state is NodeState.LOST:
+                    self.fenced[row.idx] = max(self.fenced.get(row.idx, 0), row.generation)
+            self.placed[row.idx] = (row.generation, row.node)
+        fence = {"generations": {str(k): v for k, v in sorted(self.fenced.items())}}
+        if fence == self.fence_written:
+            return
+        path = c.layout.job(c.job_id).fence
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, json.dumps(fence))
+        self.fence_written = fence

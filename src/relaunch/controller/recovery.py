@@ -1,0 +1,243 @@
+"""Faults to decisions to recoveries, and the one recovery under way.
+
+    fault ──store (fault + pending decision, one transaction)──> waiting
+    waiting ──policy.decide──> decision ──store (record + desired change + pending dropped)──>
+        final (ignore, fail): done          hands over (dump, exit): waiting again, one level down
+        otherwise: the ActiveRecovery, carried out by its level's action (controller.actions)
+    ActiveRecovery ──progress resumed──> settled succeeded
+                   ──a new fault, or its own failure (a heal that did not heal)──> settled
+                     failed, and a fault waits again (policy.fallback says which, and with what
+                     already tried)
+
+Each arrow that writes is one store transaction, so a controller killed anywhere resumes from the
+store with every fault decided exactly once. Nothing here blocks: a heal is a request whose answer
+(or its absence by a deadline) is an observation like any other.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from relaunch import failpoints
+from relaunch.controller import commands
+from relaunch.controller.actions import action_for
+from relaunch.controller.active import HEAL_TIMEOUT_S, ActiveRecovery
+from relaunch.faults import Fault, FaultKind
+from relaunch.policy import Action, Decision, decide
+from relaunch.policy.fallback import Consequence, decide_after, on_new_fault
+from relaunch.store import JobStatus, Outcome
+
+if TYPE_CHECKING:
+    from relaunch.controller.core import Controller
+
+__all__ = ["RecoveryDriver"]
+
+
+class RecoveryDriver:
+    """Turns waiting faults into decisions and decisions into the active recovery."""
+
+    def __init__(self, controller: Controller) -> None:
+        self.c = controller
+        self.active: ActiveRecovery | None = None
+        self.hold_until = 0.0
+        """A decision held back (R-41's start window) until then."""
+        self.waiting = False
+        """Faults wait for a decision (the store says which)."""
+
+    # -- faults ---------------------------------------------------------------------------------
+
+    def fault(self, fault: Fault, source: str) -> None:
+        """Store a fault and what waits for a decision because of it, in one transaction; then
+        decide. A controller killed in between finds the decision still waiting on resume."""
+        c = self.c
+        if c.job.status.ended:
+            return
+        now = c.clock.now()
+        active = self.active
+        fallback = None
+        with c.store.transaction():
+            fault_id = c.store.add_fault(c.job_id, fault, now, source)
+            if fault_id is None:
+                return  # seen before (a heartbeat repeats it, a resumed controller re-hears it)
+            waiting, tried = fault_id, frozenset[Action]()
+            if active is not None:
+                c.store.settle_record(active.record_id, Outcome.FAILED)
+                fallback = on_new_fault(active.action, active.fault, active.tried, fault)
+                if fallback.consequence is Consequence.FALL_BACK:
+                    waiting, tried = active.fault_id, fallback.tried
+            c.store.add_pending(c.job_id, waiting, sorted(tried))
+        self.active = None
+        c.event(f"fault: {fault.describe()}")
+        if active is not None and fallback and fallback.consequence is Consequence.FALL_BACK:
+            c.event(f"{active.action.value} did not recover {active.fault.describe()}")
+        failpoints.reach("fault-stored")
+        self.waiting = True
+        c.hurry()
+
+    def failed(self, why: str) -> None:
+        """The recovery under way cannot work (a heal that did not heal): settled failed, and
+        its fault waits for the next level down."""
+        active = self.active
+        if active is None:
+            return
+        c = self.c
+        with c.store.transaction():
+            c.store.settle_record(active.record_id, Outcome.FAILED)
+            c.store.add_pending(c.job_id, active.fault_id, sorted(active.tried | {active.action}))
+        self.active = None
+        c.event(f"{active.action.value}: {why}")
+        self.waiting = True
+        c.hurry()
+
+    # -- decisions ------------------------------------------------------------------------------
+
+    def decide_waiting(self, now: float) -> None:
+        """Decide every fault that waits (normally the one just stored; after a resume, what the
+        killed controller stored and did not decide), unless the policy holds it back."""
+        c = self.c
+        if not self.waiting or now < max(c.adopt_until, self.hold_until):
+            return
+        waiting = c.store.pending(c.job_id)
+        hold = decide_after(
+            c.recovery,
+            [(fault, tried) for _, fault, tried in waiting],
+            c.job.attempt_started_at or now,
+            len(c.failed_pods()),
+            len(c.pods),
+            now,
+        )
+        if hold is not None:
+            self.hold_until = hold
+            return
+        self.waiting = False
+        for fault_id, fault, tried in waiting:
+            if c.job.status.ended:
+                return
+            if self.active is not None:  # a newer fault outranks a recovery under way
+                c.store.settle_record(self.active.record_id, Outcome.FAILED)
+                self.active = None
+            self._climb(fault, fault_id, tried, now)
+
+    def _climb(self, fault: Fault, fault_id: int, tried: frozenset[Action], now: float) -> None:
+        """Down the ladder until an action is under way or the job ends; each record is stored
+        with its desired-state change and what still waits, in one transaction."""
+        c = self.c
+        while True:
+            history = c.store.history(c.job_id, before_fault=fault_id)
+            decision = decide(
+                c.recovery,
+                fault,
+                history,
+                commands.cluster_view(c, fault),
+                now,
+                table=c.options.table,
+                rules=c.options.rules,
+                tried=tried,
+            )
+            c.event(f"decision: {decision.summary()}")
+            action = decision.action
+            c.hang_stop = fault.kind is FaultKind.HANG
+            if action.final or action.hands_over:
+                outcome = Outcome.FAILED if action is Action.FAIL else Outcome.SUCCEEDED
+                after = tried | {action} if action.hands_over else None
+                self.record(decision, fault_id, tried, now, outcome, still_waiting=after)
+                if action.hands_over:
+                    tried |= {action}
+                    continue
+                return
+            self._begin(decision, fault, fault_id, tried, now)
+            return
+
+    def _begin(
+        self,
+        decision: Decision,
+        fault: Fault,
+        fault_id: int,
+        tried: frozenset[Action],
+        now: float,
+    ) -> None:
+        c = self.c
+        level = action_for(decision.action)
+        attempt = c.job.attempt
+        record_id = self.record(decision, fault_id, tried, now, Outcome.RUNNING)
+        failpoints.reach("decision-stored")
+        active = ActiveRecovery(record_id, fault, fault_id, decision.action, tried, now)
+        self.active = active
+        level.begin(c, decision, active, attempt)
+
+    def record(
+        self,
+        decision: Decision,
+        fault_id: int,
+        tried: frozenset[Action],
+        now: float,
+        outcome: Outcome,
+        still_waiting: frozenset[Action] | None = None,
+    ) -> int:
+        """Store a record, the desired-state change its action makes, and whether its fault
+        still waits for a decision (`still_waiting`: the actions tried by then), together."""
+        c = self.c
+        budgets = decision.budgets_left
+        with c.store.transaction():
+            record_id = c.store.add_record(
+                c.job_id,
+                fault_id,
+                decision,
+                sorted(tried),
+                {"job": budgets.job, "pod": budgets.pod, "fault_retry": budgets.fault_retry}
+                if budgets
+                else {},
+                now,
+                outcome,
+            )
+            action_for(decision.action).change(c, decision, now)
+            if still_waiting is None:
+                c.store.drop_pending(c.job_id, fault_id)
+            else:
+                c.store.add_pending(c.job_id, fault_id, sorted(still_waiting))
+        return record_id
+
+    # -- the recovery under way -----------------------------------------------------------------
+
+    def progressed(self, rank: int, started_at: float, attempt: int, step: int | None) -> None:
+        """A sign of progress: if it proves the active recovery worked, settle it."""
+        active = self.active
+        c = self.c
+        if active is None or attempt != c.job.attempt:
+            return
+        if not action_for(active.action).worked(active, rank, started_at, step):
+            return
+        self.succeeded(c.clock.now())
+
+    def succeeded(self, now: float) -> None:
+        active = self.active
+        if active is None:
+            return
+        c = self.c
+        self.active = None
+        c.store.settle_record(
+            active.record_id, Outcome.SUCCEEDED, resumed_at=now, fault_at=active.fault.at
+        )
+        c.update_job(status=JobStatus.RUNNING)
+        c.hang_stop = False
+        c.event(
+            f"{active.action.value} worked: progress resumed {now - active.fault.at:.2f} s "
+            "after the fault"
+        )
+        failpoints.reach("recovered")
+
+    def healed(self, request: int, ok: bool) -> None:
+        heal = self.active.heal if self.active is not None else None
+        if heal is None or heal.request != request:
+            return
+        heal.ok = ok
+        if not ok:
+            self.failed("the chip did not heal")
+        else:
+            self.c.hurry()
+
+    def check(self, now: float) -> None:
+        """Deadlines of the recovery under way: a heal not answered in time did not heal."""
+        heal = self.active.heal if self.active is not None else None
+        if heal is not None and heal.ok is None and now > heal.deadline:
+            self.failed(f"the agent of {heal.node} did not answer the heal in {HEAL_TIMEOUT_S:g} s")

@@ -1,0 +1,76 @@
+"""What happens to a recovery under way when another fault arrives, and when a fault may be
+decided at all. Pure: times are arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Final
+
+from relaunch.faults import Fault, FaultKind
+from relaunch.policy.decision import Action
+from relaunch.spec import RecoverySettings
+
+__all__ = ["FAILED_AT_START_S", "Consequence", "NewFault", "decide_after", "on_new_fault"]
+
+FAILED_AT_START_S: Final = 5.0
+"""R-41: pods that fail within this long of an attempt's start "fail at start"."""
+
+_JOB_LEVEL: Final = (Action.ISOLATED_JOB_RESCHEDULE, Action.JOB_RESCHEDULE)
+
+
+class Consequence(StrEnum):
+    FALL_BACK = "fall-back"
+    """The recovery under way did not work: decide its fault again, one level down."""
+    DECIDE_NEW = "decide-new"
+    """The recovery under way is over (failed); decide the new fault on its own."""
+
+
+@dataclass(frozen=True)
+class NewFault:
+    consequence: Consequence
+    fault_to_decide: Fault
+    tried: frozenset[Action]
+
+
+def on_new_fault(
+    active: Action, active_fault: Fault, active_tried: frozenset[Action], new: Fault
+) -> NewFault:
+    """Any new fault ends the recovery under way as failed: it did not keep the job running.
+
+    A recovery finer than job level that is followed by a process exit or a hang failed in the
+    way such recoveries fail (its restarted processes crashed, or its group never re-formed):
+    its own fault falls back one level (R-20, R-23, R-36's multi-layer fallback). Any other new
+    fault (a node lost, a chip fault), or any fault after a job-level rebuild, is decided on its
+    own."""
+    finer = active not in _JOB_LEVEL
+    if finer and new.kind in (FaultKind.PROCESS_EXIT, FaultKind.HANG):
+        return NewFault(Consequence.FALL_BACK, active_fault, active_tried | {active})
+    return NewFault(Consequence.DECIDE_NEW, new, frozenset())
+
+
+def decide_after(
+    settings: RecoverySettings,
+    waiting: Iterable[tuple[Fault, frozenset[Action]]],
+    attempt_started_at: float,
+    pods_failed: int,
+    pods: int,
+    now: float,
+) -> float | None:
+    """When the waiting faults may be decided: None for now, or a later time.
+
+    R-41 ("every pod of a job fails within a few seconds of each other at start: failed, not
+    rescheduled") can only be known once every pod has failed. A job whose policy reads it
+    (fault-retry-times without job-unconditional-retry) has a first exit in the start window
+    decided when every pod has failed, or when the window has passed."""
+    if settings.fault_retry_times == 0 or settings.unconditional_retry:
+        return None
+    waiting = list(waiting)
+    if not waiting or any(f.kind is not FaultKind.PROCESS_EXIT or t for f, t in waiting):
+        return None
+    window_ends = attempt_started_at + FAILED_AT_START_S
+    if now >= window_ends or pods_failed >= pods:
+        return None
+    return window_ends

@@ -1,0 +1,311 @@
+"""A controller driven by hand: a real store (SQLite in a temporary directory), a fake engine, a
+fake clock and fake peers standing in for node agents and pod launchers. Nothing starts a process
+or opens a socket; a test plays the agents and launchers by sending their messages, steps the
+controller, and reads what it sent and stored."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from relaunch import runner
+from relaunch.chaos import parse_plan
+from relaunch.cluster.config import ClusterConfig, NodeSpec
+from relaunch.controller import Controller, RunOptions
+from relaunch.controller.clock import TICK_S
+from relaunch.protocol import LaunchPlan
+from relaunch.protocol.messages import (
+    AgentHello,
+    ChipReport,
+    Exited,
+    Heal,
+    Healed,
+    Heartbeat,
+    LauncherHello,
+    Message,
+    Progress,
+    ProgressBatch,
+    Shutdown,
+    Start,
+    Started,
+    Stop,
+    Stopped,
+)
+from relaunch.spec import parse_job
+from relaunch.store import JobStatus, RecordRow, Store
+
+
+class FakeClock:
+    def __init__(self, start: float = 1_000_000.0) -> None:
+        self.t = start
+
+    def now(self) -> float:
+        return self.t
+
+
+@dataclass
+class FakePeer:
+    name: str
+    sent: list[Message] = field(default_factory=list)
+    closed: bool = False
+
+    def send(self, message: Message) -> bool:
+        if self.closed:
+            return False
+        self.sent.append(message)
+        return True
+
+    def of(self, kind: type[Message]) -> list[Any]:
+        return [m for m in self.sent if isinstance(m, kind)]
+
+
+class FakeEngine:
+    bind_host = "127.0.0.1"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.dead: set[str] = set()
+
+    def start_agent(self, node: NodeSpec, interval: float, grace: float, blip_s: float) -> int:
+        self.calls.append(("start_agent", node.name))
+        return 1
+
+    def start_pod(self, plan: LaunchPlan) -> int:
+        self.calls.append(("start_pod", plan.pod, plan.generation, plan.node))
+        return 1
+
+    def assumed(self, job: int, node: str, pod: int, generation: int) -> None:
+        self.calls.append(("assumed", node, pod, generation))
+
+    def kill_node(self, node: str) -> None:
+        self.calls.append(("kill_node", node))
+
+    def shutdown(self) -> None:
+        self.calls.append(("shutdown",))
+
+    def lost_nodes(self) -> set[str]:
+        return set(self.dead)
+
+    def node_address(self, node: str) -> str:
+        return "127.0.0.1"
+
+    def free_port(self, node: str) -> int:
+        return 29500
+
+    def pods_started(self) -> list[tuple[int, int, str]]:
+        return [(c[1], c[2], c[3]) for c in self.calls if c[0] == "start_pod"]
+
+
+def job_spec(
+    annotations: dict[str, str] | None = None,
+    labels: dict[str, str] | None = None,
+    replicas: int = 2,
+    procs_per_pod: int = 2,
+    **spec: Any,
+) -> dict[str, Any]:
+    return {
+        "kind": "job",
+        "metadata": {
+            "name": "sim",
+            "annotations": annotations or {},
+            "labels": {"fault-scheduling": "grace", "grace-over-time": "3", **(labels or {})},
+        },
+        "spec": {
+            "replicas": replicas,
+            "procs_per_pod": procs_per_pod,
+            "chips_per_pod": 2,
+            "command": "python train.py",
+            "hang_detect_seconds": 2,
+            "startup_seconds": 10,
+            **spec,
+        },
+    }
+
+
+class Sim:
+    """One job on a fake cluster of `nodes` nodes of 2 chips."""
+
+    def __init__(
+        self,
+        tmp: Path,
+        job: dict[str, Any],
+        nodes: int = 4,
+        plan: list[dict[str, Any]] | None = None,
+        heal_delay_s: float = 0.0,
+    ) -> None:
+        self.clock = FakeClock()
+        self.engine = FakeEngine()
+        self.cluster = ClusterConfig.sized(
+            nodes, 2, heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0, adopt_grace_s=3.0
+        )
+        self.store = Store(tmp / "relaunch.db")
+        self.store.ensure_nodes([(n.name, n.chips) for n in self.cluster.nodes])
+        spec = parse_job(job)
+        self.job_id = self.store.create_job(
+            spec.name, {"raw": job, "source": "sim"}, plan or [], self.clock.now()
+        )
+        self.store.claim_job(self.job_id, self.clock.now())
+        runner.create_pods(self.store, tmp, self.job_id, spec)
+        self.events: list[str] = []
+        self.controller = Controller(
+            self.store,
+            self.engine,  # type: ignore[arg-type]
+            tmp,
+            self.cluster,
+            self.job_id,
+            spec,
+            parse_plan(plan or []),
+            RunOptions(),
+            on_event=self.events.append,
+            clock=self.clock,
+        )
+        self.agents: dict[str, FakePeer] = {}
+        self.silent: set[str] = set()
+        """Nodes whose agent no longer sends heartbeats."""
+        self.launchers: dict[tuple[int, int], FakePeer] = {}
+        """(pod, generation) -> the launcher that runs it."""
+        self.answered: set[int] = set()
+        self.heal_delay_s = heal_delay_s
+        self.pending_heals: list[tuple[float, FakePeer, int]] = []
+        self.chip_faults: dict[str, list[ChipReport]] = {}
+        self.seq = 0
+
+    # -- driving -----------------------------------------------------------------------------------
+
+    def boot(self) -> None:
+        """As lifecycle.run does, without sockets: agents connect, the job runs, pods start."""
+        c = self.controller
+        for spec in self.cluster.nodes:
+            peer = FakePeer(f"agent-{spec.name}")
+            self.agents[spec.name] = peer
+            c.receive(peer, AgentHello(spec.name, spec.chips))
+        c.drain(0)
+        c.update_job(
+            status=JobStatus.RUNNING, attempt_started_at=self.clock.now(), master_port=29500
+        )
+        c.membership.publish()
+        self.run(0.5)
+
+    def tick(self, dt: float = TICK_S) -> None:
+        """Time passes; agents beat; launchers answer; heals come back; one controller step."""
+        self.clock.t += dt
+        c = self.controller
+        for node, peer in self.agents.items():
+            if node not in self.silent and node not in self.engine.dead:
+                c.receive(
+                    peer, Heartbeat(node, self.clock.now(), tuple(self.chip_faults.get(node, ())))
+                )
+        self._launch()
+        self._answer()
+        c.step()
+
+    def run(self, seconds: float) -> None:
+        end = self.clock.now() + seconds
+        while self.clock.now() < end:
+            self.tick()
+
+    def _launch(self) -> None:
+        """Every launcher the engine was asked for says hello."""
+        for pod, generation, node in self.engine.pods_started():
+            if (pod, generation) in self.launchers or node in self.engine.dead:
+                continue
+            peer = FakePeer(f"launcher-{pod}-g{generation}")
+            self.launchers[(pod, generation)] = peer
+            hello = LauncherHello(
+                self.job_id, pod, generation, 1000 + pod * 10 + generation, 0, node
+            )
+            self.controller.receive(peer, hello)
+
+    def _answer(self) -> None:
+        """Launchers start ranks when told, and say when a stop is done; agents answer heals."""
+        c = self.controller
+        ppp = c.spec.procs_per_pod
+        for (pod, _), peer in self.launchers.items():
+            for message in list(peer.sent):
+                key = id(message)
+                if key in self.answered:
+                    continue
+                self.answered.add(key)
+                if isinstance(message, Start):
+                    ranks = message.ranks or tuple(range(pod * ppp, pod * ppp + ppp))
+                    for rank in ranks:
+                        c.receive(
+                            peer, Started(rank, message.attempt, 5000 + rank, self.clock.now())
+                        )
+                elif isinstance(message, Shutdown):
+                    peer.closed = True  # the launcher stops its processes and exits
+                    c.receive(peer, None)
+                elif isinstance(message, Stop):
+                    link = c.pods[pod].link
+                    for rank, observed in link.ranks.items() if link else []:
+                        if observed.running and (message.ranks is None or rank in message.ranks):
+                            c.receive(
+                                peer,
+                                Exited(rank, observed.attempt, None, 15, True, self.clock.now()),
+                            )
+                    c.receive(peer, Stopped(c.job.attempt, self.clock.now()))
+        for peer in self.agents.values():
+            for message in peer.sent:
+                if isinstance(message, Heal) and id(message) not in self.answered:
+                    self.answered.add(id(message))
+                    self.pending_heals.append(
+                        (self.clock.now() + self.heal_delay_s, peer, message.request)
+                    )
+        for due, peer, request in list(self.pending_heals):
+            if self.clock.now() >= due:
+                self.pending_heals.remove((due, peer, request))
+                node = peer.name.removeprefix("agent-")
+                ok = all(f.heals for f in self.chip_faults.get(node, ()))
+                self.chip_faults[node] = [f for f in self.chip_faults.get(node, ()) if not f.heals]
+                c.receive(peer, Healed(request, node, ok))
+
+    # -- the job's side ----------------------------------------------------------------------------
+
+    def link_peer(self, pod: int) -> FakePeer:
+        row = self.controller.pods[pod].row
+        return self.launchers[(pod, row.generation)]
+
+    def train(self, step: int) -> None:
+        """Every running rank of the current attempt reports `step`."""
+        c = self.controller
+        for pod in c.pods.values():
+            if pod.link is None:
+                continue
+            reports = tuple(
+                Progress(rank, step, r.attempt, self.clock.now())
+                for rank, r in pod.link.ranks.items()
+                if r.running and r.attempt == c.job.attempt
+            )
+            if reports:
+                c.receive(pod.link.peer, ProgressBatch(reports))  # type: ignore[arg-type]
+
+    def kill_node(self, node: str) -> None:
+        """The node dies: the engine knows it, its agent falls silent, its launchers vanish."""
+        self.engine.dead.add(node)
+        c = self.controller
+        for pod in c.pods.values():
+            if pod.row.node == node and pod.link is not None:
+                peer = self.launchers[(pod.index, pod.row.generation)]
+                peer.closed = True
+                c.receive(peer, None)
+
+    def crash(self, rank: int, code: int = 1) -> None:
+        c = self.controller
+        pod = rank // c.spec.procs_per_pod
+        c.receive(
+            self.link_peer(pod), Exited(rank, c.job.attempt, code, None, False, self.clock.now())
+        )
+
+    def chip_fault(self, node: str, chip: int, code: str, heals: bool = True) -> None:
+        self.seq += 1
+        report = ChipReport(self.seq, chip, code, heals, "chip", self.clock.now())
+        self.chip_faults.setdefault(node, []).append(report)
+
+    # -- reading -----------------------------------------------------------------------------------
+
+    def records(self) -> list[RecordRow]:
+        return self.store.records(self.job_id)
+
+    def actions(self) -> list[tuple[str, str]]:
+        return [(r.action.value, r.outcome.value) for r in self.records()]

@@ -1,0 +1,266 @@
+"""The controller's order of side effects, with a fake engine, a fake clock and fake peers (see
+tests/controller_sim.py): each recovery level's desired change, the commands it sends and how it
+is verified, in milliseconds, without starting a process. The same paths run end to end, with real
+processes, in test_runtime_e2e.py, test_process_recovery.py and test_runtime_robustness.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from relaunch.policy import Action
+from relaunch.protocol.messages import (
+    Heal,
+    MembershipUpdate,
+    Shutdown,
+    Start,
+    Stop,
+)
+from relaunch.store import NodeState, Outcome
+from tests.controller_sim import Sim, job_spec
+
+AUTO = {"fault-tolerance/job-retry-num": "4"}
+UNCONDITIONAL = {**AUTO, "fault-tolerance/job-unconditional-retry": "true"}
+POD_LEVEL = {**AUTO, "fault-tolerance/pod-retry-num": "2"}
+HANG = {**AUTO, "fault-tolerance/hang-retry": "true"}
+PROCESS = {
+    **POD_LEVEL,
+    "recover-strategy": "retry,recover-in-place,recover,elastic-training,dump,exit",
+}
+PROCESS_LABELS = {"process-recover-enable": "on", "pod-rescheduling": "on"}
+
+
+def booted(
+    tmp: Path, annotations: dict[str, str], nodes: int = 4, heal: float = 0.0, **kw: Any
+) -> Sim:
+    sim = Sim(tmp, job_spec(annotations, **kw), nodes=nodes, heal_delay_s=heal)
+    sim.boot()
+    sim.train(1)
+    sim.tick()
+    return sim
+
+
+def order(events: list[str], *prefixes: str) -> list[int]:
+    """Where each prefix first appears in the events (to check the order of effects)."""
+    return [next(i for i, e in enumerate(events) if e.startswith(p)) for p in prefixes]
+
+
+def starts(sim: Sim, attempt: int) -> list[tuple[int, tuple[int, ...] | None]]:
+    return [
+        (pod, m.ranks)
+        for (pod, _), peer in sim.launchers.items()
+        for m in peer.of(Start)
+        if m.attempt == attempt
+    ]
+
+
+def test_boot_places_pods_in_order_and_starts_attempt_1(tmp_path: Path) -> None:
+    sim = booted(tmp_path, AUTO)
+    assert sim.engine.pods_started() == [(0, 1, "node-0"), (1, 1, "node-1")]
+    assert sorted(starts(sim, 1)) == [(0, None), (1, None)]
+    assert sim.records() == []
+
+
+def test_a_crash_is_decided_then_every_pod_rebuilt_then_verified_by_progress(
+    tmp_path: Path,
+) -> None:
+    sim = booted(tmp_path, UNCONDITIONAL)
+    c = sim.controller
+    sim.crash(3)
+    sim.tick()
+    [record] = sim.records()
+    assert (record.action, record.outcome) == (Action.JOB_RESCHEDULE, Outcome.RUNNING)
+    assert c.job.attempt == 2 and [p.row.generation for p in c.pods.values()] == [2, 2]
+    assert all(peer.of(Shutdown) for (pod, gen), peer in sim.launchers.items() if gen == 1)
+    sim.run(0.5)
+    assert sim.engine.pods_started()[2:] == [(0, 2, "node-0"), (1, 2, "node-1")]
+    assert sorted(starts(sim, 2)) == [(0, None), (1, None)]
+    assert sim.actions() == [("job-reschedule", "running")]  # not before progress
+    sim.train(2)
+    sim.tick()
+    assert sim.actions() == [("job-reschedule", "succeeded")]
+    assert order(sim.events, "fault:", "decision:", "stopping", "job-reschedule worked") == sorted(
+        order(sim.events, "fault:", "decision:", "stopping", "job-reschedule worked")
+    )
+
+
+def test_a_chip_fault_that_heals_starts_again_only_once_the_agent_healed_it(
+    tmp_path: Path,
+) -> None:
+    sim = booted(tmp_path, AUTO, heal=1.0)
+    c = sim.controller
+    sim.chip_fault("node-1", 0, "80E18005")
+    sim.tick()
+    assert sim.actions() == [("in-place", "running")]
+    assert c.job.attempt == 2 and [p.row.generation for p in c.pods.values()] == [1, 1]
+    assert sim.agents["node-1"].of(Heal)
+    sim.run(0.5)  # the old processes are stopped, but the heal has not come back
+    assert all(peer.of(Stop) for peer in sim.launchers.values())
+    assert starts(sim, 2) == []
+    sim.run(0.7)
+    assert sorted(starts(sim, 2)) == [(0, None), (1, None)]
+    sim.train(2)
+    sim.tick()
+    assert sim.actions() == [("in-place", "succeeded")]
+    assert [(p.row.schedule_cnt, p.row.proc_start_cnt) for p in c.pods.values()] == [(1, 2), (1, 2)]
+
+
+def test_a_chip_fault_that_does_not_heal_isolates_the_node_and_rebuilds_the_job(
+    tmp_path: Path,
+) -> None:
+    sim = booted(tmp_path, AUTO)
+    c = sim.controller
+    sim.chip_fault("node-1", 0, "80E18005", heals=False)
+    sim.run(0.2)
+    assert sim.actions() == [("in-place", "failed"), ("isolated-job-reschedule", "running")]
+    assert c.node("node-1").state is NodeState.ISOLATED  # type: ignore[union-attr]
+    assert [(p.row.node, p.row.generation) for p in c.pods.values()] == [
+        ("node-0", 2),
+        ("node-2", 2),
+    ]
+    sim.run(0.5)
+    sim.train(2)
+    sim.tick()
+    assert sim.actions()[-1] == ("isolated-job-reschedule", "succeeded")
+
+
+def test_the_loop_never_blocks_on_a_heal(tmp_path: Path) -> None:
+    """A heal that takes 3 s: meanwhile every heartbeat is answered (no node is taken for lost),
+    and another fault (a pod's container dies) is detected and decided."""
+    sim = booted(tmp_path, UNCONDITIONAL, heal=3.0)
+    c = sim.controller
+    sim.chip_fault("node-1", 0, "80E18005")
+    sim.tick()
+    assert sim.actions() == [("in-place", "running")]
+    sim.run(1.5)  # longer than the 1 s heartbeat timeout, without a heal answer
+    assert all(n.state is not NodeState.LOST for n in c.nodes.values())
+    assert set(c.agents) == {"node-0", "node-1", "node-2", "node-3"}
+    assert starts(sim, 2) == []
+    peer = sim.link_peer(0)
+    peer.closed = True
+    c.receive(peer, None)  # pod 0's container dies while the heal is pending
+    sim.run(1.45)  # the launcher grace (1.4 s) ends before the heal's 3 s
+    assert sim.pending_heals, "the heal should still be pending"
+    assert [f.kind.value for f in sim.store.faults(sim.job_id)] == ["chip", "process-exit"]
+    assert sim.actions() == [("in-place", "failed"), ("isolated-job-reschedule", "running")]
+
+
+def test_a_lost_node_moves_only_its_pod_and_the_other_re_runs(tmp_path: Path) -> None:
+    sim = booted(tmp_path, POD_LEVEL)
+    c = sim.controller
+    sim.kill_node("node-1")
+    sim.tick()
+    assert sim.actions() == [("pod-reschedule", "running")]
+    assert any("the engine reports the node dead" in e for e in sim.events)
+    assert [(p.row.node, p.row.generation) for p in c.pods.values()] == [
+        ("node-0", 1),
+        ("node-2", 2),
+    ]
+    assert c.node("node-1").state is NodeState.LOST  # type: ignore[union-attr]
+    sim.run(0.5)
+    assert (1, 2, "node-2") in sim.engine.pods_started()
+    assert sorted(starts(sim, 2)) == [(0, None), (1, None)]
+    sim.train(2)
+    sim.tick()
+    assert sim.actions() == [("pod-reschedule", "succeeded")]
+    assert [(p.row.schedule_cnt, p.row.proc_start_cnt) for p in c.pods.values()] == [(1, 2), (2, 1)]
+
+
+def test_a_hang_restarts_in_place_with_the_hang_grace(tmp_path: Path) -> None:
+    sim = booted(tmp_path, HANG, labels={"grace-over-time": "30"})
+    sim.run(2.5)  # silent for the 2 s window
+    assert sim.actions() == [("hang-restart", "running")]
+    stops = [m for peer in sim.launchers.values() for m in peer.of(Stop)]
+    assert stops and all(m.grace == 5.0 for m in stops)  # hang grace, not the 30 s grace
+    sim.run(0.3)
+    sim.train(2)
+    sim.tick()
+    assert sim.actions() == [("hang-restart", "succeeded")]
+
+
+def test_process_retry_keeps_every_process_and_is_verified_by_a_later_step(
+    tmp_path: Path,
+) -> None:
+    sim = booted(tmp_path, PROCESS, labels=PROCESS_LABELS)
+    c = sim.controller
+    sim.train(5)
+    sim.tick()
+    sim.seq += 1
+    from relaunch.protocol.messages import ChipReport
+
+    sim.chip_faults["node-1"] = [
+        ChipReport(sim.seq, 0, "80E01801", True, "memory-uce", sim.clock.now())
+    ]
+    sim.tick()
+    assert sim.actions() == [("process-retry", "running")]
+    update = [m for m in sim.link_peer(0).of(MembershipUpdate) if m.membership.retry]
+    assert update and c.job.attempt == 1
+    assert not any(peer.of(Stop) for peer in sim.launchers.values())
+    sim.train(5)
+    sim.tick()
+    assert sim.actions() == [("process-retry", "running")]  # the same step does not prove it
+    sim.train(6)
+    sim.tick()
+    assert sim.actions() == [("process-retry", "succeeded")]
+
+
+def test_process_in_place_restarts_only_the_crashed_rank(tmp_path: Path) -> None:
+    sim = booted(tmp_path, PROCESS, labels=PROCESS_LABELS)
+    sim.crash(3)
+    sim.tick()
+    assert sim.actions() == [("process-in-place", "running")]
+    peer = sim.link_peer(1)
+    assert [m.ranks for m in peer.of(Start)][-1] == (3,)
+    joiners = [m.membership.joiners for m in peer.of(MembershipUpdate)]
+    assert joiners[-1] == (3,)
+    assert not sim.link_peer(0).of(Stop)
+    sim.run(0.2)
+    sim.train(2)
+    sim.tick()
+    assert sim.actions() == [("process-in-place", "succeeded")]
+
+
+def test_process_reschedule_moves_the_lost_pod_and_its_ranks_join(tmp_path: Path) -> None:
+    sim = booted(tmp_path, PROCESS, labels=PROCESS_LABELS)
+    c = sim.controller
+    sim.kill_node("node-1")
+    sim.tick()
+    assert sim.actions() == [("process-reschedule", "running")]
+    assert [(p.row.node, p.row.generation) for p in c.pods.values()] == [
+        ("node-0", 1),
+        ("node-2", 2),
+    ]
+    assert c.job.attempt == 1
+    membership = sim.link_peer(0).of(MembershipUpdate)[-1].membership
+    assert membership.joiners == (2, 3) and membership.pods == {0: 1, 1: 2}
+    sim.run(0.5)
+    assert not sim.link_peer(0).of(Stop)  # the healthy pod keeps running
+    sim.train(2)
+    sim.tick()
+    assert sim.actions() == [("process-reschedule", "succeeded")]
+
+
+def test_scale_in_parks_the_lost_pod_without_a_standby_node(tmp_path: Path) -> None:
+    sim = booted(tmp_path, PROCESS, nodes=2, labels=PROCESS_LABELS)
+    c = sim.controller
+    sim.train(5)
+    sim.kill_node("node-1")
+    sim.tick()
+    assert sim.actions() == [("scale-in", "running")]
+    assert c.membership.parked() == {1}
+    membership = sim.link_peer(0).of(MembershipUpdate)[-1].membership
+    assert membership.world_size == 2 and membership.parked == (1,)
+    sim.train(6)
+    sim.tick()
+    assert sim.actions() == [("scale-in", "succeeded")]
+
+
+def test_dump_hands_over_to_the_next_level_at_once(tmp_path: Path) -> None:
+    annotations = {**UNCONDITIONAL, "recover-strategy": "dump"}
+    sim = booted(tmp_path, annotations, labels={"process-recover-enable": "on"})
+    sim.crash(1)
+    sim.tick()
+    assert sim.actions() == [("dump", "succeeded"), ("job-reschedule", "running")]
+    sim.run(0.5)
+    stops = [m for peer in sim.launchers.values() for m in peer.of(Shutdown)]
+    assert stops and all(m.grace == 3.0 for m in stops)  # SIGTERM and the grace: the gasp saves
