@@ -1,0 +1,196 @@
+"""Faults, the decisions they wait for, recovery records, fault-plan outcomes and events."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+
+from relaunch.faults import Cause, Fault
+from relaunch.policy import Action, Budget, Counters, Decision, JobHistory, RecoveryRecord
+from relaunch.store.database import Database
+from relaunch.store.rows import Outcome, RecordRow, fault_from_json, fault_to_json
+from relaunch.store.tables import PodTable
+
+__all__ = ["EventTable", "RecordTable"]
+
+
+class RecordTable(PodTable):
+    def add_fault(
+        self, job_id: int, fault: Fault, detected_at: float, source: str = ""
+    ) -> int | None:
+        """Stores an observed fault; None if a fault from the same source was stored before."""
+        row = self._one(
+            "INSERT OR IGNORE INTO faults (job_id, fault, at, detected_at, source) "
+            "VALUES (?, ?, ?, ?, ?) RETURNING id",
+            (job_id, fault_to_json(fault), fault.at, detected_at, source),
+        )
+        return None if row is None else int(row["id"])
+
+    def faults(self, job_id: int, before: int | None = None) -> list[Fault]:
+        rows = self._all(
+            "SELECT fault FROM faults WHERE job_id = ? AND id < ? ORDER BY id",
+            (job_id, before if before is not None else 2**62),
+        )
+        return [fault_from_json(r["fault"]) for r in rows]
+
+    def add_record(
+        self,
+        job_id: int,
+        fault_id: int,
+        decision: Decision,
+        tried: Sequence[Action],
+        budgets: Mapping[str, int],
+        started_at: float,
+        outcome: Outcome,
+    ) -> int:
+        """A recovery record: the decision taken for a fault, what had been tried before it,
+        the budgets left after it, and (until it is settled) how it went."""
+        row = self._one(
+            "INSERT INTO recoveries (job_id, fault_id, action, cause, reason, pods, isolated, consumed, "
+            "tried, counters, budgets, started_at, outcome) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+            (
+                job_id,
+                fault_id,
+                decision.action.value,
+                decision.assessment.cause.value,
+                decision.reason,
+                json.dumps(list(decision.pods)),
+                json.dumps(list(decision.isolate_nodes)),
+                json.dumps(sorted(b.value for b in decision.consumes)),
+                json.dumps(sorted(a.value for a in tried)),
+                json.dumps([[c.schedule_cnt, c.proc_start_cnt] for c in decision.counters]),
+                json.dumps(dict(budgets)),
+                started_at,
+                outcome.value,
+            ),
+        )
+        assert row is not None
+        return int(row["id"])
+
+    def settle_record(
+        self,
+        record_id: int,
+        outcome: Outcome,
+        resumed_at: float | None = None,
+        fault_at: float | None = None,
+    ) -> None:
+        mttr = None if resumed_at is None or fault_at is None else round(resumed_at - fault_at, 3)
+        self._execute(
+            "UPDATE recoveries SET outcome = ?, resumed_at = ?, mttr_s = ? WHERE id = ?",
+            (outcome.value, resumed_at, mttr, record_id),
+        )
+
+    def records(self, job_id: int) -> list[RecordRow]:
+        rows = self._all(
+            "SELECT r.*, f.fault AS fault_json, f.at AS fault_at, f.detected_at AS detected_at "
+            "FROM recoveries r JOIN faults f ON f.id = r.fault_id WHERE r.job_id = ? ORDER BY r.id",
+            (job_id,),
+        )
+        return [
+            RecordRow(
+                id=r["id"],
+                job_id=r["job_id"],
+                fault_id=r["fault_id"],
+                fault=fault_from_json(r["fault_json"]),
+                fault_at=r["fault_at"],
+                detected_at=r["detected_at"],
+                action=Action(r["action"]),
+                cause=Cause(r["cause"]),
+                reason=r["reason"],
+                pods=tuple(json.loads(r["pods"])),
+                isolated=tuple(json.loads(r["isolated"])),
+                consumed=tuple(Budget(b) for b in json.loads(r["consumed"])),
+                tried=tuple(Action(a) for a in json.loads(r["tried"])),
+                counters=tuple(Counters(s, p) for s, p in json.loads(r["counters"])),
+                budgets=json.loads(r["budgets"]),
+                started_at=r["started_at"],
+                resumed_at=r["resumed_at"],
+                mttr_s=r["mttr_s"],
+                outcome=Outcome(r["outcome"]),
+            )
+            for r in rows
+        ]
+
+    def history(self, job_id: int, before_fault: int | None = None) -> JobHistory:
+        """The policy's view of the job's past, rebuilt from the records; `before_fault` leaves
+        out the fault being decided and any after it."""
+        pods = self.pods(job_id)
+        records = tuple(
+            RecoveryRecord(
+                at=r.started_at,
+                fault=r.fault,
+                cause=r.cause,
+                action=r.action,
+                pods=r.pods,
+                consumes=frozenset(r.consumed),
+                isolated=r.isolated,
+                succeeded=None if r.outcome is Outcome.RUNNING else r.outcome is Outcome.SUCCEEDED,
+            )
+            for r in self.records(job_id)
+        )
+        return JobHistory(
+            pods=len(pods),
+            faults=tuple(self.faults(job_id, before_fault)),
+            records=records,
+            counters=tuple(p.counters for p in pods),
+        )
+
+
+class EventTable(Database):
+    def fired(self, job_id: int) -> dict[int, tuple[float, str]]:
+        """Fault-plan entries done with, by index: when, and "" if fired or why not."""
+        rows = self._all("SELECT idx, at, note FROM chaos_fired WHERE job_id = ?", (job_id,))
+        return {r["idx"]: (r["at"], r["note"]) for r in rows}
+
+    def mark_fired(self, job_id: int, idx: int, at: float, note: str = "") -> None:
+        """An entry is done with: fired (`note` empty) or, saying why, not fired."""
+        self._execute(
+            "INSERT INTO chaos_fired (job_id, idx, at, note) VALUES (?, ?, ?, ?) "
+            "ON CONFLICT (job_id, idx) DO UPDATE SET note = excluded.note",
+            (job_id, idx, at, note),
+        )
+
+    # -- faults waiting for a decision ------------------------------------------------------------
+
+    def add_pending(self, job_id: int, fault_id: int, tried: Sequence[Action]) -> None:
+        """`fault_id` needs a (next) decision, `tried` already done for it. Written in the same
+        transaction as the fault (or as the record that failed), so that a controller killed
+        before it decides finds the fault still waiting after a restart."""
+        self._execute(
+            "INSERT INTO pending_decisions (job_id, fault_id, tried) VALUES (?, ?, ?) "
+            "ON CONFLICT (job_id, fault_id) DO UPDATE SET tried = excluded.tried",
+            (job_id, fault_id, json.dumps(sorted(a.value for a in tried))),
+        )
+
+    def drop_pending(self, job_id: int, fault_id: int) -> None:
+        self._execute(
+            "DELETE FROM pending_decisions WHERE job_id = ? AND fault_id = ?", (job_id, fault_id)
+        )
+
+    def pending(self, job_id: int) -> list[tuple[int, Fault, frozenset[Action]]]:
+        """Faults waiting for a decision, oldest first: (fault id, fault, actions tried)."""
+        rows = self._all(
+            "SELECT p.fault_id, p.tried, f.fault FROM pending_decisions p "
+            "JOIN faults f ON f.id = p.fault_id WHERE p.job_id = ? ORDER BY p.fault_id",
+            (job_id,),
+        )
+        return [
+            (
+                int(r["fault_id"]),
+                fault_from_json(r["fault"]),
+                frozenset(Action(a) for a in json.loads(r["tried"])),
+            )
+            for r in rows
+        ]
+
+    def event(self, job_id: int | None, text: str, at: float | None = None) -> None:
+        self._execute(
+            "INSERT INTO events (job_id, at, text) VALUES (?, ?, ?)",
+            (job_id, at or time.time(), text),
+        )
+
+    def events(self, job_id: int) -> list[tuple[float, str]]:
+        rows = self._all("SELECT at, text FROM events WHERE job_id = ? ORDER BY id", (job_id,))
+        return [(r["at"], r["text"]) for r in rows]

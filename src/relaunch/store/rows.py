@@ -1,0 +1,179 @@
+"""What the store holds, as values: nodes, jobs, pods and recovery records, and their states."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+from typing import Any
+
+from relaunch.faults import Cause, Fault, FaultKind, Severity
+from relaunch.policy import Action, Budget, Counters
+
+__all__ = [
+    "JobRow",
+    "JobStatus",
+    "NodeRow",
+    "NodeState",
+    "Outcome",
+    "PodRow",
+    "RecordRow",
+    "fault_from_json",
+    "fault_to_json",
+]
+
+
+class NodeState(StrEnum):
+    READY = "Ready"
+    FAULTY = "Faulty"
+    ISOLATED = "Isolated"
+    LOST = "Lost"
+
+
+class JobStatus(StrEnum):
+    PENDING = "Pending"
+    RUNNING = "Running"
+    RECOVERING = "Recovering"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    STOPPED = "Stopped"
+
+    @property
+    def active(self) -> bool:
+        """A controller owns the job (or owned it and died: the job waits to be resumed)."""
+        return self in (JobStatus.RUNNING, JobStatus.RECOVERING)
+
+    @property
+    def ended(self) -> bool:
+        return self in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED)
+
+
+class Outcome(StrEnum):
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class NodeRow:
+    name: str
+    chips: int
+    state: NodeState
+    isolated_at: float | None
+    reason: str
+    position: int
+    chip_faults: tuple[dict[str, Any], ...] = ()
+    """The chips the node's agent reports faulty: chip, code, kind, since."""
+    last_heartbeat: float | None = None
+
+    @property
+    def schedulable(self) -> bool:
+        return self.state is NodeState.READY
+
+
+@dataclass(frozen=True)
+class JobRow:
+    id: int
+    name: str
+    spec: dict[str, Any]
+    plan: list[dict[str, Any]]
+    status: JobStatus
+    reason: str
+    created_at: float
+    ended_at: float | None
+    attempt: int
+    attempt_started_at: float | None
+    master_port: int
+    last_step: int | None
+    project: str = "default"
+    stop_requested: str | None = None
+    """Why a stop was asked for (API or CLI) while the job ran; its controller carries it out."""
+    membership: dict[str, Any] | None = None
+    """The process group's current membership, for process-level recovery (see train.group)."""
+    controller_seen_at: float | None = None
+    """When the job's controller last said it was alive (a resume tells how long it was away)."""
+
+
+@dataclass(frozen=True)
+class PodRow:
+    job_id: int
+    idx: int
+    node: str
+    generation: int
+    schedule_cnt: int
+    proc_start_cnt: int
+    workdir: str
+
+    @property
+    def counters(self) -> Counters:
+        return Counters(self.schedule_cnt, self.proc_start_cnt)
+
+
+@dataclass(frozen=True)
+class RecordRow:
+    id: int
+    job_id: int
+    fault_id: int
+    fault: Fault
+    fault_at: float
+    detected_at: float
+    action: Action
+    cause: Cause
+    reason: str
+    pods: tuple[int, ...]
+    isolated: tuple[str, ...]
+    consumed: tuple[Budget, ...]
+    tried: tuple[Action, ...]
+    counters: tuple[Counters, ...]
+    budgets: dict[str, int]
+    started_at: float
+    resumed_at: float | None
+    mttr_s: float | None
+    outcome: Outcome
+
+    def to_json(self) -> dict[str, Any]:
+        f = self.fault
+        return {
+            "fault": {
+                "kind": f.kind.value,
+                "code": f.code,
+                "node": f.node,
+                "chip": f.chip,
+                "pod": f.pod,
+                "rank": f.rank,
+                "exit_code": f.exit_code,
+                "signal": f.signal,
+                "duration_s": f.duration_s,
+            },
+            "action": self.action.value,
+            "reason": self.reason,
+            "isolated_nodes": list(self.isolated),
+            "consumed_budget": [b.value for b in self.consumed],
+            "budgets_left": self.budgets,
+            "counters_after": [
+                {"pod": i, "schedule_count": c.schedule_cnt, "proc_start_count": c.proc_start_cnt}
+                for i, c in enumerate(self.counters)
+            ],
+            "fault_at": self.fault_at,
+            "detected_at": self.detected_at,
+            "detect_s": round(self.detected_at - self.fault_at, 3),
+            "started_at": self.started_at,
+            "resumed_at": self.resumed_at,
+            "mttr_s": self.mttr_s,
+            "outcome": self.outcome.value,
+        }
+
+
+def fault_to_json(fault: Fault) -> str:
+    data = asdict(fault)
+    data["kind"] = fault.kind.value
+    data["reported_severity"] = fault.reported_severity.name if fault.reported_severity else None
+    return json.dumps(data)
+
+
+def fault_from_json(text: str) -> Fault:
+    data = json.loads(text)
+    data["kind"] = FaultKind(data["kind"])
+    severity = data.get("reported_severity")
+    data["reported_severity"] = Severity[severity] if severity else None
+    return Fault(**data)
