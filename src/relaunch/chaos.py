@@ -171,56 +171,55 @@ def parse_plan(data: Any, *, source: str = "<fault plan>") -> tuple[ChaosEntry, 
         parsed = _Plan.model_validate(data)
     except ValidationError as error:
         raise FaultPlanError(source, problems_from(error, data, _Plan)) from None
-    problems: list[Problem] = []
-    entries = []
-    for i, e in enumerate(parsed.faults):
-        where = f"faults[{i}]"
-        if (e.at_step is None) == (e.after_s is None):
-            problems.append(
-                Problem(f"{where}.at_step", e.at_step, "exactly one of at_step or after_s")
-            )
-        if (e.pod is None) == (e.node is None):
-            problems.append(
-                Problem(f"{where}.pod", e.pod, "exactly one of pod or node as the target")
-            )
-        if e.kind in _PROCESS_KINDS and e.pod is None:
-            problems.append(
-                Problem(f"{where}.pod", None, f"{e.kind.value} needs a pod (and optionally a rank)")
-            )
-        if e.rank is not None and e.local_rank is not None:
-            problems.append(
-                Problem(
-                    f"{where}.local_rank",
-                    e.local_rank,
-                    "either rank (global) or local_rank (within the pod), not both",
-                )
-            )
-        for key, kinds in _ONLY_FOR.items():
-            if key in e.model_fields_set and e.kind not in kinds:
-                names = " or ".join(k.value for k in kinds)
-                problems.append(
-                    Problem(f"{where}.{key}", getattr(e, key), f"{key} only for {names}")
-                )
-        entries.append(
-            ChaosEntry(
-                index=i,
-                kind=e.kind,
-                at_step=e.at_step,
-                after_s=e.after_s,
-                pod=e.pod,
-                node=e.node,
-                rank=e.rank,
-                chip=e.chip or 0,
-                exit_code=e.exit_code,
-                code=e.code or _DEFAULT_CODES.get(e.kind),
-                heals=e.heals,
-                duration_s=e.duration_s,
-                local_rank=e.local_rank,
-            )
-        )
+    problems = [p for i, e in enumerate(parsed.faults) for p in _entry_problems(f"faults[{i}]", e)]
+    entries = [_entry(i, e) for i, e in enumerate(parsed.faults)]
     if problems:
         raise FaultPlanError(source, problems)
     return tuple(entries)
+
+
+def _entry_problems(where: str, e: _Entry) -> list[Problem]:
+    """What is wrong with one entry on its own: its trigger, its target, keys for other kinds."""
+    problems = []
+    if (e.at_step is None) == (e.after_s is None):
+        problems.append(Problem(f"{where}.at_step", e.at_step, "exactly one of at_step or after_s"))
+    if (e.pod is None) == (e.node is None):
+        problems.append(Problem(f"{where}.pod", e.pod, "exactly one of pod or node as the target"))
+    if e.kind in _PROCESS_KINDS and e.pod is None:
+        problems.append(
+            Problem(f"{where}.pod", None, f"{e.kind.value} needs a pod (and optionally a rank)")
+        )
+    if e.rank is not None and e.local_rank is not None:
+        problems.append(
+            Problem(
+                f"{where}.local_rank",
+                e.local_rank,
+                "either rank (global) or local_rank (within the pod), not both",
+            )
+        )
+    for key, kinds in _ONLY_FOR.items():
+        if key in e.model_fields_set and e.kind not in kinds:
+            names = " or ".join(k.value for k in kinds)
+            problems.append(Problem(f"{where}.{key}", getattr(e, key), f"{key} only for {names}"))
+    return problems
+
+
+def _entry(index: int, e: _Entry) -> ChaosEntry:
+    return ChaosEntry(
+        index=index,
+        kind=e.kind,
+        at_step=e.at_step,
+        after_s=e.after_s,
+        pod=e.pod,
+        node=e.node,
+        rank=e.rank,
+        chip=e.chip or 0,
+        exit_code=e.exit_code,
+        code=e.code or _DEFAULT_CODES.get(e.kind),
+        heals=e.heals,
+        duration_s=e.duration_s,
+        local_rank=e.local_rank,
+    )
 
 
 def check_plan(

@@ -17,44 +17,34 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 import psutil
 
-from relaunch.chaos import ChaosEntry, check_plan, parse_plan
+from relaunch.chaos import ChaosEntry, parse_plan
 from relaunch.cluster import Engine
-from relaunch.cluster.config import ClusterConfig, parse_cluster
+from relaunch.cluster.config import ClusterConfig
 from relaunch.cluster.local import LocalCluster
 from relaunch.controller import Controller, RunOptions
-from relaunch.errors import FaultPlanError, InputError, Problem, SpecError
-from relaunch.faults import DEFAULT_TABLE, EscalationRules, FaultCodeTable
-from relaunch.files import load_fault_table
-from relaunch.policy.placement import NodeCapacity, initial_placement, slots
-from relaunch.protocol import StateDir
-from relaunch.spec import JobSpec, parse_job
-from relaunch.store import JobRow, JobStatus, PodRow, Store
+from relaunch.errors import InputError
+from relaunch.service import create_pods, stored_job, table_from
+from relaunch.spec import JobSpec
+from relaunch.store import JobRow, JobStatus, Store
 
 __all__ = [
     "Interrupted",
     "RunnerState",
-    "Submission",
     "abandon_unfinished",
-    "check_plan_fits",
     "could_not_start",
-    "create_pods",
     "ensure_runner",
     "lock",
     "lock_holder",
     "make_engine",
-    "plan_entries",
     "run_job",
     "run_queue",
-    "stored_job",
-    "submit",
-    "table_from",
 ]
 
 
@@ -96,111 +86,6 @@ def lock_holder(directory: Path) -> tuple[int, str] | None:
         return None
 
 
-def table_from(path: str | Path | None) -> tuple[FaultCodeTable, EscalationRules]:
-    if path is None:
-        return DEFAULT_TABLE, EscalationRules()
-    loaded = load_fault_table(Path(path))
-    return DEFAULT_TABLE.overridden_by(loaded.rows), loaded.escalation or EscalationRules()
-
-
-def plan_entries(data: Any, source: str) -> list[dict[str, Any]]:
-    """A fault plan's entries as stored, after checking each (FaultPlanError otherwise)."""
-    if data is None:
-        return []
-    parse_plan(data, source=source)
-    entries = data.get("faults", []) if isinstance(data, Mapping) else data
-    return [dict(e) for e in entries or []]
-
-
-def check_plan_fits(
-    entries: Sequence[Mapping[str, Any]], job: JobSpec, cluster: ClusterConfig, source: str
-) -> None:
-    """FaultPlanError naming every entry that cannot hit its target in this job and cluster."""
-    problems = check_plan(parse_plan(list(entries), source=source), job, cluster)
-    if problems:
-        raise FaultPlanError(source, problems)
-
-
-@dataclass(frozen=True)
-class Submission:
-    """Everything a runner needs to run a job later, as the store keeps it."""
-
-    raw: Any
-    source: str
-    cwd: str
-    cluster: Any = None
-    plan: Sequence[Mapping[str, Any]] = ()
-    project: str = "default"
-    fault_table: str | None = None
-    startup_s: float | None = None
-    engine: Mapping[str, Any] | None = None
-    """None: the embedded cluster; {"kind": "ray", "address": ..., "select": ...}: Ray."""
-    plan_source: str = ""
-    """Where the fault plan came from, for its problems (default: the job's source)."""
-
-
-def submit(store: Store, submission: Submission, now: float) -> int:
-    """Check a job fully and queue it as Pending; InputError lists every problem."""
-    job = parse_job(submission.raw, source=submission.source)
-    cluster = parse_cluster(submission.cluster, source="cluster settings")
-    if submission.fault_table is not None:
-        table_from(submission.fault_table)
-    _check_fits(job, cluster, submission.source)
-    if not submission.engine:
-        _check_working_dir(job, submission.cwd, submission.source)
-    plan_source = submission.plan_source or f"{submission.source}: fault plan"
-    check_plan_fits(submission.plan, job, cluster, plan_source)
-    stored = {
-        "raw": submission.raw,
-        "source": submission.source,
-        "cwd": submission.cwd,
-        "cluster": submission.cluster,
-        "fault_table": submission.fault_table,
-        "startup_s": submission.startup_s,
-        "engine": dict(submission.engine) if submission.engine else None,
-    }
-    return store.create_job(job.name, stored, list(submission.plan), now, submission.project)
-
-
-def _check_fits(job: JobSpec, cluster: ClusterConfig, source: str) -> None:
-    room = sum(
-        (n.chips // job.chips_per_pod if job.chips_per_pod else 1)
-        for n in cluster.nodes
-        if n.chips >= job.chips_per_pod
-    )
-    if room < job.replicas:
-        raise SpecError(
-            source,
-            [
-                Problem(
-                    "spec.replicas",
-                    job.replicas,
-                    f"at most {room} pod(s) of {job.chips_per_pod} chip(s) fit on this cluster's "
-                    f"{len(cluster.nodes)} node(s)",
-                )
-            ],
-        )
-
-
-def _check_working_dir(job: JobSpec, cwd: str, source: str) -> None:
-    """A job whose working directory does not exist could never start: refused up front."""
-    if job.working_dir is None:
-        return
-    where = Path(cwd, job.working_dir)
-    if not where.is_dir():
-        raise SpecError(
-            source,
-            [
-                Problem(
-                    "spec.working_dir",
-                    job.working_dir,
-                    f"an existing directory ({where} is not one; a relative path is taken from "
-                    f"{cwd})",
-                )
-            ],
-        )
-
-
 def abandon_unfinished(store: Store, directory: Path) -> list[JobRow]:
     """A new foreground run ends what an earlier, dead run left running (queued jobs stay);
     returns the jobs it abandoned, so that the caller can say so."""
@@ -216,15 +101,6 @@ def abandon_unfinished(store: Store, directory: Path) -> list[JobRow]:
             abandoned.append(job)
     LocalCluster(directory).shutdown()
     return abandoned
-
-
-def stored_job(row: JobRow) -> tuple[JobSpec, ClusterConfig]:
-    """The job and cluster a stored job runs with (its working directory made absolute)."""
-    job = parse_job(row.spec["raw"], source=row.spec["source"])
-    cwd = row.spec.get("cwd") or os.getcwd()
-    job = dataclasses.replace(job, working_dir=str(Path(cwd, job.working_dir or ".")))
-    cluster = parse_cluster(row.spec.get("cluster"), source="stored cluster settings")
-    return job, cluster
 
 
 def _stored(store: Store, job_id: int) -> tuple[JobSpec, ClusterConfig, tuple[ChaosEntry, ...]]:
@@ -344,25 +220,6 @@ def run_queue(directory: Path, log: Callable[[str], None]) -> int:
             log(f"job {job_id} could not start: {error}")
             continue
         log(f"job {name} (id {job_id}) ended: {status.value}")
-
-
-def create_pods(store: Store, directory: Path, job_id: int, spec: JobSpec) -> list[PodRow]:
-    """Place a new job's pods in order on the first Ready nodes with chips for them."""
-    nodes = [NodeCapacity(n.name, n.chips, n.schedulable) for n in store.nodes()]
-    places = initial_placement(nodes, spec.replicas, spec.chips_per_pod)
-    if places is None:
-        room = len(slots([n for n in nodes if n.schedulable], spec.chips_per_pod, False))
-        raise RuntimeError(
-            f"job {spec.name} needs {spec.replicas} pod(s) with {spec.chips_per_pod} chip(s) each; "
-            f"the cluster has room for {room} on Ready nodes (see `relaunch nodes`)"
-        )
-    job_dir = StateDir(directory).job(job_id)
-    pods = []
-    for idx, node in enumerate(places):
-        pod = PodRow(job_id, idx, node, 1, 1, 1, str(job_dir.pod(idx, 1).path))
-        store.put_pod(pod)
-        pods.append(pod)
-    return pods
 
 
 def could_not_start(store: Store, job_id: int, error: Exception) -> None:

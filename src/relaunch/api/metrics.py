@@ -19,7 +19,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from relaunch.report import budgets_left
-from relaunch.store import JobStatus, NodeState, Store
+from relaunch.store import JobRow, JobStatus, NodeState, RecordRow, Store
 
 __all__ = ["StoreCollector"]
 
@@ -50,45 +50,9 @@ class StoreCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         jobs = self.store.jobs()
         records = [(job, r) for job in jobs for r in self.store.records(job.id)]
-
-        recoveries = CounterMetricFamily(
-            "relaunch_recoveries",
-            "Recoveries carried out, by action and outcome.",
-            labels=["action", "outcome"],
-        )
-        for (action, outcome), n in sorted(
-            Counter((r.action.value, r.outcome.value) for _, r in records).items()
-        ):
-            recoveries.add_metric([action, outcome], n)
-        yield recoveries
-
-        by_action: dict[str, list[float]] = defaultdict(list)
-        for _, r in records:
-            if r.mttr_s is not None:
-                by_action[r.action.value].append(r.mttr_s)
-        yield _histograms(
-            "relaunch_recovery_mttr_seconds",
-            "Time from a fault to resumed progress, for recoveries that succeeded.",
-            "action",
-            by_action,
-            MTTR_BUCKETS,
-        )
-
-        by_kind: dict[str, list[float]] = defaultdict(list)
-        seen: set[tuple[int, int]] = set()
-        for job, r in records:
-            if (job.id, r.fault_id) in seen:
-                continue  # a fallback re-decides the same fault: count its detection once
-            seen.add((job.id, r.fault_id))
-            by_kind[r.fault.kind.value].append(max(0.0, r.detected_at - r.fault_at))
-        yield _histograms(
-            "relaunch_fault_detection_seconds",
-            "Time from a fault to its detection, by fault kind.",
-            "kind",
-            by_kind,
-            DETECT_BUCKETS,
-        )
-
+        yield _recoveries(records)
+        yield _mttr(records)
+        yield _detection(records)
         yield _by_state(
             "relaunch_jobs",
             "Jobs by status.",
@@ -103,7 +67,9 @@ class StoreCollector(Collector):
             [s.value for s in NodeState],
             (n.state.value for n in self.store.nodes()),
         )
+        yield self._budgets(jobs)
 
+    def _budgets(self, jobs: list[JobRow]) -> GaugeMetricFamily:
         budget = GaugeMetricFamily(
             "relaunch_job_budget_remaining",
             "Recovery budget left per unfinished job: job-level restarts, pod reschedules and "
@@ -111,11 +77,56 @@ class StoreCollector(Collector):
             labels=["job_id", "job", "budget"],
         )
         for job in jobs:
-            if job.status.ended:
-                continue
-            for name, left in budgets_left(self.store, job).items():
-                budget.add_metric([str(job.id), job.name, name], left)
-        yield budget
+            if not job.status.ended:
+                for name, left in budgets_left(self.store, job).items():
+                    budget.add_metric([str(job.id), job.name, name], left)
+        return budget
+
+
+Records = list[tuple[JobRow, RecordRow]]
+
+
+def _recoveries(records: Records) -> CounterMetricFamily:
+    family = CounterMetricFamily(
+        "relaunch_recoveries",
+        "Recoveries carried out, by action and outcome.",
+        labels=["action", "outcome"],
+    )
+    counts = Counter((r.action.value, r.outcome.value) for _, r in records)
+    for (action, outcome), n in sorted(counts.items()):
+        family.add_metric([action, outcome], n)
+    return family
+
+
+def _mttr(records: Records) -> HistogramMetricFamily:
+    by_action: dict[str, list[float]] = defaultdict(list)
+    for _, r in records:
+        if r.mttr_s is not None:
+            by_action[r.action.value].append(r.mttr_s)
+    return _histograms(
+        "relaunch_recovery_mttr_seconds",
+        "Time from a fault to resumed progress, for recoveries that succeeded.",
+        "action",
+        by_action,
+        MTTR_BUCKETS,
+    )
+
+
+def _detection(records: Records) -> HistogramMetricFamily:
+    by_kind: dict[str, list[float]] = defaultdict(list)
+    seen: set[tuple[int, int]] = set()
+    for job, r in records:
+        if (job.id, r.fault_id) in seen:
+            continue  # a fallback re-decides the same fault: count its detection once
+        seen.add((job.id, r.fault_id))
+        by_kind[r.fault.kind.value].append(max(0.0, r.detected_at - r.fault_at))
+    return _histograms(
+        "relaunch_fault_detection_seconds",
+        "Time from a fault to its detection, by fault kind.",
+        "kind",
+        by_kind,
+        DETECT_BUCKETS,
+    )
 
 
 def _by_state(
