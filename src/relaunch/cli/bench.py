@@ -1,0 +1,79 @@
+"""`relaunch bench`: recovery time by level, side by side with torchrun."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+if TYPE_CHECKING:
+    pass
+from relaunch.cli.common import (
+    app,
+    err,
+)
+
+
+@app.command()
+def bench(
+    out: Annotated[
+        Path, typer.Option("--out", help="Where bench.json, bench.md and bench.png go.")
+    ] = Path("bench-results"),
+    quick: Annotated[
+        bool, typer.Option("--quick", help="One repeat, light workload + DDP crash only.")
+    ] = False,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Repetitions per level.")] = 5,
+    levels: Annotated[
+        str | None,
+        typer.Option(
+            "--levels", help="Comma-separated levels for the MTTR table (default: every level)."
+        ),
+    ] = None,
+    only: Annotated[
+        str | None,
+        typer.Option("--only", help="Comma-separated sections to run (default: all of them)."),
+    ] = None,
+) -> None:
+    """Measure recovery time by level on this machine, side by side with torchrun."""
+    from relaunch.bench import LEVELS, SECTIONS, BenchOptions, run_bench
+
+    chosen = _choices("--levels", levels, LEVELS)
+    sections = _choices("--only", only, SECTIONS)
+
+    def progress(text: str) -> None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        err.print(text, highlight=False, markup=False)
+
+    result = run_bench(
+        BenchOptions(
+            out=out,
+            quick=quick,
+            repeats=repeats,
+            progress=progress,
+            levels=chosen,
+            sections=sections,
+        )
+    )
+    sys.stdout.write((out / "bench.md").read_text())
+    failed = sum(r["failures"] for r in result["mttr"] if r["system"] == "relaunch")
+    if failed:
+        err.print(f"[bold red]{failed} relaunch recovery(ies) failed[/]", highlight=False)
+        raise typer.Exit(1)
+
+
+def _choices(option: str, given: str | None, allowed: Iterable[str]) -> tuple[str, ...]:
+    """A comma-separated option's values, each checked against `allowed` (exit 2 otherwise)."""
+    allowed = tuple(allowed)
+    chosen = tuple(x.strip() for x in (given or "").split(",") if x.strip())
+    unknown = [x for x in chosen if x not in allowed]
+    if unknown:
+        err.print(
+            f"[bold red]error:[/] {option}: unknown {', '.join(unknown)}; "
+            f"choose from {', '.join(allowed)}",
+            highlight=False,
+        )
+        raise typer.Exit(2)
+    return chosen

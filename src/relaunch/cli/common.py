@@ -1,0 +1,171 @@
+"""What the commands share: the consoles, the options, the state directory, errors."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.console import Console
+
+from relaunch import __version__
+from relaunch.api import TOKEN_FILE
+from relaunch.errors import InputError
+from relaunch.store import JobRow, Store
+
+if TYPE_CHECKING:
+    from relaunch.api.client import Client
+
+
+app = typer.Typer(
+    name="relaunch",
+    help="Keep distributed training jobs alive through faults.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+out = Console(width=None if sys.stdout.isatty() else 120)
+err = Console(stderr=True)
+
+
+EXIT_INVALID = 2
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        out.print(f"relaunch {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            help="Print the version and exit.",
+            callback=_print_version,
+            is_eager=True,
+        ),
+    ] = False,
+) -> None:
+    """Keep distributed training jobs alive through faults."""
+
+
+def fail_input(error: InputError) -> typer.Exit:
+    err.print(
+        f"[bold red]error:[/] {error.source}: invalid {error.what}", highlight=False, soft_wrap=True
+    )
+    for problem in error.problems:
+        err.print(f"  - {problem}", markup=False, highlight=False, soft_wrap=True)
+    return typer.Exit(EXIT_INVALID)
+
+
+FaultTableOption = Annotated[
+    Path | None,
+    typer.Option("--fault-table", help="YAML/JSON file that overrides fault codes and escalation."),
+]
+
+
+def duration(seconds: float) -> str:
+    if seconds >= 3600 and seconds % 3600 == 0:
+        return f"{seconds / 3600:g} h"
+    if seconds >= 60 and seconds % 60 == 0:
+        return f"{seconds / 60:g} min"
+    return f"{seconds:g} s"
+
+
+AddressOption = Annotated[
+    str | None,
+    typer.Option("--address", help="With --engine ray: the running Ray cluster to use."),
+]
+RaySelectOption = Annotated[
+    str | None,
+    typer.Option(
+        "--ray-select",
+        help="With --engine ray: use only nodes carrying this resource or label (KEY or "
+        "KEY=VALUE).",
+    ),
+]
+StateDirOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--state-dir",
+        envvar="RELAUNCH_STATE_DIR",
+        help="Where jobs, nodes and records are kept (default ~/.local/state/relaunch).",
+    ),
+]
+
+
+def state_dir_of(path: Path | None) -> Path:
+    """The state directory, created readable by its owner only (it holds every job's spec,
+    environment and logs, and the server's token)."""
+    if path is None:
+        base = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
+        path = base / "relaunch"
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return path.resolve()
+
+
+def open_store(state_dir: Path | None) -> Store:
+    return Store(state_dir_of(state_dir) / "relaunch.db")
+
+
+def job_or_exit(store: Store, ref: str) -> JobRow:
+    row = store.find_job(ref)
+    if row is None:
+        err.print(f"[bold red]error:[/] no job {ref!r}; see `relaunch jobs`", highlight=False)
+        raise typer.Exit(EXIT_INVALID)
+    return row
+
+
+def node_or_exit(store: Store, name: str) -> None:
+    if store.node(name) is None:
+        err.print(f"[bold red]error:[/] no node {name!r}; see `relaunch nodes`", highlight=False)
+        raise typer.Exit(EXIT_INVALID)
+
+
+ServerOption = Annotated[
+    str | None,
+    typer.Option(
+        "--server",
+        envvar="RELAUNCH_SERVER",
+        help="Talk to this relaunch server (http://host:port) instead of the local state.",
+    ),
+]
+TokenOption = Annotated[
+    str | None,
+    typer.Option(
+        "--token",
+        envvar="RELAUNCH_TOKEN",
+        help="The server's bearer token (default: the state directory's server-token file).",
+    ),
+]
+ProjectOption = Annotated[
+    str, typer.Option("--project", help="The server's project (a namespace for jobs).")
+]
+
+
+def client_for(server: str, token: str | None, state_dir: Path | None, project: str) -> Client:
+    from relaunch.api.client import Client
+
+    if token is None:
+        candidate = state_dir_of(state_dir) / TOKEN_FILE
+        if candidate.exists() and os.access(candidate, os.R_OK):
+            token = candidate.read_text().strip()
+    return Client(server, token, project)
+
+
+def remote(call: Callable[[], Any]) -> Any:
+    from relaunch.api.client import ClientError
+
+    try:
+        return call()
+    except ClientError as error:
+        err.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
+        for problem in error.problems:
+            err.print(f"  - {problem}", markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(EXIT_INVALID) from None

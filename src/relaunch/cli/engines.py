@@ -1,0 +1,72 @@
+"""Which engine runs a job: the embedded cluster, or Ray (an address, or a local trial cluster)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import typer
+
+from relaunch.cli.common import EXIT_INVALID, err, out
+from relaunch.cluster.config import parse_cluster
+
+__all__ = ["engine_name", "ray_cluster", "ray_module", "stop_trial"]
+
+
+def engine_name(given: str) -> str:
+    if given not in ("embedded", "ray"):
+        err.print(f"[bold red]error:[/] --engine {given}: choose embedded or ray", highlight=False)
+        raise typer.Exit(EXIT_INVALID)
+    return given
+
+
+def ray_module() -> Any:
+    try:
+        from relaunch.cluster import ray as ray_engine
+    except ImportError:
+        err.print(
+            "[bold red]error:[/] --engine ray needs Ray: pip install 'relaunch[ray]'",
+            highlight=False,
+        )
+        raise typer.Exit(EXIT_INVALID) from None
+    return ray_engine
+
+
+def ray_cluster(
+    cluster_raw: Any, address: str | None, select: str | None
+) -> tuple[dict[str, Any], dict[str, Any], Any]:
+    """The job's nodes on Ray: the cluster at `address`, or a local trial cluster shaped by the
+    cluster file (started here, removed when the run ends). Returns the cluster settings with the
+    Ray nodes as nodes, the engine's stored settings, and the trial cluster (or None)."""
+    ray_engine = ray_module()
+    shape = parse_cluster(cluster_raw, source="cluster settings")
+    trial = None
+    if address is None:
+        trial = ray_engine.TrialCluster(shape.nodes)
+        out.print(
+            f"[bold cyan]\\[relaunch][/] starting a local Ray cluster: a head and "
+            f"{len(shape.nodes)} node(s) ({trial.log})",
+            highlight=False,
+        )
+        address = trial.start(
+            progress=lambda up, total: out.print(
+                f"[bold cyan]\\[relaunch][/] Ray node {up} of {total} joined", highlight=False
+            )
+        )
+    ray_engine.connect(address)
+    found = ray_engine.discover(select)
+    if not found:
+        stop_trial(trial)
+        raise RuntimeError(
+            f"the Ray cluster at {address} has no live node"
+            + (f" carrying {select!r}" if select else "")
+            + "; see `relaunch nodes --engine ray --address ...`"
+        )
+    settings = dict(cluster_raw) if isinstance(cluster_raw, dict) else {}
+    settings["nodes"] = [{"name": n.name, "chips": n.chips} for n in found]
+    settings.pop("chips_per_node", None)
+    return settings, {"kind": "ray", "address": address, "select": select}, trial
+
+
+def stop_trial(trial: Any) -> None:
+    if trial is not None:
+        trial.stop()

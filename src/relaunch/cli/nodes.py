@@ -1,0 +1,132 @@
+"""`relaunch nodes`, `cordon` and `release`."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.table import Table
+
+from relaunch.report import node_view
+
+if TYPE_CHECKING:
+    pass
+from relaunch import service
+from relaunch.cli.common import (
+    EXIT_INVALID,
+    AddressOption,
+    RaySelectOption,
+    ServerOption,
+    StateDirOption,
+    TokenOption,
+    app,
+    client_for,
+    err,
+    node_or_exit,
+    open_store,
+    out,
+    remote,
+)
+from relaunch.cli.engines import engine_name, ray_module
+
+
+def _nodes_table(rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        out.print("no nodes yet: `relaunch run` or `relaunch server` creates the embedded cluster")
+        return
+    view = Table(show_edge=False)
+    for column in ("node", "state", "chips", "faulty chips", "reason"):
+        view.add_column(column)
+    for n in rows:
+        faulty = ", ".join(f"{c['chip']} ({c['code']})" for c in n["faulty_chips"]) or "-"
+        view.add_row(n["name"], n["state"], str(n["chips"]), faulty, n["reason"])
+    out.print(view)
+
+
+@app.command()
+def nodes(
+    state_dir: StateDirOption = None,
+    server: ServerOption = None,
+    token: TokenOption = None,
+    engine: Annotated[
+        str, typer.Option("--engine", help="embedded, or ray: the Ray cluster's nodes.")
+    ] = "embedded",
+    address: AddressOption = None,
+    ray_select: RaySelectOption = None,
+) -> None:
+    """List the nodes: state, chips, chip health, isolation (with --engine ray, the Ray nodes and
+    their relaunch state)."""
+    if engine_name(engine) == "ray":
+        if address is None:
+            err.print("[bold red]error:[/] --engine ray needs --address (the Ray cluster)")
+            raise typer.Exit(EXIT_INVALID)
+        _ray_nodes_table(address, ray_select, state_dir)
+        return
+    if server:
+        client = client_for(server, token, state_dir, "default")
+        _nodes_table(remote(client.nodes))
+        return
+    _nodes_table([node_view(n) for n in open_store(state_dir).nodes()])
+
+
+def _ray_nodes_table(address: str, select: str | None, state_dir: Path | None) -> None:
+    ray_engine = ray_module()
+    try:
+        ray_engine.connect(address)
+    except RuntimeError as error:
+        err.print(f"[bold red]error:[/] {error}", highlight=False)
+        raise typer.Exit(EXIT_INVALID) from None
+    known = {n.name: n for n in open_store(state_dir).nodes()}
+    view = Table(show_edge=False)
+    for column in ("node", "ray", "ray node id", "address", "chips", "relaunch", "reason"):
+        view.add_column(column)
+    for n in ray_engine.discover(select, include_dead=True):
+        row = known.get(n.name)
+        view.add_row(
+            n.name,
+            "alive" if n.alive else "dead",
+            n.node_id[:12],
+            n.address,
+            str(n.chips),
+            row.state.value if row else "-",
+            row.reason if row else "not used by relaunch yet",
+        )
+    out.print(view)
+
+
+def _node_verb(
+    node: str, state_dir: Path | None, server: str | None, token: str | None, verb: str
+) -> None:
+    if server:
+        client = client_for(server, token, state_dir, "default")
+        row = remote(lambda: client.node_action(node, verb))
+        out.print(f"{node}: {row['state']}")
+        return
+    store = open_store(state_dir)
+    node_or_exit(store, node)
+    change = service.cordon if verb == "cordon" else service.release
+    out.print(f"{node}: {change(store, node, time.time()).state.value}")
+
+
+@app.command()
+def cordon(
+    node: str,
+    state_dir: StateDirOption = None,
+    server: ServerOption = None,
+    token: TokenOption = None,
+) -> None:
+    """Isolate a node: no new pods are placed on it."""
+    _node_verb(node, state_dir, server, token, "cordon")
+
+
+@app.command()
+def release(
+    node: str,
+    state_dir: StateDirOption = None,
+    server: ServerOption = None,
+    token: TokenOption = None,
+) -> None:
+    """Release an isolated node back to Ready."""
+    _node_verb(node, state_dir, server, token, "release")

@@ -1,0 +1,341 @@
+"""`relaunch run`: a job run in the foreground, on the embedded cluster or on Ray."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.live import Live
+from rich.markup import escape
+from rich.table import Table
+
+from relaunch import runner, service
+from relaunch.controller import Controller, RunOptions
+from relaunch.errors import MISSING, InputError, Problem, RelaunchError
+from relaunch.files import read_document
+from relaunch.report import build_report
+from relaunch.spec import parse_job
+from relaunch.store import JobRow, JobStatus, Store
+
+if TYPE_CHECKING:
+    pass
+from relaunch.cli.common import (
+    EXIT_INVALID,
+    AddressOption,
+    FaultTableOption,
+    RaySelectOption,
+    StateDirOption,
+    app,
+    err,
+    fail_input,
+    out,
+    state_dir_of,
+)
+from relaunch.cli.engines import engine_name, ray_cluster, stop_trial
+from relaunch.cli.summary import print_summary
+
+
+@app.command()
+def run(
+    job_file: Annotated[Path | None, typer.Argument(help="Job spec, YAML or JSON.")] = None,
+    cluster_file: Annotated[
+        Path | None, typer.Option("--cluster", help="Cluster file (nodes, chips, timings).")
+    ] = None,
+    faults_file: Annotated[
+        Path | None, typer.Option("--faults", help="Fault plan to inject.")
+    ] = None,
+    report: Annotated[
+        Path | None, typer.Option("--report", help="Write a JSON report here at the end.")
+    ] = None,
+    state_dir: StateDirOption = None,
+    fault_table: FaultTableOption = None,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Re-adopt the unfinished job of the state directory.")
+    ] = False,
+    startup_s: Annotated[
+        float | None,
+        typer.Option(
+            "--startup-seconds", help="Allowance before a (re)started job must show progress."
+        ),
+    ] = None,
+    nodes_count: Annotated[
+        int | None,
+        typer.Option(
+            "--nodes", help="Number of nodes (node-0, node-1, ...), instead of a cluster file."
+        ),
+    ] = None,
+    chips_per_node: Annotated[
+        int | None, typer.Option("--chips-per-node", help="Chips per node, with --nodes.")
+    ] = None,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", help="Do not echo the processes' output.")
+    ] = False,
+    engine: Annotated[
+        str,
+        typer.Option(
+            "--engine",
+            help="embedded: the embedded cluster; ray: a Ray cluster (--address, or a local "
+            "trial cluster shaped by --cluster).",
+        ),
+    ] = "embedded",
+    address: AddressOption = None,
+    ray_select: RaySelectOption = None,
+) -> None:
+    """Run a job until it succeeds or fails (exit 0 / 1; 2 for bad input), on the embedded
+    cluster or on Ray."""
+    engine = engine_name(engine)
+    if engine == "embedded" and (address or ray_select):
+        err.print("[bold red]error:[/] --address and --ray-select need --engine ray")
+        raise typer.Exit(EXIT_INVALID)
+    directory = state_dir_of(state_dir)
+    try:
+        held = runner.lock(directory)
+    except RuntimeError as error:
+        err.print(f"[bold red]error:[/] {error}", highlight=False)
+        raise typer.Exit(EXIT_INVALID) from None
+    trial: Any = None
+    try:
+        table, rules = service.table_from(fault_table)
+        store = Store(directory / "relaunch.db")
+        if resume:
+            job_id = _unfinished(store, job_file).id
+        else:
+            request = _NewRun(job_file, cluster_file, faults_file, fault_table, startup_s)
+            cluster_raw = _cluster_settings(cluster_file, nodes_count, chips_per_node)
+            job_id, trial = _submit(
+                store, directory, request, cluster_raw, engine, address, ray_select
+            )
+    except (InputError, RuntimeError) as error:
+        held.close()
+        stop_trial(trial)
+        if isinstance(error, InputError):
+            raise fail_input(error) from None
+        err.print(f"[bold red]error:[/] {error}", highlight=False)
+        raise typer.Exit(EXIT_INVALID) from None
+    options = RunOptions(startup_s=startup_s, table=table, rules=rules)
+    try:
+        status = _execute(store, directory, job_id, resume, options, quiet, trial)
+    finally:
+        held.close()
+        stop_trial(trial)
+    summary = build_report(store, job_id)
+    print_summary(summary)
+    if report is not None:
+        report.write_text(json.dumps(summary, indent=2))
+    _start_queued(directory)
+    raise typer.Exit(_exit_code(status, store.job(job_id).reason))
+
+
+@dataclass(frozen=True)
+class _NewRun:
+    job_file: Path | None
+    cluster_file: Path | None
+    faults_file: Path | None
+    fault_table: Path | None
+    startup_s: float | None
+
+
+def _cluster_settings(
+    cluster_file: Path | None, nodes_count: int | None, chips_per_node: int | None
+) -> Any:
+    cluster_raw = read_document(cluster_file) if cluster_file else None
+    if nodes_count is not None or chips_per_node is not None:
+        cluster_raw = dict(cluster_raw or {})
+        if nodes_count is not None:
+            cluster_raw["nodes"] = nodes_count
+        if chips_per_node is not None:
+            cluster_raw["chips_per_node"] = chips_per_node
+    return cluster_raw
+
+
+def _submit(
+    store: Store,
+    directory: Path,
+    request: _NewRun,
+    cluster_raw: Any,
+    engine: str,
+    address: str | None,
+    ray_select: str | None,
+) -> tuple[int, Any]:
+    """The job checked fully and stored, before anything starts; an unfinished earlier job is
+    abandoned, saying so. Returns the job's id and the Ray trial cluster, if one was started."""
+    if request.job_file is None:
+        raise InputError("relaunch run", [Problem("JOB", MISSING, "a job file to run")])
+    faults_file = request.faults_file
+    plan_raw = read_document(faults_file) if faults_file else None
+    raw = read_document(request.job_file)
+    parse_job(raw, source=str(request.job_file))  # before a trial cluster starts for it
+    plan = service.plan_entries(plan_raw, source=str(faults_file))
+    engine_spec, trial = None, None
+    if engine == "ray":
+        cluster_raw, engine_spec, trial = ray_cluster(cluster_raw, address, ray_select)
+    submission = service.Submission(
+        raw=raw,
+        source=str(request.job_file),
+        cwd=os.getcwd(),
+        cluster=cluster_raw,
+        plan=plan,
+        plan_source=str(faults_file),
+        fault_table=str(request.fault_table.resolve()) if request.fault_table else None,
+        startup_s=request.startup_s,
+        engine=engine_spec,
+    )
+    job_id = service.submit(store, submission, time.time())  # checks all, starts nothing
+    for old in runner.abandon_unfinished(store, directory):
+        _warn_abandoned(old, store.job(job_id).name, directory)
+    store.claim_job(job_id, time.time())
+    return job_id, trial
+
+
+def _execute(
+    store: Store,
+    directory: Path,
+    job_id: int,
+    resume: bool,
+    options: RunOptions,
+    quiet: bool,
+    trial: Any,
+) -> JobStatus:
+    """The job run to its end, its events and output echoed; SIGTERM stops it in order."""
+
+    def on_event(text: str) -> None:
+        out.print(f"[bold cyan]\\[relaunch][/] {text}", highlight=False, soft_wrap=True)
+
+    def on_output(pod: int, rank: int, line: str) -> None:
+        if not quiet:
+            out.print(
+                f"[dim]\\[pod {pod} rank {rank}][/] {escape(line)}", highlight=False, soft_wrap=True
+            )
+
+    def on_start(controller: Controller) -> None:
+        out.print(
+            f"[bold cyan]\\[relaunch][/] job {controller.spec.name} (id {job_id}): "
+            f"{controller.spec.replicas} pod(s) x {controller.spec.procs_per_pod} process(es) on "
+            f"{len(controller.cluster.nodes)} node(s); state in {directory}",
+            highlight=False,
+        )
+
+    live = _LiveView(store, job_id) if out.is_terminal else None
+    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    try:
+        if live is not None:
+            live.start()
+        return runner.run_job(
+            store,
+            directory,
+            job_id,
+            resume=resume,
+            options=options,
+            on_event=on_event,
+            on_output=on_output,
+            on_tick=live.refresh if live else None,
+            on_start=on_start,
+            remove_node=trial.remove_node if trial is not None else None,
+        )
+    except (InputError, RuntimeError) as error:
+        runner.could_not_start(store, job_id, error)
+        err.print(f"[bold red]error:[/] {error}", highlight=False)
+        raise typer.Exit(EXIT_INVALID) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if live is not None:
+            live.stop()
+
+
+def _stop_on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM (systemd, docker, `timeout`) stops the job in order, as Ctrl-C does; a second
+    one does not cut that stop short."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise runner.Interrupted("SIGTERM")
+
+
+def _exit_code(status: JobStatus, reason: str) -> int:
+    """0 succeeded, 1 failed or stopped, 130 / 143 stopped by Ctrl-C / SIGTERM."""
+    if status is JobStatus.SUCCEEDED:
+        return 0
+    if status is JobStatus.STOPPED and reason.endswith("(SIGTERM)"):
+        return 143
+    if status is JobStatus.STOPPED and reason.endswith("(Ctrl-C)"):
+        return 130
+    return 1
+
+
+def _warn_abandoned(old: JobRow, name: str, directory: Path) -> None:
+    err.print(
+        f"[bold yellow]warning:[/] job {old.name} (id {old.id}) was still {old.status.value} in "
+        f"{directory}, but its controller is gone: it is abandoned now and its processes are "
+        f"stopped, and this run starts job {name} from step 0 in a new shared directory. To "
+        f"continue job {old.name} instead, stop this run and use `relaunch run --resume "
+        f"--state-dir {directory}`.",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
+def _start_queued(directory: Path) -> None:
+    """Jobs submitted while this foreground run held the state directory start now."""
+    try:
+        state = runner.ensure_runner(directory)
+    except (OSError, RelaunchError):
+        return
+    if state.started is not None:
+        out.print(
+            f"queued jobs in {directory}: runner started (pid {state.started}); see "
+            "`relaunch jobs`",
+            highlight=False,
+        )
+
+
+class _LiveView:
+    """A footer on a terminal: pods, their nodes and counters, the step, the recoveries so far."""
+
+    def __init__(self, store: Store, job_id: int) -> None:
+        self.store = store
+        self.job_id = job_id
+        self.live = Live(console=out, auto_refresh=False, transient=True)
+        self.shown_at = 0.0
+
+    def start(self) -> None:
+        self.live.start()
+
+    def stop(self) -> None:
+        self.live.stop()
+
+    def refresh(self) -> None:
+        now = time.time()
+        if now - self.shown_at < 0.25:
+            return
+        self.shown_at = now
+        job = self.store.job(self.job_id)
+        records = self.store.records(self.job_id)
+        view = Table(
+            title=f"{job.name}: {job.status.value}, attempt {job.attempt}, step {job.last_step or 0}, "
+            f"{len(records)} recovery record(s)",
+            title_justify="left",
+            show_edge=False,
+        )
+        for column in ("pod", "node", "generation", "MA_SCHEDULE_CNT", "MA_PROC_START_CNT"):
+            view.add_column(column)
+        for p in self.store.pods(self.job_id):
+            view.add_row(
+                str(p.idx), p.node, str(p.generation), str(p.schedule_cnt), str(p.proc_start_cnt)
+            )
+        self.live.update(view, refresh=True)
+
+
+def _unfinished(store: Store, ref: Path | None) -> Any:
+    jobs = [j for j in store.jobs() if j.status.active]
+    if ref is not None:
+        jobs = [j for j in jobs if j.name == str(ref) or str(j.id) == str(ref)]
+    if not jobs:
+        raise InputError(
+            "relaunch run --resume",
+            [Problem("JOB", str(ref or ""), "an unfinished job in this state directory")],
+        )
+    return jobs[-1]
