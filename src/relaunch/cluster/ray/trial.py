@@ -1,0 +1,253 @@
+"""Local trial clusters (a head and one `ray start` per node), the command that keeps one up, and the loopback-only network namespace tests and benchmarks run them in."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import ray
+
+from relaunch.cluster.config import NodeSpec
+from relaunch.cluster.local import free_port, kill_tree
+from relaunch.cluster.ray.discovery import (
+    CHIPS_RESOURCE,
+    HEALTH_CHECK,
+    NODE_RESOURCE,
+    connect,
+    discover,
+)
+
+__all__ = ["LoopbackNamespace", "TrialCluster", "serve"]
+
+# -- local trial clusters ---------------------------------------------------------------------------
+
+
+class TrialCluster:
+    """A local multi-node Ray cluster: a head (no relaunch resources) and one `ray start` per
+    node, each named by ``relaunch_node:<name>`` with ``relaunch_chips``, on 127.0.0.1.
+
+    Each node is a `ray start --block` process in a session of its own; removing a node kills
+    that process and everything under it (raylet, workers, and relaunch's processes there)."""
+
+    def __init__(
+        self,
+        nodes: tuple[NodeSpec, ...],
+        *,
+        memory_mb: int = 512,
+        object_store_mb: int = 80,
+        log: Path | None = None,
+        health_check: dict[str, str] | None = None,
+    ) -> None:
+        self.nodes = nodes
+        self.memory = memory_mb * 1024 * 1024
+        self.object_store = object_store_mb * 1024 * 1024
+        self.temp_dir = Path(f"/tmp/relaunch-ray-{os.getpid()}-{int(time.time() * 1000) % 100000}")
+        self.log = log or Path(f"{self.temp_dir}.log")
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.health_check = HEALTH_CHECK if health_check is None else health_check
+        """GCS settings (environment variables); {} keeps Ray's defaults (benchmarks)."""
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._dead_since: dict[str, float] = {}
+
+    def _ray_start(self, name: str, args: list[str]) -> None:
+        ray_bin = Path(sys.executable).with_name("ray")
+        command = [str(ray_bin), "start", "--block", "--node-ip-address", "127.0.0.1",
+                   "--memory", str(self.memory), "--object-store-memory", str(self.object_store),
+                   "--disable-usage-stats", "--temp-dir", str(self.temp_dir),
+                   "--include-log-monitor", "false", *args]  # fmt: skip
+        # Every node of a trial cluster is on 127.0.0.1: the node environment tells gloo so
+        # (it would look for the host name's address, absent in a loopback-only namespace).
+        env = {
+            **os.environ,
+            **self.health_check,
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+        }
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "ab") as out:
+            self.procs[name] = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=env,
+            )
+
+    def start_node(self, node: NodeSpec) -> None:
+        resources = {f"{NODE_RESOURCE}{node.name}": 1, CHIPS_RESOURCE: node.chips}
+        self._ray_start(
+            node.name,
+            ["--address", self.address, "--num-cpus", "1", "--resources", json.dumps(resources)],
+        )
+
+    def start(self, timeout: float = 90.0, progress: Any = None) -> str:
+        """Start the head and every node; the address once Ray sees them all alive."""
+        self.temp_dir.mkdir(parents=True, exist_ok=True)
+        self._ray_start("head", ["--head", "--port", str(self.port), "--num-cpus", "0",
+                                 "--include-dashboard", "false"])  # fmt: skip
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.procs["head"].poll() is not None:
+                raise RuntimeError(f"the Ray head did not start; see {self.log}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                break
+            except OSError:
+                time.sleep(0.2)
+        connect(self.address)
+        for done, node in enumerate(self.nodes):
+            # one at a time: raylets starting together on a small machine time out registering
+            self.start_node(node)
+            self.wait_for(node.name, deadline)
+            if progress is not None:
+                progress(done + 1, len(self.nodes))
+        return self.address
+
+    def wait_for(self, name: str, deadline: float) -> None:
+        """Until Ray lists the node `name` alive (RuntimeError, the cluster stopped, if not)."""
+        while time.time() < deadline:
+            if any(n.name == name for n in discover()):
+                return
+            proc = self.procs.get(name)
+            if proc is None or proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"Ray node {name} exited at start; see {self.log}")
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"Ray node {name} did not join in time; see {self.log}")
+
+    def remove_node(self, name: str) -> None:
+        proc = self.procs.pop(name, None)
+        if proc is not None:
+            kill_tree(proc.pid)
+            proc.wait()
+
+    def stop(self) -> None:
+        """Remove every node, the head last, and the cluster's temporary directory."""
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        family: list[psutil.Process] = []  # every node's processes, killed at once
+        for proc in self.procs.values():
+            with contextlib.suppress(psutil.Error):
+                root = psutil.Process(proc.pid)
+                family += [root, *root.children(recursive=True)]
+        for process in family:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+        psutil.wait_procs(family, timeout=10)
+        for proc in self.procs.values():
+            proc.wait()
+        self.procs.clear()
+        for leftover in psutil.process_iter(["pid", "cmdline"]):
+            with contextlib.suppress(psutil.Error, TypeError):
+                if any(str(self.temp_dir) in part for part in leftover.info["cmdline"] or []):
+                    kill_tree(leftover.info["pid"])
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    def heal(self, grace_s: float = 2.0) -> list[str]:
+        """Start again, one at a time, every node whose `ray start` exited or that Ray has
+        declared dead for `grace_s`; the names started."""
+        alive = {n.name for n in discover()}
+        now = time.time()
+        healed = []
+        for node in self.nodes:
+            proc = self.procs.get(node.name)
+            if node.name in alive and proc is not None and proc.poll() is None:
+                self._dead_since.pop(node.name, None)
+                continue
+            since = self._dead_since.setdefault(node.name, now)
+            if proc is not None and proc.poll() is None and now - since < grace_s:
+                continue  # Ray may list it a moment late
+            self.remove_node(node.name)
+            self.start_node(node)
+            self.wait_for(node.name, time.time() + 60)
+            self._dead_since.pop(node.name, None)
+            healed.append(node.name)
+        return healed
+
+
+def serve(argv: list[str] | None = None) -> None:
+    """`python -m relaunch.cluster.ray --cluster FILE --status FILE [--heal]`: keep a local trial
+    cluster up (for tests, or for several runs with --address) until SIGTERM, then remove it.
+    The status file says its address and which nodes are alive; with --heal, a removed node is
+    started again so that the next run finds the whole cluster."""
+    import argparse
+
+    from relaunch.cluster.config import parse_cluster
+    from relaunch.files import read_document
+
+    parser = argparse.ArgumentParser(prog="python -m relaunch.cluster.ray")
+    parser.add_argument("--cluster", type=Path, required=True)
+    parser.add_argument("--status", type=Path, required=True)
+    parser.add_argument("--heal", action="store_true")
+    args = parser.parse_args(argv)
+    shape = parse_cluster(read_document(args.cluster), source=str(args.cluster))
+    trial = TrialCluster(shape.nodes, log=args.status.with_suffix(".log"))
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    signal.signal(signal.SIGINT, lambda *_: stopping.set())
+
+    def status(alive: list[str]) -> None:
+        tmp = args.status.with_suffix(".tmp")
+        pids = {name: proc.pid for name, proc in trial.procs.items()}
+        tmp.write_text(
+            json.dumps({"address": trial.address, "alive": alive, "pids": pids, "at": time.time()})
+        )
+        tmp.replace(args.status)
+
+    try:
+        trial.start()
+        while not stopping.wait(0.3):
+            if args.heal:
+                trial.heal()
+            status(sorted(n.name for n in discover()))
+    finally:
+        trial.stop()
+        args.status.unlink(missing_ok=True)
+
+
+
+class LoopbackNamespace:
+    """A network namespace with only a loopback interface (root and iproute2 needed), in which a
+    local Ray cluster keeps 127.0.0.1 (on the host network Ray rewrites it to the host's address).
+    Its own /etc/hosts (mounted by `ip netns exec`) resolves the host name and the loopback
+    addresses without DNS, which the namespace cannot reach. Used by the tests and benchmarks."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.etc = Path("/etc/netns") / name
+
+    def create(self) -> LoopbackNamespace:
+        if os.geteuid() != 0 or shutil.which("ip") is None:
+            raise RuntimeError("a network namespace needs root and iproute2 (`ip`)")
+        self.etc.mkdir(parents=True, exist_ok=True)
+        names = f"localhost {socket.gethostname()}"
+        (self.etc / "hosts").write_text(
+            f"127.0.0.1 {names}\n::1 {names}\n::ffff:127.0.0.1 {names}\n"
+        )
+        subprocess.run(["ip", "netns", "add", self.name], check=True)
+        subprocess.run(
+            ["ip", "netns", "exec", self.name, "ip", "link", "set", "lo", "up"], check=True
+        )
+        return self
+
+    def command(self, args: list[str]) -> list[str]:
+        """`args` run inside the namespace."""
+        return ["ip", "netns", "exec", self.name, *args]
+
+    def remove(self) -> None:
+        subprocess.run(["ip", "netns", "del", self.name], check=False, capture_output=True)
+        shutil.rmtree(self.etc, ignore_errors=True)
