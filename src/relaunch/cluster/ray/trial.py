@@ -219,7 +219,6 @@ def serve(argv: list[str] | None = None) -> None:
         args.status.unlink(missing_ok=True)
 
 
-
 class LoopbackNamespace:
     """A network namespace with only a loopback interface (root and iproute2 needed), in which a
     local Ray cluster keeps 127.0.0.1 (on the host network Ray rewrites it to the host's address).
