@@ -1,10 +1,12 @@
-"""`relaunch bench --quick` runs end to end once and writes every field (not checking numbers)."""
+"""`relaunch bench --quick` runs end to end once, from a wheel installed outside the source tree,
+and writes every field (not checking numbers)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import psutil
@@ -25,14 +27,48 @@ FIELDS = {
 LEVELS = {"job-reschedule", "in-place", "hang-restart", "pod-reschedule", "isolated-job-reschedule"}
 
 
+def _installed_from_wheel(tmp_path: Path) -> Path:
+    """A virtual environment holding relaunch installed from a wheel of this checkout (not an
+    editable install): its `bin`. Its third-party libraries (torch, ...) come from the test's own
+    environment through a path file, so that nothing is downloaded."""
+    wheels = tmp_path / "wheels"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+         "--wheel-dir", str(wheels), str(ROOT)],
+        check=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    (wheel,) = wheels.glob("relaunch-*.whl")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    # a plain path line: the test environment's own .pth files (the editable install) stay out
+    (Path(purelib) / "test-env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet",
+         "--no-deps", "--no-index", str(wheel)],
+        check=True, timeout=300,
+    )  # fmt: skip
+    where = subprocess.run(
+        [str(python), "-c", "import relaunch, relaunch_bench; print(relaunch.__file__, relaunch_bench.__file__)"],
+        capture_output=True, text=True, check=True, cwd=tmp_path,
+    ).stdout.split()  # fmt: skip
+    assert all(Path(p).is_relative_to(purelib) for p in where), where
+    return venv / "bin"
+
+
 def test_quick_bench_writes_json_markdown_and_chart(tmp_path: Path) -> None:
+    bin_dir = _installed_from_wheel(tmp_path)
     out = tmp_path / "bench"
     done = subprocess.run(
-        [sys.executable, "-m", "relaunch", "bench", "--quick", "--out", str(out)],
+        [str(bin_dir / "relaunch"), "bench", "--quick", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=600,
-        cwd=ROOT,
+        cwd=tmp_path,
         check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr
@@ -88,3 +124,28 @@ def test_quick_bench_writes_json_markdown_and_chart(tmp_path: Path) -> None:
         if "relaunch-bench-" in " ".join(p.info["cmdline"] or [])
     ]
     assert not left, "benchmark processes outlived the benchmark"
+
+
+def test_bench_without_torch_says_what_to_install(tmp_path: Path) -> None:
+    """An install without the `bench` extra: exit 2 naming the missing library and the extra,
+    before any job starts."""
+    hide_torch = (
+        "import sys; sys.modules['torch'] = None; sys.argv = ['relaunch', 'bench', '--quick',"
+        f" '--out', {str(tmp_path / 'out')!r}]; from relaunch.cli import main; main()"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", hide_torch], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "needs torch" in done.stderr and "relaunch[bench]" in done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_bench_refuses_unknown_levels_and_sections(tmp_path: Path) -> None:
+    for option, value in (("--levels", "in-place,warp-drive"), ("--only", "mttr,speed")):
+        done = subprocess.run(
+            [sys.executable, "-m", "relaunch", "bench", option, value, "--out", str(tmp_path)],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert value.split(",")[1] in done.stderr and "choose from" in done.stderr

@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
-if TYPE_CHECKING:
-    pass
-from relaunch.cli.common import (
-    app,
-    err,
-)
+from relaunch.cli.common import app, err
 
 
 @app.command()
@@ -38,7 +34,9 @@ def bench(
     ] = None,
 ) -> None:
     """Measure recovery time by level on this machine, side by side with torchrun."""
-    from relaunch.bench import LEVELS, SECTIONS, BenchOptions, run_bench
+    _needs("torch", "matplotlib")
+    # the benchmarks live outside the core package; imported only when asked for
+    from relaunch_bench import LEVELS, SECTIONS, BenchOptions, run_bench
 
     chosen = _choices("--levels", levels, LEVELS)
     sections = _choices("--only", only, SECTIONS)
@@ -62,6 +60,18 @@ def bench(
     if failed:
         err.print(f"[bold red]{failed} relaunch recovery(ies) failed[/]", highlight=False)
         raise typer.Exit(1)
+
+
+def _needs(*modules: str) -> None:
+    """Exit 2 with the install command when a library the benchmarks run is missing."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        err.print(
+            f"[bold red]error:[/] relaunch bench needs {', '.join(missing)}: "
+            "pip install 'relaunch\\[bench]'",  # \\[: not rich markup
+            highlight=False,
+        )
+        raise typer.Exit(2)
 
 
 def _choices(option: str, given: str | None, allowed: Iterable[str]) -> tuple[str, ...]:

@@ -1,0 +1,292 @@
+"""Recovery time by level (MTTR) and hang detection, side by side with torchrun.
+
+MTTR is the time from the fault to the first training step completed after recovery. For the
+crash level of the DDP workload both systems are measured from the script's own timeline (the
+crashing rank writes the time it exits; rank 0 the time each step ends); otherwise relaunch's
+record gives it (fault injection to first progress report after recovery).
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from relaunch_bench import timeline, torchrun
+from relaunch_bench.jobs import DDP, FAULT_STEP, TOY, Progress, cluster, only_record, run_job
+from relaunch_bench.timeline import PHASES, Sample
+
+RETRY = {"fault-tolerance/job-retry-num": "8"}
+LEVELS: dict[str, tuple[dict[str, str], dict[str, Any]]] = {
+    # level -> (annotations, the fault that triggers it)
+    "job-reschedule": (
+        {**RETRY, "fault-tolerance/job-unconditional-retry": "true"},
+        {"kind": "process-exit", "pod": 1, "rank": 3, "exit_code": 1},
+    ),
+    "in-place": (
+        RETRY,
+        {"kind": "chip-fault", "pod": 1, "chip": 0, "code": "80E18005", "heals": True},
+    ),
+    "hang-restart": (
+        {**RETRY, "fault-tolerance/hang-retry": "true"},
+        {"kind": "hang", "pod": 1, "rank": 3},
+    ),
+    "pod-reschedule": (
+        {**RETRY, "fault-tolerance/pod-retry-num": "3"},
+        {"kind": "node-down", "pod": 1},
+    ),
+    "isolated-job-reschedule": (RETRY, {"kind": "node-down", "pod": 1}),
+    # Process level (DDP only: the healthy ranks keep running through train.group's keeper).
+    "process-retry": (
+        RETRY,
+        {"kind": "memory-uce", "pod": 1, "chip": 0, "code": "80E01801", "heals": True},
+    ),
+    "process-in-place": (RETRY, {"kind": "process-exit", "pod": 1, "rank": 3, "exit_code": 1}),
+    "process-reschedule": (RETRY, {"kind": "node-down", "pod": 1}),
+    "process-in-place+spare": (
+        RETRY,
+        {"kind": "process-exit", "pod": 1, "rank": 3, "exit_code": 1},
+    ),
+    "process-reschedule+spare": (RETRY, {"kind": "node-down", "pod": 1}),
+}
+PROCESS_LEVELS = (
+    "process-retry",
+    "process-in-place",
+    "process-reschedule",
+    "process-in-place+spare",
+    "process-reschedule+spare",
+)
+WARM_SPARE = "+spare"
+"""A level measured with warm spares: spec.warm_spares 2, one per rank of a pod, kept in each
+pod and on each standby node."""
+PROCESS_LABELS = {"process-recover-enable": "on", "pod-rescheduling": "on"}
+PROCESS_ANNOTATIONS = {
+    "recover-strategy": "retry,recover-in-place,recover,dump,exit",
+    "wait-reschedule-timeout": "60",
+}
+CLUSTER = cluster(4, 2)
+
+
+@dataclass
+class Row:
+    """One system and level of the MTTR table: the median of its samples."""
+
+    system: str
+    level: str
+    workload: str
+    pods: int
+    repeats: int
+    failures: int
+    median_s: float | None
+    min_s: float | None
+    max_s: float | None
+    detect_s: float | None
+    lost_steps: float | None
+    samples: list[float] = field(default_factory=list)
+    phases: dict[str, float] | None = None
+    """Median seconds of each part of the recovery (PHASES), from rank 0's timeline."""
+
+
+def _job(
+    workload: str, level: str, timeline_path: Path | None, pods: int = 2, procs: int = 2
+) -> dict[str, Any]:
+    annotations, _ = LEVELS[level]
+    if workload == "light":
+        command = f"python {TOY} --steps 60 --step-seconds 0.03 --ckpt-every 5"
+        hang_s, grace = 2, 1
+    else:
+        crash = (
+            f" --crash-at-step {FAULT_STEP} --crash-rank {pods * procs - 1}"
+            if level == "job-reschedule"
+            else ""
+        )
+        command = f"python {DDP} --steps 60 --ckpt-every 5 --timeline {timeline_path}{crash}"
+        hang_s, grace = 4, 3
+    labels = {"fault-scheduling": "grace", "grace-over-time": str(grace)}
+    spares = {}
+    if level in PROCESS_LEVELS:
+        command = f"python {DDP} --process-recovery --steps 60 --ckpt-every 5"
+        annotations = {**annotations, **PROCESS_ANNOTATIONS}
+        labels = {**labels, **PROCESS_LABELS}
+        if level.endswith(WARM_SPARE):
+            spares = {"warm_spares": 2}
+    return {
+        "kind": "job",
+        "metadata": {"name": f"bench-{workload}", "annotations": annotations, "labels": labels},
+        "spec": {
+            "replicas": pods,
+            "procs_per_pod": procs,
+            "chips_per_pod": 2,
+            "command": command,
+            "hang_detect_seconds": hang_s,
+            "monitor_interval": 0.1,
+            **spares,
+        },
+    }
+
+
+def relaunch_once(workload: str, level: str, tmp: Path, procs: int = 2) -> Sample:
+    """One `relaunch run` whose single fault must be recovered by `level`."""
+    path = tmp / "timeline.txt"
+    _, fault = LEVELS[level]
+    scripted_crash = workload == "ddp" and level == "job-reschedule"
+    faults = [] if scripted_crash else [{**fault, "at_step": FAULT_STEP}]
+    report, _ = run_job(tmp, _job(workload, level, path, procs=procs), faults, CLUSTER, timeout=300)
+    record = only_record(report, level.removesuffix(WARM_SPARE))
+    if record is None:
+        shown = (
+            [(r["action"], r["outcome"]) for r in report["recoveries"]]
+            if report
+            else "the run failed"
+        )
+        return Sample(False, note=f"recoveries: {shown}")
+    measured = timeline.crash_sample(path)
+    if measured is not None:
+        # from the moment the rank decided to exit (its timeline) to relaunch's decision
+        detect = round(max(0.0, record["detected_at"] - (measured.fault_at or 0.0)), 3)
+        measured.detect_s = detect
+        if measured.phases is not None:
+            measured.phases["stop_spawn"] = round(measured.phases["stop_spawn"] - detect, 3)
+            measured.phases["detect"] = detect
+        return measured
+    logs = "\n".join(
+        p.read_text() for p in (tmp / "state" / "jobs").glob("*/pods/*/logs/rank-0.log")
+    )
+    resumes = [int(m) for m in re.findall(r"resume_step=(\d+)", logs)]
+    lost = max(0, FAULT_STEP - resumes[-1]) if len(resumes) > 1 else None
+    phases = timeline.phases_of(timeline.read(path), record["fault_at"], record["detect_s"])
+    return Sample(
+        True, mttr_s=record["mttr_s"], detect_s=record["detect_s"], lost_steps=lost, phases=phases
+    )
+
+
+def relaunch_hang(window: float, tmp: Path, ignores_sigterm: bool = False) -> dict[str, Any]:
+    """A rank stopped with SIGSTOP under relaunch, hang window `window` s (light workload).
+    `ignores_sigterm`: the script ignores SIGTERM, as PyTorch Lightning's handler does, in a job
+    with ModelArts annotations only (no fault-scheduling label): its hung processes wait for the
+    hang grace (spec.hang_grace_seconds, 5 s) before SIGKILL."""
+    job = _job("light", "hang-restart", None)
+    job["spec"]["hang_detect_seconds"] = window
+    # the healthy ranks must still be training when the hang is detected and they are stopped
+    steps = FAULT_STEP + int((window + 2) / 0.03)
+    job["spec"]["command"] = f"python {TOY} --steps {steps} --step-seconds 0.03 --ckpt-every 5"
+    script = "exits on SIGTERM"
+    if ignores_sigterm:
+        job["spec"]["command"] += " --ignore-sigterm"
+        job["metadata"]["labels"] = {}
+        script = "ignores SIGTERM"
+    plan = [{**LEVELS["hang-restart"][1], "at_step": FAULT_STEP}]
+    report, _ = run_job(tmp, job, plan, CLUSTER, timeout=300)
+    record = only_record(report, "hang-restart")
+    row: dict[str, Any] = {
+        "system": "relaunch",
+        "workload": "light",
+        "script": script,
+        "window_s": window,
+    }
+    if record is None:
+        return {
+            **row,
+            "detected": False,
+            "detect_s": None,
+            "mttr_s": None,
+            "note": "no hang-restart",
+        }
+    return {
+        **row,
+        "detected": True,
+        "detect_s": record["detect_s"],
+        "mttr_s": record["mttr_s"],
+        "note": "",
+    }
+
+
+def row_of(system: str, level: str, workload: str, samples: list[Sample]) -> Row:
+    good = [s for s in samples if s.ok and s.mttr_s is not None]
+    times = [s.mttr_s for s in good if s.mttr_s is not None]
+    detects = [s.detect_s for s in good if s.detect_s is not None]
+    lost = [s.lost_steps for s in good if s.lost_steps is not None]
+    return Row(
+        system=system,
+        level=level,
+        workload=workload,
+        pods=2,
+        repeats=len(samples),
+        failures=len(samples) - len(good),
+        median_s=round(statistics.median(times), 3) if times else None,
+        min_s=round(min(times), 3) if times else None,
+        max_s=round(max(times), 3) if times else None,
+        detect_s=round(statistics.median(detects), 3) if detects else None,
+        lost_steps=statistics.median(lost) if lost else None,
+        samples=[round(t, 3) for t in times],
+        phases=median_phases([s.phases for s in good if s.phases is not None]),
+    )
+
+
+def median_phases(samples: list[dict[str, float]]) -> dict[str, float] | None:
+    if not samples:
+        return None
+    return {k: round(statistics.median(p[k] for p in samples), 3) for k in PHASES}
+
+
+def plan(quick: bool, levels: tuple[str, ...]) -> list[tuple[str, str, str]]:
+    """(system, workload, level) of each MTTR row: every level on the light workload except the
+    process levels (DDP only), every level on DDP (--quick: the crash only), and torchrun."""
+    rows = [("relaunch", "light", level) for level in LEVELS if level not in PROCESS_LEVELS]
+    rows += [("relaunch", "ddp", level) for level in (["job-reschedule"] if quick else LEVELS)]
+    if levels:
+        rows = [(s, w, lv) for s, w, lv in rows if lv in levels]
+    return [*rows, ("torchrun", "ddp", "job-reschedule")]
+
+
+def mttr_rows(quick: bool, repeats: int, levels: tuple[str, ...], say: Progress) -> list[Row]:
+    """The MTTR table: `repeats` runs of each row of `plan` (DDP with 1 process a pod in quick)."""
+    procs = 1 if quick else 2  # --quick starts half as many DDP processes
+    rows = []
+    for system, workload, level in plan(quick, levels):
+        samples = []
+        for i in range(repeats):
+            with tempfile.TemporaryDirectory(prefix="relaunch-bench-") as tmp:
+                if system == "torchrun":
+                    sample = torchrun.crash_once(Path(tmp), procs)
+                else:
+                    pod_procs = procs if workload == "ddp" else 2
+                    sample = relaunch_once(workload, level, Path(tmp), pod_procs)
+            samples.append(sample)
+            shown = (
+                f"{sample.mttr_s:.2f} s" if sample.mttr_s is not None else f"failed ({sample.note})"
+            )
+            say(f"{system} {workload} {level} #{i + 1}: MTTR {shown}")
+        rows.append(row_of(system, level, workload, samples))
+    return rows
+
+
+def hang_rows(quick: bool, say: Progress) -> list[dict[str, Any]]:
+    """relaunch's hang detection at each window (the first also with a script that ignores
+    SIGTERM), then whether torchrun restarts a hung job at all."""
+    rows: list[dict[str, Any]] = []
+    windows = [2.0] if quick else [5.0, 10.0, 20.0]
+    for window in windows:
+        for ignores_sigterm in (False, True) if window == windows[0] else (False,):
+            with tempfile.TemporaryDirectory(prefix="relaunch-bench-") as tmp:
+                rows.append(relaunch_hang(window, Path(tmp), ignores_sigterm))
+            say(f"relaunch hang, {rows[-1]['script']}, window {window:g} s: {rows[-1]}")
+    with tempfile.TemporaryDirectory(prefix="relaunch-bench-") as tmp:
+        rows.append(torchrun.hang_row(3.0 if quick else 90.0, Path(tmp), 1 if quick else 2))
+    say(f"torchrun hang: {rows[-1]}")
+    return rows
+
+
+def ratios(rows: list[Row]) -> dict[str, float]:
+    """Each relaunch DDP level's median MTTR over torchrun's."""
+    baseline = next((r.median_s for r in rows if r.system == "torchrun" and r.median_s), None)
+    if not baseline:
+        return {}
+    return {
+        f"{r.workload}/{r.level}": round(r.median_s / baseline, 3)
+        for r in rows
+        if r.system == "relaunch" and r.workload == "ddp" and r.median_s is not None
+    }

@@ -1,0 +1,133 @@
+"""bench.md (tables) and bench.png (MTTR by level, and as the job grows) from bench.json's data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from relaunch_bench.mttr import Row
+from relaunch_bench.timeline import PHASES
+
+MTTR_COLUMNS = {
+    "system": "system", "workload": "workload", "level": "level", "repeats": "repeats",
+    "failures": "failed", "median_s": "median MTTR s", "min_s": "min", "max_s": "max",
+    "detect_s": "detect s", "lost_steps": "lost steps",
+}  # fmt: skip
+HANG_COLUMNS = {
+    "system": "system", "workload": "workload", "script": "script", "window_s": "hang window s",
+    "detected": "detected", "detect_s": "detect s", "mttr_s": "MTTR s", "note": "note",
+}  # fmt: skip
+SCALE_COLUMNS = {
+    "level": "level", "pods": "pods", "nodes": "nodes", "processes": "processes",
+    "repeats": "repeats", "failures": "failed", "median_s": "median MTTR s", "min_s": "min",
+    "max_s": "max", "detect_s": "detect s",
+}  # fmt: skip
+OVERHEAD_COLUMNS = {
+    "processes": "processes", "pods": "pods", "nodes": "nodes", "window_s": "window s",
+    "report_rate_hz": "reports / proc / s", "controller_ms_per_proc_s": "controller ms CPU / proc / s",
+    "launchers_ms_per_proc_s": "launchers", "agents_ms_per_proc_s": "agents",
+    "relaunch_ms_per_proc_s": "relaunch total", "relaunch_cores": "relaunch cores",
+    "workers_ms_per_proc_s": "workers (for scale)", "detect_s": "crash detect s",
+}  # fmt: skip
+CHECKPOINT_COLUMNS = {
+    "size_mb": "state MB", "raw_write_mb_s": "raw write MB/s", "save_mb_s": "SDK save MB/s",
+    "save_vs_raw": "save / raw", "raw_read_mb_s": "raw read MB/s", "load_mb_s": "SDK load MB/s",
+    "load_vs_raw": "load / raw", "async_stall_s": "async save stall s",
+    "save_s": "sync save s", "async_total_s": "async done after s",
+}  # fmt: skip
+RELIABILITY_COLUMNS = {
+    "system": "system", "level": "level", "workload": "workload", "jobs": "jobs",
+    "injected": "faults injected",
+    "recovered": "recovered", "other_actions": "other actions", "job_succeeded": "job succeeded",
+    "median_mttr_s": "median MTTR s",
+}  # fmt: skip
+SECTIONS = (
+    ("scale", "Scale (light workload, 2 processes per pod)", SCALE_COLUMNS),
+    ("checkpoint", "Checkpoints against the raw disk", CHECKPOINT_COLUMNS),
+    ("reliability", "Restart reliability", RELIABILITY_COLUMNS),
+)
+
+
+def table(rows: list[dict[str, Any]], columns: dict[str, str]) -> list[str]:
+    lines = ["| " + " | ".join(columns.values()) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        cells = ("-" if row[key] is None else str(row[key]) for key in columns)
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def phase_rows(mttr: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        {"system": r["system"], "level": r["level"], "median_s": r["median_s"], **r["phases"]}
+        for r in mttr
+        if r.get("phases")
+    ]
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = table(result["mttr"], MTTR_COLUMNS)
+    if result["hang"]:
+        lines += ["", *table(result["hang"], HANG_COLUMNS)]
+    if result["ratios"]:
+        lines.append("")
+        lines.append(
+            "relaunch / torchrun (DDP, median MTTR): "
+            + ", ".join(f"{k} {v}" for k, v in result["ratios"].items())
+        )
+    phases = phase_rows(result["mttr"])
+    if phases:
+        columns = {"system": "system", "level": "level", "median_s": "MTTR s"}
+        columns.update({k: k.replace("_", " ") + " s" for k in PHASES})
+        lines += ["", "Where the time goes (DDP, rank 0's timeline, medians):", ""]
+        lines += table(phases, columns)
+    for key, title, columns in SECTIONS:
+        if result.get(key):
+            lines += ["", f"{title}:", "", *table(result[key], columns)]
+    if result.get("overhead"):
+        lines += ["", "Controller overhead:", "", *table([result["overhead"]], OVERHEAD_COLUMNS)]
+    return "\n".join(lines) + "\n"
+
+
+def chart(rows: list[Row], scale: list[dict[str, Any]], path: Path) -> None:
+    """Median MTTR by level (min-max whiskers), and beside it MTTR against pods when scale ran."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [r for r in rows if r.median_s is not None]
+    width = max(6, 1.1 * len(shown))
+    if scale:
+        figure, (axes, grows) = plt.subplots(
+            1, 2, figsize=(width + 5, 4), gridspec_kw={"width_ratios": [width, 5]}
+        )
+        _scale_chart(grows, scale)
+    else:
+        figure, axes = plt.subplots(figsize=(width, 4))
+    medians = [r.median_s or 0 for r in shown]
+    colours = ["tab:orange" if r.system == "torchrun" else "tab:blue" for r in shown]
+    axes.bar(range(len(shown)), medians, color=colours)
+    whiskers = [
+        [m - (r.min_s or 0) for m, r in zip(medians, shown, strict=True)],
+        [(r.max_s or 0) - m for m, r in zip(medians, shown, strict=True)],
+    ]
+    axes.errorbar(range(len(shown)), medians, yerr=whiskers, fmt="none", ecolor="black", capsize=3)
+    labels = [f"{r.system}\n{r.workload}\n{r.level}" for r in shown]
+    axes.set_xticks(range(len(shown)), labels, fontsize=7)
+    axes.set_ylabel("MTTR, s (fault -> first step after recovery)")
+    axes.set_title("Recovery time by level (median, min-max)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def _scale_chart(axes: Any, scale: list[dict[str, Any]]) -> None:
+    for level in dict.fromkeys(r["level"] for r in scale):
+        points = [(r["pods"], r["median_s"]) for r in scale if r["level"] == level]
+        points = [(x, y) for x, y in points if y is not None]
+        axes.plot([x for x, _ in points], [y for _, y in points], marker="o", label=level)
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel("pods (2 light processes each)")
+    axes.set_ylabel("median MTTR, s")
+    axes.set_title("MTTR as the job grows")
+    axes.legend(fontsize=7)

@@ -1,0 +1,136 @@
+"""Which sections a `relaunch bench` run measures, in which size, and the files it writes:
+DIR/bench.json (every number), DIR/bench.md (the tables), DIR/bench.png (the chart)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from relaunch_bench import report, torchrun
+from relaunch_bench.checkpoint import checkpoint_rows
+from relaunch_bench.jobs import Progress
+from relaunch_bench.mttr import Row, hang_rows, mttr_rows, ratios
+from relaunch_bench.overhead import overhead_row
+from relaunch_bench.reliability import RELIABILITY_LEVELS, reliability_rows
+from relaunch_bench.scale import scale_rows
+
+SECTIONS = ("mttr", "hang", "scale", "overhead", "checkpoint", "reliability")
+
+
+@dataclass
+class BenchOptions:
+    out: Path
+    quick: bool = False
+    repeats: int = 5
+    progress: Callable[[str], None] = print
+    levels: tuple[str, ...] = ()
+    """Only these levels in the MTTR, scale and reliability tables (all when empty); torchrun's
+    row is always there."""
+    sections: tuple[str, ...] = ()
+    """Only these parts of the benchmark (all of SECTIONS when empty)."""
+
+
+def run_bench(options: BenchOptions) -> dict[str, Any]:
+    """Run the chosen sections one after the other, then write bench.json, bench.md, bench.png."""
+    options.out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+
+    def say(text: str) -> None:
+        options.progress(f"[{time.time() - started:6.0f} s] {text}")
+
+    sections = options.sections or SECTIONS
+    repeats = 1 if options.quick else options.repeats
+    rows = mttr_rows(options.quick, repeats, options.levels, say) if "mttr" in sections else []
+    hangs = hang_rows(options.quick, say) if "hang" in sections else []
+    measured = _sections(options, sections, repeats, say)
+    if options.quick and "reliability" in sections:
+        measured["reliability"] += _quick_torchrun_reliability(rows)
+    result = {
+        "machine": _machine(),
+        "quick": options.quick,
+        "torchrun_env": torchrun.ENV,
+        "mttr": [asdict(r) for r in rows],
+        "hang": hangs,
+        "ratios": ratios(rows),
+        "scale": [],
+        "overhead": None,
+        "checkpoint": [],
+        "reliability": [],
+        **measured,
+        "seconds": round(time.time() - started, 1),
+    }
+    (options.out / "bench.json").write_text(json.dumps(result, indent=2))
+    (options.out / "bench.md").write_text(report.markdown(result))
+    report.chart(rows, result["scale"], options.out / "bench.png")
+    return result
+
+
+def _sections(
+    options: BenchOptions, sections: tuple[str, ...], repeats: int, say: Progress
+) -> dict[str, Any]:
+    """Scale, overhead, checkpoint and reliability, those of them chosen (--quick: small)."""
+    quick = options.quick
+    measured: dict[str, Any] = {}
+    if "scale" in sections:
+        sizes = [2] if quick else [2, 4, 8, 16, 64]
+        measured["scale"] = scale_rows(sizes, 1 if quick else min(3, repeats), say, options.levels)
+    if "overhead" in sections:
+        rate = 10.0 if quick else 2.0
+        measured["overhead"] = overhead_row(
+            16 if quick else 256, 2.0 if quick else 20.0, say, report_hz=rate
+        )
+    if "checkpoint" in sections:
+        sizes = [8] if quick else [64, 512]
+        measured["checkpoint"] = checkpoint_rows(sizes, 1 if quick else 3, options.out, say)
+    if "reliability" in sections:
+        chosen = [lv for lv in RELIABILITY_LEVELS if not options.levels or lv in options.levels]
+        measured["reliability"] = reliability_rows(
+            1 if quick else 20,
+            ["job-reschedule"] if quick else chosen,
+            say,
+            with_torchrun=not quick and "job-reschedule" in chosen,
+        )
+    return measured
+
+
+def _quick_torchrun_reliability(rows: list[Row]) -> list[dict[str, Any]]:
+    """--quick: torchrun's crashes of the MTTR runs stand for its reliability row."""
+    baseline = next((r for r in rows if r.system == "torchrun"), None)
+    if baseline is None:
+        return []
+    return [
+        {
+            "system": "torchrun",
+            "level": baseline.level,
+            "workload": baseline.workload,
+            "jobs": baseline.repeats,
+            "injected": baseline.repeats,
+            "recovered": baseline.repeats - baseline.failures,
+            "other_actions": [],
+            "job_succeeded": baseline.failures == 0,
+            "median_mttr_s": baseline.median_s,
+        }
+    ]
+
+
+def _machine() -> dict[str, Any]:
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": _torch_version(),
+    }
+
+
+def _torch_version() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    return str(torch.__version__)

@@ -1,0 +1,1 @@
+../../../examples/ddp/train_ddp.py
