@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
 
-from relaunch.report import node_view
-
-if TYPE_CHECKING:
-    pass
 from relaunch import service
 from relaunch.cli.common import (
     EXIT_INVALID,
@@ -30,6 +26,7 @@ from relaunch.cli.common import (
     remote,
 )
 from relaunch.cli.engines import engine_name, ray_module
+from relaunch.report import node_view
 
 
 def _nodes_table(rows: list[dict[str, Any]]) -> None:

@@ -5,17 +5,11 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
 from relaunch import runner, service
-from relaunch.errors import InputError
-from relaunch.files import read_document
-from relaunch.store import Store
-
-if TYPE_CHECKING:
-    pass
 from relaunch.cli.common import (
     EXIT_INVALID,
     ProjectOption,
@@ -32,6 +26,9 @@ from relaunch.cli.common import (
     remote,
     state_dir_of,
 )
+from relaunch.errors import InputError
+from relaunch.files import read_document
+from relaunch.store import Store
 
 
 @app.command()

@@ -5,16 +5,11 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 from rich.table import Table
 
-from relaunch.report import build_report
-from relaunch.spec import parse_job
-
-if TYPE_CHECKING:
-    pass
 from relaunch.cli.common import (
     EXIT_INVALID,
     ProjectOption,
@@ -30,6 +25,8 @@ from relaunch.cli.common import (
     remote,
 )
 from relaunch.cli.summary import print_summary
+from relaunch.report import build_report
+from relaunch.spec import parse_job
 
 
 @app.command()

@@ -8,7 +8,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
 from rich.live import Live
@@ -16,15 +16,6 @@ from rich.markup import escape
 from rich.table import Table
 
 from relaunch import runner, service
-from relaunch.controller import Controller, RunOptions
-from relaunch.errors import MISSING, InputError, Problem, RelaunchError
-from relaunch.files import read_document
-from relaunch.report import build_report
-from relaunch.spec import parse_job
-from relaunch.store import JobRow, JobStatus, Store
-
-if TYPE_CHECKING:
-    pass
 from relaunch.cli.common import (
     EXIT_INVALID,
     AddressOption,
@@ -39,51 +30,66 @@ from relaunch.cli.common import (
 )
 from relaunch.cli.engines import engine_name, ray_cluster, stop_trial
 from relaunch.cli.summary import print_summary
+from relaunch.controller import Controller, RunOptions
+from relaunch.errors import MISSING, InputError, Problem, RelaunchError
+from relaunch.files import read_document
+from relaunch.report import build_report
+from relaunch.spec import parse_job
+from relaunch.store import JobRow, JobStatus, Store
+
+JobFileArgument = Annotated[Path | None, typer.Argument(help="Job spec, YAML or JSON.")]
+ClusterOption = Annotated[
+    Path | None, typer.Option("--cluster", help="Cluster file (nodes, chips, timings).")
+]
+FaultsOption = Annotated[Path | None, typer.Option("--faults", help="Fault plan to inject.")]
+ReportOption = Annotated[
+    Path | None, typer.Option("--report", help="Write a JSON report here at the end.")
+]
+ResumeOption = Annotated[
+    bool, typer.Option("--resume", help="Re-adopt the unfinished job of the state directory.")
+]
+StartupOption = Annotated[
+    float | None,
+    typer.Option(
+        "--startup-seconds", help="Allowance before a (re)started job must show progress."
+    ),
+]
+NodesOption = Annotated[
+    int | None,
+    typer.Option(
+        "--nodes", help="Number of nodes (node-0, node-1, ...), instead of a cluster file."
+    ),
+]
+ChipsOption = Annotated[
+    int | None, typer.Option("--chips-per-node", help="Chips per node, with --nodes.")
+]
+QuietOption = Annotated[
+    bool, typer.Option("--quiet", "-q", help="Do not echo the processes' output.")
+]
+EngineOption = Annotated[
+    str,
+    typer.Option(
+        "--engine",
+        help="embedded: the embedded cluster; ray: a Ray cluster (--address, or a local "
+        "trial cluster shaped by --cluster).",
+    ),
+]
 
 
 @app.command()
 def run(
-    job_file: Annotated[Path | None, typer.Argument(help="Job spec, YAML or JSON.")] = None,
-    cluster_file: Annotated[
-        Path | None, typer.Option("--cluster", help="Cluster file (nodes, chips, timings).")
-    ] = None,
-    faults_file: Annotated[
-        Path | None, typer.Option("--faults", help="Fault plan to inject.")
-    ] = None,
-    report: Annotated[
-        Path | None, typer.Option("--report", help="Write a JSON report here at the end.")
-    ] = None,
+    job_file: JobFileArgument = None,
+    cluster_file: ClusterOption = None,
+    faults_file: FaultsOption = None,
+    report: ReportOption = None,
     state_dir: StateDirOption = None,
     fault_table: FaultTableOption = None,
-    resume: Annotated[
-        bool, typer.Option("--resume", help="Re-adopt the unfinished job of the state directory.")
-    ] = False,
-    startup_s: Annotated[
-        float | None,
-        typer.Option(
-            "--startup-seconds", help="Allowance before a (re)started job must show progress."
-        ),
-    ] = None,
-    nodes_count: Annotated[
-        int | None,
-        typer.Option(
-            "--nodes", help="Number of nodes (node-0, node-1, ...), instead of a cluster file."
-        ),
-    ] = None,
-    chips_per_node: Annotated[
-        int | None, typer.Option("--chips-per-node", help="Chips per node, with --nodes.")
-    ] = None,
-    quiet: Annotated[
-        bool, typer.Option("--quiet", "-q", help="Do not echo the processes' output.")
-    ] = False,
-    engine: Annotated[
-        str,
-        typer.Option(
-            "--engine",
-            help="embedded: the embedded cluster; ray: a Ray cluster (--address, or a local "
-            "trial cluster shaped by --cluster).",
-        ),
-    ] = "embedded",
+    resume: ResumeOption = False,
+    startup_s: StartupOption = None,
+    nodes_count: NodesOption = None,
+    chips_per_node: ChipsOption = None,
+    quiet: QuietOption = False,
+    engine: EngineOption = "embedded",
     address: AddressOption = None,
     ray_select: RaySelectOption = None,
 ) -> None:

@@ -3,18 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
 
 from relaunch.api import TOKEN_FILE
-from relaunch.cluster.config import ClusterConfig, parse_cluster
-from relaunch.errors import InputError
-from relaunch.files import read_document
-from relaunch.store import Store
-
-if TYPE_CHECKING:
-    pass
 from relaunch.cli.common import (
     EXIT_INVALID,
     AddressOption,
@@ -27,6 +20,10 @@ from relaunch.cli.common import (
     state_dir_of,
 )
 from relaunch.cli.engines import engine_name, ray_cluster
+from relaunch.cluster.config import ClusterConfig, parse_cluster
+from relaunch.errors import InputError
+from relaunch.files import read_document
+from relaunch.store import Store
 
 
 @app.command()

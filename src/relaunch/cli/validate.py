@@ -5,22 +5,13 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 from rich.table import Table
 
 from relaunch import service
 from relaunch.chaos import ChaosEntry, parse_plan
-from relaunch.cluster.config import parse_cluster
-from relaunch.errors import InputError
-from relaunch.faults import EscalationRules, Fault, FaultCodeTable, FaultKind
-from relaunch.files import load_cluster, load_job, read_document
-from relaunch.policy import ClusterView, Decision, JobHistory, PodView, plan
-from relaunch.spec import JobSpec, RecoverySettings, process_recovery_env
-
-if TYPE_CHECKING:
-    pass
 from relaunch.cli.common import (
     FaultTableOption,
     app,
@@ -28,6 +19,12 @@ from relaunch.cli.common import (
     fail_input,
     out,
 )
+from relaunch.cluster.config import parse_cluster
+from relaunch.errors import InputError
+from relaunch.faults import EscalationRules, Fault, FaultCodeTable, FaultKind
+from relaunch.files import load_cluster, load_job, read_document
+from relaunch.policy import ClusterView, Decision, JobHistory, PodView, plan
+from relaunch.spec import JobSpec, RecoverySettings, process_recovery_env
 
 
 @app.command()
