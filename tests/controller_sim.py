@@ -12,7 +12,7 @@ from typing import Any
 from relaunch import runner
 from relaunch.chaos import parse_plan
 from relaunch.cluster.config import ClusterConfig, NodeSpec
-from relaunch.controller import Controller, RunOptions
+from relaunch.controller import Controller, RunOptions, lifecycle
 from relaunch.controller.clock import TICK_S
 from relaunch.protocol import LaunchPlan
 from relaunch.protocol.messages import (
@@ -47,13 +47,21 @@ class FakeClock:
 @dataclass
 class FakePeer:
     name: str
+    wire: list[tuple[str, Message]] = field(default_factory=list)
+    """Every message sent to any peer of the simulation, in order (shared between peers)."""
     sent: list[Message] = field(default_factory=list)
     closed: bool = False
+    closes_on_shutdown: bool = False
+    """Closes its connection as soon as it is told to shut down (as a launcher's does once its
+    processes are gone), without waiting for the next tick."""
 
     def send(self, message: Message) -> bool:
         if self.closed:
             return False
         self.sent.append(message)
+        self.wire.append((self.name, message))
+        if self.closes_on_shutdown and isinstance(message, Shutdown):
+            self.closed = True
         return True
 
     def of(self, kind: type[Message]) -> list[Any]:
@@ -166,6 +174,8 @@ class Sim:
         self.launchers: dict[tuple[int, int], FakePeer] = {}
         """(pod, generation) -> the launcher that runs it."""
         self.answered: set[int] = set()
+        self.wire: list[tuple[str, Message]] = []
+        """Every message the controller sent, to whom, in order."""
         self.heal_delay_s = heal_delay_s
         self.pending_heals: list[tuple[float, FakePeer, int]] = []
         self.chip_faults: dict[str, list[ChipReport]] = {}
@@ -177,7 +187,7 @@ class Sim:
         """As lifecycle.run does, without sockets: agents connect, the job runs, pods start."""
         c = self.controller
         for spec in self.cluster.nodes:
-            peer = FakePeer(f"agent-{spec.name}")
+            peer = FakePeer(f"agent-{spec.name}", self.wire)
             self.agents[spec.name] = peer
             c.receive(peer, AgentHello(spec.name, spec.chips))
         c.drain(0)
@@ -210,7 +220,7 @@ class Sim:
         for pod, generation, node in self.engine.pods_started():
             if (pod, generation) in self.launchers or node in self.engine.dead:
                 continue
-            peer = FakePeer(f"launcher-{pod}-g{generation}")
+            peer = FakePeer(f"launcher-{pod}-g{generation}", self.wire)
             self.launchers[(pod, generation)] = peer
             hello = LauncherHello(
                 self.job_id, pod, generation, 1000 + pod * 10 + generation, 0, node
@@ -259,6 +269,13 @@ class Sim:
                 ok = all(f.heals for f in self.chip_faults.get(node, ()))
                 self.chip_faults[node] = [f for f in self.chip_faults.get(node, ()) if not f.heals]
                 c.receive(peer, Healed(request, node, ok))
+
+    def finish(self) -> None:
+        """The job ended: the controller's last act (lifecycle.finish), launchers closing as soon
+        as they are told to shut down."""
+        for peer in self.launchers.values():
+            peer.closes_on_shutdown = True
+        lifecycle.finish(self.controller, self.controller.job)
 
     # -- the job's side ----------------------------------------------------------------------------
 

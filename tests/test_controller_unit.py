@@ -16,7 +16,7 @@ from relaunch.protocol.messages import (
     Start,
     Stop,
 )
-from relaunch.store import NodeState, Outcome
+from relaunch.store import JobStatus, NodeState, Outcome
 from tests.controller_sim import Sim, job_spec
 
 AUTO = {"fault-tolerance/job-retry-num": "4"}
@@ -264,3 +264,48 @@ def test_dump_hands_over_to_the_next_level_at_once(tmp_path: Path) -> None:
     sim.run(0.5)
     stops = [m for peer in sim.launchers.values() for m in peer.of(Shutdown)]
     assert stops and all(m.grace == 3.0 for m in stops)  # SIGTERM and the grace: the gasp saves
+
+
+def test_exit_hands_over_to_the_next_level_at_once(tmp_path: Path) -> None:
+    annotations = {**UNCONDITIONAL, "recover-strategy": "exit"}
+    sim = booted(tmp_path, annotations, labels={"process-recover-enable": "on"})
+    sim.crash(1)
+    sim.tick()
+    assert sim.actions() == [("exit", "succeeded"), ("job-reschedule", "running")]
+    sim.run(0.5)
+    sim.train(2)
+    sim.tick()
+    assert sim.actions()[-1] == ("job-reschedule", "succeeded")
+
+
+def test_a_fault_on_a_node_the_job_does_not_use_is_ignored_and_nothing_stops(
+    tmp_path: Path,
+) -> None:
+    sim = booted(tmp_path, AUTO)
+    c = sim.controller
+    sim.chip_fault("node-3", 0, "80E18005", heals=False)
+    sim.run(0.3)
+    assert sim.actions() == [("ignore", "succeeded")]
+    assert c.node("node-3").state is NodeState.FAULTY  # type: ignore[union-attr]
+    assert c.job.attempt == 1 and [p.row.generation for p in c.pods.values()] == [1, 1]
+    assert not any(peer.of(Stop) or peer.of(Shutdown) for peer in sim.launchers.values())
+
+
+def test_a_fault_no_level_takes_fails_the_job_then_pods_then_agents_shut_down(
+    tmp_path: Path,
+) -> None:
+    """Without unconditional retry a crash is not an environment fault (R-02): the job fails,
+    nothing starts again; at the end every launcher is shut down before any agent, then the
+    engine."""
+    sim = booted(tmp_path, AUTO)
+    c = sim.controller
+    sim.crash(3)
+    sim.run(0.3)
+    assert sim.actions() == [("fail", "failed")]
+    assert c.job.status is JobStatus.FAILED and "R-02" in c.job.reason
+    assert starts(sim, 2) == [] and len(sim.engine.pods_started()) == 2
+    sim.finish()
+    shutdowns = [name for name, m in sim.wire if isinstance(m, Shutdown)]
+    assert sorted(shutdowns[:2]) == ["launcher-0-g1", "launcher-1-g1"]
+    assert sorted(shutdowns[2:]) == [f"agent-node-{i}" for i in range(4)]
+    assert sim.engine.calls[-1] == ("shutdown",)
