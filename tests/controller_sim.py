@@ -14,7 +14,6 @@ from relaunch.chaos import parse_plan
 from relaunch.cluster.config import ClusterConfig, NodeSpec
 from relaunch.controller import Controller, RunOptions, lifecycle
 from relaunch.controller.clock import TICK_S
-from relaunch.protocol import LaunchPlan
 from relaunch.protocol.messages import (
     AgentHello,
     ChipReport,
@@ -32,6 +31,7 @@ from relaunch.protocol.messages import (
     Stop,
     Stopped,
 )
+from relaunch.protocol.plans import LaunchPlan
 from relaunch.spec import parse_job
 from relaunch.store import JobStatus, RecordRow, Store
 

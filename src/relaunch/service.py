@@ -20,7 +20,7 @@ from relaunch.errors import FaultPlanError, Problem, RelaunchError, SpecError
 from relaunch.faults import DEFAULT_TABLE, EscalationRules, FaultCodeTable
 from relaunch.files import load_fault_table
 from relaunch.policy.placement import NodeCapacity, initial_placement, slots
-from relaunch.protocol import StateDir
+from relaunch.protocol.layout import StateDir
 from relaunch.spec import JobSpec, parse_job
 from relaunch.store import JobRow, JobStatus, NodeRow, NodeState, PodRow, Store
 

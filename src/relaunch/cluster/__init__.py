@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from relaunch.cluster.config import NodeSpec
-    from relaunch.protocol import LaunchPlan
+    from relaunch.protocol.plans import LaunchPlan
 
 __all__ = ["Engine"]
 

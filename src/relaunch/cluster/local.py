@@ -20,7 +20,8 @@ from typing import Any
 import psutil
 
 from relaunch.cluster.config import NodeSpec
-from relaunch.protocol import LaunchPlan, PodDir, StateDir
+from relaunch.protocol.layout import PodDir, StateDir
+from relaunch.protocol.plans import LaunchPlan
 
 __all__ = ["LocalCluster", "free_port", "kill_tree"]
 

@@ -12,8 +12,10 @@ from relaunch.faults import Fault, FaultKind
 from relaunch.policy import ClusterView, PodView
 from relaunch.policy.placement import NodeCapacity, move, rebuild_slots
 from relaunch.policy.placement import free_nodes as _free
-from relaunch.protocol import LaunchPlan, PodEnvironment
-from relaunch.protocol.messages import Heal, SdkPhase, Shutdown, Start, Stop
+from relaunch.protocol.datagrams import SdkPhase
+from relaunch.protocol.environment import PodEnvironment
+from relaunch.protocol.messages import Heal, Shutdown, Start, Stop
+from relaunch.protocol.plans import LaunchPlan
 from relaunch.spec import process_recovery_env
 from relaunch.store import NodeState, PodRow
 

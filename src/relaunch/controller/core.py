@@ -33,7 +33,7 @@ from relaunch.controller.pods import Pod
 from relaunch.controller.reconcile import Reconciler
 from relaunch.controller.recovery import RecoveryDriver
 from relaunch.faults import DEFAULT_TABLE, EscalationRules, FaultCodeTable
-from relaunch.protocol import StateDir
+from relaunch.protocol.layout import StateDir
 from relaunch.protocol.messages import Message
 from relaunch.spec import JobSpec
 from relaunch.store import JobRow, JobStatus, NodeRow, PodRow, Store

@@ -38,10 +38,12 @@ def dispatch(c: Controller, peer: Peer, message: Message | None) -> None:
     match message:
         case None:
             _closed(c, peer)
+            c.hurry()  # a torn-down launcher lets its pod's replacement start
         case AgentHello(node=node):
             c.agents[node] = AgentLink(peer, node, c.clock.now())
         case LauncherHello():
             _launcher_hello(c, peer, message)
+            c.hurry()  # its pod's processes start in this pass, not the next
         case Heartbeat():
             agent = c.agents.get(message.node)
             if agent is not None and agent.peer is peer:
@@ -91,6 +93,7 @@ def _from_launcher(c: Controller, link: LauncherLink, message: Message) -> None:
                 pod.stopped(now)
             else:
                 link.stopping = False
+            c.hurry()  # the next attempt starts as soon as every pod has stopped
 
 
 def _activity(link: LauncherLink, rank: int, attempt: int, now: float) -> None:

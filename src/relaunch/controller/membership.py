@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from relaunch.controller import commands
-from relaunch.protocol import Membership
 from relaunch.protocol.messages import MembershipUpdate
+from relaunch.protocol.plans import Membership
 from relaunch.store import JobStatus
 
 if TYPE_CHECKING:

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from relaunch.protocol.messages import Message, SdkPhase
+from relaunch.protocol.datagrams import SdkPhase
+from relaunch.protocol.messages import Message
 
 __all__ = ["AgentLink", "LauncherLink", "Peer", "Rank"]
 

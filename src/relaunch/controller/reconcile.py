@@ -18,8 +18,8 @@ from relaunch.controller import commands
 from relaunch.controller.actions import action_for
 from relaunch.controller.peers import LauncherLink
 from relaunch.controller.pods import LAUNCH_RETRY_S, Pod, PodPhase
-from relaunch.protocol import LaunchPlan, write_atomically
 from relaunch.protocol.messages import Assume, MembershipUpdate, Shutdown, Start, Stop
+from relaunch.protocol.plans import LaunchPlan, write_atomically
 from relaunch.store import NodeState
 
 if TYPE_CHECKING:

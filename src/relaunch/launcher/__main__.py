@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from relaunch.launcher.supervisor import Launcher
-from relaunch.protocol import LaunchPlan
+from relaunch.protocol.plans import LaunchPlan
 
 
 def main(argv: list[str] | None = None) -> None:

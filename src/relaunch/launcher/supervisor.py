@@ -45,7 +45,9 @@ from relaunch.launcher.processes import (
     tree_usage,
 )
 from relaunch.launcher.spares import SparePool
-from relaunch.protocol import Env, LaunchPlan, PodDir, write_atomically
+from relaunch.protocol.datagrams import parse_datagram
+from relaunch.protocol.environment import Env
+from relaunch.protocol.layout import PodDir
 from relaunch.protocol.messages import (
     Assume,
     Exited,
@@ -65,8 +67,8 @@ from relaunch.protocol.messages import (
     Stop,
     Stopped,
     Usage,
-    parse_datagram,
 )
+from relaunch.protocol.plans import LaunchPlan, write_atomically
 from relaunch.protocol.wire import Connection, controller_address
 
 __all__ = ["INJECT_DIR", "Launcher"]

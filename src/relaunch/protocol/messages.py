@@ -9,7 +9,7 @@ line on the wire is `{"t": KIND, ...fields}`). Who sends what:
                              Usage, Injected
     controller -> launcher   Start, Stop, Shutdown, InjectProcessFault, MembershipUpdate, Assume
 
-and, from the training SDK to its launcher, a datagram per report (`progress_datagram`).
+The training SDK's datagrams to its launcher are in `datagrams.py`.
 Standard library only.
 """
 
@@ -43,7 +43,6 @@ __all__ = [
     "Progress",
     "ProgressBatch",
     "RankPhase",
-    "SdkPhase",
     "Shutdown",
     "Start",
     "Started",
@@ -52,9 +51,6 @@ __all__ = [
     "Usage",
     "decode",
     "encode",
-    "parse_datagram",
-    "phase_datagram",
-    "progress_datagram",
 ]
 
 
@@ -204,16 +200,6 @@ class Progress:
     at: float
 
 
-class SdkPhase:
-    """What the training SDK says a rank is doing, for R-37."""
-
-    TRAINING: Final = "training"
-    CHECKPOINT: Final = "checkpoint"
-    """Saving a checkpoint."""
-    GROUP: Final = "group"
-    """Building (or rebuilding) its communication group."""
-
-
 @dataclass(frozen=True)
 class RankPhase:
     rank: int
@@ -327,27 +313,4 @@ def decode(line: str) -> Message | None:
         kind = _KINDS[data.pop("t")]
         return from_data(kind, data)
     except (ValueError, KeyError, TypeError, AttributeError):
-        return None
-
-
-# -- the SDK's datagrams to its launcher: "RANK STEP" or "RANK @PHASE" ------------------------------
-
-
-def progress_datagram(rank: int, step: int) -> bytes:
-    return f"{rank} {int(step)}".encode()
-
-
-def phase_datagram(rank: int, phase: str) -> bytes:
-    return f"{rank} @{phase}".encode()
-
-
-def parse_datagram(data: bytes) -> tuple[int, int | str] | None:
-    """(rank, step) or (rank, phase); None for anything else."""
-    try:
-        rank_text, value = data.decode().split()[:2]
-        rank = int(rank_text)
-        if value.startswith("@"):
-            return rank, value[1:]
-        return rank, int(value)
-    except (ValueError, UnicodeDecodeError):
         return None

@@ -7,8 +7,8 @@ import os
 import socket
 from dataclasses import dataclass
 
+from relaunch.protocol.datagrams import SdkPhase, phase_datagram, progress_datagram
 from relaunch.protocol.environment import Env
-from relaunch.protocol.messages import SdkPhase, phase_datagram, progress_datagram
 
 __all__ = ["JobEnv", "SdkPhase", "env", "report_phase", "report_progress"]
 

@@ -16,7 +16,8 @@ from relaunch.cluster.config import NodeSpec
 from relaunch.cluster.local import free_port
 from relaunch.cluster.ray.discovery import CALL_TIMEOUT_S, NAMESPACE, RayNode, connect, discover
 from relaunch.cluster.ray.host import RemoteNodeHost
-from relaunch.protocol import LaunchPlan, PodDir
+from relaunch.protocol.layout import PodDir
+from relaunch.protocol.plans import LaunchPlan
 
 __all__ = ["RayCluster"]
 
