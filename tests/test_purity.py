@@ -102,3 +102,32 @@ def test_decide_reads_no_clock(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(time, name, clock)
     steps = plan(settings(MODELARTS_ALL), chip("80E18005"), history(), cluster(), 123.0)
     assert steps[-1].action.final
+
+
+def test_the_inject_hook_names_the_variable_the_launcher_sets() -> None:
+    """sitecustomize spells the name out (it must not import relaunch): it must stay Env's."""
+    import importlib.util
+
+    from relaunch.protocol.environment import Env
+
+    spec = importlib.util.spec_from_file_location("hook", SRC / "_inject" / "sitecustomize.py")
+    assert spec is not None and spec.loader is not None
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    assert hook.INJECT_DIR == Env.INJECT_DIR
+
+
+def test_the_training_sdk_loads_no_wire_messages_and_no_controller() -> None:
+    """Every training process imports relaunch.train, and a restart waits for it: it loads the
+    datagrams and the environment's names, not the wire messages, plans or anything else."""
+    code = "import sys, relaunch.train; print(sorted(m for m in sys.modules if m.startswith('relaunch')))"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    loaded = set(ast.literal_eval(result.stdout))
+    assert loaded <= {
+        "relaunch", "relaunch.errors", "relaunch.protocol", "relaunch.protocol.datagrams",
+        "relaunch.protocol.environment", "relaunch.protocol.layout", "relaunch.train",
+        "relaunch.train.checkpoint", "relaunch.train.progress", "relaunch.train.reentrancy",
+        "relaunch.train.rng",
+    }, loaded  # fmt: skip

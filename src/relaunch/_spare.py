@@ -17,11 +17,13 @@ import os
 import runpy
 import sys
 
+from relaunch.protocol.environment import Env
+
 DEFAULT_PRELOAD = "torch,torch.distributed,torch.nn.parallel,torch._dynamo"
 
 
 def main() -> None:
-    for name in os.environ.get("RELAUNCH_SPARE_PRELOAD", DEFAULT_PRELOAD).split(","):
+    for name in os.environ.get(Env.SPARE_PRELOAD, DEFAULT_PRELOAD).split(","):
         if name.strip():
             with contextlib.suppress(ImportError):
                 importlib.import_module(name.strip())

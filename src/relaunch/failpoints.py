@@ -20,6 +20,8 @@ import os
 import signal
 from typing import Final
 
+from relaunch.protocol.environment import Env
+
 __all__ = ["PLACES", "reach"]
 
 PLACES: Final = (
@@ -31,7 +33,7 @@ PLACES: Final = (
     "recovered",
 )
 
-_ARMED: Final = os.environ.get("RELAUNCH_FAILPOINT", "")
+_ARMED: Final = os.environ.get(Env.FAILPOINT, "")
 
 
 def reach(place: str) -> None:

@@ -9,6 +9,10 @@ Two things, both for fault handling, neither visible to a script that does not l
 import os
 import signal
 
+INJECT_DIR = "RELAUNCH_INJECT_DIR"
+"""protocol.environment.Env.INJECT_DIR, spelled out: this runs before anything in every worker,
+which must not pay for importing relaunch (tests/test_purity.py checks the two agree)."""
+
 
 def _die_with_parent() -> None:
     try:
@@ -25,14 +29,14 @@ def _die_with_parent() -> None:
 def _exit_on_request(signum: int, frame: object) -> None:
     code = 1
     try:
-        with open(os.path.join(os.environ["RELAUNCH_INJECT_DIR"], str(os.getpid()))) as f:
+        with open(os.path.join(os.environ[INJECT_DIR], str(os.getpid()))) as f:
             code = int(f.read().strip() or 1)
     except (KeyError, OSError, ValueError):
         pass
     os._exit(code)
 
 
-if os.environ.get("RELAUNCH_INJECT_DIR"):
+if os.environ.get(INJECT_DIR):
     _die_with_parent()
     try:
         signal.signal(signal.SIGUSR2, _exit_on_request)

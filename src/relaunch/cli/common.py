@@ -14,6 +14,7 @@ from rich.console import Console
 from relaunch import __version__
 from relaunch.api import TOKEN_FILE
 from relaunch.errors import InputError
+from relaunch.protocol.environment import Env
 from relaunch.store import JobRow, Store
 
 if TYPE_CHECKING:
@@ -94,7 +95,7 @@ StateDirOption = Annotated[
     Path | None,
     typer.Option(
         "--state-dir",
-        envvar="RELAUNCH_STATE_DIR",
+        envvar=Env.STATE_DIR,
         help="Where jobs, nodes and records are kept (default ~/.local/state/relaunch).",
     ),
 ]
@@ -132,7 +133,7 @@ ServerOption = Annotated[
     str | None,
     typer.Option(
         "--server",
-        envvar="RELAUNCH_SERVER",
+        envvar=Env.SERVER,
         help="Talk to this relaunch server (http://host:port) instead of the local state.",
     ),
 ]
@@ -140,7 +141,7 @@ TokenOption = Annotated[
     str | None,
     typer.Option(
         "--token",
-        envvar="RELAUNCH_TOKEN",
+        envvar=Env.TOKEN,
         help="The server's bearer token (default: the state directory's server-token file).",
     ),
 ]

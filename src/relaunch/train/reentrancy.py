@@ -10,13 +10,15 @@ from multiprocessing import shared_memory
 from pathlib import Path
 from typing import TypeVar
 
+from relaunch.protocol.environment import Env
+
 __all__ = ["once_per_container", "recreate_shared_memory"]
 
 T = TypeVar("T")
 
 
 def _container_dir() -> Path:
-    return Path(os.environ.get("RELAUNCH_WORKDIR", "."))
+    return Path(os.environ.get(Env.WORKDIR, "."))
 
 
 def once_per_container(name: str, setup: Callable[[], object]) -> bool:
