@@ -283,11 +283,11 @@ class Sim:
         row = self.controller.pods[pod].row
         return self.launchers[(pod, row.generation)]
 
-    def train(self, step: int) -> None:
-        """Every running rank of the current attempt reports `step`."""
+    def train(self, step: int, pods: set[int] | None = None) -> None:
+        """Every running rank of the current attempt (in `pods`, all when None) reports `step`."""
         c = self.controller
         for pod in c.pods.values():
-            if pod.link is None:
+            if pod.link is None or (pods is not None and pod.index not in pods):
                 continue
             reports = tuple(
                 Progress(rank, step, r.attempt, self.clock.now())

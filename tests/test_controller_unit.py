@@ -309,3 +309,28 @@ def test_a_fault_no_level_takes_fails_the_job_then_pods_then_agents_shut_down(
     assert sorted(shutdowns[:2]) == ["launcher-0-g1", "launcher-1-g1"]
     assert sorted(shutdowns[2:]) == [f"agent-node-{i}" for i in range(4)]
     assert sim.engine.calls[-1] == ("shutdown",)
+
+
+def test_r32_a_replacement_that_never_progresses_fails_at_wait_reschedule_timeout(
+    tmp_path: Path,
+) -> None:
+    """R-32: the healthy pod trains on, the replacement ranks start but never report a step;
+    once wait-reschedule-timeout has passed the recovery failed and the fault goes down the
+    ladder, not before. (The hang window and the startup allowance are longer than the wait.)"""
+    annotations = {**PROCESS, **UNCONDITIONAL, "wait-reschedule-timeout": "30"}
+    sim = booted(
+        tmp_path, annotations, labels=PROCESS_LABELS, hang_detect_seconds=120, startup_seconds=120
+    )
+    sim.kill_node("node-1")
+    sim.tick()
+    assert sim.actions() == [("process-reschedule", "running")]
+    for step in range(2, 30):  # 29 s: pod 0 reports a step every second
+        sim.train(step, pods={0})
+        sim.run(1.0)
+    assert sim.actions() == [("process-reschedule", "running")]
+    for step in range(30, 33):
+        sim.train(step, pods={0})
+        sim.run(1.0)
+    actions = sim.actions()
+    assert actions[:2] == [("process-reschedule", "failed"), ("dump", "succeeded")], actions
+    assert any("no progress within 30 s (wait-reschedule-timeout, R-32)" in e for e in sim.events)

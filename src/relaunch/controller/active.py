@@ -39,3 +39,6 @@ class ActiveRecovery:
     """For a recovery that restarts no process (online retry): progress past this step proves it."""
     heal: HealRequest | None = None
     """In-place recovery: the chip heal it waits for before starting the processes again."""
+    wait_s: float | None = None
+    """R-32: how long the replacement processes have to make progress (the decision's
+    wait-reschedule-timeout); past it the recovery failed and its fault goes down the ladder."""

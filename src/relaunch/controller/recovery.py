@@ -161,7 +161,9 @@ class RecoveryDriver:
         attempt = c.job.attempt
         record_id = self.record(decision, fault_id, tried, now, Outcome.RUNNING)
         failpoints.reach("decision-stored")
-        active = ActiveRecovery(record_id, fault, fault_id, decision.action, tried, now)
+        active = ActiveRecovery(
+            record_id, fault, fault_id, decision.action, tried, now, wait_s=decision.wait_s
+        )
         self.active = active
         level.begin(c, decision, active, attempt)
 
@@ -237,7 +239,16 @@ class RecoveryDriver:
             self.c.hurry()
 
     def check(self, now: float) -> None:
-        """Deadlines of the recovery under way: a heal not answered in time did not heal."""
-        heal = self.active.heal if self.active is not None else None
+        """Deadlines of the recovery under way: a heal not answered in time did not heal; a
+        replacement that made no progress within the decision's wait did not join (R-32)."""
+        active = self.active
+        if active is None:
+            return
+        heal = active.heal
         if heal is not None and heal.ok is None and now > heal.deadline:
             self.failed(f"the agent of {heal.node} did not answer the heal in {HEAL_TIMEOUT_S:g} s")
+        elif active.wait_s is not None and now > active.started_at + active.wait_s:
+            self.failed(
+                f"the replacement processes made no progress within {active.wait_s:g} s "
+                "(wait-reschedule-timeout, R-32)"
+            )
