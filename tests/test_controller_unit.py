@@ -334,3 +334,29 @@ def test_r32_a_replacement_that_never_progresses_fails_at_wait_reschedule_timeou
     actions = sim.actions()
     assert actions[:2] == [("process-reschedule", "failed"), ("dump", "succeeded")], actions
     assert any("no progress within 30 s (wait-reschedule-timeout, R-32)" in e for e in sim.events)
+
+
+def test_a_replacement_crashing_again_is_not_taken_for_a_hang_of_the_ranks_that_waited(
+    tmp_path: Path,
+) -> None:
+    """The healthy ranks wait, silent, for the replacement (longer than the hang window); it
+    crashes again: that fault is decided (down to the job level), and their silence is not a
+    hang fault of its own in the same pass (R-36)."""
+    annotations = {**PROCESS, **UNCONDITIONAL, "recover-strategy": "recover-in-place,dump"}
+    sim = booted(tmp_path, annotations, labels=PROCESS_LABELS)
+    sim.crash(3)
+    sim.tick()
+    assert sim.actions() == [("process-in-place", "running")]
+    sim.run(3.0)  # the 2 s hang window passes; the healthy ranks wait for rank 3
+    sim.crash(3)
+    sim.tick()
+    assert sim.actions() == [
+        ("process-in-place", "failed"),
+        ("dump", "succeeded"),
+        ("job-reschedule", "running"),
+    ]
+    assert [f.kind.value for f in sim.store.faults(sim.job_id)] == ["process-exit", "process-exit"]
+    sim.run(0.5)
+    sim.train(2)
+    sim.tick()
+    assert sim.actions()[-1] == ("job-reschedule", "succeeded")

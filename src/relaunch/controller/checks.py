@@ -86,9 +86,12 @@ def launchers(c: Controller, now: float) -> None:
 
 def hangs(c: Controller, now: float) -> None:
     """R-25, with the joining ranks of a scale-out and the healthy ranks that wait for a
-    process-level recovery's replacements left out."""
+    process-level recovery's replacements left out; not while a fault waits for its decision
+    (its recovery failed a moment ago: the ranks that waited for it are not hung)."""
     if c.job.status is not JobStatus.RUNNING and c.recoveries.active is None:
         return
+    if c.recoveries.waiting:
+        return  # a fault waits for its decision, later in this pass, which acts on these ranks
     if c.membership.joining and now < c.membership.joining_until:
         return  # a scale-out: the group waits for the joining ranks to start
     active = c.recoveries.active
