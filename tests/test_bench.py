@@ -108,7 +108,7 @@ def test_quick_bench_writes_json_markdown_and_chart(tmp_path: Path) -> None:
     assert overhead["controller_cpu_s"] > 0 and overhead["relaunch_ms_per_proc_s"] > 0
     (ckpt,) = result["checkpoint"]
     assert all(ckpt[k] > 0 for k in ("raw_write_mb_s", "save_mb_s", "raw_read_mb_s", "load_mb_s"))
-    assert ckpt["async_stall_s"] is not None
+    assert ckpt["async_stall_s"] is not None and ckpt["async_vs_sync"] is not None
     reliability = {r["system"]: r for r in result["reliability"]}
     assert reliability["relaunch"]["recovered"] == reliability["relaunch"]["injected"] == 1
     assert reliability["torchrun"]["injected"] == 1

@@ -3,6 +3,7 @@ reentrancy helpers, progress reports, the job environment."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -54,7 +55,7 @@ def test_round_trip_of_plain_numpy_and_torch_state(tmp_path: Path) -> None:
     assert sorted(p.name for p in loaded.path.iterdir()) == ["rank-2.ckpt", "rank-2.manifest.json"]
 
 
-def test_plain_python_state_without_torch_uses_pickle(tmp_path: Path) -> None:
+def test_plain_python_state_is_saved_and_loaded_without_importing_torch(tmp_path: Path) -> None:
     code = textwrap.dedent(
         f"""
         import sys
@@ -66,9 +67,10 @@ def test_plain_python_state_without_torch_uses_pickle(tmp_path: Path) -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "{'w': [1.5, 2.5]} False"
-    assert (
-        '"format": "pickle"' in (tmp_path / "step-000000003" / "rank-0.manifest.json").read_text()
-    )
+    manifest = json.loads((tmp_path / "step-000000003" / "rank-0.manifest.json").read_text())
+    assert manifest["format"] == "relaunch-shard-1"
+    shard = (tmp_path / "step-000000003" / "rank-0.ckpt").read_bytes()
+    assert b'"rest"' in shard and b'"t0"' not in shard  # no tensors: only the pickled rest
 
 
 def test_keeps_the_last_k_steps(tmp_path: Path) -> None:

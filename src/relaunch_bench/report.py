@@ -32,8 +32,9 @@ OVERHEAD_COLUMNS = {
 CHECKPOINT_COLUMNS = {
     "size_mb": "state MB", "raw_write_mb_s": "raw write MB/s", "save_mb_s": "SDK save MB/s",
     "save_vs_raw": "save / raw", "raw_read_mb_s": "raw read MB/s", "load_mb_s": "SDK load MB/s",
-    "load_vs_raw": "load / raw", "async_stall_s": "async save stall s",
-    "save_s": "sync save s", "async_total_s": "async done after s",
+    "load_vs_raw": "load / raw", "save_s": "sync save s",
+    "async_first_stall_s": "first async save stalls s", "async_stall_s": "async save stalls s",
+    "async_vs_sync": "async / sync stall", "async_total_s": "async done after s",
 }  # fmt: skip
 RELIABILITY_COLUMNS = {
     "system": "system", "level": "level", "workload": "workload", "jobs": "jobs",

@@ -3,19 +3,19 @@ and saved once more on the way out (dying gasp).
 
 Layout, one directory per step, one shard per rank::
 
-    DIR/step-000000120/rank-3.ckpt            the state (torch.save when torch is present, else pickle)
-    DIR/step-000000120/rank-3.manifest.json   {step, rank, format, files: {name: {size, sha256}}}
+    DIR/step-000000120/rank-3.ckpt            the state: a safetensors file (relaunch.train.shard)
+    DIR/step-000000120/rank-3.manifest.json   {step, rank, format, files: {name: {size, xxh3_128}}}
 
-A shard counts only once its manifest exists and its checksum matches: the state file is written to
-a temporary name, fsynced, renamed, the directory fsynced, and only then the manifest is written
-the same way. `load` takes the newest step that verifies and falls back, with a warning, past a
-truncated or corrupted one. Importable without torch.
+A shard counts only once its manifest exists and its checksum matches: the state file is streamed
+to a temporary name (tensors as raw bytes, hashed as they are written), fsynced, renamed, the
+directory fsynced, and only then the manifest is written the same way. `load` takes the newest
+step that verifies and falls back, with a warning, past a truncated or corrupted one. Shards
+written by earlier releases (`torch.save` or pickle, SHA-256) still load. Importable without torch.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import hashlib
 import io
 import json
@@ -32,15 +32,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 from relaunch.protocol.environment import Env
 from relaunch.protocol.layout import FENCE_FILE
-from relaunch.train import rng
+from relaunch.train import rng, shard
 from relaunch.train.progress import SdkPhase, report_phase
 
 __all__ = ["FENCE_FILE", "Checkpoint", "CheckpointManager", "CheckpointWarning", "StaleProcess"]
 
+_T = TypeVar("_T")
 _STEP_DIR = re.compile(r"step-(\d{9})")
 
 
@@ -79,54 +80,30 @@ class Checkpoint:
     path: Path
 
 
-def _torch() -> Any:
-    return sys.modules.get("torch")
-
-
-def _snapshot(value: Any) -> Any:
-    """A copy in host memory that later training steps cannot change."""
-    torch = _torch()
-    if torch is not None and isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return type(value)((k, _snapshot(v)) for k, v in value.items())
-    if isinstance(value, list | tuple):
-        items = [_snapshot(v) for v in value]
-        return type(value)(items) if isinstance(value, list) else tuple(items)
-    return copy.deepcopy(value)
-
-
-def _serialize(state: Any) -> tuple[bytes, str]:
-    torch = _torch()
-    buffer = io.BytesIO()
-    if torch is not None:
-        torch.save(state, buffer)
-        return buffer.getvalue(), "torch"
-    pickle.dump(state, buffer, protocol=pickle.HIGHEST_PROTOCOL)
-    return buffer.getvalue(), "pickle"
-
-
-def _deserialize(data: bytes, fmt: str) -> Any:
+def _legacy_state(data: bytes, fmt: str) -> Any:
+    """A shard of an earlier release: `torch.save` or pickle bytes."""
     if fmt == "torch":
         import torch
 
         return torch.load(io.BytesIO(data), weights_only=False)
-    return pickle.loads(data)
+    if fmt == "pickle":
+        return pickle.loads(data)
+    raise ValueError(f"unknown checkpoint format {fmt!r}")
 
 
 TMP_MARK = ".tmp-"
 """Temporary files are `.NAME.tmp-PID` beside their target until they are renamed into place."""
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to a temporary file, fsync, rename over `path`, fsync the directory. On any
-    error the temporary file is removed: a failed save (a full disk) leaves nothing behind that
-    would make the next save fail too."""
+def _write_atomic(path: Path, emit: Callable[[Any], _T]) -> _T:
+    """Write a temporary file with `emit(file)` (an unbuffered binary file), fsync, rename over
+    `path`, fsync the directory; returns what `emit` returned. On any error the temporary file is
+    removed: a failed save (a full disk) leaves nothing behind that would make the next save fail
+    too."""
     tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
+        with open(tmp, "wb", buffering=0) as f:
+            result = emit(f)
             os.fsync(f.fileno())
         tmp.replace(path)
     except BaseException:
@@ -134,6 +111,16 @@ def _write_atomic(path: Path, data: bytes) -> None:
             tmp.unlink()
         raise
     _fsync_dir(path.parent)
+    return result
+
+
+def _write_bytes(data: bytes) -> Callable[[Any], None]:
+    def emit(f: Any) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[f.write(view) or 0 :]
+
+    return emit
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -142,6 +129,20 @@ def _fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _read_shard(path: Path, fmt: str, expected: dict[str, Any]) -> Any:
+    """The state in one shard file, checked against its manifest entry `expected`."""
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size != expected["size"]:
+            raise ValueError(f"{path.name} is {size} bytes, the manifest says {expected['size']}")
+        if fmt == shard.FORMAT:
+            return shard.read(f, size, expected[shard.HASH])
+        data = f.read()
+    if hashlib.sha256(data).hexdigest() != expected["sha256"]:
+        raise ValueError(f"{path.name} does not match its checksum")
+    return _legacy_state(data, fmt)
 
 
 class CheckpointManager:
@@ -179,6 +180,7 @@ class CheckpointManager:
         self._in_step = False
         self._term_pending = False
         self._gasp: Callable[[], Any] | None = None
+        self._host = shard.HostBuffer()  # reused by every asynchronous save
         self.sweep()
 
     @property
@@ -202,12 +204,12 @@ class CheckpointManager:
         report_phase(SdkPhase.CHECKPOINT)
         try:
             self.wait()
-            snapshot = _snapshot(state)
             if blocking if blocking is not None else not self.async_save:
-                self._write(step, snapshot)
+                self._write(step, shard.pack(state))  # written from where the tensors are
                 return
+            packed = shard.pack(state, self._host)  # copied: later steps cannot change it
             self._writer = threading.Thread(
-                target=self._write_in_background, args=(step, snapshot), daemon=True
+                target=self._write_in_background, args=(step, packed), daemon=True
             )
             self._writer.start()
         finally:
@@ -234,29 +236,29 @@ class CheckpointManager:
             error, self._error = self._error, None
             raise error
 
-    def _write_in_background(self, step: int, snapshot: Any) -> None:
+    def _write_in_background(self, step: int, packed: shard.Packed) -> None:
         try:
-            self._write(step, snapshot)
+            self._write(step, packed)
         except BaseException as error:  # handed to the training loop by wait()
             self._error = error
 
-    def _write(self, step: int, snapshot: Any) -> None:
-        data, fmt = _serialize(snapshot)
+    def _write(self, step: int, packed: shard.Packed) -> None:
         with self._lock:
             check_fence()  # a stale process must not overwrite the new generation's shard
             directory = self.directory / f"step-{step:09d}"
             directory.mkdir(parents=True, exist_ok=True)
             name = f"rank-{self.rank}.ckpt"
-            _write_atomic(directory / name, data)
+            size, digest = _write_atomic(directory / name, lambda f: shard.write(f, packed))
             manifest = {
                 "step": step,
                 "rank": self.rank,
-                "format": fmt,
-                "files": {name: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}},
+                "format": shard.FORMAT,
+                "files": {name: {"size": size, shard.HASH: digest}},
             }
             check_fence()  # ... nor commit one the new generation would load
             _write_atomic(
-                directory / f"rank-{self.rank}.manifest.json", json.dumps(manifest).encode()
+                directory / f"rank-{self.rank}.manifest.json",
+                _write_bytes(json.dumps(manifest).encode()),
             )
             self._rotate()
 
@@ -321,14 +323,7 @@ class CheckpointManager:
         try:
             manifest = json.loads(manifest_path.read_text())
             (name, expected), *_ = manifest["files"].items()
-            data = (directory / name).read_bytes()
-            if len(data) != expected["size"]:
-                raise ValueError(
-                    f"{name} is {len(data)} bytes, the manifest says {expected['size']}"
-                )
-            if hashlib.sha256(data).hexdigest() != expected["sha256"]:
-                raise ValueError(f"{name} does not match its checksum")
-            state = _deserialize(data, manifest["format"])
+            state = _read_shard(directory / name, manifest["format"], expected)
         except (
             OSError,
             ValueError,

@@ -1,0 +1,313 @@
+"""One rank's checkpoint shard on disk, written and read in one streaming pass.
+
+The file is a safetensors file (https://huggingface.co/docs/safetensors), so any safetensors
+reader can open it::
+
+    8 bytes     little-endian length N of the header
+    N bytes     JSON header: "t0", "t1", ...: each tensor's dtype, shape and byte range;
+                "rest": the pickled state, every tensor in it replaced by its index (U8);
+                "__metadata__": {"format": "relaunch-shard-1", "parameters": "...", ...}
+    data        the tensors' raw bytes in order, then the pickled rest
+
+A save pickles the small rest (collecting the tensors it meets, at any depth), then streams the
+header, every tensor's memory and the rest to the file, hashing each chunk (xxh3-128) as it goes:
+no serialised copy of the state, no second pass to hash. A load reads each tensor straight into a
+freshly allocated tensor, hashing as it reads, compares size and hash with the manifest, and only
+then unpickles the rest. What is not a plain dense tensor of a safetensors dtype (a sparse or
+quantized tensor, a subclass, a NumPy array) is pickled with the rest.
+
+Importable without torch: torch is used only if the caller already imported it (saving) or the
+file holds tensors (loading).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import json
+import math
+import pickle
+import struct
+import sys
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+import xxhash
+
+__all__ = ["FORMAT", "HASH", "HostBuffer", "Packed", "ShardError", "pack", "read", "write"]
+
+FORMAT = "relaunch-shard-1"
+HASH = "xxh3_128"
+CHUNK = 8 << 20
+ALIGN = 64
+MAX_HEADER = 64 << 20
+
+_DTYPES = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+}
+
+
+class ShardError(ValueError):
+    """The file is not the shard its manifest describes (torn, truncated, altered)."""
+
+
+@dataclass
+class Packed:
+    """A state ready to be written: the pickled rest and the tensors it refers to."""
+
+    rest: bytes
+    tensors: list[Any] = field(default_factory=list)
+    parameters: list[int] = field(default_factory=list)
+    requires_grad: list[int] = field(default_factory=list)
+
+
+class HostBuffer:
+    """One host allocation, reused by every asynchronous save of a manager: copying into pages
+    already touched runs at memory speed, where a fresh copy first faults every page in."""
+
+    def __init__(self) -> None:
+        self._buffer: Any = None
+
+    def copies(self, tensors: list[Any]) -> list[Any]:
+        """Copies of `tensors` in this buffer (grown when too small)."""
+        torch = sys.modules["torch"]
+        spans, total = [], 0
+        for tensor in tensors:
+            nbytes = tensor.numel() * tensor.element_size()
+            spans.append((total, nbytes))
+            total += -(-nbytes // ALIGN) * ALIGN
+        if self._buffer is None or self._buffer.numel() < total:
+            self._buffer = None  # release the old one before taking the new
+            self._buffer = torch.empty(total, dtype=torch.uint8)
+        copies = []
+        for tensor, (offset, nbytes) in zip(tensors, spans, strict=True):
+            raw = self._buffer[offset : offset + nbytes]
+            target = raw.view(tensor.dtype).view(tensor.shape)
+            target.copy_(tensor.detach())
+            copies.append(target)
+        return copies
+
+
+def _plain_tensor(torch: Any, value: Any) -> bool:
+    return (
+        type(value) in (torch.Tensor, torch.nn.Parameter)
+        and value.layout == torch.strided
+        and not value.is_quantized
+        and str(value.dtype).removeprefix("torch.") in _DTYPES
+        and value.device.type != "meta"
+    )
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, file: IO[bytes], torch: Any) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._torch = torch
+        self._index: dict[int, int] = {}
+        self.tensors: list[Any] = []
+
+    def persistent_id(self, obj: Any) -> int | None:
+        if self._torch is None or not _plain_tensor(self._torch, obj):
+            return None
+        index = self._index.get(id(obj))
+        if index is None:  # the same tensor object twice is stored once and loaded once
+            index = self._index[id(obj)] = len(self.tensors)
+            self.tensors.append(obj)
+        return index
+
+
+def pack(state: Any, host: HostBuffer | None = None) -> Packed:
+    """Pickle everything but the tensors now (a later change to the state cannot reach the
+    save); with `host`, copy the tensors into it (an asynchronous save), otherwise write them
+    from where they are (the caller waits for the write)."""
+    torch = sys.modules.get("torch")
+    buffer = io.BytesIO()
+    pickler = _Pickler(buffer, torch)
+    pickler.dump(state)
+    tensors = pickler.tensors
+    packed = Packed(buffer.getvalue())
+    if tensors:  # so torch is imported
+        packed.parameters = [i for i, t in enumerate(tensors) if type(t) is not torch.Tensor]  # type: ignore[union-attr]
+        packed.requires_grad = [i for i, t in enumerate(tensors) if t.requires_grad]
+        packed.tensors = host.copies(tensors) if host is not None else tensors
+    return packed
+
+
+def _dense(tensor: Any) -> Any:
+    """The tensor as one block of host memory: itself when it already is one."""
+    return tensor.detach().to("cpu").contiguous()
+
+
+def _memory(dense: Any) -> memoryview:
+    """The bytes of a dense host tensor, without a copy. The view does not keep the tensor
+    alive: the caller holds it while the view is in use."""
+    nbytes = dense.numel() * dense.element_size()
+    if nbytes == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * nbytes).from_address(dense.data_ptr())).cast("B")
+
+
+def _header(packed: Packed) -> bytes:
+    entries: dict[str, Any] = {}
+    offset = 0
+    for index, tensor in enumerate(packed.tensors):
+        nbytes = tensor.numel() * tensor.element_size()
+        entries[f"t{index}"] = {
+            "dtype": _DTYPES[str(tensor.dtype).removeprefix("torch.")],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    entries["rest"] = {
+        "dtype": "U8",
+        "shape": [len(packed.rest)],
+        "data_offsets": [offset, offset + len(packed.rest)],
+    }
+    entries["__metadata__"] = {
+        "format": FORMAT,
+        "tensors": str(len(packed.tensors)),
+        "parameters": ",".join(map(str, packed.parameters)),
+        "requires_grad": ",".join(map(str, packed.requires_grad)),
+    }
+    header = json.dumps(entries, separators=(",", ":")).encode()
+    header += b" " * (-(len(header) + 8) % 8)  # safetensors: the data starts 8-byte aligned
+    return struct.pack("<Q", len(header)) + header
+
+
+def write(file: IO[bytes], packed: Packed) -> tuple[int, str]:
+    """Stream `packed` to `file` (unbuffered, binary), hashing as it goes: (bytes, hash)."""
+    digest = xxhash.xxh3_128()
+    size = 0
+
+    def emit(data: memoryview | bytes) -> None:
+        nonlocal size
+        for start in range(0, len(data), CHUNK):
+            chunk = data[start : start + CHUNK]
+            digest.update(chunk)
+            written = 0
+            while written < len(chunk):
+                written += file.write(chunk[written:]) or 0
+            size += len(chunk)
+
+    emit(_header(packed))
+    for tensor in packed.tensors:
+        dense = _dense(tensor)
+        emit(_memory(dense))
+        del dense
+    emit(packed.rest)
+    return size, digest.hexdigest()
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file: IO[bytes], tensors: list[Any]) -> None:
+        super().__init__(file)
+        self._tensors = tensors
+
+    def persistent_load(self, pid: Any) -> Any:
+        try:
+            return self._tensors[int(pid)]
+        except (IndexError, ValueError, TypeError) as error:
+            raise ShardError(f"the state refers to tensor {pid!r}, which is not stored") from error
+
+
+def read(file: IO[bytes], size: int, expected: str) -> Any:
+    """Read a shard written by :func:`write` from `file` (unbuffered, binary) in one pass: the
+    state, once the whole file matched `size` bytes and hash `expected`. ShardError for
+    anything else."""
+    try:
+        rest, tensors = _read(file, size, expected)
+    except ShardError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError, struct.error) as error:
+        raise ShardError(f"malformed shard header ({type(error).__name__}: {error})") from error
+    return _Unpickler(io.BytesIO(rest), tensors).load()
+
+
+def _read(file: IO[bytes], size: int, expected: str) -> tuple[bytes, list[Any]]:
+    digest = xxhash.xxh3_128()
+    head = _read_exactly(file, 8, digest)
+    (length,) = struct.unpack("<Q", head)
+    if length > MAX_HEADER or 8 + length > size:
+        raise ShardError(f"header length {length} does not fit a {size}-byte shard")
+    header = json.loads(_read_exactly(file, length, digest))
+    meta = header.pop("__metadata__", {})
+    if meta.get("format") != FORMAT:
+        raise ShardError(f"not a {FORMAT} file (format {meta.get('format')!r})")
+    count = int(meta["tensors"])
+    names = [f"t{i}" for i in range(count)] + ["rest"]
+    if set(header) != set(names):
+        raise ShardError("the header's entries are not t0..tN and rest")
+    offset = 0
+    for name in names:
+        begin, end = header[name]["data_offsets"]
+        if begin != offset or end < begin:
+            raise ShardError(f"{name}'s bytes {begin}..{end} do not follow on from {offset}")
+        offset = end
+    if 8 + length + offset != size:
+        raise ShardError(f"the header describes {8 + length + offset} bytes, the shard has {size}")
+    tensors = [_read_tensor(file, header[name], digest) for name in names[:-1]]
+    begin, end = header["rest"]["data_offsets"]
+    rest = _read_exactly(file, end - begin, digest)
+    if file.read(1):
+        raise ShardError("the shard is longer than its header says")
+    if digest.hexdigest() != expected:
+        raise ShardError("the shard does not match its checksum")
+    _mark(tensors, meta.get("parameters", ""), meta.get("requires_grad", ""))
+    return rest, tensors
+
+
+def _read_tensor(file: IO[bytes], entry: dict[str, Any], digest: Any) -> Any:
+    import torch
+
+    dtypes = {code: getattr(torch, name) for name, code in _DTYPES.items()}
+    dtype = dtypes.get(entry["dtype"])
+    if dtype is None:
+        raise ShardError(f"unknown dtype {entry['dtype']!r}")
+    shape = [int(n) for n in entry["shape"]]
+    begin, end = entry["data_offsets"]
+    if math.prod(shape) * dtype.itemsize != end - begin or min(shape, default=0) < 0:
+        raise ShardError(f"a {entry['dtype']} tensor of shape {shape} is not {end - begin} bytes")
+    tensor = torch.empty(shape, dtype=dtype)
+    target = _memory(tensor)
+    filled = 0
+    while filled < len(target):
+        got = file.readinto(target[filled : filled + CHUNK])  # type: ignore[attr-defined]
+        if not got:
+            raise ShardError("the shard ends inside a tensor")
+        digest.update(target[filled : filled + got])
+        filled += got
+    return tensor
+
+
+def _read_exactly(file: IO[bytes], count: int, digest: Any) -> bytes:
+    parts, left = [], count
+    while left:
+        part = file.read(min(left, CHUNK))
+        if not part:
+            raise ShardError("the shard ends early")
+        parts.append(part)
+        left -= len(part)
+    data = b"".join(parts)
+    digest.update(data)
+    return data
+
+
+def _mark(tensors: list[Any], parameters: str, requires_grad: str) -> None:
+    grads = {int(i) for i in requires_grad.split(",") if i}
+    for index in (int(i) for i in parameters.split(",") if i):
+        import torch
+
+        tensors[index] = torch.nn.Parameter(tensors[index], requires_grad=index in grads)
+    for index in grads:
+        if not tensors[index].requires_grad:
+            tensors[index].requires_grad_(True)
