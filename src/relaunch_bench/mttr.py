@@ -52,6 +52,17 @@ LEVELS: dict[str, tuple[dict[str, str], dict[str, Any]]] = {
     ),
     "process-reschedule+spare": (RETRY, {"kind": "node-down", "pod": 1}),
 }
+WARM_SPARE = "+spare"
+"""A level measured with warm spares: spec.warm_spares set to the processes of a pod, kept in
+each pod and, in a standby launcher, on each schedulable node."""
+JOB_LEVELS = (
+    "job-reschedule",
+    "in-place",
+    "hang-restart",
+    "pod-reschedule",
+    "isolated-job-reschedule",
+)
+LEVELS.update({level + WARM_SPARE: LEVELS[level] for level in JOB_LEVELS})
 PROCESS_LEVELS = (
     "process-retry",
     "process-in-place",
@@ -59,9 +70,6 @@ PROCESS_LEVELS = (
     "process-in-place+spare",
     "process-reschedule+spare",
 )
-WARM_SPARE = "+spare"
-"""A level measured with warm spares: spec.warm_spares 2, one per rank of a pod, kept in each
-pod and on each standby node."""
 PROCESS_LABELS = {"process-recover-enable": "on", "pod-rescheduling": "on"}
 PROCESS_ANNOTATIONS = {
     "recover-strategy": "retry,recover-in-place,recover,dump,exit",
@@ -100,7 +108,7 @@ def _job(
     else:
         crash = (
             f" --crash-at-step {FAULT_STEP} --crash-rank {pods * procs - 1}"
-            if level == "job-reschedule"
+            if level.removesuffix(WARM_SPARE) == "job-reschedule"
             else ""
         )
         command = f"python {DDP} --steps 60 --ckpt-every 5 --timeline {timeline_path}{crash}"
@@ -111,8 +119,8 @@ def _job(
         command = f"python {DDP} --process-recovery --steps 60 --ckpt-every 5"
         annotations = {**annotations, **PROCESS_ANNOTATIONS}
         labels = {**labels, **PROCESS_LABELS}
-        if level.endswith(WARM_SPARE):
-            spares = {"warm_spares": 2}
+    if level.endswith(WARM_SPARE):
+        spares = {"warm_spares": procs}
     return {
         "kind": "job",
         "metadata": {"name": f"bench-{workload}", "annotations": annotations, "labels": labels},
@@ -132,7 +140,7 @@ def relaunch_once(workload: str, level: str, tmp: Path, procs: int = 2) -> Sampl
     """One `relaunch run` whose single fault must be recovered by `level`."""
     path = tmp / "timeline.txt"
     _, fault = LEVELS[level]
-    scripted_crash = workload == "ddp" and level == "job-reschedule"
+    scripted_crash = workload == "ddp" and level.removesuffix(WARM_SPARE) == "job-reschedule"
     faults = [] if scripted_crash else [{**fault, "at_step": FAULT_STEP}]
     report, _ = run_job(tmp, _job(workload, level, path, procs=procs), faults, CLUSTER, timeout=300)
     record = only_record(report, level.removesuffix(WARM_SPARE))
@@ -235,7 +243,11 @@ def median_phases(samples: list[dict[str, float]]) -> dict[str, float] | None:
 def plan(quick: bool, levels: tuple[str, ...]) -> list[tuple[str, str, str]]:
     """(system, workload, level) of each MTTR row: every level on the light workload except the
     process levels (DDP only), every level on DDP (--quick: the crash only), and torchrun."""
-    rows = [("relaunch", "light", level) for level in LEVELS if level not in PROCESS_LEVELS]
+    rows = [
+        ("relaunch", "light", level)
+        for level in LEVELS
+        if level not in PROCESS_LEVELS and not level.endswith(WARM_SPARE)
+    ]
     rows += [("relaunch", "ddp", level) for level in (["job-reschedule"] if quick else LEVELS)]
     if levels:
         rows = [(s, w, lv) for s, w, lv in rows if lv in levels]

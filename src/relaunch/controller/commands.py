@@ -231,7 +231,7 @@ def launch_plan(c: Controller, row: PodRow) -> LaunchPlan:
         adopt_grace_s=c.cluster.adopt_grace_s,
         workdir=row.workdir,
         env=dict(c.spec.env),
-        warm_spares=c.spec.warm_spares if c.recovery.process_level else 0,
+        warm_spares=c.spec.warm_spares,
         progress_interval_s=max(0.02, 0.002 * c.spec.replicas),
         termination_grace_s=c.recovery.termination_grace_s,
         activity_interval_s=min(30.0, max(0.2, c.hang_s / 5)),

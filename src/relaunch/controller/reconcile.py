@@ -4,7 +4,7 @@ Compares every pod's launcher with its row (node, generation) and the job's atte
 next thing: retires launchers of older generations, asks the engine for missing launchers (or
 turns a standby launcher into one), stops processes of older attempts, and starts the current
 attempt once every pod is connected and nothing is still stopping. Keeps one standby launcher
-per standby node when warm spares are on, and the checkpoint fence up to date. A restarted
+per schedulable node when warm spares are on, and the checkpoint fence up to date. A restarted
 controller or a repeated message is harmless: each pass only looks at what is and what should be.
 """
 
@@ -32,7 +32,8 @@ class Reconciler:
     def __init__(self, controller: Controller) -> None:
         self.c = controller
         self.standby: dict[str, LauncherLink] = {}
-        """Launchers on standby nodes keeping warm spares (spec.warm_spares), by node."""
+        """Launchers keeping warm spares (spec.warm_spares) for the next pod placed on their
+        node, by node."""
         self.standby_launching: dict[str, float] = {}
         self.placed: dict[int, tuple[int, str]] = {}
         """Pod -> (generation, node) last seen, to tell a move off a lost node."""
@@ -145,12 +146,14 @@ class Reconciler:
     # -- standby launchers ----------------------------------------------------------------------
 
     def standby_nodes(self) -> set[str]:
-        """Nodes that keep a standby launcher: with warm spares for a process-level job, every
-        schedulable node with a live agent that no pod of the job uses."""
+        """Nodes that keep a standby launcher: with warm spares, every schedulable node with a
+        live agent and the chips for a pod, whether a pod of the job runs there or not. A pod
+        rebuilt on its node (job-level rescheduling) or moved to a standby node takes the
+        node's standby launcher, whose spares become its processes."""
         c = self.c
-        if not (c.recovery.process_level and c.spec.warm_spares):
+        if not c.spec.warm_spares:
             return set()
-        return set(commands.free_nodes(c, {p.row.node for p in c.pods.values()}))
+        return set(commands.free_nodes(c, set()))
 
     def awaiting_launcher(self) -> set[str]:
         """Nodes where a pod was placed and has no launcher yet (a standby one may become it)."""
@@ -169,12 +172,20 @@ class Reconciler:
             if node not in wanted and node not in self.awaiting_launcher():
                 link.peer.send(Shutdown(0.0))
                 del self.standby[node]
+        if not self._settled(now):
+            return
         for node in sorted(wanted - set(self.standby)):
             since = self.standby_launching.get(node)
             if since is not None and now - since < LAUNCH_RETRY_S:
                 continue
             self.standby_launching[node] = now
             c.engine.start_pod(self._standby_plan(node))
+
+    def _settled(self, now: float) -> bool:
+        """New standby launchers are not started while a recovery runs: their spares importing
+        beside ranks that restart on the same node would slow the very restart (a standby
+        launcher a recovery took is replaced once the job trains again)."""
+        return self.c.recoveries.active is None
 
     def _standby_plan(self, node: str) -> LaunchPlan:
         c = self.c

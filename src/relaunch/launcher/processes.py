@@ -8,7 +8,8 @@ import os
 import signal
 import subprocess
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import IO
 
 import psutil
@@ -71,6 +72,9 @@ class Worker:
     """Why the command could not be started, if it could not."""
     usage: tuple[float, int] = (0.0, 0)
     """CPU seconds and I/O bytes of the rank's processes, as last sent."""
+    started_at: float = field(default_factory=time.time)
+    stepped: bool = False
+    """The rank reported a training step (through the SDK) since it started."""
 
     @property
     def started(self) -> bool:

@@ -75,6 +75,8 @@ __all__ = ["INJECT_DIR", "Launcher"]
 
 INJECT_DIR = Path(__file__).parent.parent / "_inject"
 _KEPT_WHILE_AWAY = (Exited, Stopped, ProgressBatch)
+SPARE_SETTLE_S = 30.0
+"""How long after their start ranks that report no steps count as training (spares_wanted)."""
 """Messages kept for the next controller while none is connected."""
 
 
@@ -180,6 +182,8 @@ class Launcher:
             with self.lock:
                 if isinstance(value, int):
                     self.latest_progress[rank] = Progress(rank, value, attempt, time.time())
+                    if worker is not None:
+                        worker.stepped = True
                 else:
                     self.phases.append(RankPhase(rank, attempt, value, time.time()))
             self.flush_progress(force=isinstance(value, str))
@@ -405,7 +409,8 @@ class Launcher:
             if now >= next_check:
                 self.flush_progress(force=True)
                 self.monitor()
-                self.spares.refill(self.dir.path, self._child_env(self.last_env or {}))
+                if self.spares_wanted(now):
+                    self.spares.refill(self.dir.path, self._child_env(self.last_env or {}))
                 next_check = now + interval
             if now - self.usage_sent_at >= self.plan.activity_interval_s:
                 self.usage_sent_at = now
@@ -413,6 +418,15 @@ class Launcher:
             if self.abandoned():
                 self.stop(self.plan.termination_grace_s)
                 self.running = False
+
+    def spares_wanted(self, now: float) -> bool:
+        """Spares used by a restart are started again once the restarted processes train: a
+        spare importing torch beside ranks that restart would slow the very recovery it is
+        kept for. At the job's first start and in a standby launcher (no ranks; the controller
+        starts it between recoveries) they start at once; ranks that report no steps (no SDK)
+        count as training SPARE_SETTLE_S after their start."""
+        restarted = [w for w in self.workers.values() if w.attempt > 1 and w.proc.poll() is None]
+        return all(w.stepped or now - w.started_at >= SPARE_SETTLE_S for w in restarted)
 
     def abandoned(self) -> bool:
         """No controller for `adopt_grace_s`: the pod is abandoned (see the module docstring)."""
