@@ -133,13 +133,11 @@ def _fsync_dir(directory: Path) -> None:
 
 def _read_shard(path: Path, fmt: str, expected: dict[str, Any]) -> Any:
     """The state in one shard file, checked against its manifest entry `expected`."""
-    with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        if size != expected["size"]:
-            raise ValueError(f"{path.name} is {size} bytes, the manifest says {expected['size']}")
-        if fmt == shard.FORMAT:
-            return shard.read(f, size, expected[shard.HASH])
-        data = f.read()
+    if fmt == shard.FORMAT:
+        return shard.read(path, expected["size"], expected[shard.HASH])
+    data = path.read_bytes()
+    if len(data) != expected["size"]:
+        raise ValueError(f"{path.name} is {len(data)} bytes, the manifest says {expected['size']}")
     if hashlib.sha256(data).hexdigest() != expected["sha256"]:
         raise ValueError(f"{path.name} does not match its checksum")
     return _legacy_state(data, fmt)

@@ -26,6 +26,8 @@ import ctypes
 import io
 import json
 import math
+import mmap
+import os
 import pickle
 import struct
 import sys
@@ -157,10 +159,18 @@ def _memory(dense: Any) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(dense.data_ptr())).cast("B")
 
 
+def _order(packed: Packed) -> list[int]:
+    """The tensors in the order their bytes are stored: widest elements first, so that from the
+    8-byte aligned start of the data every tensor starts aligned to its element size (a loaded
+    tensor is a view of the mapped file)."""
+    return sorted(range(len(packed.tensors)), key=lambda i: -packed.tensors[i].element_size())
+
+
 def _header(packed: Packed) -> bytes:
     entries: dict[str, Any] = {}
     offset = 0
-    for index, tensor in enumerate(packed.tensors):
+    for index in _order(packed):
+        tensor = packed.tensors[index]
         nbytes = tensor.numel() * tensor.element_size()
         entries[f"t{index}"] = {
             "dtype": _DTYPES[str(tensor.dtype).removeprefix("torch.")],
@@ -200,8 +210,8 @@ def write(file: IO[bytes], packed: Packed) -> tuple[int, str]:
             size += len(chunk)
 
     emit(_header(packed))
-    for tensor in packed.tensors:
-        dense = _dense(tensor)
+    for index in _order(packed):
+        dense = _dense(packed.tensors[index])
         emit(_memory(dense))
         del dense
     emit(packed.rest)
@@ -220,12 +230,25 @@ class _Unpickler(pickle.Unpickler):
             raise ShardError(f"the state refers to tensor {pid!r}, which is not stored") from error
 
 
-def read(file: IO[bytes], size: int, expected: str) -> Any:
-    """Read a shard written by :func:`write` from `file` (unbuffered, binary) in one pass: the
-    state, once the whole file matched `size` bytes and hash `expected`. ShardError for
-    anything else."""
+def read(path: str | os.PathLike[str], size: int, expected: str) -> Any:
+    """The state in the shard at `path`, once the whole file matched `size` bytes and hash
+    `expected`: the file is mapped (read ahead in one go), hashed, and its tensors are views of
+    the mapping (private: changing one never changes the file). ShardError for anything else."""
+    with open(path, "rb") as f:
+        actual = os.fstat(f.fileno()).st_size
+        if actual != size or size < 8:
+            raise ShardError(f"{os.fspath(path)} is {actual} bytes, the manifest says {size}")
+        flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
+        mapped = mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return read_buffer(mapped, expected)
+
+
+def read_buffer(buffer: Any, expected: str) -> Any:
+    """The state in a whole shard held in `buffer` (bytes, a mapping), checked against hash
+    `expected` before anything is unpickled."""
+    data = memoryview(buffer)
     try:
-        rest, tensors = _read(file, size, expected)
+        rest, tensors = _read(buffer, data, expected)
     except ShardError:
         raise
     except (KeyError, TypeError, ValueError, IndexError, struct.error) as error:
@@ -233,13 +256,12 @@ def read(file: IO[bytes], size: int, expected: str) -> Any:
     return _Unpickler(io.BytesIO(rest), tensors).load()
 
 
-def _read(file: IO[bytes], size: int, expected: str) -> tuple[bytes, list[Any]]:
-    digest = xxhash.xxh3_128()
-    head = _read_exactly(file, 8, digest)
-    (length,) = struct.unpack("<Q", head)
+def _read(buffer: Any, data: memoryview, expected: str) -> tuple[bytes, list[Any]]:
+    size = len(data)
+    (length,) = struct.unpack("<Q", data[:8])
     if length > MAX_HEADER or 8 + length > size:
         raise ShardError(f"header length {length} does not fit a {size}-byte shard")
-    header = json.loads(_read_exactly(file, length, digest))
+    header = json.loads(bytes(data[8 : 8 + length]))
     meta = header.pop("__metadata__", {})
     if meta.get("format") != FORMAT:
         raise ShardError(f"not a {FORMAT} file (format {meta.get('format')!r})")
@@ -248,25 +270,25 @@ def _read(file: IO[bytes], size: int, expected: str) -> tuple[bytes, list[Any]]:
     if set(header) != set(names):
         raise ShardError("the header's entries are not t0..tN and rest")
     offset = 0
-    for name in names:
+    for name in sorted(names, key=lambda n: header[n]["data_offsets"][0]):
         begin, end = header[name]["data_offsets"]
         if begin != offset or end < begin:
             raise ShardError(f"{name}'s bytes {begin}..{end} do not follow on from {offset}")
         offset = end
     if 8 + length + offset != size:
         raise ShardError(f"the header describes {8 + length + offset} bytes, the shard has {size}")
-    tensors = [_read_tensor(file, header[name], digest) for name in names[:-1]]
-    begin, end = header["rest"]["data_offsets"]
-    rest = _read_exactly(file, end - begin, digest)
-    if file.read(1):
-        raise ShardError("the shard is longer than its header says")
-    if digest.hexdigest() != expected:
+    base = 8 + length
+    tensors = [_check_tensor(header[name]) for name in names[:-1]]
+    if xxhash.xxh3_128(data).hexdigest() != expected:
         raise ShardError("the shard does not match its checksum")
-    _mark(tensors, meta.get("parameters", ""), meta.get("requires_grad", ""))
-    return rest, tensors
+    views = [_tensor_at(buffer, base, spec) for spec in tensors]
+    begin, end = header["rest"]["data_offsets"]
+    _mark(views, meta.get("parameters", ""), meta.get("requires_grad", ""))
+    return bytes(data[base + begin : base + end]), views
 
 
-def _read_tensor(file: IO[bytes], entry: dict[str, Any], digest: Any) -> Any:
+def _check_tensor(entry: dict[str, Any]) -> tuple[Any, list[int], int, int]:
+    """(dtype, shape, begin, end) of a header entry whose shape fits its byte range."""
     import torch
 
     dtypes = {code: getattr(torch, name) for name, code in _DTYPES.items()}
@@ -277,29 +299,19 @@ def _read_tensor(file: IO[bytes], entry: dict[str, Any], digest: Any) -> Any:
     begin, end = entry["data_offsets"]
     if math.prod(shape) * dtype.itemsize != end - begin or min(shape, default=0) < 0:
         raise ShardError(f"a {entry['dtype']} tensor of shape {shape} is not {end - begin} bytes")
-    tensor = torch.empty(shape, dtype=dtype)
-    target = _memory(tensor)
-    filled = 0
-    while filled < len(target):
-        got = file.readinto(target[filled : filled + CHUNK])  # type: ignore[attr-defined]
-        if not got:
-            raise ShardError("the shard ends inside a tensor")
-        digest.update(target[filled : filled + got])
-        filled += got
-    return tensor
+    return dtype, shape, begin, end
 
 
-def _read_exactly(file: IO[bytes], count: int, digest: Any) -> bytes:
-    parts, left = [], count
-    while left:
-        part = file.read(min(left, CHUNK))
-        if not part:
-            raise ShardError("the shard ends early")
-        parts.append(part)
-        left -= len(part)
-    data = b"".join(parts)
-    digest.update(data)
-    return data
+def _tensor_at(buffer: Any, base: int, spec: tuple[Any, list[int], int, int]) -> Any:
+    import torch
+
+    dtype, shape, begin, end = spec
+    if end == begin:
+        return torch.empty(shape, dtype=dtype)
+    flat = torch.frombuffer(
+        buffer, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=base + begin
+    )
+    return flat.view(shape)
 
 
 def _mark(tensors: list[Any], parameters: str, requires_grad: str) -> None:
