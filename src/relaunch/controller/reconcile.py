@@ -172,7 +172,7 @@ class Reconciler:
             if node not in wanted and node not in self.awaiting_launcher():
                 link.peer.send(Shutdown(0.0))
                 del self.standby[node]
-        if not self._settled(now):
+        if not self._settled():
             return
         for node in sorted(wanted - set(self.standby)):
             since = self.standby_launching.get(node)
@@ -181,7 +181,7 @@ class Reconciler:
             self.standby_launching[node] = now
             c.engine.start_pod(self._standby_plan(node))
 
-    def _settled(self, now: float) -> bool:
+    def _settled(self) -> bool:
         """New standby launchers are not started while a recovery runs: their spares importing
         beside ranks that restart on the same node would slow the very restart (a standby
         launcher a recovery took is replaced once the job trains again)."""

@@ -75,9 +75,9 @@ __all__ = ["INJECT_DIR", "Launcher"]
 
 INJECT_DIR = Path(__file__).parent.parent / "_inject"
 _KEPT_WHILE_AWAY = (Exited, Stopped, ProgressBatch)
+"""Messages kept for the next controller while none is connected."""
 SPARE_SETTLE_S = 30.0
 """How long after their start ranks that report no steps count as training (spares_wanted)."""
-"""Messages kept for the next controller while none is connected."""
 
 
 class _Check(Message):
