@@ -315,11 +315,15 @@ def _tensor_at(buffer: Any, base: int, spec: tuple[Any, list[int], int, int]) ->
 
 
 def _mark(tensors: list[Any], parameters: str, requires_grad: str) -> None:
+    """Parameters back as Parameters, and requires_grad as it was saved."""
     grads = {int(i) for i in requires_grad.split(",") if i}
-    for index in (int(i) for i in parameters.split(",") if i):
-        import torch
+    params = {int(i) for i in parameters.split(",") if i}
+    if not (grads or params):
+        return
+    import torch
 
-        tensors[index] = torch.nn.Parameter(tensors[index], requires_grad=index in grads)
-    for index in grads:
-        if not tensors[index].requires_grad:
+    for index in grads | params:
+        if index in params:
+            tensors[index] = torch.nn.Parameter(tensors[index], requires_grad=index in grads)
+        else:
             tensors[index].requires_grad_(True)
