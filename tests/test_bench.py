@@ -103,7 +103,11 @@ def test_quick_bench_writes_json_markdown_and_chart(tmp_path: Path) -> None:
     scale = result["scale"]
     assert {r["level"] for r in scale} == {"job-reschedule", "pod-reschedule", "in-place"}
     assert all(r["failures"] == 0 and r["median_s"] is not None for r in scale)
-    overhead = result["overhead"]
+    sizes = {(r["system"], r["level"]): r for r in result["sizes"]}
+    assert set(sizes) == {("torchrun", "job-reschedule"), ("relaunch", "process-in-place")}
+    assert all(r["processes"] == 4 and r["failures"] == 0 for r in sizes.values())
+    assert sizes["relaunch", "process-in-place"]["vs_torchrun"] is not None
+    (overhead,) = result["overhead"]
     assert overhead["ok"] and overhead["workers_seen"] >= overhead["processes"]
     assert overhead["controller_cpu_s"] > 0 and overhead["relaunch_ms_per_proc_s"] > 0
     (ckpt,) = result["checkpoint"]
@@ -115,7 +119,10 @@ def test_quick_bench_writes_json_markdown_and_chart(tmp_path: Path) -> None:
     assert set(reliability["torchrun"]) == set(reliability["relaunch"])
     markdown = (out / "bench.md").read_text()
     assert markdown.startswith("| system |")
-    for title in ("Where the time goes", "Scale", "Controller overhead", "Checkpoints", "Restart"):
+    for title in (
+        "Where the time goes", "Scale", "MTTR by job size", "Controller overhead", "Checkpoints",
+        "Restart",
+    ):  # fmt: skip
         assert title in markdown
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     left = [

@@ -262,10 +262,52 @@ def test_report_progress_sends_rank_and_step_to_the_launcher(
     receiver.bind("\0" + name)
     monkeypatch.setenv("RELAUNCH_PROGRESS_SOCKET", "@" + name)
     monkeypatch.setenv("RANK", "5")
-    monkeypatch.setattr(progress, "_address", None)
+    monkeypatch.setattr(progress, "_addresses", None)
+    monkeypatch.setattr(progress, "_sent_at", None)
     report_progress(12)
     assert receiver.recv(64) == b"5 12"
     receiver.close()
+
+
+def test_report_progress_sends_the_first_step_and_phases_at_once_and_steps_at_most_every_interval(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The launcher wakes only for the urgent socket: a rank's first step (it proves a restart
+    worked) and its phases (R-37) go there; later steps go to the routine socket, no more often
+    than RELAUNCH_PROGRESS_EVERY_S."""
+    import relaunch.train.progress as progress
+
+    sockets = {}
+    for kind in ("routine", "urgent"):
+        sockets[kind] = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sockets[kind].bind(f"\0relaunch-test-{kind}-{os.getpid()}")
+        sockets[kind].setblocking(False)
+    monkeypatch.setenv("RELAUNCH_PROGRESS_SOCKET", f"@relaunch-test-routine-{os.getpid()}")
+    monkeypatch.setenv("RELAUNCH_URGENT_SOCKET", f"@relaunch-test-urgent-{os.getpid()}")
+    monkeypatch.setenv("RELAUNCH_PROGRESS_EVERY_S", "0.2")
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setattr(progress, "_addresses", None)
+    monkeypatch.setattr(progress, "_sent_at", None)
+
+    def received(kind: str) -> list[bytes]:
+        out = []
+        while True:
+            try:
+                out.append(sockets[kind].recv(64))
+            except BlockingIOError:
+                return out
+
+    report_progress(1)
+    report_progress(2)  # within the interval: not sent
+    progress.report_phase("saving")
+    assert received("urgent") == [b"2 1", b"2 @saving"]
+    assert received("routine") == []
+    monkeypatch.setattr(progress, "_sent_at", (progress._sent_at or 0.0) - 0.3)
+    report_progress(3)
+    assert received("routine") == [b"2 3"]
+    assert received("urgent") == []
+    for sock in sockets.values():
+        sock.close()
 
 
 def test_report_progress_never_blocks_when_nobody_reads() -> None:
@@ -289,7 +331,8 @@ def test_report_progress_outside_relaunch_does_nothing(monkeypatch: pytest.Monke
     import relaunch.train.progress as progress
 
     monkeypatch.delenv("RELAUNCH_PROGRESS_SOCKET", raising=False)
-    monkeypatch.setattr(progress, "_address", None)
+    monkeypatch.delenv("RELAUNCH_URGENT_SOCKET", raising=False)
+    monkeypatch.setattr(progress, "_addresses", None)
     report_progress(1)
 
 

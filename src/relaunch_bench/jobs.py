@@ -40,13 +40,16 @@ def median(values: list[float]) -> float | None:
     return round(statistics.median(values), 3) if values else None
 
 
-def cluster(nodes: int, chips: int) -> dict[str, Any]:
-    """An embedded cluster with detection intervals short enough for a benchmark."""
+def cluster(
+    nodes: int, chips: int, heartbeat_s: float = 0.2, heartbeat_timeout_s: float = 1.5
+) -> dict[str, Any]:
+    """An embedded cluster with detection intervals short enough for a benchmark (by default:
+    node loss in 1.5 s)."""
     return {
         "nodes": nodes,
         "chips_per_node": chips,
-        "heartbeat_interval_s": 0.2,
-        "heartbeat_timeout_s": 1.5,
+        "heartbeat_interval_s": heartbeat_s,
+        "heartbeat_timeout_s": heartbeat_timeout_s,
         "adopt_grace_s": 10,
     }
 

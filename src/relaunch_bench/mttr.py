@@ -127,7 +127,7 @@ def _job(
         "spec": {
             "replicas": pods,
             "procs_per_pod": procs,
-            "chips_per_pod": 2,
+            "chips_per_pod": max(2, procs),
             "command": command,
             "hang_detect_seconds": hang_s,
             "monitor_interval": 0.1,
@@ -137,12 +137,16 @@ def _job(
 
 
 def relaunch_once(workload: str, level: str, tmp: Path, procs: int = 2) -> Sample:
-    """One `relaunch run` whose single fault must be recovered by `level`."""
+    """One `relaunch run` whose single fault must be recovered by `level`. A process fault
+    hits the last rank (in pod 1, whatever the pod's size)."""
     path = tmp / "timeline.txt"
     _, fault = LEVELS[level]
+    if "rank" in fault:
+        fault = {**fault, "rank": 2 * procs - 1}
     scripted_crash = workload == "ddp" and level.removesuffix(WARM_SPARE) == "job-reschedule"
     faults = [] if scripted_crash else [{**fault, "at_step": FAULT_STEP}]
-    report, _ = run_job(tmp, _job(workload, level, path, procs=procs), faults, CLUSTER, timeout=300)
+    nodes = CLUSTER if procs <= 2 else cluster(4, procs)
+    report, _ = run_job(tmp, _job(workload, level, path, procs=procs), faults, nodes, timeout=300)
     record = only_record(report, level.removesuffix(WARM_SPARE))
     if record is None:
         shown = (
@@ -273,6 +277,56 @@ def mttr_rows(quick: bool, repeats: int, levels: tuple[str, ...], say: Progress)
             )
             say(f"{system} {workload} {level} #{i + 1}: MTTR {shown}")
         rows.append(row_of(system, level, workload, samples))
+    return rows
+
+
+SIZES = (4, 8, 16)
+"""Processes of the DDP job (2 pods) in the sizes section."""
+SIZE_LEVELS = ("process-in-place", "process-retry", "job-reschedule+spare")
+
+
+def size_rows(
+    sizes: tuple[int, ...], repeats: int, levels: tuple[str, ...], say: Progress
+) -> list[dict[str, Any]]:
+    """MTTR of the DDP job at each size (2 pods of size/2 processes): torchrun's crash restart
+    and relaunch's process-level and warm job-level recoveries, side by side (R-42: process-level
+    recovery replaces one process, so its MTTR should stay nearly flat as the job grows)."""
+    chosen = [lv for lv in SIZE_LEVELS if not levels or lv in levels]
+    rows: list[dict[str, Any]] = []
+    for size in sizes:
+        procs = size // 2
+        measured: dict[str, Row] = {}
+        for system, level in [("torchrun", "job-reschedule"), *(("relaunch", lv) for lv in chosen)]:
+            samples = []
+            for i in range(repeats):
+                with tempfile.TemporaryDirectory(prefix="relaunch-bench-") as tmp:
+                    sample = (
+                        torchrun.crash_once(Path(tmp), procs)
+                        if system == "torchrun"
+                        else relaunch_once("ddp", level, Path(tmp), procs)
+                    )
+                samples.append(sample)
+                shown = f"{sample.mttr_s:.2f} s" if sample.mttr_s is not None else sample.note
+                say(f"{size} processes, {system} {level} #{i + 1}: MTTR {shown}")
+            measured[f"{system} {level}"] = row_of(system, level, "ddp", samples)
+        baseline = measured["torchrun job-reschedule"].median_s
+        for name, row in measured.items():
+            rows.append(
+                {
+                    "processes": size,
+                    "system": row.system,
+                    "level": row.level,
+                    "repeats": row.repeats,
+                    "failures": row.failures,
+                    "median_s": row.median_s,
+                    "detect_s": row.detect_s,
+                    "vs_torchrun": (
+                        round(row.median_s / baseline, 3)
+                        if row.median_s and baseline and name != "torchrun job-reschedule"
+                        else None
+                    ),
+                }
+            )
     return rows
 
 

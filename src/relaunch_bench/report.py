@@ -22,8 +22,14 @@ SCALE_COLUMNS = {
     "repeats": "repeats", "failures": "failed", "median_s": "median MTTR s", "min_s": "min",
     "max_s": "max", "detect_s": "detect s",
 }  # fmt: skip
+SIZE_COLUMNS = {
+    "processes": "processes", "system": "system", "level": "level", "repeats": "repeats",
+    "failures": "failed", "median_s": "median MTTR s", "detect_s": "detect s",
+    "vs_torchrun": "vs torchrun",
+}  # fmt: skip
 OVERHEAD_COLUMNS = {
-    "processes": "processes", "pods": "pods", "nodes": "nodes", "window_s": "window s",
+    "processes": "processes", "pods": "pods", "nodes": "nodes", "heartbeat_s": "heartbeat s",
+    "window_s": "window s",
     "report_rate_hz": "reports / proc / s", "controller_ms_per_proc_s": "controller ms CPU / proc / s",
     "launchers_ms_per_proc_s": "launchers", "agents_ms_per_proc_s": "agents",
     "relaunch_ms_per_proc_s": "relaunch total", "relaunch_cores": "relaunch cores",
@@ -44,6 +50,7 @@ RELIABILITY_COLUMNS = {
 }  # fmt: skip
 SECTIONS = (
     ("scale", "Scale (light workload, 2 processes per pod)", SCALE_COLUMNS),
+    ("sizes", "MTTR by job size (DDP, 2 pods)", SIZE_COLUMNS),
     ("checkpoint", "Checkpoints against the raw disk", CHECKPOINT_COLUMNS),
     ("reliability", "Restart reliability", RELIABILITY_COLUMNS),
 )
@@ -85,7 +92,7 @@ def markdown(result: dict[str, Any]) -> str:
         if result.get(key):
             lines += ["", f"{title}:", "", *table(result[key], columns)]
     if result.get("overhead"):
-        lines += ["", "Controller overhead:", "", *table([result["overhead"]], OVERHEAD_COLUMNS)]
+        lines += ["", "Controller overhead:", "", *table(result["overhead"], OVERHEAD_COLUMNS)]
     return "\n".join(lines) + "\n"
 
 

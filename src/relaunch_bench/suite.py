@@ -15,12 +15,12 @@ from typing import Any
 from relaunch_bench import report, torchrun
 from relaunch_bench.checkpoint import checkpoint_rows
 from relaunch_bench.jobs import Progress
-from relaunch_bench.mttr import Row, hang_rows, mttr_rows, ratios
-from relaunch_bench.overhead import overhead_row
+from relaunch_bench.mttr import SIZES, Row, hang_rows, mttr_rows, ratios, size_rows
+from relaunch_bench.overhead import overhead_rows
 from relaunch_bench.reliability import RELIABILITY_LEVELS, reliability_rows
 from relaunch_bench.scale import scale_rows
 
-SECTIONS = ("mttr", "hang", "scale", "overhead", "checkpoint", "reliability")
+SECTIONS = ("mttr", "hang", "scale", "sizes", "overhead", "checkpoint", "reliability")
 
 
 @dataclass
@@ -59,7 +59,8 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         "hang": hangs,
         "ratios": ratios(rows),
         "scale": [],
-        "overhead": None,
+        "sizes": [],
+        "overhead": [],
         "checkpoint": [],
         "reliability": [],
         **measured,
@@ -80,10 +81,15 @@ def _sections(
     if "scale" in sections:
         sizes = [2] if quick else [2, 4, 8, 16, 64]
         measured["scale"] = scale_rows(sizes, 1 if quick else min(3, repeats), say, options.levels)
+    if "sizes" in sections:
+        levels = ("process-in-place",) if quick else options.levels
+        measured["sizes"] = size_rows(
+            (4,) if quick else SIZES, 1 if quick else min(3, repeats), levels, say
+        )
     if "overhead" in sections:
         rate = 10.0 if quick else 2.0
-        measured["overhead"] = overhead_row(
-            16 if quick else 256, 2.0 if quick else 20.0, say, report_hz=rate
+        measured["overhead"] = overhead_rows(
+            16 if quick else 256, 2.0 if quick else 20.0, say, rate, quick
         )
     if "checkpoint" in sections:
         sizes = [8] if quick else [64, 512]

@@ -57,7 +57,7 @@ def heartbeats(c: Controller, now: float) -> None:
         c.nodes.values(),
         c.agents,
         c.engine.lost_nodes(),
-        now,
+        min(now, c.caught_up_at),  # silent up to when everything sent was read
         c.cluster.heartbeat_timeout_s,
         c.adopt_until or now,
         c.fault_plan.injected_at,
@@ -100,7 +100,7 @@ def hangs(c: Controller, now: float) -> None:
     found = hang_fault(
         links,
         c.job.attempt,
-        now,
+        min(now, c.caught_up_at),  # silent up to when everything sent was read
         c.hang_s,
         c.startup_s,
         lambda rank: waiting and active is not None and rank not in active.ranks,

@@ -216,6 +216,14 @@ def pod_environment(c: Controller, row: PodRow, attempt: int) -> dict[str, str]:
     ).variables()
 
 
+def progress_interval(hang_s: float, replicas: int) -> float:
+    """How often a launcher forwards its ranks' newest steps (a rank's first step in an attempt
+    and SDK phases go at once): a twentieth of the hang window, at most a second, so that hang
+    detection and the progress chart lose nothing; longer for very large jobs (0.002 s a pod),
+    so that the controller hears a few hundred batches a second at most."""
+    return max(0.02, min(1.0, hang_s / 20), 0.002 * replicas)
+
+
 def launch_plan(c: Controller, row: PodRow) -> LaunchPlan:
     """The one way a pod's launcher is described (a standby launcher's derives from it)."""
     return LaunchPlan(
@@ -232,7 +240,7 @@ def launch_plan(c: Controller, row: PodRow) -> LaunchPlan:
         workdir=row.workdir,
         env=dict(c.spec.env),
         warm_spares=c.spec.warm_spares,
-        progress_interval_s=max(0.02, 0.002 * c.spec.replicas),
+        progress_interval_s=progress_interval(c.hang_s, c.spec.replicas),
         termination_grace_s=c.recovery.termination_grace_s,
         activity_interval_s=min(30.0, max(0.2, c.hang_s / 5)),
     )

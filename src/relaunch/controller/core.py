@@ -15,6 +15,7 @@ from an engine, so that the loop runs the same under unit tests with fakes as in
 from __future__ import annotations
 
 import queue
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,7 @@ from relaunch.controller import checks, lifecycle
 from relaunch.controller.clock import TICK_S, Clock, SystemClock
 from relaunch.controller.dispatch import dispatch
 from relaunch.controller.faultplan import FaultPlanRunner
+from relaunch.controller.listener import Listener
 from relaunch.controller.membership import MembershipPublisher
 from relaunch.controller.peers import AgentLink, LauncherLink, Peer
 from relaunch.controller.pods import Pod
@@ -40,6 +42,11 @@ from relaunch.store import JobRow, JobStatus, NodeRow, PodRow, Store
 
 __all__ = ["TICK_S", "Controller", "RunOptions"]
 
+READ_EVERY_S: Final = 0.02
+"""The controller reads its connections at most this often: under a steady stream of messages
+(heartbeats, progress) one read takes several, at the cost of that much latency at most."""
+DRAIN_ROUNDS: Final = 20
+"""Reads of every ready connection per step at most, before the checks run anyway."""
 SEEN_EVERY_S: Final = 0.5
 """How often the controller writes that it is alive (a resume tells how long it was away)."""
 
@@ -98,6 +105,14 @@ class Controller:
         self.on_output = on_output
         self.on_tick = on_tick
         self.inbox: queue.Queue[tuple[Peer, Message | None]] = queue.Queue()
+        self.listener: Listener | None = None
+        """The socket agents and launchers connect to, while the controller runs."""
+        self.read_at = 0.0
+        """When (monotonic) the listener was last read."""
+        self.caught_up_at = self.clock.now()
+        """When the controller last had read everything its peers had sent: silence is measured
+        up to then, so that a controller that fell behind (a stall, a start of hundreds of
+        processes on few cores) never takes its own lateness for a silent node."""
         self.job: JobRow = store.job(job_id)
         self.nodes: dict[str, NodeRow] = {}
         self.refresh_nodes()
@@ -123,7 +138,9 @@ class Controller:
     # -- the loop -------------------------------------------------------------------------------
 
     def receive(self, peer: Peer, message: Message | None) -> None:
-        """A message from a peer (None: its connection closed); handled by the next step."""
+        """A message from a peer (None: its connection closed), handled by the next step; for
+        peers that are not the listener's (unit tests). Call it from the controller's thread:
+        a wait on the listener does not wake for it."""
         self.inbox.put((peer, message))
 
     def hurry(self) -> None:
@@ -149,22 +166,47 @@ class Controller:
         lifecycle.stop(self, reason)
 
     def drain(self, wait: float) -> None:
-        """Handle every message that arrived, waiting up to `wait` for the first."""
+        """Handle every message that arrived, waiting up to `wait` for the first: from the
+        listener's connections (production) and from the inbox (what `receive` was given).
+        Reads again until nothing more is waiting (DRAIN_ROUNDS at most, so that the checks
+        still run under a flood); once nothing is, `caught_up_at` says the controller has
+        heard everything sent before then."""
+        caught_up = True
+        if self.listener is not None:
+            since = time.monotonic() - self.read_at
+            if since < READ_EVERY_S:  # gather what arrives meanwhile into one read
+                time.sleep(READ_EVERY_S - since)
+                wait = max(0.0, wait - (READ_EVERY_S - since))
+            received = self.listener.poll(wait if self.inbox.empty() else 0.0)
+            self.read_at = time.monotonic()
+            rounds = 0
+            while received:
+                for conn, message in received:
+                    dispatch(self, conn, message)
+                rounds += 1
+                if rounds == DRAIN_ROUNDS:
+                    caught_up = False
+                    break
+                received = self.listener.poll(0.0)
+            wait = 0.0
         try:
             peer, message = self.inbox.get(timeout=wait) if wait > 0 else self.inbox.get_nowait()
         except queue.Empty:
-            return
-        while True:
+            peer = None
+        while peer is not None:
             dispatch(self, peer, message)
             try:
                 peer, message = self.inbox.get_nowait()
             except queue.Empty:
-                return
+                peer = None
+        if caught_up:
+            self.caught_up_at = self.clock.now()
 
     def pass_(self, now: float) -> None:
         """One round of the level-triggered checks, in the flow's order."""
-        self.job = self.store.job(self.job_id)  # the API may have asked for a stop, added faults
-        self.refresh_nodes()
+        if self.store.changed_elsewhere():  # the API asked for a stop, added faults, cordoned
+            self.job = self.store.job(self.job_id)
+            self.refresh_nodes()
         if now - self.seen_written >= SEEN_EVERY_S:
             self.seen_written = now
             self.update_job(controller_seen_at=now)

@@ -151,10 +151,14 @@ def launcher_faults(
 
 def rank_active(rank: Rank, cpu: float, io: int, now: float, uses_sdk: bool) -> bool:
     """A usage sample shows the rank alive: enough CPU since the last sample, or, for a job
-    that does not report steps, any I/O (R-25)."""
+    that does not report steps, any I/O (R-25). A rank that showed progress or output since the
+    last sample is not sampled meanwhile (the launcher skips it): this sample is only the
+    baseline for the next, its difference from the old one proves nothing about now."""
     if rank.usage is None:
         return False
     then, cpu_then, io_then = rank.usage
+    if rank.last_activity > then:
+        return False
     busy = cpu - cpu_then >= ACTIVE_CPU_SHARE * max(now - then, 1e-3)
     return busy or (not uses_sdk and io > io_then)
 

@@ -32,6 +32,8 @@ __all__ = ["dispatch"]
 
 PROGRESS_SAVED_EVERY_S = 0.5
 """The newest step is written to the store at most this often (the API's progress chart)."""
+HEARTBEAT_WRITTEN_EVERY_S = 5.0
+"""A node's last heartbeat is written to the store at most this often when nothing changed."""
 
 
 def dispatch(c: Controller, peer: Peer, message: Message | None) -> None:
@@ -48,7 +50,7 @@ def dispatch(c: Controller, peer: Peer, message: Message | None) -> None:
             agent = c.agents.get(message.node)
             if agent is not None and agent.peer is peer:
                 agent.last_heartbeat = c.clock.now()
-                _chip_health(c, message)
+                _chip_health(c, agent, message)
         case Healed(request=request, ok=ok):
             c.recoveries.healed(request, ok)
         case Injected():
@@ -137,19 +139,28 @@ def _exited(c: Controller, link: LauncherLink, message: Exited) -> None:
         c.recoveries.fault(found.fault, found.source)
 
 
-def _chip_health(c: Controller, beat: Heartbeat) -> None:
+def _chip_health(c: Controller, agent: AgentLink, beat: Heartbeat) -> None:
     """A node's chips and link, as its heartbeat says: the node's state follows, and each fault
-    reported is a fault (stored once)."""
+    reported is a fault (stored once). The store hears of a heartbeat only when what it says
+    changed, or every HEARTBEAT_WRITTEN_EVERY_S (the record's "last heartbeat")."""
     now = c.clock.now()
-    c.store.set_chip_health(
-        beat.node, [{"chip": f.chip, "code": f.code, "kind": f.kind} for f in beat.chips], now
-    )
+    chips = tuple((f.chip, f.code, f.kind) for f in beat.chips)
+    if chips != agent.chips_written or now - agent.written_at >= HEARTBEAT_WRITTEN_EVERY_S:
+        agent.chips_written, agent.written_at = chips, now
+        c.store.set_chip_health(
+            beat.node,
+            [{"chip": chip, "code": code, "kind": kind} for chip, code, kind in chips],
+            now,
+        )
     row = c.node(beat.node)
     if beat.chips and row is not None and row.state is NodeState.READY:
         c.store.set_node_state(beat.node, NodeState.FAULTY, "chip fault reported")
+        c.refresh_nodes()
     elif not beat.chips and row is not None and row.state is NodeState.FAULTY:
         c.store.set_node_state(beat.node, NodeState.READY, "chips healthy")
-    c.refresh_nodes()
+        c.refresh_nodes()
+    if not beat.chips and beat.link is None:
+        return
     pod = next((p.index for p in c.pods.values() if p.row.node == beat.node), None)
     for found in chip_faults(beat, pod, c.fault_plan.injected_at):
         c.recoveries.fault(found.fault, found.source)

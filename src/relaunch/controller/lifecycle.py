@@ -4,16 +4,15 @@ the job ends, and shutting its pods and agents down."""
 from __future__ import annotations
 
 import os
-import socket
-import threading
 from typing import TYPE_CHECKING, Final
 
 from relaunch.controller.active import ActiveRecovery
 from relaunch.controller.clock import TICK_S
 from relaunch.controller.commands import master_port, stop_grace
+from relaunch.controller.listener import Listener
 from relaunch.faults import Fault, FaultKind
 from relaunch.protocol.messages import Shutdown
-from relaunch.protocol.wire import Connection, write_controller_address
+from relaunch.protocol.wire import write_controller_address
 from relaunch.store import JobRow, JobStatus, NodeState, Outcome
 
 if TYPE_CHECKING:
@@ -25,34 +24,17 @@ AGENTS_START_S: Final = 15.0
 """How long a start waits for the node agents it started to connect."""
 
 
-def listen(c: Controller) -> socket.socket:
-    """Accept agents and launchers; each connection's messages go to the controller's inbox."""
-    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    server.bind((c.engine.bind_host, 0))
-    server.listen(256)
-
-    def read(conn: Connection) -> None:
-        for message in conn:
-            c.receive(conn, message)
-        c.receive(conn, None)
-
-    def accept() -> None:
-        while True:
-            try:
-                sock, _ = server.accept()
-            except OSError:
-                return
-            threading.Thread(target=read, args=(Connection(sock),), daemon=True).start()
-
-    threading.Thread(target=accept, daemon=True).start()
-    host, port = server.getsockname()
+def listen(c: Controller) -> Listener:
+    """Accept agents and launchers; the controller's loop reads their messages (Controller.drain)."""
+    listener = Listener(c.engine.bind_host)
+    c.listener = listener
+    host, port = listener.address
     write_controller_address(c.layout.path, host, port, pid=os.getpid())
-    return server
+    return listener
 
 
 def run(c: Controller) -> tuple[JobStatus, str]:
-    server = listen(c)
+    listener = listen(c)
     try:
         now = c.clock.now()
         if c.options.resume:
@@ -71,7 +53,8 @@ def run(c: Controller) -> tuple[JobStatus, str]:
         finish(c, c.job)
         return c.job.status, c.job.reason
     finally:
-        server.close()
+        c.listener = None
+        listener.close()
 
 
 def start_agents(c: Controller, now: float, keep_lost: bool = False) -> None:

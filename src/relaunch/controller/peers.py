@@ -67,3 +67,7 @@ class AgentLink:
     peer: Peer
     node: str
     last_heartbeat: float
+    chips_written: tuple[tuple[int, str, str], ...] = ()
+    """The chip faults (chip, code, kind) last written to the store for this node."""
+    written_at: float = 0.0
+    """When its heartbeat was last written to the store."""

@@ -75,6 +75,10 @@ class Worker:
     started_at: float = field(default_factory=time.time)
     stepped: bool = False
     """The rank reported a training step (through the SDK) since it started."""
+    alive_since_sample: bool = False
+    """It reported a step or wrote output since its CPU time and I/O were last sampled."""
+    pidfd: int | None = None
+    """A descriptor that becomes readable when the process exits (None: not watched)."""
 
     @property
     def started(self) -> bool:

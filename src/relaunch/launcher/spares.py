@@ -58,6 +58,12 @@ class SparePool:
             threading.Thread(target=_await_ready, args=(spare,), daemon=True).start()
             self.spares.append(spare)
 
+    def wants_more(self) -> bool:
+        """Fewer spares than wanted are alive (one was taken, or died)."""
+        if not self.size or self.argv is None:
+            return False
+        return sum(1 for sp in self.spares if sp.proc.poll() is None) < self.size
+
     def take(self) -> Spare | None:
         """A spare that is ready, or None."""
         for spare in self.spares:

@@ -2,9 +2,15 @@
 
 It starts the job's command as `procs_per_pod` processes, each in its own process group with the
 torchrun-compatible and ModelArts environment; writes their output to per-rank log files and
-relays it (and their progress reports and SDK phases) to the controller; checks them every
-`monitor_interval`, and at once when a rank's output closes; samples their CPU time and I/O;
-stops them with SIGTERM then SIGKILL after the grace period; and injects faults on request.
+relays it (and their progress reports and SDK phases) to the controller; learns of each exit at
+once (a pidfd per process; where the kernel has none, every `monitor_interval`); samples the CPU
+time and I/O of ranks that gave no other sign of life; stops them with SIGTERM then SIGKILL after
+the grace period; and injects faults on request.
+
+It sleeps until something happens: one loop waits on the controller's commands, the SDK's
+progress datagrams and the processes' exits at once, and otherwise only until the next thing
+that is due (a progress batch, a usage sample, the end of the adopt grace). A pod whose ranks
+train costs a few wake-ups a second, whatever the monitor interval.
 
 If the controller goes away, the launcher keeps its processes running and reconnects to the next
 controller that writes its address into the state directory. After `adopt_grace_s` without one
@@ -23,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import selectors
 import signal
 import socket
 import subprocess
@@ -78,6 +85,9 @@ _KEPT_WHILE_AWAY = (Exited, Stopped, ProgressBatch)
 """Messages kept for the next controller while none is connected."""
 SPARE_SETTLE_S = 30.0
 """How long after their start ranks that report no steps count as training (spares_wanted)."""
+HOUSEKEEPING_S = 5.0
+"""How often, at least, the processes are checked and the spares refilled when nothing else
+wakes the launcher (with pidfds an exit wakes it at once)."""
 
 
 class _Check(Message):
@@ -114,6 +124,27 @@ class Launcher:
         self.progress_name = f"relaunch-{os.getpid()}-{plan.job}-{plan.pod}-{plan.generation}"
         self.progress = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.progress.bind("\0" + self.progress_name)
+        self.progress.setblocking(False)
+        self.urgent = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.urgent.bind("\0" + self.progress_name + "-urgent")
+        self.urgent.setblocking(False)
+        self.progress_read_at = 0.0
+        self.events = selectors.DefaultSelector()
+        self.wake_read, self.wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.events.register(self.urgent, selectors.EVENT_READ, "progress")
+        self.events.register(self.wake_read, selectors.EVENT_READ, "wake")
+        self.exits_by_pidfd = hasattr(os, "pidfd_open")
+        """False where the kernel has no pidfds: exits are then polled every monitor interval."""
+
+    def post(self, message: Message) -> None:
+        """A command for the main loop, from another thread; wakes it."""
+        self.commands.put(message)
+        self.wake()
+
+    def wake(self) -> None:
+        """The main loop recomputes what is due now (a thread changed something it waits on)."""
+        with contextlib.suppress(BlockingIOError):
+            os.write(self.wake_write, b"!")
 
     # -- talking to the controller ---------------------------------------------------------------
 
@@ -159,39 +190,55 @@ class Launcher:
                     for message in backlog:
                         conn.send(message)
                     for message in conn:
-                        self.commands.put(message)
+                        self.post(message)
                     with self.lock:
                         self.conn = None
                         self.alone_since = time.time()
+                    self.wake()  # the adopt grace runs from now
             time.sleep(0.1)
 
-    def progress_loop(self) -> None:
-        """The SDK's datagrams: steps (the newest per rank is kept) and phases (sent at once:
-        whether a rank is saving a checkpoint decides which recovery can run, R-37)."""
-        while self.running:
-            try:
-                data = self.progress.recv(256)
-            except OSError:
-                return
-            parsed = parse_datagram(data)
-            if parsed is None:
-                continue
-            rank, value = parsed
-            worker = self.workers.get(rank)
-            attempt = worker.attempt if worker else self.attempt
-            with self.lock:
-                if isinstance(value, int):
-                    self.latest_progress[rank] = Progress(rank, value, attempt, time.time())
-                    if worker is not None:
-                        worker.stepped = True
-                else:
-                    self.phases.append(RankPhase(rank, attempt, value, time.time()))
-            self.flush_progress(force=isinstance(value, str))
+    def read_progress(self) -> None:
+        """The SDK's datagrams that arrived. Urgent ones wake the launcher and are sent at once:
+        a rank's first step (it proves a restart worked) and its phases (whether a rank is
+        saving a checkpoint decides which recovery can run, R-37). Routine steps are read
+        every progress interval, the newest per rank kept."""
+        urgent = False
+        for sock in (self.urgent, self.progress):
+            while True:
+                try:
+                    data = sock.recv(256)
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError:
+                    return
+                urgent = self._received(data) or urgent
+        self.progress_read_at = time.time()
+        self.flush_progress(force=urgent)
+
+    def _received(self, data: bytes) -> bool:
+        """One datagram, kept for the next progress message; True if it is to go at once."""
+        parsed = parse_datagram(data)
+        if parsed is None:
+            return False
+        rank, value = parsed
+        worker = self.workers.get(rank)
+        attempt = worker.attempt if worker else self.attempt
+        now = time.time()
+        with self.lock:
+            if isinstance(value, str):
+                self.phases.append(RankPhase(rank, attempt, value, now))
+                return True
+            self.latest_progress[rank] = Progress(rank, value, attempt, now)
+            if worker is None:
+                return False
+            first = not worker.stepped
+            worker.stepped = worker.alive_since_sample = True
+            return first
 
     def flush_progress(self, force: bool = False) -> None:
         """Forward the newest report of each rank in one message, at most every
         `progress_interval_s`: a loop that reports thousands of steps a second costs the
-        controller a few messages a second per pod, and a large job's interval is longer."""
+        controller one message per pod per interval (up to a second, see commands.launch_plan)."""
         now = time.time()
         with self.lock:
             if not (self.latest_progress or self.phases) or (
@@ -218,6 +265,28 @@ class Launcher:
             worker = self._start_rank(attempt, env, rank, local_rank)
             self.workers[rank] = worker
             self.send(Started(rank, attempt, worker.proc.pid, time.time()))
+            self._watch_exit(worker)
+        self.monitor()  # a command that could not be started has exited already
+
+    def _watch_exit(self, worker: Worker) -> None:
+        """The loop wakes when the worker's process exits (its pidfd becomes readable)."""
+        if not self.exits_by_pidfd or not worker.started:
+            return
+        try:
+            worker.pidfd = os.pidfd_open(worker.proc.pid)
+        except OSError:  # no pidfds here (ENOSYS) or not allowed: poll instead
+            self.exits_by_pidfd = False
+            return
+        self.events.register(worker.pidfd, selectors.EVENT_READ, worker)
+
+    def _unwatch_exit(self, worker: Worker) -> None:
+        if worker.pidfd is None:
+            return
+        with contextlib.suppress(KeyError, ValueError):
+            self.events.unregister(worker.pidfd)
+        with contextlib.suppress(OSError):
+            os.close(worker.pidfd)
+        worker.pidfd = None
 
     def _start_rank(self, attempt: int, env: dict[str, str], rank: int, local_rank: int) -> Worker:
         child_env = self._child_env(env)
@@ -265,6 +334,8 @@ class Launcher:
         child_env.update(
             {
                 Env.PROGRESS_SOCKET: "@" + self.progress_name,
+                Env.URGENT_SOCKET: "@" + self.progress_name + "-urgent",
+                Env.PROGRESS_EVERY: str(self.plan.progress_interval_s),
                 Env.INJECT_DIR: str(self.dir.inject),
                 Env.WORKDIR: str(self.dir.path),
                 "PYTHONPATH": os.pathsep.join(
@@ -286,16 +357,22 @@ class Launcher:
                 line = raw.decode("utf-8", "replace").rstrip("\n")
                 worker.log.write(line + "\n")
                 worker.log.flush()
+                worker.alive_since_sample = True
                 self.send(Output(worker.rank, worker.attempt, line[:2000]))
-        # Output closed: the rank has most likely exited. Check now rather than at the next
-        # monitor interval, so that a crash is reported at once (not taken for a hang).
-        self.commands.put(_Check(worker.rank))
+        # Output closed: the rank has most likely exited. Check now: where exits are polled,
+        # a crash is then reported at once (not at the next monitor interval).
+        self.post(_Check(worker.rank))
 
     def monitor(self) -> None:
+        drained = False
         for worker in list(self.workers.values()):
             code = worker.proc.poll()
             if code is None or worker.reported:
                 continue
+            if not drained:  # what the rank reported before it exited goes first
+                self.read_progress()
+                drained = True
+            self._unwatch_exit(worker)
             if worker.pump is not None:
                 worker.pump.join(timeout=1.0)
             worker.reported = True
@@ -315,13 +392,19 @@ class Launcher:
     def send_usage(self) -> None:
         """CPU time and I/O of each running rank (its whole process tree), when they changed:
         the controller counts a rank that computes or does I/O as alive though it is silent.
-        One walk of the process table per sample, whatever the number of ranks."""
+        Ranks that reported a step or wrote output since the last sample are alive already and
+        are not sampled (the controller takes their next sample as a new baseline, see
+        detectors.rank_active): a job whose ranks report steps costs no walk of the process
+        table, other jobs one per sample, whatever the number of ranks."""
         running = [w for w in self.workers.values() if w.started and w.proc.poll() is None]
-        if not running:
+        silent = [w for w in running if not w.alive_since_sample]
+        for worker in running:
+            worker.alive_since_sample = False
+        if not silent:
             return
         children = children_by_parent()
         ranks: dict[int, tuple[float, int]] = {}
-        for worker in running:
+        for worker in silent:
             usage = tree_usage(worker.proc.pid, children)
             if usage is not None and usage != worker.usage:
                 worker.usage = usage
@@ -394,30 +477,56 @@ class Launcher:
 
     def run(self) -> None:
         threading.Thread(target=self.connect_loop, daemon=True).start()
-        threading.Thread(target=self.progress_loop, daemon=True).start()
-        interval = self.plan.monitor_interval_s
-        next_check = 0.0
+        now = time.time()
+        next_check = now
+        self.usage_sent_at = now
         while self.running:
-            try:
-                message: Message | None = self.commands.get(timeout=min(0.05, interval))
-            except queue.Empty:
-                message = None
-            if message is not None:
+            for key, _ in self.events.select(max(0.0, self.next_due(next_check) - time.time())):
+                if key.data == "wake":
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self.wake_read, 4096)
+                elif key.data == "progress":
+                    self.read_progress()
+                else:
+                    self.monitor()  # a worker's process exited
+            while self.running:
+                try:
+                    message = self.commands.get_nowait()
+                except queue.Empty:
+                    break
                 self.handle(message)
             now = time.time()
-            self.flush_progress()
+            if now >= self.progress_read_at + self.plan.progress_interval_s:
+                self.read_progress()
             if now >= next_check:
-                self.flush_progress(force=True)
                 self.monitor()
-                if self.spares_wanted(now):
-                    self.spares.refill(self.dir.path, self._child_env(self.last_env or {}))
-                next_check = now + interval
+                interval = self.plan.monitor_interval_s
+                next_check = now + (HOUSEKEEPING_S if self.exits_by_pidfd else interval)
+            if self.spares.wants_more() and self.spares_wanted(now):
+                self.spares.refill(self.dir.path, self._child_env(self.last_env or {}))
             if now - self.usage_sent_at >= self.plan.activity_interval_s:
                 self.usage_sent_at = now
                 self.send_usage()
             if self.abandoned():
                 self.stop(self.plan.termination_grace_s)
                 self.running = False
+
+    def next_due(self, next_check: float) -> float:
+        """When the loop must wake if nothing happens before: the next process check, progress
+        batch, usage sample, spare refill or the end of the adopt grace."""
+        due = [next_check, self.usage_sent_at + self.plan.activity_interval_s]
+        if any(w.started and w.proc.poll() is None for w in self.workers.values()):
+            due.append(self.progress_read_at + self.plan.progress_interval_s)
+        with self.lock:
+            if self.alone_since is not None:
+                due.append(self.alone_since + self.plan.adopt_grace_s)
+        if self.spares.wants_more():
+            now = time.time()
+            settled = (
+                w.started_at + SPARE_SETTLE_S for w in self.workers.values() if w.attempt > 1
+            )
+            due += [at for at in settled if at > now]
+        return min(due)
 
     def spares_wanted(self, now: float) -> bool:
         """Spares used by a restart are started again once the restarted processes train: a

@@ -45,6 +45,11 @@ class Env:
     ELASTIC_EVERY: Final = "RELAUNCH_ELASTIC_EVERY"
     # the launcher's side channels
     PROGRESS_SOCKET: Final = "RELAUNCH_PROGRESS_SOCKET"
+    """Routine step reports: the launcher reads them every progress interval."""
+    URGENT_SOCKET: Final = "RELAUNCH_URGENT_SOCKET"
+    """A rank's first step and its phases: the launcher wakes for them."""
+    PROGRESS_EVERY: Final = "RELAUNCH_PROGRESS_EVERY_S"
+    """Steps are reported at most this often (seconds); the launcher forwards no more often."""
     INJECT_DIR: Final = "RELAUNCH_INJECT_DIR"
     SPARE_PRELOAD: Final = "RELAUNCH_SPARE_PRELOAD"
     GASP_WAIT_S: Final = "RELAUNCH_GASP_WAIT_S"

@@ -29,7 +29,11 @@ class Connection:
         self._sock = sock
         self._reader = sock.makefile("r", encoding="utf-8", newline="\n")
         self._lock = threading.Lock()
+        self._pending = b""
         self.closed = False
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
 
     @classmethod
     def connect(cls, host: str, port: int, timeout: float = 2.0) -> Connection:
@@ -61,6 +65,30 @@ class Connection:
             pass
         finally:
             self.close()
+
+    def read_ready(self) -> list[Message] | None:
+        """The messages that arrived, for a reader that waits on many connections with a
+        selector (the controller) and calls this once the socket is readable: one receive, which
+        does not block then. None once the peer is gone. Not to be mixed with iteration."""
+        try:
+            data = self._sock.recv(1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return []
+        except OSError:
+            data = b""
+        if not data:
+            self.close()
+            return None
+        *lines, self._pending = (self._pending + data).split(b"\n")
+        messages = []
+        for line in lines:
+            try:
+                message = decode(line.decode("utf-8")) if line.strip() else None
+            except (UnicodeDecodeError, ValueError):
+                message = None
+            if message is not None:
+                messages.append(message)
+        return messages
 
     def close(self) -> None:
         with self._lock:

@@ -126,6 +126,15 @@ class Database:
             row: sqlite3.Row | None = self._db.execute(sql, params).fetchone()
             return row
 
+    def changed_elsewhere(self) -> bool:
+        """Whether another connection (another process: the API, `relaunch stop`; or another
+        thread) committed a change since this thread last asked. True the first time."""
+        row = self._one("PRAGMA data_version")
+        version = int(row[0]) if row is not None else -1
+        changed = version != getattr(self._local, "data_version", None)
+        self._local.data_version = version
+        return changed
+
     def close(self) -> None:
         with self._lock:
             connections, self._connections = self._connections, []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import time
 from dataclasses import dataclass
 
 from relaunch.protocol.datagrams import SdkPhase, phase_datagram, progress_datagram
@@ -13,7 +14,10 @@ from relaunch.protocol.environment import Env
 __all__ = ["JobEnv", "SdkPhase", "env", "report_phase", "report_progress"]
 
 _socket: socket.socket | None = None
-_address: str | None = None
+_addresses: tuple[str, str, float] | None = None
+"""The routine and the urgent socket's addresses, and the report interval (from the env)."""
+_sent_at: float | None = None
+"""When this process last sent a step (None: it has sent none)."""
 
 
 @dataclass(frozen=True)
@@ -58,15 +62,23 @@ def env() -> JobEnv:
 
 
 def report_progress(step: int) -> None:
-    """Tell the launcher that training reached `step`. One datagram; a no-op outside relaunch."""
-    _send(progress_datagram(_rank(), step))
+    """Tell the launcher that training reached `step`. One datagram, at most every
+    RELAUNCH_PROGRESS_EVERY_S (the launcher forwards no more often; the first step of the
+    process goes at once: it proves a restart worked); a no-op outside relaunch."""
+    global _sent_at
+    now = time.monotonic()
+    first = _sent_at is None
+    if not first and now - (_sent_at or 0.0) < _targets()[2]:
+        return
+    _sent_at = now
+    _send(progress_datagram(_rank(), step), urgent=first)
 
 
 def report_phase(phase: str) -> None:
     """Tell the launcher what this rank is doing (`SdkPhase`): relaunch does not attempt a
     process-level recovery while a rank saves a checkpoint or builds its group (R-37). The SDK's
     checkpoints and process-group keeper call it; a no-op outside relaunch."""
-    _send(phase_datagram(_rank(), phase))
+    _send(phase_datagram(_rank(), phase), urgent=True)
 
 
 def _rank() -> int:
@@ -76,15 +88,32 @@ def _rank() -> int:
         return 0
 
 
-def _send(datagram: bytes) -> None:
-    global _socket, _address
-    if _address is None:
-        target = os.environ.get(Env.PROGRESS_SOCKET, "")
-        _address = "\0" + target[1:] if target.startswith("@") else target
-    if not _address:
+def _targets() -> tuple[str, str, float]:
+    """(routine address, urgent address, report interval), read from the env once."""
+    global _addresses
+    if _addresses is None:
+
+        def address(name: str) -> str:
+            target = os.environ.get(name, "")
+            return "\0" + target[1:] if target.startswith("@") else target
+
+        try:
+            every = max(0.0, float(os.environ.get(Env.PROGRESS_EVERY, "0") or 0))
+        except ValueError:
+            every = 0.0
+        routine = address(Env.PROGRESS_SOCKET)
+        _addresses = (routine, address(Env.URGENT_SOCKET) or routine, every)
+    return _addresses
+
+
+def _send(datagram: bytes, urgent: bool) -> None:
+    global _socket
+    routine, urgent_address, _ = _targets()
+    target = urgent_address if urgent else routine
+    if not target:
         return
     if _socket is None:
         _socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         _socket.setblocking(False)  # a slow launcher drops a report, never stalls training
     with contextlib.suppress(OSError):
-        _socket.sendto(datagram, _address)
+        _socket.sendto(datagram, target)
