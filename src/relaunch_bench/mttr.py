@@ -282,7 +282,12 @@ def mttr_rows(quick: bool, repeats: int, levels: tuple[str, ...], say: Progress)
 
 SIZES = (4, 8, 16)
 """Processes of the DDP job (2 pods) in the sizes section."""
-SIZE_LEVELS = ("process-in-place", "process-retry", "job-reschedule+spare")
+SIZE_LEVELS = (
+    "process-in-place",
+    "process-in-place+spare",
+    "process-retry",
+    "job-reschedule+spare",
+)
 
 
 def size_rows(

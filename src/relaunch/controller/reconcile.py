@@ -200,6 +200,9 @@ class Reconciler:
                 "workdir": str(c.layout.job(c.job_id).standby(node).path),
                 "warm_spares": c.spec.warm_spares,
                 "standby": True,
+                # Once the job trains, a new standby launcher's spares start one at a time:
+                # on nodes that share a machine (the embedded cluster) they import beside ranks.
+                "spares_at_once": c.progress.step is None,
             }
         )
 

@@ -9,6 +9,7 @@ import shlex
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,18 +33,27 @@ class Spare:
 
 
 class SparePool:
-    """Keeps `size` spares started, for a command that one can become (`python script.py`)."""
+    """Keeps `size` spares started, for a command that one can become (`python script.py`).
+    `refill(at_once=False)` starts one at a time, each once the one before is ready: N spares
+    importing torch at once beside ranks that train starved the ranks (8 spares refilled after a
+    job-level restart of 8 ranks on 2 cores stalled training past a 4 s hang window: a false
+    hang). `on_ready` is called (from a thread) when one is ready."""
 
-    def __init__(self, size: int, command: tuple[str, ...]) -> None:
+    def __init__(
+        self, size: int, command: tuple[str, ...], on_ready: Callable[[], None] = lambda: None
+    ) -> None:
         self.size = size
         self.argv = spare_argv(list(command))
         self.spares: list[Spare] = []
+        self.on_ready = on_ready
 
-    def refill(self, cwd: Path, env: dict[str, str]) -> None:
+    def refill(self, cwd: Path, env: dict[str, str], at_once: bool = True) -> None:
         if not self.size or self.argv is None:
             return
         self.spares = [sp for sp in self.spares if sp.proc.poll() is None]
         while len(self.spares) < self.size:
+            if not at_once and not all(sp.ready.is_set() for sp in self.spares):
+                return
             proc = subprocess.Popen(
                 [sys.executable, "-m", "relaunch._spare"],
                 cwd=cwd,
@@ -55,7 +65,7 @@ class SparePool:
                 preexec_fn=die_with_parent,
             )
             spare = Spare(proc, threading.Event())
-            threading.Thread(target=_await_ready, args=(spare,), daemon=True).start()
+            threading.Thread(target=_await_ready, args=(spare, self.on_ready), daemon=True).start()
             self.spares.append(spare)
 
     def wants_more(self) -> bool:
@@ -81,10 +91,11 @@ class SparePool:
         self.spares = []
 
 
-def _await_ready(spare: Spare) -> None:
+def _await_ready(spare: Spare, on_ready: Callable[[], None]) -> None:
     assert spare.proc.stdout is not None
     if spare.proc.stdout.readline().strip() == b"ready":
         spare.ready.set()
+    on_ready()  # the next spare may start (or, if this one died, another in its place)
 
 
 def spare_argv(command: list[str]) -> list[str] | None:

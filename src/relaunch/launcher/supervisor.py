@@ -106,7 +106,7 @@ class Launcher:
         self.dir = PodDir(Path(plan.workdir))
         self.dir.logs.mkdir(parents=True, exist_ok=True)
         self.dir.inject.mkdir(exist_ok=True)
-        self.spares = SparePool(plan.warm_spares, plan.command)
+        self.spares = SparePool(plan.warm_spares, plan.command, on_ready=lambda: self.wake())
         self.commands: queue.Queue[Message] = queue.Queue()
         self.workers: dict[int, Worker] = {}
         self.conn: Connection | None = None
@@ -503,7 +503,12 @@ class Launcher:
                 interval = self.plan.monitor_interval_s
                 next_check = now + (HOUSEKEEPING_S if self.exits_by_pidfd else interval)
             if self.spares.wants_more() and self.spares_wanted(now):
-                self.spares.refill(self.dir.path, self._child_env(self.last_env or {}))
+                training = any(w.proc.poll() is None for w in self.workers.values())
+                self.spares.refill(
+                    self.dir.path,
+                    self._child_env(self.last_env or {}),
+                    at_once=self.plan.spares_at_once and not training,
+                )
             if now - self.usage_sent_at >= self.plan.activity_interval_s:
                 self.usage_sent_at = now
                 self.send_usage()

@@ -36,6 +36,9 @@ class LaunchPlan:
     env: dict[str, str] = field(default_factory=dict)
     warm_spares: int = 0
     """Processes kept started (Python up, torch imported) for process-level restarts."""
+    spares_at_once: bool = True
+    """The spares start together while none of the pod's ranks runs; False: always one at a
+    time (a standby launcher started while the job trains, see SparePool)."""
     progress_interval_s: float = 0.02
     """At most one progress message per this interval (the controller scales it with the job)."""
     termination_grace_s: float = 30.0
