@@ -84,7 +84,7 @@ def _sections(
     if "sizes" in sections:
         levels = ("process-in-place",) if quick else options.levels
         measured["sizes"] = size_rows(
-            (4,) if quick else SIZES, 1 if quick else min(3, repeats), levels, say
+            (2,) if quick else SIZES, 1 if quick else min(3, repeats), levels, say
         )
     if "overhead" in sections:
         rate = 10.0 if quick else 2.0

@@ -503,7 +503,10 @@ class Launcher:
                 interval = self.plan.monitor_interval_s
                 next_check = now + (HOUSEKEEPING_S if self.exits_by_pidfd else interval)
             if self.spares.wants_more() and self.spares_wanted(now):
-                training = any(w.proc.poll() is None for w in self.workers.values())
+                training = any(
+                    (w.stepped or now - w.started_at >= SPARE_SETTLE_S) and w.proc.poll() is None
+                    for w in self.workers.values()
+                )
                 self.spares.refill(
                     self.dir.path,
                     self._child_env(self.last_env or {}),

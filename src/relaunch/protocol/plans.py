@@ -37,8 +37,8 @@ class LaunchPlan:
     warm_spares: int = 0
     """Processes kept started (Python up, torch imported) for process-level restarts."""
     spares_at_once: bool = True
-    """The spares start together while none of the pod's ranks runs; False: always one at a
-    time (a standby launcher started while the job trains, see SparePool)."""
+    """The spares start together while none of the pod's ranks trains (reported a step); False:
+    always one at a time (a standby launcher started while the job trains, see SparePool)."""
     progress_interval_s: float = 0.02
     """At most one progress message per this interval (the controller scales it with the job)."""
     termination_grace_s: float = 30.0
