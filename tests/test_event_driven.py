@@ -102,4 +102,4 @@ def test_an_exit_is_heard_at_once_though_its_output_stays_open_and_monitoring_is
     result = cluster.run(job, timeout=60)
     assert result.returncode != 0
     assert result.report["status"] == "Failed", result.stdout + result.stderr
-    assert "exit 3" in result.report["reason"], result.report["reason"]
+    assert "exit code 3" in result.report["reason"], result.report["reason"]

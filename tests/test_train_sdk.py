@@ -297,14 +297,19 @@ def test_report_progress_sends_the_first_step_and_phases_at_once_and_steps_at_mo
             except BlockingIOError:
                 return out
 
+    monkeypatch.setattr(progress, "_pending", None)
     report_progress(1)
-    report_progress(2)  # within the interval: not sent
-    progress.report_phase("saving")
-    assert received("urgent") == [b"2 1", b"2 @saving"]
+    report_progress(2)  # within the interval: held back
+    assert received("urgent") == [b"2 1"]
+    progress.report_phase("saving")  # the step the phase is about goes first
+    assert received("urgent") == [b"2 2", b"2 @saving"]
     assert received("routine") == []
     monkeypatch.setattr(progress, "_sent_at", (progress._sent_at or 0.0) - 0.3)
     report_progress(3)
+    report_progress(4)  # held back, sent when the process exits
     assert received("routine") == [b"2 3"]
+    progress._flush_pending()
+    assert received("routine") == [b"2 4"]
     assert received("urgent") == []
     for sock in sockets.values():
         sock.close()

@@ -34,8 +34,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
-def kill_tree(pid: int) -> None:
-    """SIGKILL a process and every descendant, whatever session or group they are in."""
+def kill_tree(pid: int, wait: bool = True) -> None:
+    """SIGKILL a process and every descendant, whatever session or group they are in; then wait
+    (5 s at most) until they are gone, unless told not to."""
     try:
         root = psutil.Process(pid)
         family = [root, *root.children(recursive=True)]
@@ -44,7 +45,8 @@ def kill_tree(pid: int) -> None:
     for process in family:
         with contextlib.suppress(psutil.NoSuchProcess):
             process.send_signal(signal.SIGKILL)
-    psutil.wait_procs(family, timeout=5)
+    if wait:
+        psutil.wait_procs(family, timeout=5)
 
 
 class LocalCluster:
@@ -90,10 +92,10 @@ class LocalCluster:
         except (psutil.Error, ValueError, TypeError, IndexError):
             return None
 
-    def _kill(self, ref: Any) -> None:
+    def _kill(self, ref: Any, wait: bool = True) -> None:
         process = self._ours(ref)
         if process is not None:
-            kill_tree(process.pid)
+            kill_tree(process.pid, wait)
 
     def processes(self, kind: str) -> list[psutil.Process]:
         """The live agents (`kind` "agents") or launchers ("launchers") this cluster started."""
@@ -149,12 +151,15 @@ class LocalCluster:
         self._save(pids)
 
     def kill_node(self, node: str) -> None:
-        """A node is lost: its agent and every pod on it die at once."""
+        """A node is lost: its agent and every pod on it die at once. Without waiting for them
+        to be gone: the controller calls this from its loop, and waiting for a dozen processes
+        holding torch to be reaped kept it from reading for 2 s, which node-loss detection
+        then measured."""
         pids = self._pids()
-        self._kill(pids["agents"].pop(node, None))
+        self._kill(pids["agents"].pop(node, None), wait=False)
         for key, ref in list(pids["launchers"].items()):
             if key.rsplit("/", 1)[1] == node:
-                self._kill(ref)
+                self._kill(ref, wait=False)
                 del pids["launchers"][key]
         self._save(pids)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import socket
@@ -18,6 +19,9 @@ _addresses: tuple[str, str, float] | None = None
 """The routine and the urgent socket's addresses, and the report interval (from the env)."""
 _sent_at: float | None = None
 """When this process last sent a step (None: it has sent none)."""
+_pending: int | None = None
+"""A step reported within the interval and not sent yet: it goes with the next phase report
+(so the controller knows the step a checkpoint is saved at) or when the process exits."""
 
 
 @dataclass(frozen=True)
@@ -65,20 +69,33 @@ def report_progress(step: int) -> None:
     """Tell the launcher that training reached `step`. One datagram, at most every
     RELAUNCH_PROGRESS_EVERY_S (the launcher forwards no more often; the first step of the
     process goes at once: it proves a restart worked); a no-op outside relaunch."""
-    global _sent_at
+    global _sent_at, _pending
     now = time.monotonic()
     first = _sent_at is None
     if not first and now - (_sent_at or 0.0) < _targets()[2]:
+        if _pending is None:
+            atexit.register(_flush_pending)
+        _pending = step
         return
-    _sent_at = now
+    _sent_at, _pending = now, None
     _send(progress_datagram(_rank(), step), urgent=first)
 
 
 def report_phase(phase: str) -> None:
     """Tell the launcher what this rank is doing (`SdkPhase`): relaunch does not attempt a
     process-level recovery while a rank saves a checkpoint or builds its group (R-37). The SDK's
-    checkpoints and process-group keeper call it; a no-op outside relaunch."""
+    checkpoints and process-group keeper call it; a no-op outside relaunch. A step not sent yet
+    goes first: the phase is about that step."""
+    _flush_pending(urgent=True)
     _send(phase_datagram(_rank(), phase), urgent=True)
+
+
+def _flush_pending(urgent: bool = False) -> None:
+    global _pending, _sent_at
+    if _pending is not None:
+        step, _pending = _pending, None
+        _sent_at = time.monotonic()
+        _send(progress_datagram(_rank(), step), urgent=urgent)
 
 
 def _rank() -> int:
