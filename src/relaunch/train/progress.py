@@ -73,8 +73,6 @@ def report_progress(step: int) -> None:
     now = time.monotonic()
     first = _sent_at is None
     if not first and now - (_sent_at or 0.0) < _targets()[2]:
-        if _pending is None:
-            atexit.register(_flush_pending)
         _pending = step
         return
     _sent_at, _pending = now, None
@@ -90,6 +88,7 @@ def report_phase(phase: str) -> None:
     _send(phase_datagram(_rank(), phase), urgent=True)
 
 
+@atexit.register
 def _flush_pending(urgent: bool = False) -> None:
     global _pending, _sent_at
     if _pending is not None:
