@@ -211,7 +211,8 @@ def _execute(
     """The job run to its end, its events and output echoed; SIGTERM stops it in order."""
 
     def on_event(text: str) -> None:
-        out.print(f"[bold cyan]\\[relaunch][/] {text}", highlight=False, soft_wrap=True)
+        # escaped: an event quotes what ranks said ("[/pytorch/.../pair.cc:553] Connection...")
+        out.print(f"[bold cyan]\\[relaunch][/] {escape(text)}", highlight=False, soft_wrap=True)
 
     def on_output(pod: int, rank: int, line: str) -> None:
         if not quiet:

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 
 from relaunch.api import TOKEN_FILE
 from relaunch.cli.common import (
@@ -108,7 +109,7 @@ def _start(
     )
 
     def log(text: str) -> None:
-        out.print(f"[bold cyan]\\[relaunch][/] {text}", highlight=False, soft_wrap=True)
+        out.print(f"[bold cyan]\\[relaunch][/] {escape(text)}", highlight=False, soft_wrap=True)
 
     settings = ServerSettings(
         directory, token, cluster_raw, lock_reads=lock_reads, engine=engine_spec
