@@ -67,6 +67,11 @@ def test_submit_on_the_page_and_watch_the_recovery(page: Page, tmp_path: Path) -
         expect(page.locator("#progress-chart polyline")).to_have_count(1)
         expect(page.locator("#progress-chart text.resume")).to_contain_text("MTTR")
         expect(page.locator("#pods tbody tr")).to_have_count(2)
+        expect(page.locator("#diagnosis-1")).to_contain_text("root cause: process-exit (exit 7)")
+        expect(page.locator("#diagnosis-1")).to_contain_text("last output: step")
+        expect(page.locator("#goodput .goodput-legend")).to_contain_text("ETTR")
+        expect(page.locator("#goodput .goodput-legend")).to_contain_text("recovery")
+        assert page.locator("#goodput .goodput-part").count() >= 2
         shot = tmp_path / "job-page.png"
         page.screenshot(path=str(shot), full_page=True)
         assert shot.stat().st_size > 20_000

@@ -20,6 +20,7 @@ PURE = [
     *sorted((SRC / "spec").glob("*.py")),
     *sorted((SRC / "faults").glob("*.py")),
     *sorted((SRC / "policy").glob("*.py")),
+    *sorted((SRC / "diagnosis").glob("*.py")),
 ]
 IMPURE_MODULES = {
     "time",
@@ -48,6 +49,7 @@ RELAUNCH_ALLOWED = {
     "relaunch.spec",
     "relaunch.faults",
     "relaunch.policy",
+    "relaunch.diagnosis",
 }
 FORBIDDEN_CALLS = {"open", "print", "input", "exec", "eval", "__import__"}
 

@@ -27,6 +27,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from relaunch.train import CheckpointManager, env, report_progress  # noqa: E402
@@ -80,6 +81,7 @@ def build(
     return model, optimizer, ckpt, state
 
 
+@record  # writes the exception to TORCHELASTIC_ERROR_FILE, as under torchrun
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=120)
@@ -94,6 +96,12 @@ def main() -> None:
         "--crash-at-step", type=int, default=None, help="benchmarks: exit 1 here, first start only"
     )
     parser.add_argument("--crash-rank", type=int, default=3)
+    parser.add_argument(
+        "--crash-with",
+        choices=("exit", "exception"),
+        default="exit",
+        help="exit: os._exit(1); exception: raise (the error the record shows as root cause)",
+    )
     parser.add_argument(
         "--crash-every",
         type=int,
@@ -170,6 +178,8 @@ def main() -> None:
     for step in range(start + 1, args.steps + 1):
         if step == crash_step and job.rank == args.crash_rank:
             mark("crash", step)
+            if args.crash_with == "exception":
+                raise FloatingPointError(f"loss is NaN at step {step} on rank {job.rank}")
             os._exit(1)
         if first_start and step == args.hang_at_step and job.rank == args.crash_rank:
             mark("hang", step)

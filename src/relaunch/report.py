@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from relaunch.chaos import parse_plan
+from relaunch.diagnosis import Goodput, Recovery, failure_time, goodput
 from relaunch.errors import InputError
 from relaunch.policy import Budget
 from relaunch.spec import parse_job
 from relaunch.store import JobRow, NodeRow, Store
 
-__all__ = ["budgets_left", "build_report", "node_view", "plan_view"]
+__all__ = ["budgets_left", "build_report", "job_goodput", "node_view", "plan_view"]
 
 
 def budgets_left(store: Store, job: JobRow) -> dict[str, int]:
@@ -26,7 +28,9 @@ def budgets_left(store: Store, job: JobRow) -> dict[str, int]:
     }
 
 
-def build_report(store: Store, job_id: int) -> dict[str, Any]:
+def build_report(store: Store, job_id: int, now: float | None = None) -> dict[str, Any]:
+    """`now`: the end of a job still running, for its goodput (default: the clock)."""
+    now = time.time() if now is None else now
     job = store.job(job_id)
     records = store.records(job_id)
     pods = store.pods(job_id)
@@ -58,7 +62,24 @@ def build_report(store: Store, job_id: int) -> dict[str, Any]:
         ],
         "recoveries": [r.to_json() for r in records],
         "fault_plan": plan_view(store, job),
+        "goodput": job_goodput(store, job, now).to_json(),
     }
+
+
+def job_goodput(store: Store, job: JobRow, now: float) -> Goodput:
+    """Where the job's time went, from its submission to its end (or `now`)."""
+    records = store.records(job.id)
+    end = job.ended_at if job.ended_at is not None else now
+    recoveries = []
+    for i, r in enumerate(records):
+        resumed = r.resumed_at
+        if resumed is None and i + 1 < len(records):
+            resumed = records[i + 1].started_at  # a fallback took over: still recovering
+        elif resumed is None and not job.status.ended:
+            resumed = end  # under way
+        happened = min(r.fault_at, failure_time(r.root_cause))
+        recoveries.append(Recovery(happened, r.detected_at, resumed))
+    return goodput(job.created_at, end, recoveries, store.progress(job.id))
 
 
 def plan_view(store: Store, job: JobRow) -> list[dict[str, Any]]:

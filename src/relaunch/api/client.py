@@ -103,4 +103,5 @@ def summary_from_view(view: dict[str, Any]) -> dict[str, Any]:
         "pods": recovery.get("pods", []),
         "recoveries": recovery.get("records", []),
         "fault_plan": recovery.get("fault_plan", []),
+        "goodput": recovery.get("goodput"),
     }

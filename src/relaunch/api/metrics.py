@@ -7,6 +7,7 @@ too. Each scrape reads a few small tables.
 
 from __future__ import annotations
 
+import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 
@@ -18,7 +19,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from relaunch.report import budgets_left
+from relaunch.report import budgets_left, job_goodput
 from relaunch.store import JobRow, JobStatus, NodeState, RecordRow, Store
 
 __all__ = ["StoreCollector"]
@@ -68,6 +69,37 @@ class StoreCollector(Collector):
             (n.state.value for n in self.store.nodes()),
         )
         yield self._budgets(jobs)
+        yield from self._goodput(jobs)
+
+    def _goodput(self, jobs: list[JobRow]) -> Iterator[GaugeMetricFamily]:
+        """Each job's effective training time ratio and the seconds it lost, by cause."""
+        ratio = GaugeMetricFamily(
+            "relaunch_job_goodput_ratio",
+            "Effective training time ratio: productive time / wall time, per job.",
+            labels=["job_id", "job"],
+        )
+        productive = GaugeMetricFamily(
+            "relaunch_job_productive_seconds",
+            "Productive training time per job.",
+            labels=["job_id", "job"],
+        )
+        lost = GaugeMetricFamily(
+            "relaunch_job_lost_seconds",
+            "Time a job lost, by cause (detection, recovery, recomputed, unrecovered, startup).",
+            labels=["job_id", "job", "cause"],
+        )
+        now = time.time()
+        for job in jobs:
+            if job.status is JobStatus.PENDING:
+                continue
+            figures = job_goodput(self.store, job, now)
+            ratio.add_metric([str(job.id), job.name], figures.ettr)
+            productive.add_metric([str(job.id), job.name], figures.productive_s)
+            for cause, seconds in figures.lost_s.items():
+                lost.add_metric([str(job.id), job.name, cause], seconds)
+        yield ratio
+        yield productive
+        yield lost
 
     def _budgets(self, jobs: list[JobRow]) -> GaugeMetricFamily:
         budget = GaugeMetricFamily(

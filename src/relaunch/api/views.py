@@ -50,5 +50,6 @@ def job_view(store: Store, row: JobRow, brief: bool = False) -> dict[str, Any]:
         "pods": report["pods"],
         "records": report["recoveries"],
         "fault_plan": report["fault_plan"],
+        "goodput": report["goodput"],
     }
     return view

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rich.markup import escape
 from rich.table import Table
 
 from relaunch.cli.common import out
@@ -14,11 +15,14 @@ __all__ = ["print_summary"]
 def print_summary(summary: dict[str, Any]) -> None:
     colour = "green" if summary["status"] == "Succeeded" else "red"
     out.print(
-        f"\n[bold {colour}]{summary['status']}[/]: job {summary['job']} - {summary['reason']}",
+        f"\n[bold {colour}]{summary['status']}[/]: job {summary['job']} - "
+        f"{escape(summary['reason'])}",
         highlight=False,
         soft_wrap=True,
     )
     _records_table(summary)
+    _root_causes(summary)
+    _goodput(summary.get("goodput"))
     out.print(
         f"job-level restarts used: {summary['restarts_used']}; pod-level: {summary['pod_restarts_used']}; "
         f"isolated nodes: {', '.join(summary['isolated_nodes']) or 'none'}",
@@ -50,6 +54,8 @@ def _records_table(summary: dict[str, Any]) -> None:
             what += f" (exit {f['exit_code']})"
         elif f["signal"] is not None:
             what += f" (signal {f['signal']})"
+        if f.get("rank") is not None:
+            what += f" rank {f['rank']}"
         view.add_row(
             str(i),
             what,
@@ -61,3 +67,83 @@ def _records_table(summary: dict[str, Any]) -> None:
             "-" if r["mttr_s"] is None else f"{r['mttr_s']:.2f}",
         )
     out.print(view)
+
+
+TRACEBACK_LINES = 8
+"""How many of a root cause's last traceback lines `describe` prints."""
+
+
+def _root_causes(summary: dict[str, Any]) -> None:
+    """Each fault's own account (its exception) and the ranks that failed because of it."""
+    for i, r in enumerate(summary["recoveries"], 1):
+        f = r["fault"]
+        error = f.get("error")
+        collateral = r.get("collateral") or []
+        hang = r.get("hang")
+        if error is None and not collateral and not hang:
+            continue
+        where = ", ".join(
+            part
+            for part in (
+                f"rank {f['rank']}" if f.get("rank") is not None else "",
+                f"pod {f['pod']}" if f.get("pod") is not None else "",
+                f["node"] or "",
+            )
+            if part
+        )
+        out.print(f"[bold]#{i} root cause[/] ({where}):", highlight=False)
+        if error is not None:
+            said = (
+                f"{error['type']}: {error['message']}"
+                if error["type"]
+                else f"last output: {error['message']}"
+            )
+            source = "its error file" if error["source"] == "error-file" else "its last output"
+            out.print(f"  {said}", markup=False, highlight=False)
+            lines = error["traceback"].splitlines()[-TRACEBACK_LINES:]
+            if lines:
+                out.print(f"  from {source}:", highlight=False)
+                for line in lines:
+                    out.print(f"    {line}", markup=False, highlight=False)
+        if collateral:
+            ranks = ", ".join(
+                f"rank {c['rank']}" if c.get("rank") is not None else c["kind"] for c in collateral
+            )
+            out.print(f"  collateral ({len(collateral)}): {ranks}", highlight=False)
+        if hang:
+            _hang(hang)
+
+
+STACK_LINES = 8
+"""How many innermost frames of each rank's stack `describe` prints."""
+
+
+def _hang(hang: dict[str, Any]) -> None:
+    """A hang's finding and every rank's stack, the culprits marked."""
+    out.print(
+        f"  {hang['finding']} (stacks captured in {hang['capture_s']:.2f} s)",
+        markup=False,
+        highlight=False,
+    )
+    for stack in hang["stacks"]:
+        mark = " <- culprit" if stack["rank"] in hang["culprits"] else ""
+        out.print(
+            f"  rank {stack['rank']} (pid {stack['pid']}, {stack['state']}){mark}:",
+            markup=False,
+            highlight=False,
+        )
+        lines = stack["stack"].splitlines()[: STACK_LINES + 1] or [stack["error"] or "no stack"]
+        for line in lines:
+            out.print(f"    {line}", markup=False, highlight=False)
+
+
+def _goodput(figures: dict[str, Any] | None) -> None:
+    """Productive time and the time lost by cause; they add up to the wall time."""
+    if not figures:
+        return
+    lost = ", ".join(f"{cause} {s:.1f} s" for cause, s in figures["lost_s"].items() if s > 0)
+    out.print(
+        f"goodput: {figures['productive_s']:.1f} s productive of {figures['wall_s']:.1f} s "
+        f"(ETTR {figures['ettr']:.1%}); lost: {lost or 'nothing'}",
+        highlight=False,
+    )

@@ -7,6 +7,8 @@ A cluster file is YAML or JSON::
     heartbeat_interval_s: 0.5
     heartbeat_timeout_s: 3   # a node whose agent is silent this long is Lost
     adopt_grace_s: 30        # pods keep running this long without a controller
+    root_cause_window_s: 5   # ranks failing this close to a fault are its collateral
+    stack_capture_s: 5       # on a hang, how long to wait for every rank's stack
 
 Pure: parsing only.
 """
@@ -52,6 +54,8 @@ class _ClusterFile(BaseModel):
     heartbeat_interval_s: Annotated[float, v(seconds(0, 60))] = 0.5
     heartbeat_timeout_s: Annotated[float, v(seconds(0, 600))] = 3.0
     adopt_grace_s: Annotated[float, v(seconds(0, 86400))] = 30.0
+    root_cause_window_s: Annotated[float, v(seconds(0, 600))] = 5.0
+    stack_capture_s: Annotated[float, v(seconds(0, 120))] = 5.0
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,12 @@ class ClusterConfig:
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 3.0
     adopt_grace_s: float = 30.0
+    root_cause_window_s: float = 5.0
+    """Ranks of the same attempt that fail this close to a fault (by when they failed) are
+    recorded as its collateral, answered by its recovery, not decided again."""
+    stack_capture_s: float = 5.0
+    """On a hang, how long the controller waits for every rank's Python stack before it
+    decides (0: no capture)."""
 
     @classmethod
     def sized(cls, nodes: int, chips_per_node: int = 2, **timings: float) -> ClusterConfig:
@@ -106,4 +116,6 @@ def parse_cluster(data: Any, *, source: str = "<cluster>") -> ClusterConfig:
         heartbeat_interval_s=parsed.heartbeat_interval_s,
         heartbeat_timeout_s=parsed.heartbeat_timeout_s,
         adopt_grace_s=parsed.adopt_grace_s,
+        root_cause_window_s=parsed.root_cause_window_s,
+        stack_capture_s=parsed.stack_capture_s,
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from relaunch.controller import lifecycle
+from relaunch.controller import lifecycle, stacks
 from relaunch.controller.detectors import hang_fault, launcher_faults, lost_nodes
 from relaunch.controller.pods import PodPhase
 from relaunch.store import JobStatus, NodeState, Outcome
@@ -88,6 +88,9 @@ def hangs(c: Controller, now: float) -> None:
     """R-25, with the joining ranks of a scale-out and the healthy ranks that wait for a
     process-level recovery's replacements left out; not while a fault waits for its decision
     (its recovery failed a moment ago: the ranks that waited for it are not hung)."""
+    if c.capture is not None:  # a hang's stacks are being captured: decide it once they are
+        stacks.finish(c, now)
+        return
     if c.job.status is not JobStatus.RUNNING and c.recoveries.active is None:
         return
     if c.recoveries.waiting:
@@ -111,7 +114,8 @@ def hangs(c: Controller, now: float) -> None:
     for link in links:
         for rank in link.ranks.values():
             rank.last_activity = max(rank.last_activity, now)  # one hang fault per silence
-    c.recoveries.fault(found.fault, found.source)
+    if not stacks.begin(c, found, now):
+        c.recoveries.fault(found.fault, found.source)
 
 
 def done(c: Controller, now: float) -> None:

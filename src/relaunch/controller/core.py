@@ -34,6 +34,7 @@ from relaunch.controller.peers import AgentLink, LauncherLink, Peer
 from relaunch.controller.pods import Pod
 from relaunch.controller.reconcile import Reconciler
 from relaunch.controller.recovery import RecoveryDriver
+from relaunch.controller.stacks import Capture
 from relaunch.faults import DEFAULT_TABLE, EscalationRules, FaultCodeTable
 from relaunch.protocol.layout import StateDir
 from relaunch.protocol.messages import Message
@@ -130,6 +131,9 @@ class Controller:
         self.hang_stop = False
         """The processes are being stopped because the job hung: the hang grace applies."""
         self.heal_requests = 0
+        self.capture: Capture | None = None
+        """A hang's stacks being captured before it is decided (controller.stacks)."""
+        self.capture_requests = 0
         self.recoveries = RecoveryDriver(self)
         self.membership = MembershipPublisher(self)
         self.fault_plan = FaultPlanRunner(self, plan)
@@ -256,9 +260,14 @@ class Controller:
         first = pod * self.spec.procs_per_pod
         return tuple(range(first, first + self.spec.procs_per_pod))
 
-    def launcher_of(self, peer: Peer) -> LauncherLink | None:
+    def launcher_of(self, peer: Peer, leaving: bool = False) -> LauncherLink | None:
+        """The pod launcher on `peer`; `leaving`: the one a pod is tearing down."""
         return next(
-            (p.link for p in self.pods.values() if p.link is not None and p.link.peer is peer),
+            (
+                link
+                for p in self.pods.values()
+                if (link := p.leaving if leaving else p.link) is not None and link.peer is peer
+            ),
             None,
         )
 

@@ -46,10 +46,11 @@ class Detected:
 
 
 def exit_fault(
-    link: LauncherLink, node: str, message: Exited, attempt: int, injected_at: InjectedAt
+    link: LauncherLink, node: str, message: Exited, injected_at: InjectedAt
 ) -> Detected | None:
-    """A rank of the current attempt exited non-zero (or by a signal) without being stopped."""
-    if message.expected or message.attempt != attempt:
+    """A rank exited non-zero (or by a signal) without being stopped (of any attempt: an exit of
+    an attempt that ended may be the collateral of the fault that ended it)."""
+    if message.expected:
         return None
     if message.code == 0 and not message.signal:
         return None
@@ -62,9 +63,10 @@ def exit_fault(
         exit_code=message.code,
         signal=message.signal,
         detail=message.detail,
+        error=message.error,
     )
     # a replacement (process level) reuses attempt, generation and rank: the exit time tells
-    source = f"exit:{attempt}:{link.generation}:{message.rank}:{message.at:.6f}"
+    source = f"exit:{message.attempt}:{link.generation}:{message.rank}:{message.at:.6f}"
     return Detected(fault, source)
 
 

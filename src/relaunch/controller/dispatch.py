@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from relaunch.controller import stacks
 from relaunch.controller.detectors import chip_faults, exit_fault, rank_active
 from relaunch.controller.peers import AgentLink, LauncherLink, Peer, Rank
 from relaunch.controller.pods import PodPhase
@@ -19,6 +20,7 @@ from relaunch.protocol.messages import (
     Output,
     ProgressBatch,
     Shutdown,
+    Stacks,
     Started,
     Stopped,
     Usage,
@@ -55,6 +57,10 @@ def dispatch(c: Controller, peer: Peer, message: Message | None) -> None:
             c.recoveries.healed(request, ok)
         case Injected():
             c.fault_plan.acknowledged(message)
+        case Exited():
+            link = c.launcher_of(peer) or c.launcher_of(peer, leaving=True)
+            if link is not None:  # a leaving launcher's exits may be collateral of its fault
+                _exited(c, link, message)
         case _:
             link = c.launcher_of(peer)
             if link is not None:
@@ -87,8 +93,8 @@ def _from_launcher(c: Controller, link: LauncherLink, message: Message) -> None:
                 if rank_active(observed, cpu, io, now, c.progress.uses_sdk):
                     observed.last_activity = now
                 observed.usage = (now, float(cpu), int(io))
-        case Exited():
-            _exited(c, link, message)
+        case Stacks():
+            stacks.received(c, link, message)
         case Stopped():
             pod = c.pods.get(link.pod)
             if pod is not None and pod.link is link:
@@ -134,9 +140,17 @@ def _exited(c: Controller, link: LauncherLink, message: Exited) -> None:
     observed.code, observed.signal = message.code, message.signal
     pod = c.pods.get(link.pod)
     node = pod.row.node if pod is not None else link.node
-    found = exit_fault(link, node, message, c.job.attempt, c.fault_plan.injected_at)
+    if message.expected or (message.code == 0 and not message.signal):
+        return
+    started_at = observed.started_at if observed.attempt == message.attempt else 0.0
+    if message.attempt != c.job.attempt:  # an attempt that ended: its fault's collateral, or old
+        found = exit_fault(link, node, message, lambda _key, at: at)
+        if found is not None:
+            c.recoveries.collateral(found.fault, found.source, message.attempt, started_at)
+        return
+    found = exit_fault(link, node, message, c.fault_plan.injected_at)
     if found is not None:
-        c.recoveries.fault(found.fault, found.source)
+        c.recoveries.fault(found.fault, found.source, message.attempt, started_at)
 
 
 def _chip_health(c: Controller, agent: AgentLink, beat: Heartbeat) -> None:

@@ -16,12 +16,14 @@ store with every fault decided exactly once. Nothing here blocks: a heal is a re
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from relaunch import failpoints
 from relaunch.controller import commands
 from relaunch.controller.actions import action_for
 from relaunch.controller.active import HEAL_TIMEOUT_S, ActiveRecovery
+from relaunch.diagnosis import Group, is_collateral, root_cause
 from relaunch.faults import Fault, FaultKind
 from relaunch.policy import Action, Decision, decide
 from relaunch.policy.fallback import Consequence, decide_after, on_new_fault
@@ -43,22 +45,40 @@ class RecoveryDriver:
         """A decision held back (R-41's start window) until then."""
         self.waiting = False
         """Faults wait for a decision (the store says which)."""
+        self.group: Group | None = None
+        """The last fault stored to be decided: failures it caused are its collateral."""
+        self.members: list[Fault] = []
+        """The group's faults: its first and its collateral so far."""
 
     # -- faults ---------------------------------------------------------------------------------
 
-    def fault(self, fault: Fault, source: str) -> None:
+    def fault(
+        self,
+        fault: Fault,
+        source: str,
+        attempt: int | None = None,
+        started_at: float = 0.0,
+        evidence: Mapping[str, Any] | None = None,
+    ) -> None:
         """Store a fault and what waits for a decision because of it, in one transaction; then
-        decide. A controller killed in between finds the decision still waiting on resume."""
+        decide. A controller killed in between finds the decision still waiting on resume.
+        A process exit that the last fault caused (`attempt`: the exited process's, and when
+        it started) is stored as that fault's collateral and not decided again. `evidence`:
+        what diagnosis found (a hang's stacks), stored with the fault."""
         c = self.c
         if c.job.status.ended:
+            return
+        attempt = c.job.attempt if attempt is None else attempt
+        if self.collateral(fault, source, attempt, started_at):
             return
         now = c.clock.now()
         active = self.active
         fallback = None
         with c.store.transaction():
-            fault_id = c.store.add_fault(c.job_id, fault, now, source)
+            fault_id = c.store.add_fault(c.job_id, fault, now, source, evidence=evidence)
             if fault_id is None:
                 return  # seen before (a heartbeat repeats it, a resumed controller re-hears it)
+            self.group, self.members = Group(fault_id, fault, attempt), [fault]
             waiting, tried = fault_id, frozenset[Action]()
             if active is not None:
                 c.store.settle_record(active.record_id, Outcome.FAILED)
@@ -73,6 +93,31 @@ class RecoveryDriver:
         failpoints.reach("fault-stored")
         self.waiting = True
         c.hurry()
+
+    def collateral(self, fault: Fault, source: str, attempt: int, started_at: float) -> bool:
+        """Store `fault` as collateral of the last fault if it is (diagnosis.rootcause). Not in
+        a job with process-level recovery while its attempt runs: there a healthy rank's exit
+        means the finer recovery failed (R-20), which the policy must hear."""
+        c = self.c
+        group = self.group
+        if group is None or not is_collateral(
+            group, fault, attempt, started_at, c.cluster.root_cause_window_s
+        ):
+            return False
+        if c.recovery.process_level and attempt == c.job.attempt:
+            return False
+        stored = c.store.add_fault(
+            c.job_id, fault, c.clock.now(), source, collateral_of=group.fault_id
+        )
+        if stored is None:
+            return True
+        before = root_cause(self.members)
+        self.members.append(fault)
+        c.event(f"collateral of {group.first.describe()}: {fault.describe()}")
+        if root_cause(self.members) is fault and fault is not before:
+            said = f": {fault.error.summary()}" if fault.error is not None else ""
+            c.event(f"root cause: {fault.describe()}{said}")
+        return True
 
     def failed(self, why: str) -> None:
         """The recovery under way cannot work (a heal that did not heal): settled failed, and

@@ -10,12 +10,13 @@ from relaunch.faults.codes import (
 )
 from relaunch.faults.default_codes import DEFAULT_TABLE
 from relaunch.faults.escalation import EscalationRules, release_due
-from relaunch.faults.kinds import Fault, FaultKind, Severity, normalize_code
+from relaunch.faults.kinds import ErrorReport, Fault, FaultKind, Severity, normalize_code
 
 __all__ = [
     "DEFAULT_TABLE",
     "Assessment",
     "Cause",
+    "ErrorReport",
     "EscalationRules",
     "Fault",
     "FaultCode",

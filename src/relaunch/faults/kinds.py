@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum, StrEnum
 
-__all__ = ["Fault", "FaultKind", "Severity"]
+__all__ = ["ErrorReport", "Fault", "FaultKind", "Severity"]
 
 
 class FaultKind(StrEnum):
@@ -41,6 +41,23 @@ class Severity(IntEnum):
 
 
 @dataclass(frozen=True)
+class ErrorReport:
+    """What a failed rank said about its failure: the exception (type, message, traceback) from
+    its torchelastic error file, or from the last lines of its output. `at`: when it was
+    written or printed (the launcher's clock), which may be long before the process exited."""
+
+    type: str
+    message: str
+    traceback: str
+    at: float
+    source: str
+    """"error-file" (TORCHELASTIC_ERROR_FILE) or "output" (the rank's last lines)."""
+
+    def summary(self) -> str:
+        return f"{self.type}: {self.message}" if self.type else self.message
+
+
+@dataclass(frozen=True)
 class Fault:
     """One observed fault. `at` is seconds on the controller's clock, given, never read here.
 
@@ -59,6 +76,8 @@ class Fault:
     signal: int | None = None
     duration_s: float | None = None
     detail: str = ""
+    error: ErrorReport | None = None
+    """A failed rank's own account of its failure, where it left one."""
 
     def __post_init__(self) -> None:
         needs: dict[FaultKind, tuple[str, ...]] = {

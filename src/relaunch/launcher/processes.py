@@ -9,10 +9,13 @@ import signal
 import subprocess
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import IO
 
 import psutil
+
+from relaunch.diagnosis.errors import TAIL_LINES
 
 __all__ = [
     "NotStarted",
@@ -79,6 +82,10 @@ class Worker:
     """It reported a step or wrote output since its CPU time and I/O were last sampled."""
     pidfd: int | None = None
     """A descriptor that becomes readable when the process exits (None: not watched)."""
+    tail: deque[tuple[float, str]] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    """Its last output lines, with when each was read: where its traceback is found."""
+    stop_asked_at: float | None = None
+    """When the launcher was told to stop it."""
 
     @property
     def started(self) -> bool:

@@ -27,6 +27,7 @@ ladder handles it like any failed start.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import queue
 import selectors
@@ -40,6 +41,8 @@ from pathlib import Path
 
 import psutil
 
+from relaunch.diagnosis.errors import error_from_file, error_from_output
+from relaunch.faults.kinds import ErrorReport
 from relaunch.launcher.processes import (
     NotStarted,
     Worker,
@@ -52,11 +55,13 @@ from relaunch.launcher.processes import (
     tree_usage,
 )
 from relaunch.launcher.spares import SparePool
+from relaunch.launcher.stacks import capture
 from relaunch.protocol.datagrams import parse_datagram
 from relaunch.protocol.environment import Env
 from relaunch.protocol.layout import PodDir
 from relaunch.protocol.messages import (
     Assume,
+    CaptureStacks,
     Exited,
     Injected,
     InjectProcessFault,
@@ -69,6 +74,7 @@ from relaunch.protocol.messages import (
     ProgressBatch,
     RankPhase,
     Shutdown,
+    Stacks,
     Start,
     Started,
     Stop,
@@ -290,7 +296,12 @@ class Launcher:
 
     def _start_rank(self, attempt: int, env: dict[str, str], rank: int, local_rank: int) -> Worker:
         child_env = self._child_env(env)
-        child_env.update({Env.RANK: str(rank), Env.LOCAL_RANK: str(local_rank)})
+        error_file = self.dir.error_file(rank)
+        error_file.parent.mkdir(exist_ok=True)
+        error_file.unlink(missing_ok=True)  # what an earlier process of this rank wrote
+        child_env.update(
+            {Env.RANK: str(rank), Env.LOCAL_RANK: str(local_rank), Env.ERROR_FILE: str(error_file)}
+        )
         log = open(self.dir.rank_log(rank), "a", encoding="utf-8")  # noqa: SIM115
         spare = self.spares.take() if self.spares.argv is not None else None
         cwd = self.plan.working_dir or str(self.dir.path)
@@ -357,6 +368,7 @@ class Launcher:
                 line = raw.decode("utf-8", "replace").rstrip("\n")
                 worker.log.write(line + "\n")
                 worker.log.flush()
+                worker.tail.append((time.time(), line[:2000]))
                 worker.alive_since_sample = True
                 self.send(Output(worker.rank, worker.attempt, line[:2000]))
         # Output closed: the rank has most likely exited. Check now: where exits are polled,
@@ -377,17 +389,41 @@ class Launcher:
                 worker.pump.join(timeout=1.0)
             worker.reported = True
             signum = -code if code < 0 else None
+            error = self.error_of(worker) if code != 0 and worker.started else None
+            # A rank that raised before it was asked to stop failed on its own account.
+            failed_first = (
+                error is not None
+                and bool(error.type)
+                and worker.stop_asked_at is not None
+                and error.at < worker.stop_asked_at
+            )
             self.send(
                 Exited(
                     rank=worker.rank,
                     attempt=worker.attempt,
                     code=None if signum else code,
                     signal=signum,
-                    expected=worker.stopping,
+                    expected=worker.stopping and not failed_first,
                     at=time.time(),
                     detail=worker.start_error or "",
+                    error=error,
                 )
             )
+
+    def error_of(self, worker: Worker) -> ErrorReport | None:
+        """What the failed rank said: its torchelastic error file (timed by when it was
+        written), else the traceback or last lines of its output."""
+        path = self.dir.error_file(worker.rank)
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            written = path.stat().st_mtime
+        except (OSError, ValueError):
+            data = None
+        if isinstance(data, dict):
+            found = error_from_file(data, written)
+            if found is not None:
+                return found
+        return error_from_output(list(worker.tail))
 
     def send_usage(self) -> None:
         """CPU time and I/O of each running rank (its whole process tree), when they changed:
@@ -415,8 +451,10 @@ class Launcher:
     def stop(self, grace: float, ranks: tuple[int, ...] | None = None) -> None:
         """SIGTERM every process group, SIGKILL what is left after `grace` seconds."""
         chosen = [w for w in self.workers.values() if ranks is None or w.rank in ranks]
+        asked = time.time()
         for worker in chosen:
             worker.stopping = True
+            worker.stop_asked_at = worker.stop_asked_at or asked
         targets = [w for w in chosen if w.started]
         for worker in targets:
             if worker.proc.poll() is None:
@@ -580,6 +618,19 @@ class Launcher:
                 self.send(Stopped(self.attempt, time.time()))
             case InjectProcessFault():
                 self.inject(message)
+            case CaptureStacks(request=request, timeout_s=timeout_s):
+                pids = {
+                    w.rank: w.proc.pid
+                    for w in self.workers.values()
+                    if w.started and w.proc.poll() is None and w.attempt == self.attempt
+                }
+                attempt = self.attempt
+                threading.Thread(  # py-spy takes tens of ms a rank: the loop keeps serving
+                    target=lambda: self.send(
+                        Stacks(request, attempt, tuple(capture(pids, timeout_s)))
+                    ),
+                    daemon=True,
+                ).start()
             case MembershipUpdate(membership=membership):
                 write_atomically(self.dir.membership, membership.to_json())
             case Assume(plan=plan):

@@ -25,6 +25,8 @@ class Env:
     MASTER_ADDR: Final = "MASTER_ADDR"
     MASTER_PORT: Final = "MASTER_PORT"
     RESTART_COUNT: Final = "TORCHELASTIC_RESTART_COUNT"
+    ERROR_FILE: Final = "TORCHELASTIC_ERROR_FILE"
+    """Per rank: where torch's `errors.record` writes the exception that ended the rank."""
     # ModelArts' counters (R-04, R-05)
     SCHEDULE_CNT: Final = "MA_SCHEDULE_CNT"
     PROC_START_CNT: Final = "MA_PROC_START_CNT"

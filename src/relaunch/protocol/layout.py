@@ -10,7 +10,8 @@
       logs/agent-NODE.log      each node agent's output
       jobs/ID/shared/          kept across every recovery: checkpoints, fence.json
       jobs/ID/pods/pod-I-gG/   pod I's container, generation G: launch.json, membership.json,
-                               launcher.log, logs/rank-R.log, inject/
+                               launcher.log, logs/rank-R.log, errors/rank-R.json,
+                               inject/
       jobs/ID/standby/NODE/    the standby launcher's directory on NODE (warm spares)
 
 Standard library only.
@@ -52,6 +53,10 @@ class PodDir:
 
     def rank_log(self, rank: int) -> Path:
         return self.logs / f"rank-{rank}.log"
+
+    def error_file(self, rank: int) -> Path:
+        """TORCHELASTIC_ERROR_FILE of the rank's current process."""
+        return self.path / "errors" / f"rank-{rank}.json"
 
     @property
     def inject(self) -> Path:

@@ -6,8 +6,9 @@ line on the wire is `{"t": KIND, ...fields}`). Who sends what:
     agent -> controller      AgentHello, Heartbeat, Healed, Injected
     controller -> agent      InjectChipFault, InjectNetworkFault, Heal, Shutdown
     launcher -> controller   LauncherHello, Started, Output, ProgressBatch, Exited, Stopped,
-                             Usage, Injected
-    controller -> launcher   Start, Stop, Shutdown, InjectProcessFault, MembershipUpdate, Assume
+                             Usage, Injected, Stacks
+    controller -> launcher   Start, Stop, Shutdown, InjectProcessFault, MembershipUpdate, Assume,
+                             CaptureStacks
 
 The training SDK's datagrams to its launcher are in `datagrams.py`.
 Standard library only.
@@ -19,12 +20,15 @@ import json
 from dataclasses import dataclass, field
 from typing import ClassVar, Final
 
+from relaunch.diagnosis.hang import RankStack
+from relaunch.faults.kinds import ErrorReport
 from relaunch.protocol.codec import from_data, to_data
 from relaunch.protocol.plans import LaunchPlan, Membership
 
 __all__ = [
     "AgentHello",
     "Assume",
+    "CaptureStacks",
     "ChipReport",
     "Exited",
     "Heal",
@@ -44,6 +48,7 @@ __all__ = [
     "ProgressBatch",
     "RankPhase",
     "Shutdown",
+    "Stacks",
     "Start",
     "Started",
     "Stop",
@@ -229,6 +234,8 @@ class Exited(Message):
     at: float
     detail: str = ""
     """Why the command could not be started, if it could not."""
+    error: ErrorReport | None = None
+    """What a rank that failed said of its failure (its error file, or its last lines)."""
 
 
 @dataclass(frozen=True)
@@ -247,6 +254,23 @@ class Usage(Message):
     attempt: int
     at: float
     ranks: dict[int, tuple[float, int]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CaptureStacks(Message):
+    """A hang: read every running rank's Python stack, each within `timeout_s`."""
+
+    KIND = "capture-stacks"
+    request: int
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class Stacks(Message):
+    KIND = "stacks"
+    request: int
+    attempt: int
+    stacks: tuple[RankStack, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -294,7 +318,7 @@ _KINDS: Final[dict[str, type[Message]]] = {
     for cls in (
         AgentHello, Heartbeat, Healed, InjectChipFault, InjectNetworkFault, Heal, Injected,
         Shutdown, LauncherHello, Started, Output, ProgressBatch, Exited, Stopped, Usage, Start,
-        Stop, InjectProcessFault, MembershipUpdate, Assume,
+        Stop, InjectProcessFault, MembershipUpdate, Assume, CaptureStacks, Stacks,
     )
 }  # fmt: skip
 

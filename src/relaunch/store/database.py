@@ -68,6 +68,8 @@ MIGRATIONS = (
     ("jobs", "membership", "TEXT"),
     ("chaos_fired", "note", "TEXT NOT NULL DEFAULT ''"),
     ("jobs", "controller_seen_at", "REAL"),
+    ("faults", "collateral_of", "INTEGER"),
+    ("faults", "evidence", "TEXT"),
 )
 
 

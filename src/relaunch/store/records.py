@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from relaunch.faults import Cause, Fault
 from relaunch.policy import Action, Budget, Counters, Decision, JobHistory, RecoveryRecord
@@ -17,22 +18,54 @@ __all__ = ["EventTable", "RecordTable"]
 
 class RecordTable(PodTable):
     def add_fault(
-        self, job_id: int, fault: Fault, detected_at: float, source: str = ""
+        self,
+        job_id: int,
+        fault: Fault,
+        detected_at: float,
+        source: str = "",
+        collateral_of: int | None = None,
+        evidence: Mapping[str, Any] | None = None,
     ) -> int | None:
-        """Stores an observed fault; None if a fault from the same source was stored before."""
+        """Stores an observed fault; None if a fault from the same source was stored before.
+        `collateral_of`: the fault whose recovery answers this one too (diagnosis.rootcause);
+        `evidence`: what diagnosis found (a hang's stacks)."""
         row = self._one(
-            "INSERT OR IGNORE INTO faults (job_id, fault, at, detected_at, source) "
-            "VALUES (?, ?, ?, ?, ?) RETURNING id",
-            (job_id, fault_to_json(fault), fault.at, detected_at, source),
+            "INSERT OR IGNORE INTO faults (job_id, fault, at, detected_at, source, collateral_of, "
+            "evidence) VALUES (?, ?, ?, ?, ?, ?, ?) RETURNING id",
+            (
+                job_id,
+                fault_to_json(fault),
+                fault.at,
+                detected_at,
+                source,
+                collateral_of,
+                None if evidence is None else json.dumps(evidence),
+            ),
         )
         return None if row is None else int(row["id"])
 
     def faults(self, job_id: int, before: int | None = None) -> list[Fault]:
+        """The faults that were decided (collateral ones are not: their group's fault was)."""
         rows = self._all(
-            "SELECT fault FROM faults WHERE job_id = ? AND id < ? ORDER BY id",
+            "SELECT fault FROM faults WHERE job_id = ? AND id < ? AND collateral_of IS NULL "
+            "ORDER BY id",
             (job_id, before if before is not None else 2**62),
         )
         return [fault_from_json(r["fault"]) for r in rows]
+
+    def collateral(self, job_id: int) -> dict[int, list[tuple[Fault, float]]]:
+        """Each fault's collateral faults, with when each was detected."""
+        rows = self._all(
+            "SELECT collateral_of, fault, detected_at FROM faults "
+            "WHERE job_id = ? AND collateral_of IS NOT NULL ORDER BY id",
+            (job_id,),
+        )
+        found: dict[int, list[tuple[Fault, float]]] = {}
+        for r in rows:
+            found.setdefault(int(r["collateral_of"]), []).append(
+                (fault_from_json(r["fault"]), float(r["detected_at"]))
+            )
+        return found
 
     def add_record(
         self,
@@ -84,10 +117,12 @@ class RecordTable(PodTable):
 
     def records(self, job_id: int) -> list[RecordRow]:
         rows = self._all(
-            "SELECT r.*, f.fault AS fault_json, f.at AS fault_at, f.detected_at AS detected_at "
+            "SELECT r.*, f.fault AS fault_json, f.at AS fault_at, f.detected_at AS detected_at, "
+            "f.evidence AS evidence "
             "FROM recoveries r JOIN faults f ON f.id = r.fault_id WHERE r.job_id = ? ORDER BY r.id",
             (job_id,),
         )
+        collateral = self.collateral(job_id)
         return [
             RecordRow(
                 id=r["id"],
@@ -109,6 +144,8 @@ class RecordTable(PodTable):
                 resumed_at=r["resumed_at"],
                 mttr_s=r["mttr_s"],
                 outcome=Outcome(r["outcome"]),
+                others=tuple(collateral.get(r["fault_id"], ())),
+                evidence=json.loads(r["evidence"]) if r["evidence"] else None,
             )
             for r in rows
         ]

@@ -7,7 +7,8 @@ from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
 
-from relaunch.faults import Cause, Fault, FaultKind, Severity
+from relaunch.diagnosis import failure_time, root_cause
+from relaunch.faults import Cause, ErrorReport, Fault, FaultKind, Severity
 from relaunch.policy import Action, Budget, Counters
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "RecordRow",
     "fault_from_json",
     "fault_to_json",
+    "fault_view",
 ]
 
 
@@ -130,21 +132,28 @@ class RecordRow:
     resumed_at: float | None
     mttr_s: float | None
     outcome: Outcome
+    others: tuple[tuple[Fault, float], ...] = ()
+    """The other faults this recovery answered (collateral of `fault`), with when each was
+    detected: ranks that failed because of the same cause."""
+    evidence: dict[str, Any] | None = None
+    """What diagnosis found when the fault was detected: a hang's stacks and culprit."""
+
+    @property
+    def root_cause(self) -> Fault:
+        """The fault that happened first among this record's fault and its collateral."""
+        return root_cause([self.fault, *(f for f, _ in self.others)])
+
+    @property
+    def collateral(self) -> list[Fault]:
+        root = self.root_cause
+        return [f for f in (self.fault, *(f for f, _ in self.others)) if f is not root]
 
     def to_json(self) -> dict[str, Any]:
-        f = self.fault
+        root = self.root_cause
         return {
-            "fault": {
-                "kind": f.kind.value,
-                "code": f.code,
-                "node": f.node,
-                "chip": f.chip,
-                "pod": f.pod,
-                "rank": f.rank,
-                "exit_code": f.exit_code,
-                "signal": f.signal,
-                "duration_s": f.duration_s,
-            },
+            "fault": fault_view(root),
+            "collateral": [fault_view(f) for f in self.collateral],
+            "hang": self.evidence if self.fault.kind is FaultKind.HANG else None,
             "action": self.action.value,
             "reason": self.reason,
             "isolated_nodes": list(self.isolated),
@@ -164,6 +173,33 @@ class RecordRow:
         }
 
 
+def fault_view(f: Fault) -> dict[str, Any]:
+    """A fault as the report, the API and the dashboard show it."""
+    error = f.error
+    return {
+        "kind": f.kind.value,
+        "code": f.code,
+        "node": f.node,
+        "chip": f.chip,
+        "pod": f.pod,
+        "rank": f.rank,
+        "exit_code": f.exit_code,
+        "signal": f.signal,
+        "duration_s": f.duration_s,
+        "detail": f.detail,
+        "failed_at": failure_time(f),
+        "error": None
+        if error is None
+        else {
+            "type": error.type,
+            "message": error.message,
+            "traceback": error.traceback,
+            "source": error.source,
+            "at": error.at,
+        },
+    }
+
+
 def fault_to_json(fault: Fault) -> str:
     data = asdict(fault)
     data["kind"] = fault.kind.value
@@ -176,4 +212,6 @@ def fault_from_json(text: str) -> Fault:
     data["kind"] = FaultKind(data["kind"])
     severity = data.get("reported_severity")
     data["reported_severity"] = Severity[severity] if severity else None
+    error = data.get("error")
+    data["error"] = ErrorReport(**error) if error else None
     return Fault(**data)

@@ -56,7 +56,52 @@ function faultText(f) {
   let text = f.kind + (f.code ? " " + f.code : "");
   if (f.exit_code !== null && f.exit_code !== undefined) text += ` (exit ${f.exit_code})`;
   else if (f.signal) text += ` (signal ${f.signal})`;
+  if (f.rank !== null && f.rank !== undefined) text += ` rank ${f.rank}`;
   return text;
+}
+
+// Goodput: where the job's wall time went, productive and lost by cause, as one stacked bar.
+const CAUSE_COLOURS = { productive: "#2e8b57", detection: "#e67e22", recovery: "#c0392b",
+  recomputed: "#8e44ad", unrecovered: "#555", startup: "#95a5a6" };
+function goodputChart(g) {
+  if (!g || !g.wall_s) return null;
+  const parts = [["productive", g.productive_s], ...Object.entries(g.lost_s)].filter(([, s]) => s > 0);
+  return h("div", { id: "goodput" },
+    h("div", { class: "goodput-bar" }, parts.map(([cause, s]) => h("span", {
+      class: "goodput-part", title: `${cause}: ${s.toFixed(1)} s`,
+      style: `width:${(100 * s / g.wall_s).toFixed(2)}%;background:${CAUSE_COLOURS[cause] || "#999"}`,
+    }))),
+    h("div", { class: "goodput-legend" }, `ETTR ${(100 * g.ettr).toFixed(1)}% of ${g.wall_s.toFixed(1)} s · `,
+      parts.map(([cause, s]) => h("span", { class: "goodput-key" },
+        h("i", { style: `background:${CAUSE_COLOURS[cause] || "#999"}` }), `${cause} ${s.toFixed(1)} s`))));
+}
+
+// What broke and why, per recovery: the root cause's own error, the ranks that failed because of
+// it, and on a hang every rank's stack with the culprit named.
+function diagnosis(records) {
+  const blocks = [];
+  records.forEach((r, i) => {
+    const f = r.fault, err = f.error, coll = r.collateral || [], hang = r.hang;
+    if (!err && !coll.length && !hang) return;
+    const where = [f.rank !== null && f.rank !== undefined ? `rank ${f.rank}` : null,
+      f.pod !== null && f.pod !== undefined ? `pod ${f.pod}` : null, f.node].filter(Boolean).join(", ");
+    const parts = [h("h3", {}, `#${i + 1} root cause: ${faultText(f)}${where ? " (" + where + ")" : ""}`)];
+    if (err) {
+      parts.push(h("div", { class: "error-text" }, err.type ? `${err.type}: ${err.message}` : `last output: ${err.message}`));
+      if (err.traceback) parts.push(h("pre", { class: "traceback" }, err.traceback));
+    }
+    if (coll.length) parts.push(h("div", {}, `collateral (${coll.length}): ` +
+      coll.map((c) => (c.rank !== null && c.rank !== undefined ? `rank ${c.rank}` : c.kind)).join(", ")));
+    if (hang) {
+      parts.push(h("div", { class: "error-text" }, hang.finding));
+      for (const s of hang.stacks) {
+        parts.push(h("div", {}, `rank ${s.rank} (${s.state})${hang.culprits.includes(s.rank) ? " — culprit" : ""}`));
+        parts.push(h("pre", { class: "traceback" }, s.stack || s.error || "no stack"));
+      }
+    }
+    blocks.push(h("div", { class: "diagnosis", id: `diagnosis-${i + 1}` }, parts));
+  });
+  return blocks.length ? [h("h2", {}, "Root causes"), ...blocks] : [];
 }
 
 // -- jobs list ------------------------------------------------------------------------------------
@@ -187,8 +232,11 @@ async function renderJob(proj, id) {
       card("recoveries", records.length, "job-recoveries")),
     h("h2", {}, "Training progress, with faults (red) and resumed progress (green)"),
     h("div", { class: "chart" }, chart(progress, records)),
+    h("h2", {}, "Goodput: where the time went"),
+    goodputChart(rec.goodput),
     h("h2", {}, "Fault recovery details"),
     table(["#", "fault", "node", "chip", "code", "action", "isolated", "budget left", "detect s", "MTTR s", "outcome"], recordRows, "records"),
+    ...diagnosis(records),
     h("h2", {}, "Pods and counters"),
     table(["pod", "node", "generation", "MA_SCHEDULE_CNT", "MA_PROC_START_CNT"], podRows, "pods"),
     h("h2", {}, "Events"),

@@ -1,0 +1,108 @@
+"""A hang's stacks: before a hang is decided (and its processes stopped), every rank's Python
+stack is captured by its launcher, the rank the others wait for is named (diagnosis.hang), and
+the stacks are stored with the fault.
+
+    hang detected ──CaptureStacks to each launcher──> capturing
+    capturing ──every launcher answered, or stack_capture_s passed──> the hang fault, naming the
+        culprit, stored with the stacks and decided; dropped if another fault came meanwhile
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from relaunch.controller.detectors import Detected
+from relaunch.diagnosis import RankStack, culprits
+from relaunch.protocol.messages import CaptureStacks, Stacks
+
+if TYPE_CHECKING:
+    from relaunch.controller.core import Controller
+    from relaunch.controller.peers import LauncherLink
+
+__all__ = ["Capture", "begin", "finish", "received"]
+
+
+@dataclass
+class Capture:
+    request: int
+    found: Detected
+    attempt: int
+    began: float
+    deadline: float
+    waiting: set[int]
+    """The pods whose launcher has not answered yet."""
+    stacks: list[RankStack] = field(default_factory=list)
+
+
+def begin(c: Controller, found: Detected, now: float) -> bool:
+    """Ask every launcher with running ranks for their stacks; False if there is nothing to ask
+    (capture off, or no launcher), and the hang is decided at once."""
+    timeout = c.cluster.stack_capture_s
+    links = [
+        p.link
+        for p in c.pods.values()
+        if p.link is not None
+        and not p.link.peer.closed
+        and any(r.running and r.attempt == c.job.attempt for r in p.link.ranks.values())
+    ]
+    if timeout <= 0 or not links:
+        return False
+    c.capture_requests += 1
+    for link in links:
+        link.peer.send(CaptureStacks(c.capture_requests, timeout))
+    c.capture = Capture(
+        c.capture_requests,
+        found,
+        c.job.attempt,
+        now,
+        now + timeout + 1.0,  # each rank's py-spy has `timeout`; its answer a moment more
+        {link.pod for link in links},
+    )
+    c.event(f"hang detected: capturing the stacks of {len(links)} pod(s) before deciding")
+    return True
+
+
+def received(c: Controller, link: LauncherLink, message: Stacks) -> None:
+    capture = c.capture
+    if capture is None or message.request != capture.request:
+        return
+    capture.stacks.extend(message.stacks)
+    capture.waiting.discard(link.pod)
+    if not capture.waiting:
+        c.hurry()
+
+
+def finish(c: Controller, now: float) -> None:
+    """Once every launcher answered (or the capture's deadline passed): the hang fault names
+    the culprit and carries every stack."""
+    capture = c.capture
+    if capture is None or (capture.waiting and now < capture.deadline):
+        return
+    c.capture = None
+    if c.job.attempt != capture.attempt or c.recoveries.waiting or c.job.status.ended:
+        c.event("hang: dropped, another fault came while its stacks were captured")
+        return
+    stacks = sorted(capture.stacks, key=lambda s: s.rank)
+    finding = culprits(stacks)
+    fault = capture.found.fault
+    if finding.culprits:
+        rank = finding.culprits[0]
+        fault = replace(fault, rank=rank, pod=rank // c.spec.procs_per_pod)
+    fault = replace(
+        fault, detail=f"{fault.detail}; {finding.reason}" if fault.detail else finding.reason
+    )
+    evidence: dict[str, Any] = {
+        "finding": finding.reason,
+        "culprits": list(finding.culprits),
+        "capture_s": round(now - capture.began, 3),
+        "missing_pods": sorted(capture.waiting),
+        "stacks": [
+            {"rank": s.rank, "pid": s.pid, "state": s.state, "stack": s.text, "error": s.error}
+            for s in stacks
+        ],
+    }
+    c.event(
+        f"hang: {finding.reason} (stacks of {len(stacks)} rank(s) in {now - capture.began:.2f} s)"
+    )
+    c.recoveries.fault(fault, capture.found.source, evidence=evidence)

@@ -1,0 +1,33 @@
+"""Diagnosis: what a person on call needs to act on a fault. Which failure caused the others (the
+root cause and its collateral), which rank a hung job waits for, and where the job's time went.
+Pure: what the launchers and the store observed goes in, findings come out."""
+
+from relaunch.diagnosis.errors import error_from_file, error_from_output
+from relaunch.diagnosis.goodput import CAUSES, Goodput, Recovery, goodput
+from relaunch.diagnosis.hang import Frame, HangFinding, RankStack, culprits, waits_in_collective
+from relaunch.diagnosis.rootcause import (
+    Group,
+    caused_by_peer,
+    failure_time,
+    is_collateral,
+    root_cause,
+)
+
+__all__ = [
+    "CAUSES",
+    "Frame",
+    "Goodput",
+    "Group",
+    "HangFinding",
+    "RankStack",
+    "Recovery",
+    "caused_by_peer",
+    "culprits",
+    "error_from_file",
+    "error_from_output",
+    "failure_time",
+    "goodput",
+    "is_collateral",
+    "root_cause",
+    "waits_in_collective",
+]
