@@ -14,8 +14,10 @@ from relaunch.chaos import parse_plan
 from relaunch.cluster.config import ClusterConfig, NodeSpec
 from relaunch.controller import Controller, RunOptions, lifecycle
 from relaunch.controller.clock import TICK_S
+from relaunch.diagnosis import Frame, RankStack
 from relaunch.protocol.messages import (
     AgentHello,
+    CaptureStacks,
     ChipReport,
     Exited,
     Heal,
@@ -26,6 +28,7 @@ from relaunch.protocol.messages import (
     Progress,
     ProgressBatch,
     Shutdown,
+    Stacks,
     Start,
     Started,
     Stop,
@@ -66,6 +69,15 @@ class FakePeer:
 
     def of(self, kind: type[Message]) -> list[Any]:
         return [m for m in self.sent if isinstance(m, kind)]
+
+
+def waiting_stack(rank: int, state: str = "sleeping") -> RankStack:
+    frames = (
+        Frame("wait", "site-packages/torch/distributed/distributed_c10d.py", 3252),
+        Frame("all_reduce", "site-packages/torch/distributed/distributed_c10d.py", 3250),
+        Frame("main", "train.py", 40),
+    )
+    return RankStack(rank, 5000 + rank, state, frames, "\n".join(map(str, frames)))
 
 
 class FakeEngine:
@@ -180,6 +192,11 @@ class Sim:
         self.pending_heals: list[tuple[float, FakePeer, int]] = []
         self.chip_faults: dict[str, list[ChipReport]] = {}
         self.seq = 0
+        self.stacks: dict[int, RankStack] = {}
+        """What a launcher answers for a rank when asked for its stack (default: waiting in an
+        all-reduce)."""
+        self.mute_stacks: set[int] = set()
+        """Pods whose launcher never answers a stack capture."""
 
     # -- driving -----------------------------------------------------------------------------------
 
@@ -243,6 +260,11 @@ class Sim:
                         c.receive(
                             peer, Started(rank, message.attempt, 5000 + rank, self.clock.now())
                         )
+                elif isinstance(message, CaptureStacks) and pod not in self.mute_stacks:
+                    link = c.pods[pod].link
+                    running = [r for r, o in (link.ranks.items() if link else []) if o.running]
+                    stacks = tuple(self.stacks.get(r, waiting_stack(r)) for r in running)
+                    c.receive(peer, Stacks(message.request, c.job.attempt, stacks))
                 elif isinstance(message, Shutdown):
                     peer.closed = True  # the launcher stops its processes and exits
                     c.receive(peer, None)

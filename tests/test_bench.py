@@ -117,11 +117,14 @@ def test_quick_bench_writes_json_markdown_and_chart(tmp_path: Path) -> None:
     assert reliability["relaunch"]["recovered"] == reliability["relaunch"]["injected"] == 1
     assert reliability["torchrun"]["injected"] == 1
     assert set(reliability["torchrun"]) == set(reliability["relaunch"])
+    assert 0 < reliability["relaunch"]["ettr"] < 1
+    (slow,) = result["slow"]
+    assert slow["factor"] == 3.0 and slow["detected"] == 1 and slow["median_detect_s"] > 0
     markdown = (out / "bench.md").read_text()
     assert markdown.startswith("| system |")
     for title in (
         "Where the time goes", "Scale", "MTTR by job size", "Controller overhead", "Checkpoints",
-        "Restart",
+        "Restart", "Slow pod detection",
     ):  # fmt: skip
         assert title in markdown
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -10,6 +10,8 @@ from typing import Any
 
 from relaunch.policy import Action
 from relaunch.protocol.messages import (
+    CaptureStacks,
+    Exited,
     Heal,
     MembershipUpdate,
     Shutdown,
@@ -17,7 +19,7 @@ from relaunch.protocol.messages import (
     Stop,
 )
 from relaunch.store import JobStatus, NodeState, Outcome
-from tests.controller_sim import Sim, job_spec
+from tests.controller_sim import Sim, job_spec, waiting_stack
 
 AUTO = {"fault-tolerance/job-retry-num": "4"}
 UNCONDITIONAL = {**AUTO, "fault-tolerance/job-unconditional-retry": "true"}
@@ -360,3 +362,69 @@ def test_a_replacement_crashing_again_is_not_taken_for_a_hang_of_the_ranks_that_
     sim.train(2)
     sim.tick()
     assert sim.actions()[-1] == ("job-reschedule", "succeeded")
+
+
+# -- diagnosis: a hang's stacks, collateral exits (issue 18) ----------------------------------------
+
+
+def test_a_hang_waits_for_every_rank_stack_and_names_the_stopped_rank(tmp_path: Path) -> None:
+    sim = booted(tmp_path, HANG, labels={"grace-over-time": "30"})
+    sim.stacks[2] = waiting_stack(2, state="stopped")
+    sim.run(2.5)
+    (record,) = sim.records()
+    assert (record.fault.kind.value, record.fault.rank, record.fault.pod) == ("hang", 2, 1)
+    assert record.evidence is not None and record.evidence["culprits"] == [2]
+    assert [s["rank"] for s in record.evidence["stacks"]] == [0, 1, 2, 3]
+    capture = [m for peer in sim.launchers.values() for m in peer.of(CaptureStacks)]
+    stops = [m for peer in sim.launchers.values() for m in peer.of(Stop)]
+    assert len(capture) == 2 and stops  # both pods asked, then stopped
+    first_stop = min(sim.wire.index((p, m)) for p, m in sim.wire if isinstance(m, Stop))
+    last_capture = max(sim.wire.index((p, m)) for p, m in sim.wire if isinstance(m, CaptureStacks))
+    assert last_capture < first_stop, "stacks are read before anything is stopped"
+
+
+def test_a_launcher_that_does_not_answer_delays_the_hang_by_at_most_the_capture_time(
+    tmp_path: Path,
+) -> None:
+    sim = booted(tmp_path, HANG, labels={"grace-over-time": "30"})
+    sim.mute_stacks.add(1)
+    sim.run(2.5)
+    assert sim.records() == [], "waiting for pod 1's stacks"
+    sim.run(sim.cluster.stack_capture_s + 1.5)
+    (record,) = sim.records()
+    assert record.fault.kind.value == "hang"
+    assert record.evidence is not None and record.evidence["missing_pods"] == [1]
+    assert [s["rank"] for s in record.evidence["stacks"]] == [0, 1]
+
+
+def test_a_crash_during_the_stack_capture_wins_and_the_hang_is_dropped(tmp_path: Path) -> None:
+    sim = booted(tmp_path, {**HANG, **UNCONDITIONAL}, labels={"grace-over-time": "30"})
+    sim.mute_stacks.update({0, 1})
+    sim.run(2.5)
+    sim.crash(3)
+    sim.run(sim.cluster.stack_capture_s + 1.5)
+    kinds = [r.fault.kind.value for r in sim.records()]
+    assert kinds == ["process-exit"], kinds
+    assert any("hang: dropped" in e for e in sim.events)
+
+
+def test_exits_after_a_job_level_decision_are_its_collateral_not_new_faults(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 exits; the job is rebuilt (a new attempt); ranks 0 and 3 of the old attempt then
+    exit on their own: stored as collateral, one record, one restart."""
+    sim = booted(tmp_path, UNCONDITIONAL)
+    sim.crash(1)
+    sim.tick()
+    assert sim.actions() == [("job-reschedule", "running")]
+    c = sim.controller
+    old = c.job.attempt - 1
+    for rank in (0, 3):
+        pod = rank // c.spec.procs_per_pod
+        c.receive(sim.link_peer(pod) if c.pods[pod].link else sim.launchers[(pod, 1)],
+                  Exited(rank, old, 1, None, False, sim.clock.now()))  # fmt: skip
+    sim.tick()
+    (record,) = sim.records()
+    assert record.action is Action.JOB_RESCHEDULE
+    assert sorted(f.rank for f, _ in record.others) == [0, 3]
+    assert len(sim.store.faults(sim.job_id)) == 1, "collateral is not decided"

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from relaunch.controller.peers import Rank
 from relaunch.diagnosis import (
     Frame,
     Goodput,
@@ -25,10 +26,12 @@ from relaunch.diagnosis import (
     goodput,
     is_collateral,
     root_cause,
+    slow_pods,
     waits_in_collective,
 )
 from relaunch.faults import ErrorReport, Fault, FaultKind
-from tests.runtime import DDP_CLUSTER, ROOT, Cluster
+from relaunch.store import Store
+from tests.runtime import DDP_CLUSTER, ROOT, Cluster, Result
 
 GLOO_PEER = (
     "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
@@ -390,3 +393,87 @@ def test_goodput_of_a_job_that_reports_no_steps_counts_only_its_faults() -> None
 def test_goodput_of_a_job_with_no_wall_time() -> None:
     g = goodput(5.0, 4.0, [], [])
     assert g.wall_s == 0.0 and g.ettr == 1.0 and adds_up(g)
+
+
+# -- slow pods ----------------------------------------------------------------------------------
+
+
+def test_the_pod_that_rarely_waits_is_slow() -> None:
+    (found,) = slow_pods({0: 0.35, 1: 0.97, 2: 0.30}, margin=0.3)
+    assert (found.pod, found.busy) == (1, 0.97) and found.peers == pytest.approx(0.325)
+    assert "busy 97% of the window" in found.describe()
+
+
+@pytest.mark.parametrize(
+    "shares",
+    [
+        {0: 0.95, 1: 0.97, 2: 0.99},  # uniformly slow: nobody waits
+        {0: 0.30, 1: 0.35, 2: 0.28},  # uniformly fast: everyone waits alike
+        {0: 0.50, 1: 0.75},  # a difference below the margin
+        {0: 0.99},  # no peers
+        {},
+    ],
+    ids=["uniformly-slow", "uniformly-fast", "below-margin", "one-pod", "none"],
+)
+def test_no_slow_pod_without_an_outlier_among_waiting_peers(shares: dict[int, float]) -> None:
+    assert slow_pods(shares, margin=0.3) == []
+
+
+SLOW_CLUSTER = {**DDP_CLUSTER, "slow_window_s": 3, "slow_margin": 0.3}
+
+
+def slow_run(tmp_path: Path, nodes: int, steps: int) -> tuple[Result, list[tuple[float, int]]]:
+    """The DDP example, one rank per pod on 2 pods; pod 1 made 6 times slower at step 20."""
+    job = yaml.safe_load((ROOT / "examples" / "ddp" / "job.yaml").read_text())
+    job["spec"]["procs_per_pod"] = 1
+    job["spec"]["command"] = (
+        f"python {ROOT / 'examples' / 'ddp' / 'train_ddp.py'} --steps {steps} --ckpt-every 10"
+    )
+    plan = [{"kind": "slow", "at_step": 20, "pod": 1, "factor": 6}]
+    cluster = Cluster(tmp_path)
+    result = cluster.run(job, plan, {**SLOW_CLUSTER, "nodes": nodes}, timeout=240, startup_s=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    store = Store(cluster.state / "relaunch.db")
+    return result, store.progress(result.report["id"])
+
+
+def rate(progress: list[tuple[float, int]], start: float, end: float) -> float:
+    inside = [(at, step) for at, step in progress if start <= at <= end]
+    assert len(inside) >= 2, (start, end, progress)
+    (t0, s0), (t1, s1) = inside[0], inside[-1]
+    return (s1 - s0) / (t1 - t0)
+
+
+def test_a_slow_pod_moves_to_the_standby_node_and_the_step_rate_recovers(tmp_path: Path) -> None:
+    result, progress = slow_run(tmp_path, nodes=3, steps=200)
+    first = result.report["recoveries"][0]
+    assert first["fault"]["kind"] == "slow" and first["fault"]["pod"] == 1, first
+    assert first["action"] == "pod-reschedule" and first["outcome"] == "succeeded", first
+    assert "busy" in first["fault"]["detail"]
+    assert result.report["isolated_nodes"] == ["node-1"]
+    pod1 = next(p for p in result.report["pods"] if p["index"] == 1)
+    assert pod1["node"] == "node-2"
+    slow_rate = rate(progress, first["fault_at"] + 1.0, first["detected_at"])
+    after = rate(progress, first["resumed_at"] + 1.0, result.report["ended_at"])
+    assert after > 2 * slow_rate, (slow_rate, after)
+    assert result.report["goodput"]["lost_s"]["slow"] > 0
+
+
+def test_a_slow_pod_without_a_standby_node_is_recorded_only(tmp_path: Path) -> None:
+    result, _ = slow_run(tmp_path, nodes=2, steps=150)
+    (record,) = result.report["recoveries"]
+    assert record["fault"]["kind"] == "slow" and record["fault"]["pod"] == 1
+    assert record["action"] == "ignore"
+    assert "no standby node" in record["reason"]
+    assert result.report["restarts_used"] == 0 and result.report["isolated_nodes"] == []
+    assert [p["generation"] for p in result.report["pods"]] == [1, 1]
+
+
+def test_a_rank_keeps_its_looks_back_to_the_window_start_only() -> None:
+    rank = Rank(attempt=1)
+    for i in range(100):  # a report every 0.1 s: 10 looks each, 7 busy from t = 5
+        rank.looked(i * 0.1, 7 * max(0, i - 50), 10 * i, window_s=3.0)
+    assert len(rank.busy) <= 32, "not every report since the start"
+    share = rank.busy_share(9.9 - 3.0)
+    assert share is not None and share[0] == pytest.approx(0.7) and share[1] == 300
+    assert rank.busy_share(-1.0) is None, "the reports do not reach back that far"

@@ -112,6 +112,14 @@ def test_plan_local_rank_is_within_the_pod_and_rank_is_global() -> None:
         ({"kind": "process-exit", "after_s": 1, "node": "node-0"}, "pod"),
         ({"kind": "chip-fault", "after_s": 1, "pod": 0, "node": "node-0"}, "pod"),
         ({"kind": "chip-fault", "pod": 0}, "at_step"),
+        ({"kind": "slow", "after_s": 1, "pod": 0, "factor": 1}, "factor"),
+        ({"kind": "slow", "after_s": 1, "pod": 0, "factor": 0.5}, "factor"),
+        ({"kind": "slow", "after_s": 1, "pod": 0, "factor": 101}, "factor"),
+        ({"kind": "slow", "after_s": 1, "pod": 0, "factor": "fast"}, "factor"),
+        ({"kind": "slow", "after_s": 1, "pod": 0, "factor": True}, "factor"),
+        ({"kind": "slow", "after_s": 1, "pod": 0, "rank": 0}, "rank"),
+        ({"kind": "slow", "after_s": 1, "node": "node-0"}, "pod"),
+        ({"kind": "hang", "after_s": 1, "pod": 0, "factor": 3}, "factor"),
     ],
 )
 def test_plan_key_that_means_nothing_or_is_out_of_bounds_is_refused(
@@ -288,3 +296,13 @@ def test_agent_refuses_a_chip_it_does_not_have_instead_of_wrapping(tmp_path: Pat
     assert "chip 7 does not exist" in refused.why
     agent.handle(wire, InjectChipFault(4, 0, "80E18005", True, "chip"))  # type: ignore[arg-type]
     assert list(agent.faults) == [0] and wire.sent[-1] == Injected(4, True, "", wire.sent[-1].at)  # type: ignore[attr-defined]
+
+
+def test_plan_slow_slows_a_whole_pod_by_a_factor_for_a_while() -> None:
+    (entry,) = parse_plan(
+        [{"kind": "slow", "at_step": 30, "pod": 1, "factor": 4, "duration_s": 60}]
+    )
+    assert (entry.kind.value, entry.pod, entry.factor, entry.duration_s) == ("slow", 1, 4.0, 60.0)
+    assert entry.describe() == "slow (x4) on pod 1 at step 30"
+    (default,) = parse_plan([{"kind": "slow", "after_s": 2, "pod": 0}])
+    assert default.factor == 3.0 and default.duration_s is None

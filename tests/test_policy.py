@@ -664,3 +664,49 @@ def test_r37_a_fault_during_a_checkpoint_save_goes_to_the_next_level() -> None:
     assert d.action is Action.IN_PLACE
     assert "a checkpoint is being saved (R-37)" in d.passed_over
     assert first(s, uce(), cluster()).action is Action.PROCESS_RETRY
+
+
+# -- a slow pod (SubHealthFault, issue 18) ---------------------------------------------------------
+
+
+def slow(node: str = "node-1", pod: int = 1) -> Fault:
+    return Fault(FaultKind.SLOW, 0.0, node=node, pod=pod, detail="busy 95% vs 30%")
+
+
+def test_a_slow_pod_moves_to_a_standby_node_by_pod_level_rescheduling() -> None:
+    d = first(settings(MODELARTS_ALL), slow())
+    assert d.action is Action.POD_RESCHEDULE
+    assert d.pods == (1,) and d.isolate_nodes == ("node-1",)
+
+
+@pytest.mark.parametrize(
+    ("case", "why"),
+    [
+        ("no-standby", "no standby node"),
+        ("rank0", "rank 0"),
+        ("pod-level-off", "pod-level rescheduling is off"),
+    ],
+)
+def test_a_slow_pod_that_cannot_move_is_recorded_only(case: str, why: str) -> None:
+    s = settings(MODELARTS_ALL)
+    fault, view = slow(), cluster()
+    if case == "no-standby":
+        view = cluster(standby=0)
+    elif case == "rank0":
+        fault = slow("node-0", 0)
+    else:
+        s = settings({"fault-tolerance/job-retry-num": "8"})
+    d = first(s, fault, view)
+    assert d.action is Action.IGNORE, d
+    assert "recorded only" in d.reason and why in d.reason
+
+
+def test_a_slow_pod_whose_move_failed_is_recorded_only_never_a_job_restart() -> None:
+    s = settings(MODELARTS_ALL)
+    d = decide(s, slow(), history(), cluster(), 0.0, tried=frozenset({Action.POD_RESCHEDULE}))
+    assert d.action is Action.IGNORE and "did not work" in d.reason
+
+
+def test_a_slow_pod_under_process_level_recovery_moves_by_process_rescheduling() -> None:
+    d = first(process_settings("retry,recover-in-place,recover,dump,exit"), slow())
+    assert d.action is Action.PROCESS_RESCHEDULE and d.isolate_nodes == ("node-1",)

@@ -10,11 +10,14 @@ A plan is YAML or JSON::
       - {kind: hang, at_step: 90, pod: 1, local_rank: 1}
       - {kind: network, after_s: 3, node: node-2, duration_s: 30}
       - {kind: memory-uce, at_step: 10, pod: 1, chip: 1}
+      - {kind: slow, at_step: 30, pod: 1, factor: 3, duration_s: 600}
 
 `at_step` fires when the job reports that step; `after_s` that many seconds after the current
 attempt started. Each entry fires once. `pod: i` targets the node pod i is on when it fires.
 `rank` is a global rank (`RANK`), and must be one of the ranks the pod holds; `local_rank` is a
-rank within the pod (`LOCAL_RANK`). `chip` is a chip of the target node.
+rank within the pod (`LOCAL_RANK`). `chip` is a chip of the target node. `slow` makes every
+process of the pod `factor` times slower (it runs 1/factor of each 0.1 s and is stopped the rest,
+a CPU throttle's duty cycle) for `duration_s` (default: until the pod's processes end).
 
 :func:`parse_plan` checks each entry on its own; :func:`check_plan` checks that every entry can
 hit its target in a given job on a given cluster, so that a plan is refused before anything
@@ -53,19 +56,22 @@ class ChaosKind(StrEnum):
     HANG = "hang"
     NETWORK = "network"
     MEMORY_UCE = "memory-uce"
+    SLOW = "slow"
 
 
 _CHIP_KINDS: Final = (ChaosKind.CHIP_FAULT, ChaosKind.MEMORY_UCE)
-_PROCESS_KINDS: Final = (ChaosKind.PROCESS_EXIT, ChaosKind.HANG)
+_PROCESS_KINDS: Final = (ChaosKind.PROCESS_EXIT, ChaosKind.HANG, ChaosKind.SLOW)
+_RANK_KINDS: Final = (ChaosKind.PROCESS_EXIT, ChaosKind.HANG)
 
 _ONLY_FOR: Final[dict[str, tuple[ChaosKind, ...]]] = {
-    "rank": _PROCESS_KINDS,
-    "local_rank": _PROCESS_KINDS,
+    "rank": _RANK_KINDS,
+    "local_rank": _RANK_KINDS,
     "exit_code": (ChaosKind.PROCESS_EXIT,),
     "chip": _CHIP_KINDS,
     "code": _CHIP_KINDS,
     "heals": (*_CHIP_KINDS, ChaosKind.NETWORK),
-    "duration_s": (ChaosKind.NETWORK,),
+    "duration_s": (ChaosKind.NETWORK, ChaosKind.SLOW),
+    "factor": (ChaosKind.SLOW,),
 }
 """Keys that mean something only for some kinds: given for another kind, they are an error
 rather than silently ignored."""
@@ -76,6 +82,12 @@ def _code(value: Any) -> str:
         return normalize_code(value)
     except (ValueError, TypeError):
         raise reject("an 8-hex-digit fault code like 80E18005") from None
+
+
+def _factor(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 1 < value <= 100:
+        raise reject("a slowdown factor above 1 and at most 100 (3: three times slower)")
+    return float(value)
 
 
 def _node_name(value: Any) -> str:
@@ -98,6 +110,7 @@ class _Entry(BaseModel):
     code: Annotated[str | None, v(_code)] = None
     heals: Annotated[bool, v(boolean)] = True
     duration_s: Annotated[float | None, v(seconds(0, 86400))] = None
+    factor: Annotated[float, v(_factor)] = 3.0
 
 
 class _Plan(BaseModel):
@@ -125,6 +138,8 @@ class ChaosEntry:
     duration_s: float | None
     local_rank: int | None = None
     """A rank within the pod (LOCAL_RANK), if the entry names one that way."""
+    factor: float = 3.0
+    """`slow`: how many times slower the pod runs."""
 
     @property
     def targets_process(self) -> bool:
@@ -154,7 +169,8 @@ class ChaosEntry:
             target += f" local rank {self.local_rank}"
         if self.kind in _CHIP_KINDS:
             target += f" chip {self.chip}"
-        return f"{self.kind.value} on {target} {trigger}"
+        kind = f"slow (x{self.factor:g})" if self.kind is ChaosKind.SLOW else self.kind.value
+        return f"{kind} on {target} {trigger}"
 
 
 def parse_plan(data: Any, *, source: str = "<fault plan>") -> tuple[ChaosEntry, ...]:
@@ -219,6 +235,7 @@ def _entry(index: int, e: _Entry) -> ChaosEntry:
         heals=e.heals,
         duration_s=e.duration_s,
         local_rank=e.local_rank,
+        factor=e.factor,
     )
 
 

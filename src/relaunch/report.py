@@ -8,7 +8,8 @@ from typing import Any
 from relaunch.chaos import parse_plan
 from relaunch.diagnosis import Goodput, Recovery, failure_time, goodput
 from relaunch.errors import InputError
-from relaunch.policy import Budget
+from relaunch.faults import FaultKind
+from relaunch.policy import Action, Budget
 from relaunch.spec import parse_job
 from relaunch.store import JobRow, NodeRow, Store
 
@@ -73,12 +74,15 @@ def job_goodput(store: Store, job: JobRow, now: float) -> Goodput:
     recoveries = []
     for i, r in enumerate(records):
         resumed = r.resumed_at
-        if resumed is None and i + 1 < len(records):
+        if r.action is Action.IGNORE:
+            resumed = r.detected_at  # recorded only: nothing was stopped
+        elif resumed is None and i + 1 < len(records):
             resumed = records[i + 1].started_at  # a fallback took over: still recovering
         elif resumed is None and not job.status.ended:
             resumed = end  # under way
         happened = min(r.fault_at, failure_time(r.root_cause))
-        recoveries.append(Recovery(happened, r.detected_at, resumed))
+        slow = r.fault.kind is FaultKind.SLOW
+        recoveries.append(Recovery(happened, r.detected_at, resumed, slow))
     return goodput(job.created_at, end, recoveries, store.progress(job.id))
 
 

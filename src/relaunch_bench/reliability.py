@@ -91,6 +91,13 @@ def _row(
     records = [r for report in reports if report for r in report["recoveries"]]
     succeeded = [r for r in records if r["action"] == level and r["outcome"] == "succeeded"]
     mttrs = [r["mttr_s"] for r in succeeded if r.get("mttr_s") is not None]
+    figures = [report["goodput"] for report in reports if report and report.get("goodput")]
+    wall = sum(g["wall_s"] for g in figures)
+    lost = {
+        cause: round(sum(g["lost_s"].get(cause, 0.0) for g in figures), 1)
+        for cause in ("detection", "recovery", "recomputed", "startup")
+    }
+    captures = [r["hang"]["capture_s"] for r in records if r.get("hang")]
     return {
         "system": "relaunch",
         "level": level,
@@ -104,6 +111,9 @@ def _row(
             for report in reports
         ),
         "median_mttr_s": median(mttrs),
+        "ettr": round(sum(g["productive_s"] for g in figures) / wall, 3) if wall else None,
+        "lost_s": " / ".join(f"{lost[c]:g}" for c in lost) if figures else None,
+        "median_capture_s": median(captures) if captures else None,
     }
 
 

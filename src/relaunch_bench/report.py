@@ -47,19 +47,26 @@ RELIABILITY_COLUMNS = {
     "injected": "faults injected",
     "recovered": "recovered", "other_actions": "other actions", "job_succeeded": "job succeeded",
     "median_mttr_s": "median MTTR s",
+    "ettr": "ETTR", "lost_s": "lost s: detection / recovery / recomputed / startup",
+    "median_capture_s": "median stack capture s",
+}  # fmt: skip
+SLOW_COLUMNS = {
+    "factor": "slowdown factor", "window_s": "slow_window_s", "runs": "runs",
+    "detected": "detected", "median_detect_s": "median detection s",
 }  # fmt: skip
 SECTIONS = (
     ("scale", "Scale (light workload, 2 processes per pod)", SCALE_COLUMNS),
     ("sizes", "MTTR by job size (DDP, 2 pods)", SIZE_COLUMNS),
     ("checkpoint", "Checkpoints against the raw disk", CHECKPOINT_COLUMNS),
     ("reliability", "Restart reliability", RELIABILITY_COLUMNS),
+    ("slow", "Slow pod detection (DDP, 2 pods, record only)", SLOW_COLUMNS),
 )
 
 
 def table(rows: list[dict[str, Any]], columns: dict[str, str]) -> list[str]:
     lines = ["| " + " | ".join(columns.values()) + " |", "|" + "---|" * len(columns)]
     for row in rows:
-        cells = ("-" if row[key] is None else str(row[key]) for key in columns)
+        cells = ("-" if row.get(key) is None else str(row[key]) for key in columns)
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 

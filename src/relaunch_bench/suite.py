@@ -19,8 +19,9 @@ from relaunch_bench.mttr import SIZES, Row, hang_rows, mttr_rows, ratios, size_r
 from relaunch_bench.overhead import overhead_rows
 from relaunch_bench.reliability import RELIABILITY_LEVELS, reliability_rows
 from relaunch_bench.scale import scale_rows
+from relaunch_bench.slow import FACTORS, slow_rows
 
-SECTIONS = ("mttr", "hang", "scale", "sizes", "overhead", "checkpoint", "reliability")
+SECTIONS = ("mttr", "hang", "scale", "sizes", "overhead", "checkpoint", "reliability", "slow")
 
 
 @dataclass
@@ -63,6 +64,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         "overhead": [],
         "checkpoint": [],
         "reliability": [],
+        "slow": [],
         **measured,
         "seconds": round(time.time() - started, 1),
     }
@@ -102,6 +104,8 @@ def _sections(
             say,
             with_torchrun=not quick and "job-reschedule" in chosen,
         )
+    if "slow" in sections:
+        measured["slow"] = slow_rows((3.0,) if quick else FACTORS, 1 if quick else 2, say)
     return measured
 
 
@@ -121,6 +125,9 @@ def _quick_torchrun_reliability(rows: list[Row]) -> list[dict[str, Any]]:
             "other_actions": [],
             "job_succeeded": baseline.failures == 0,
             "median_mttr_s": baseline.median_s,
+            "ettr": None,  # torchrun records no goodput
+            "lost_s": None,
+            "median_capture_s": None,
         }
     ]
 

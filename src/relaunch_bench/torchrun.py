@@ -156,4 +156,7 @@ def reliability_row(tmp: Path, crashes: int) -> dict[str, Any]:
         "other_actions": [],
         "job_succeeded": ok,
         "median_mttr_s": median(mttrs),
+        "ettr": None,  # torchrun records no goodput
+        "lost_s": None,
+        "median_capture_s": None,
     }

@@ -9,6 +9,8 @@ A cluster file is YAML or JSON::
     adopt_grace_s: 30        # pods keep running this long without a controller
     root_cause_window_s: 5   # ranks failing this close to a fault are its collateral
     stack_capture_s: 5       # on a hang, how long to wait for every rank's stack
+    slow_window_s: 60        # a pod busy much more than its peers over this long is slow (0: off)
+    slow_margin: 0.3         # ... by at least this share of the window
 
 Pure: parsing only.
 """
@@ -41,6 +43,12 @@ class _Node(BaseModel):
     chips: Annotated[int, v(integer(0, 64, "chips"))] = 2
 
 
+def _share(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1:
+        raise reject("a share of the window between 0 and 1, like 0.3")
+    return float(value)
+
+
 def _nodes(value: Any) -> Any:
     if isinstance(value, list):
         return value
@@ -56,6 +64,8 @@ class _ClusterFile(BaseModel):
     adopt_grace_s: Annotated[float, v(seconds(0, 86400))] = 30.0
     root_cause_window_s: Annotated[float, v(seconds(0, 600))] = 5.0
     stack_capture_s: Annotated[float, v(seconds(0, 120))] = 5.0
+    slow_window_s: Annotated[float, v(seconds(0, 86400))] = 60.0
+    slow_margin: Annotated[float, v(_share)] = 0.3
 
 
 @dataclass(frozen=True)
@@ -76,6 +86,10 @@ class ClusterConfig:
     stack_capture_s: float = 5.0
     """On a hang, how long the controller waits for every rank's Python stack before it
     decides (0: no capture)."""
+    slow_window_s: float = 60.0
+    """A pod whose ranks were busy (not waiting for their peers) `slow_margin` more of this
+    window than the other pods', for half a window more, is slow (0: no detection)."""
+    slow_margin: float = 0.3
 
     @classmethod
     def sized(cls, nodes: int, chips_per_node: int = 2, **timings: float) -> ClusterConfig:
@@ -118,4 +132,6 @@ def parse_cluster(data: Any, *, source: str = "<cluster>") -> ClusterConfig:
         adopt_grace_s=parsed.adopt_grace_s,
         root_cause_window_s=parsed.root_cause_window_s,
         stack_capture_s=parsed.stack_capture_s,
+        slow_window_s=parsed.slow_window_s,
+        slow_margin=parsed.slow_margin,
     )

@@ -9,12 +9,19 @@ from typing import TYPE_CHECKING
 from relaunch.controller import lifecycle, stacks
 from relaunch.controller.detectors import hang_fault, launcher_faults, lost_nodes
 from relaunch.controller.pods import PodPhase
+from relaunch.diagnosis import slow_pods
+from relaunch.faults import Fault, FaultKind
 from relaunch.store import JobStatus, NodeState, Outcome
 
 if TYPE_CHECKING:
     from relaunch.controller.core import Controller
 
-__all__ = ["adoption", "done", "hangs", "heartbeats", "launchers", "requests"]
+__all__ = ["adoption", "done", "hangs", "heartbeats", "launchers", "requests", "slow"]
+
+SLOW_CHECKED_EVERY_S = 1.0
+"""How often the ranks' busy shares are compared (diagnosis.subhealth)."""
+MIN_LOOKS = 10
+"""A rank needs this many looks in the window before its share counts."""
 
 
 def adoption(c: Controller, now: float) -> None:
@@ -116,6 +123,54 @@ def hangs(c: Controller, now: float) -> None:
             rank.last_activity = max(rank.last_activity, now)  # one hang fault per silence
     if not stacks.begin(c, found, now):
         c.recoveries.fault(found.fault, found.source)
+
+
+def slow(c: Controller, now: float) -> None:
+    """A pod persistently slower than its peers (SubHealthFault): its ranks busy `slow_margin`
+    more of the window than the other pods', at every check for half a window more. Not while
+    a recovery runs or a fault waits (their stops and restarts are not slowness), nor before
+    every rank of the attempt has a full window of looks."""
+    window = c.cluster.slow_window_s
+    if window <= 0 or now - c.slow_checked_at < SLOW_CHECKED_EVERY_S:
+        return
+    c.slow_checked_at = now
+    quiet = c.recoveries.active is None and not c.recoveries.waiting and c.capture is None
+    if c.job.status is not JobStatus.RUNNING or not quiet:
+        c.slow_since.clear()
+        return
+    parked = c.membership.parked()
+    shares: dict[int, float] = {}
+    for pod in c.pods.values():
+        if pod.index in parked:
+            continue
+        if pod.link is None:
+            c.slow_since.clear()
+            return
+        ranks = [r for r in pod.link.ranks.values() if r.running and r.attempt == c.job.attempt]
+        seen = [r.busy_share(now - window) for r in ranks]
+        if not ranks or any(s is None or s[1] < MIN_LOOKS for s in seen):
+            c.slow_since.clear()
+            return  # not a full window for every rank yet (a start, a restart)
+        shares[pod.index] = sum(s[0] for s in seen if s is not None) / len(seen)
+    found = {p.pod: p for p in slow_pods(shares, c.cluster.slow_margin)}
+    for index in list(c.slow_since):
+        if index not in found:
+            del c.slow_since[index]
+    for index, slowed in found.items():
+        since = c.slow_since.setdefault(index, now)
+        if now - since < window / 2:
+            continue
+        pod = c.pods[index]
+        fault = Fault(
+            FaultKind.SLOW,
+            max(since - window, c.job.attempt_started_at or since - window),
+            node=pod.row.node,
+            pod=index,
+            detail=slowed.describe(),
+        )
+        c.recoveries.fault(fault, f"slow:{c.job.attempt}:{index}:{pod.row.generation}")
+        c.slow_since.clear()
+        return
 
 
 def done(c: Controller, now: float) -> None:

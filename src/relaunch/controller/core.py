@@ -134,6 +134,9 @@ class Controller:
         self.capture: Capture | None = None
         """A hang's stacks being captured before it is decided (controller.stacks)."""
         self.capture_requests = 0
+        self.slow_since: dict[int, float] = {}
+        """Pods that looked slow at every check since then (checks.slow)."""
+        self.slow_checked_at = 0.0
         self.recoveries = RecoveryDriver(self)
         self.membership = MembershipPublisher(self)
         self.fault_plan = FaultPlanRunner(self, plan)
@@ -221,6 +224,7 @@ class Controller:
         checks.heartbeats(self, now)
         checks.launchers(self, now)
         checks.hangs(self, now)
+        checks.slow(self, now)
         # decide (every fault detected so far, here or while draining messages)
         self.recoveries.decide_waiting(now)
         # act

@@ -78,7 +78,11 @@ def _from_launcher(c: Controller, link: LauncherLink, message: Message) -> None:
                 c.on_output(link.pod, rank, line)
             if not c.progress.uses_sdk:
                 _progressed(c, link, rank, attempt, None)
-        case ProgressBatch(reports=reports, phases=phases):
+        case ProgressBatch(reports=reports, phases=phases, busy=busy):
+            for rank_index, (busy_looks, looks) in busy.items():
+                observed = link.ranks.get(rank_index)
+                if observed is not None and observed.running:
+                    observed.looked(now, busy_looks, looks, c.cluster.slow_window_s)
             for phase in phases:
                 observed = link.ranks.get(phase.rank)
                 if observed is not None and observed.attempt == phase.attempt:

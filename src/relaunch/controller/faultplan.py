@@ -139,9 +139,11 @@ class FaultPlanRunner:
             return
         if entry.targets_process:
             assert entry.pod is not None and rank is not None
-            kind = "exit" if entry.kind is ChaosKind.PROCESS_EXIT else "hang"
-            key: Key = (kind, str(rank) if kind == "exit" else "job")
-            message = InjectProcessFault(entry.index, kind, rank, entry.exit_code)
+            kind = {ChaosKind.PROCESS_EXIT: "exit", ChaosKind.HANG: "hang"}.get(entry.kind, "slow")
+            key: Key = (kind, str(rank) if kind == "exit" else "job" if kind == "hang" else node)
+            message = InjectProcessFault(
+                entry.index, kind, rank, entry.exit_code, entry.factor, entry.duration_s
+            )
             peer = c.pods[entry.pod].link
         else:
             key = ("net" if entry.kind is ChaosKind.NETWORK else "chip", node)

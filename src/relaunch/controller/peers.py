@@ -3,6 +3,7 @@ runs, as observed through their messages."""
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -40,6 +41,25 @@ class Rank:
     """(when, CPU seconds, I/O bytes) of the last usage sample."""
     phase: str = SdkPhase.TRAINING
     """What the SDK says it is doing (R-37: saving a checkpoint, building its group)."""
+    busy: deque[tuple[float, int, int]] = field(default_factory=deque)
+    """(when, busy looks, looks) as its launcher reported them, back to the start of the slow
+    window: how much of it the rank was not waiting for its peers (diagnosis.subhealth)."""
+
+    def looked(self, now: float, busy: int, looks: int, window_s: float) -> None:
+        """A report of looks; only the last one at or before the window's start is kept."""
+        self.busy.append((now, busy, looks))
+        while len(self.busy) > 1 and self.busy[1][0] <= now - window_s:
+            self.busy.popleft()
+
+    def busy_share(self, since: float) -> tuple[float, int] | None:
+        """The share of looks since `since` that found it busy, and how many looks; None if its
+        reports do not reach back that far."""
+        if not self.busy or self.busy[0][0] > since:
+            return None
+        then = next(b for b in reversed(self.busy) if b[0] <= since)
+        _, busy, looks = self.busy[-1]
+        seen = looks - then[2]
+        return ((busy - then[1]) / seen, seen) if seen > 0 else None
 
     @property
     def failed(self) -> bool:

@@ -12,6 +12,7 @@ from relaunch.diagnosis.rootcause import (
     is_collateral,
     root_cause,
 )
+from relaunch.diagnosis.subhealth import SlowPod, slow_pods
 
 __all__ = [
     "CAUSES",
@@ -21,6 +22,7 @@ __all__ = [
     "HangFinding",
     "RankStack",
     "Recovery",
+    "SlowPod",
     "caused_by_peer",
     "culprits",
     "error_from_file",
@@ -29,5 +31,6 @@ __all__ = [
     "goodput",
     "is_collateral",
     "root_cause",
+    "slow_pods",
     "waits_in_collective",
 ]

@@ -10,7 +10,9 @@ Causes, from what the store records:
 - recomputed: after progress resumed, until the job's newest step passes the step it had
   reached when the fault happened (the steps since the checkpoint, done again; jobs that report
   steps);
-- unrecovered: a fault whose recovery did not bring progress back (the job failed or stopped).
+- unrecovered: a fault whose recovery did not bring progress back (the job failed or stopped);
+- slow: a slow pod held the job back, from the window in which it was seen slow until it was
+  detected (its "detection").
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Final
 
 __all__ = ["CAUSES", "Goodput", "Recovery", "goodput"]
 
-CAUSES: Final = ("detection", "recovery", "recomputed", "unrecovered", "startup")
+CAUSES: Final = ("detection", "recovery", "recomputed", "unrecovered", "slow", "startup")
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,8 @@ class Recovery:
     fault_at: float
     detected_at: float
     resumed_at: float | None
+    slow: bool = False
+    """A slow pod's fault: the time until detection was spent slow, not stopped."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +73,7 @@ def goodput(
         spans.append((start, first_step, "startup"))
     for r in recoveries:
         happened = min(r.fault_at, r.detected_at)
-        spans.append((happened, r.detected_at, "detection"))
+        spans.append((happened, r.detected_at, "slow" if r.slow else "detection"))
         if r.resumed_at is None:
             spans.append((r.detected_at, end, "unrecovered"))
             continue

@@ -65,6 +65,12 @@ def assess(
         return _plain(fault, Cause.SOFTWARE, "a rank exited with no hardware fault found")
     if kind is FaultKind.HANG:
         return _plain(fault, Cause.SOFTWARE, "no progress for the hang window")
+    if kind is FaultKind.SLOW:
+        return _plain(
+            fault,
+            Cause.ENVIRONMENT,
+            "SubHealthFault: the pod runs slower than its peers and holds the job back",
+        )
     if kind is FaultKind.NODE_LOST:
         return _plain(fault, Cause.ENVIRONMENT, "node heartbeat lost")
     if kind is FaultKind.CONTROLLER_OUTAGE:

@@ -17,6 +17,9 @@ class FaultKind(StrEnum):
     HANG = "hang"  # no progress for the hang window (suspension)
     NETWORK = "network"  # a link went down, for duration_s seconds
     MEMORY_UCE = "memory-uce"  # on-chip memory uncorrectable error
+    SLOW = "slow"
+    """A pod persistently slower than its peers (MindCluster's SubHealthFault): the job runs
+    at its pace."""
     CONTROLLER_OUTAGE = "controller-outage"
     """relaunch's own controller was away longer than the adopt grace, so the pods ended
     themselves: not the job's fault, and not the user's to pay for."""
@@ -85,6 +88,7 @@ class Fault:
             FaultKind.NODE_LOST: ("node",),
             FaultKind.NETWORK: ("node",),
             FaultKind.MEMORY_UCE: ("node",),
+            FaultKind.SLOW: ("node", "pod"),
         }
         missing = [name for name in needs.get(self.kind, ()) if getattr(self, name) is None]
         if missing:

@@ -11,19 +11,21 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import IO
+from typing import IO, Final
 
 import psutil
 
 from relaunch.diagnosis.errors import TAIL_LINES
 
 __all__ = [
+    "BUSY_STATES",
     "NotStarted",
     "Worker",
     "children_by_parent",
     "die_with_parent",
     "group_alive",
     "is_python",
+    "sample_busy",
     "signal_group",
     "terminate",
     "tree_usage",
@@ -86,6 +88,12 @@ class Worker:
     """Its last output lines, with when each was read: where its traceback is found."""
     stop_asked_at: float | None = None
     """When the launcher was told to stop it."""
+    python_pid: int | None = None
+    """Its Python process (the command's, or the first Python under a shell), once found."""
+    busy: int = 0
+    samples: int = 0
+    """Of `samples` looks at its main thread, how many found it not sleeping: computing,
+    runnable, in disk I/O or stopped. A rank waiting for its peers in a collective sleeps."""
 
     @property
     def started(self) -> bool:
@@ -150,6 +158,30 @@ def is_python(process: psutil.Process) -> bool:
     except (psutil.NoSuchProcess, psutil.AccessDenied, OSError):
         return False
     return name.startswith("python") or exe.startswith("python")
+
+
+BUSY_STATES: Final = frozenset("RDTt")
+"""Main-thread states that are not waiting: running or runnable, disk I/O, stopped."""
+
+
+def sample_busy(worker: Worker) -> None:
+    """One look at the rank's main thread (the state in /proc/PID/stat: a few microseconds)."""
+    if worker.python_pid is None:
+        try:
+            root = psutil.Process(worker.proc.pid)
+            found = next((p for p in (root, *root.children(recursive=True)) if is_python(p)), None)
+        except psutil.Error:
+            return
+        if found is None:
+            return
+        worker.python_pid = found.pid
+    try:
+        with open(f"/proc/{worker.python_pid}/stat", "rb") as stat:
+            state = stat.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError):
+        return
+    worker.samples += 1
+    worker.busy += state in BUSY_STATES
 
 
 def children_by_parent() -> dict[int, list[int]]:

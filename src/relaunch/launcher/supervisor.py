@@ -30,6 +30,7 @@ import contextlib
 import json
 import os
 import queue
+import random
 import selectors
 import signal
 import socket
@@ -50,6 +51,7 @@ from relaunch.launcher.processes import (
     die_with_parent,
     group_alive,
     is_python,
+    sample_busy,
     signal_group,
     terminate,
     tree_usage,
@@ -92,6 +94,8 @@ _KEPT_WHILE_AWAY = (Exited, Stopped, ProgressBatch)
 SPARE_SETTLE_S = 30.0
 """How long after their start ranks that report no steps count as training (spares_wanted)."""
 HOUSEKEEPING_S = 5.0
+SLOW_PERIOD_S = 0.1
+"""A fault plan's `slow`: the period of its duty cycle."""
 """How often, at least, the processes are checked and the spares refilled when nothing else
 wakes the launcher (with pidfds an exit wakes it at once)."""
 
@@ -219,6 +223,9 @@ class Launcher:
                     return
                 urgent = self._received(data) or urgent
         self.progress_read_at = time.time()
+        for worker in self.workers.values():
+            if worker.started and worker.attempt == self.attempt and worker.proc.poll() is None:
+                sample_busy(worker)
         self.flush_progress(force=urgent)
 
     def _received(self, data: bytes) -> bool:
@@ -254,7 +261,8 @@ class Launcher:
             reports, self.latest_progress = tuple(self.latest_progress.values()), {}
             phases, self.phases = tuple(self.phases), []
             self.progress_sent_at = now
-        self.send(ProgressBatch(reports, phases))
+        busy = {w.rank: (w.busy, w.samples) for w in self.workers.values() if w.samples}
+        self.send(ProgressBatch(reports, phases, busy))
 
     # -- processes ----------------------------------------------------------------------------------
 
@@ -481,6 +489,31 @@ class Launcher:
         why = self._inject(self.workers.get(message.rank), message)
         self.send(Injected(message.index, why is None, why or "", time.time()))
 
+    def _slow_down(self, workers: list[Worker], factor: float, duration_s: float | None) -> None:
+        """A CPU throttle's duty cycle on the pod's processes (a fault plan's `slow`): each
+        period (SLOW_PERIOD_S on average, drawn anew each time as a busy node's scheduler would
+        give it: not in step with anything that samples them) they run 1/factor of it and are
+        stopped the rest, until `duration_s` has passed or they are stopped or gone."""
+        end = time.time() + duration_s if duration_s is not None else float("inf")
+        draw = random.Random()
+        try:
+            while self.running and time.time() < end:
+                live = [w for w in workers if not w.stopping and w.proc.poll() is None]
+                if not live:
+                    return
+                period = draw.uniform(0.5, 1.5) * SLOW_PERIOD_S
+                run = period / factor
+                for worker in live:
+                    signal_group(worker.proc.pid, signal.SIGSTOP)
+                time.sleep(period - run)
+                for worker in live:
+                    signal_group(worker.proc.pid, signal.SIGCONT)
+                time.sleep(run)
+        finally:
+            for worker in workers:
+                if worker.proc.poll() is None:
+                    signal_group(worker.proc.pid, signal.SIGCONT)
+
     def _inject(self, worker: Worker | None, message: InjectProcessFault) -> str | None:
         if worker is None or not worker.started:
             return f"rank {message.rank} has no process in pod {self.plan.pod}"
@@ -488,6 +521,14 @@ class Launcher:
             return f"rank {worker.rank} has exited (code {worker.proc.returncode})"
         if message.kind == "hang":
             signal_group(worker.proc.pid, signal.SIGSTOP)
+            return None
+        if message.kind == "slow":
+            pod = [w for w in self.workers.values() if w.started and w.proc.poll() is None]
+            threading.Thread(
+                target=self._slow_down,
+                args=(pod, message.factor, message.duration_s),
+                daemon=True,
+            ).start()
             return None
         try:
             root = psutil.Process(worker.proc.pid)

@@ -128,11 +128,32 @@ class Context:
 def _ignore(c: Context) -> Answer:
     if not c.a.handled:
         return Proposal(c.a.reason)
+    if c.fault.kind is FaultKind.SLOW:
+        why = _slow_stays(c)
+        return Proposal(f"{c.a.reason}: recorded only ({why})") if why else None
     if c.tried:
         return None  # already being recovered: a failed move may have emptied the node
     if c.node is not None and c.fault.pod is None and not c.cluster.pods_on(c.node):
         isolate = (c.node,) if c.node_must_go else ()
         return Proposal(f"{c.a.reason}, on a node this job does not use", isolate=isolate)
+    return None
+
+
+def _slow_stays(c: Context) -> str | None:
+    """Why a slow pod is not moved (None: it is). It moves only where that costs no more than a
+    pod-level move: a standby node, and pod-level rescheduling allowed (or process-level
+    rescheduling, under process-level recovery); never by a job-level rebuild."""
+    if c.tried:
+        return "moving it did not work"
+    process_move = c.settings.process_level and c.allows(RecoverStrategy.RECOVER)
+    if not c.settings.pod_reschedule and not process_move:
+        return "pod-level rescheduling is off for this job"
+    if not c.cluster.standby_nodes:
+        return "no standby node to move it to"
+    if not process_move and c.touches_rank0:
+        return "it holds rank 0, which pod-level rescheduling does not move (R-23)"
+    if not process_move and c.left(Budget.POD) <= 0:
+        return f"pod-retry-num spent ({c.settings.pod_retry_budget} used)"
     return None
 
 

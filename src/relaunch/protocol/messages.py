@@ -220,6 +220,9 @@ class ProgressBatch(Message):
     KIND = "progress"
     reports: tuple[Progress, ...] = ()
     phases: tuple[RankPhase, ...] = ()
+    busy: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """Per running rank, since its process started: (looks that found its main thread not
+    sleeping, looks). A rank slower than its peers is the one that rarely waits for them."""
 
 
 @dataclass(frozen=True)
@@ -294,9 +297,12 @@ class InjectProcessFault(Message):
     KIND = "inject-process-fault"
     index: int
     kind: str
-    """"exit" (the process exits with `exit_code`) or "hang" (SIGSTOP)."""
+    """"exit" (the process exits with `exit_code`), "hang" (SIGSTOP) or "slow" (every process
+    of the pod runs 1/`factor` of the time, for `duration_s` or until it ends)."""
     rank: int
     exit_code: int = 1
+    factor: float = 1.0
+    duration_s: float | None = None
 
 
 @dataclass(frozen=True)

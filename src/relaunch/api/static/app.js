@@ -62,7 +62,7 @@ function faultText(f) {
 
 // Goodput: where the job's wall time went, productive and lost by cause, as one stacked bar.
 const CAUSE_COLOURS = { productive: "#2e8b57", detection: "#e67e22", recovery: "#c0392b",
-  recomputed: "#8e44ad", unrecovered: "#555", startup: "#95a5a6" };
+  recomputed: "#8e44ad", unrecovered: "#555", slow: "#d4ac0d", startup: "#95a5a6" };
 function goodputChart(g) {
   if (!g || !g.wall_s) return null;
   const parts = [["productive", g.productive_s], ...Object.entries(g.lost_s)].filter(([, s]) => s > 0);
