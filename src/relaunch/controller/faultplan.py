@@ -50,7 +50,8 @@ class FaultPlanRunner:
 
     def fire(self, now: float) -> None:
         c = self.c
-        busy = c.recoveries.active is not None or c.recoveries.waiting
+        # A hang whose stacks are being captured is a fault not decided yet (controller.stacks).
+        busy = c.recoveries.active is not None or c.recoveries.waiting or c.capture is not None
         if not self.plan or c.job.status is not JobStatus.RUNNING or busy:
             return
         for key, at in list(self.injected.items()):
