@@ -163,6 +163,14 @@ def test_what_collectives_say_when_a_peer_failed(kind: str, message: str) -> Non
     assert caused_by_peer(exit_of(0, 1.0, said(kind, message, 1.0)))
 
 
+def test_a_rank_that_left_only_its_last_output_failed_when_it_exited() -> None:
+    """Its last line ("step 180 loss ...") may be minutes old: not the time of the failure."""
+    last_line = ErrorReport("", "step 180 loss 0.52", "step 180 loss 0.52", 3.0, "output")
+    assert failure_time(exit_of(1, at=50.0, error=last_line)) == 50.0
+    traceback = ErrorReport("ValueError", "bad", "Traceback ...", 48.0, "output")
+    assert failure_time(exit_of(1, at=50.0, error=traceback)) == 48.0
+
+
 def test_if_every_rank_blames_a_peer_the_first_is_named() -> None:
     a = exit_of(0, at=3.0, error=said("RuntimeError", GLOO_PEER, 2.0))
     b = exit_of(1, at=2.5, error=said("RuntimeError", GLOO_PEER, 2.4))

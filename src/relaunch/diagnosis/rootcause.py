@@ -41,10 +41,12 @@ class Group:
 
 
 def failure_time(fault: Fault) -> float:
-    """When the failure happened: when the rank wrote or printed its error, if that came before
-    its exit (a rank's teardown after an exception can take seconds)."""
-    if fault.error is not None:
-        return min(fault.at, fault.error.at)
+    """When the failure happened: when the rank wrote its error file or printed its traceback,
+    if that came before its exit (a rank's teardown after an exception can take seconds). A rank
+    that left no exception, only its last output, failed when it exited: that line may be old."""
+    error = fault.error
+    if error is not None and (error.type or error.source == "error-file"):
+        return min(fault.at, error.at)
     return fault.at
 
 
