@@ -49,9 +49,16 @@ def test_submit_on_the_page_and_watch_the_recovery(page: Page, tmp_path: Path) -
         page.goto(server.url + "/")
         page.fill("#token", server.token)
         page.dispatch_event("#token", "change")
-        job = toy_job(UNCONDITIONAL, steps=90, args="--step-seconds 0.05")
+        job = toy_job(
+            {**UNCONDITIONAL, "fault-tolerance/hang-retry": "true"},
+            steps=90,
+            args="--step-seconds 0.05",
+        )
         job["metadata"]["name"] = "dashboard-demo"
-        job["fault_plan"] = [{"kind": "process-exit", "at_step": 30, "pod": 1, "exit_code": 7}]
+        job["fault_plan"] = [
+            {"kind": "process-exit", "at_step": 30, "pod": 1, "exit_code": 7},
+            {"kind": "hang", "at_step": 60, "pod": 0, "rank": 1},
+        ]
         page.fill("#job-json", json.dumps(job, indent=2))
         page.click("#submit")
 
@@ -65,10 +72,14 @@ def test_submit_on_the_page_and_watch_the_recovery(page: Page, tmp_path: Path) -
         expect(page.locator("#job-phase")).to_have_text("Succeeded", timeout=60_000)
         expect(page.locator("#job-step")).to_have_text("90")
         expect(page.locator("#progress-chart polyline")).to_have_count(1)
-        expect(page.locator("#progress-chart text.resume")).to_contain_text("MTTR")
+        expect(page.locator("#progress-chart text.resume").first).to_contain_text("MTTR")
         expect(page.locator("#pods tbody tr")).to_have_count(2)
         expect(page.locator("#diagnosis-1")).to_contain_text("root cause: process-exit (exit 7)")
         expect(page.locator("#diagnosis-1")).to_contain_text("last output: step")
+        hang = page.locator("#diagnosis-2")
+        expect(hang).to_contain_text("root cause: hang rank 1", timeout=60_000)
+        expect(hang).to_contain_text("rank 1 (stopped) — culprit")
+        expect(hang.locator("pre.traceback").first).to_contain_text("train_toy.py")
         expect(page.locator("#goodput .goodput-legend")).to_contain_text("ETTR")
         expect(page.locator("#goodput .goodput-legend")).to_contain_text("recovery")
         assert page.locator("#goodput .goodput-part").count() >= 2

@@ -82,10 +82,12 @@ function diagnosis(records) {
   const blocks = [];
   records.forEach((r, i) => {
     const f = r.fault, err = f.error, coll = r.collateral || [], hang = r.hang;
-    if (!err && !coll.length && !hang) return;
+    const slow = f.kind === "slow";
+    if (!err && !coll.length && !hang && !slow) return;
     const where = [f.rank !== null && f.rank !== undefined ? `rank ${f.rank}` : null,
       f.pod !== null && f.pod !== undefined ? `pod ${f.pod}` : null, f.node].filter(Boolean).join(", ");
     const parts = [h("h3", {}, `#${i + 1} root cause: ${faultText(f)}${where ? " (" + where + ")" : ""}`)];
+    if (slow) parts.push(h("div", { class: "error-text" }, `slow: ${f.detail}`));
     if (err) {
       parts.push(h("div", { class: "error-text" }, err.type ? `${err.type}: ${err.message}` : `last output: ${err.message}`));
       if (err.traceback) parts.push(h("pre", { class: "traceback" }, err.traceback));
