@@ -5,6 +5,7 @@ processes, in test_runtime_e2e.py, test_process_recovery.py and test_runtime_rob
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from relaunch.protocol.messages import (
     Exited,
     Heal,
     MembershipUpdate,
+    ProgressBatch,
     Shutdown,
     Start,
     Stop,
@@ -428,3 +430,58 @@ def test_exits_after_a_job_level_decision_are_its_collateral_not_new_faults(
     assert record.action is Action.JOB_RESCHEDULE
     assert sorted(f.rank for f, _ in record.others) == [0, 3]
     assert len(sim.store.faults(sim.job_id)) == 1, "collateral is not decided"
+
+
+def feed_looks(sim: Sim, seconds: float, busy: dict[int, float]) -> None:
+    """Every tick, each running rank's launcher reports 10 more looks, `busy[pod]` of them busy."""
+    c = sim.controller
+    counts: dict[int, list[int]] = sim.__dict__.setdefault("looks", {})  # cumulative, as sent
+    step = c.progress.step or 1
+    end = sim.clock.now() + seconds
+    while sim.clock.now() < end:
+        for pod in c.pods.values():
+            link = pod.link
+            if link is None:
+                continue
+            report = {}
+            for rank, observed in link.ranks.items():
+                if observed.running and observed.attempt == c.job.attempt:
+                    seen = counts.setdefault(rank, [0, 0])
+                    seen[0] += round(10 * busy[pod.index])
+                    seen[1] += 10
+                    report[rank] = (seen[0], seen[1])
+            c.receive(sim.link_peer(pod.index), ProgressBatch((), (), report))
+        step += 1
+        sim.train(step)  # the job makes progress: it is slow, not hung
+        sim.tick()
+
+
+def slow_sim(tmp_path: Path, annotations: dict[str, str]) -> Sim:
+    sim = booted(tmp_path, annotations)
+    sim.controller.cluster = replace(sim.cluster, slow_window_s=2.0)
+    return sim
+
+
+def test_a_pod_busy_while_its_peers_wait_is_a_slow_fault_after_one_and_a_half_windows(
+    tmp_path: Path,
+) -> None:
+    sim = slow_sim(tmp_path, AUTO)
+    feed_looks(sim, 2.5, {0: 0.2, 1: 0.9})
+    assert sim.records() == [], "a full window, then half a window more"
+    feed_looks(sim, 1.5, {0: 0.2, 1: 0.9})
+    (record,) = sim.records()
+    assert (record.fault.kind.value, record.fault.pod, record.fault.node) == ("slow", 1, "node-1")
+    assert record.action is Action.IGNORE and "pod-level rescheduling is off" in record.reason
+    feed_looks(sim, 5.0, {0: 0.2, 1: 0.9})
+    assert len(sim.records()) == 1, "recorded once per attempt"
+
+
+def test_no_slow_fault_when_every_pod_is_busy_or_during_a_recovery(tmp_path: Path) -> None:
+    sim = slow_sim(tmp_path, UNCONDITIONAL)
+    feed_looks(sim, 6.0, {0: 0.95, 1: 0.9})
+    assert sim.records() == [], "uniformly slow: nobody waits"
+    sim.crash(0)
+    sim.tick()
+    assert sim.actions() == [("job-reschedule", "running")]
+    feed_looks(sim, 1.5, {0: 0.2, 1: 0.9})
+    assert [r.fault.kind.value for r in sim.records()] == ["process-exit"]
