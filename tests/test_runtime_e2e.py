@@ -6,6 +6,7 @@ the JSON report, and checks afterwards that no process of the run is left.
 
 from __future__ import annotations
 
+import json
 import re
 
 from tests.runtime import (
@@ -292,3 +293,47 @@ def test_r12_short_link_fault_is_recorded_and_a_long_one_recovered(cluster: Clus
     assert result.actions == ["ignore", "in-place"]
     short, long = (r["fault"] for r in result.report["recoveries"])
     assert short["duration_s"] == 0.3 and long["duration_s"] is None
+
+
+# -- torchrun's contract (R-06) ---------------------------------------------------------------------
+
+
+def test_r06_every_rank_gets_torchrun_s_whole_environment_and_counts_as_torchelastic_launched(
+    cluster: Cluster,
+) -> None:
+    """The same script under torchrun and under relaunch (1 pod of 2 ranks): the same variables,
+    the same values where they do not depend on the launch (run id, port, restart budget, the
+    error file's path, and the agent store, which relaunch does not run), and torch's
+    `is_torchelastic_launched()` true in every rank."""
+    import subprocess
+    import sys
+
+    from tests.runtime import ROOT
+
+    script = ROOT / "tests" / "scripts" / "dump_env.py"
+    under_torchrun = cluster.dir / "torchrun"
+    subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(script), str(under_torchrun)],
+        check=True, capture_output=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    under_relaunch = cluster.dir / "relaunch"
+    job = toy_job(AUTO, replicas=1)
+    job["spec"]["command"] = f"python {script} {under_relaunch}"
+    result = cluster.run(job)
+    assert result.returncode == 0, result.stdout + result.stderr
+    launch_dependent = {
+        "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_MAX_RESTARTS",
+        "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_USE_AGENT_STORE",
+    }  # fmt: skip
+    for rank in (0, 1):
+        theirs = json.loads((under_torchrun / f"rank-{rank}.json").read_text())
+        ours = json.loads((under_relaunch / f"rank-{rank}.json").read_text())
+        assert theirs["launched"] and ours["launched"]
+        assert set(theirs["env"]) <= set(ours["env"]), set(theirs["env"]) - set(ours["env"])
+        for name, value in theirs["env"].items():
+            if name not in launch_dependent:
+                assert ours["env"][name] == value, (name, ours["env"][name], value)
+        assert ours["env"]["TORCHELASTIC_RUN_ID"] == f"e2e-{result.report['id']}"
+        assert ours["env"]["TORCHELASTIC_MAX_RESTARTS"] == "4"
+        assert ours["env"]["TORCHELASTIC_USE_AGENT_STORE"] == "False"

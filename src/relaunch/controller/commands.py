@@ -213,6 +213,8 @@ def pod_environment(c: Controller, row: PodRow, attempt: int) -> dict[str, str]:
         if process_level
         else None,
         recovery_wait_s=c.recovery.wait_reschedule_timeout_s if process_level else None,
+        run_id=f"{c.spec.name}-{c.job_id}",
+        max_restarts=c.recovery.job_retry_budget,
     ).variables()
 
 

@@ -308,8 +308,15 @@ class Launcher:
         error_file.parent.mkdir(exist_ok=True)
         error_file.unlink(missing_ok=True)  # what an earlier process of this rank wrote
         child_env.update(
-            {Env.RANK: str(rank), Env.LOCAL_RANK: str(local_rank), Env.ERROR_FILE: str(error_file)}
+            {
+                Env.RANK: str(rank),
+                Env.ROLE_RANK: str(rank),  # one role: its rank is the global rank, as torchrun's
+                Env.LOCAL_RANK: str(local_rank),
+                Env.ERROR_FILE: str(error_file),
+            }
         )
+        child_env.setdefault(Env.NCCL_ASYNC_ERROR_HANDLING, "1")  # torchrun's defaults
+        child_env.setdefault(Env.SIGNALS_TO_HANDLE, "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
         log = open(self.dir.rank_log(rank), "a", encoding="utf-8")  # noqa: SIM115
         spare = self.spares.take() if self.spares.argv is not None else None
         cwd = self.plan.working_dir or str(self.dir.path)

@@ -27,6 +27,19 @@ class Env:
     RESTART_COUNT: Final = "TORCHELASTIC_RESTART_COUNT"
     ERROR_FILE: Final = "TORCHELASTIC_ERROR_FILE"
     """Per rank: where torch's `errors.record` writes the exception that ended the rank."""
+    RUN_ID: Final = "TORCHELASTIC_RUN_ID"
+    """Its presence is what `torch.distributed.is_torchelastic_launched()` checks (Lightning,
+    Accelerate and others then trust the launcher's variables)."""
+    GROUP_WORLD_SIZE: Final = "GROUP_WORLD_SIZE"
+    ROLE_NAME: Final = "ROLE_NAME"
+    ROLE_RANK: Final = "ROLE_RANK"
+    ROLE_WORLD_SIZE: Final = "ROLE_WORLD_SIZE"
+    MAX_RESTARTS: Final = "TORCHELASTIC_MAX_RESTARTS"
+    USE_AGENT_STORE: Final = "TORCHELASTIC_USE_AGENT_STORE"
+    """"False": rank 0 hosts the rendezvous store, as with torchrun's static rendezvous (there
+    is no agent store to join)."""
+    NCCL_ASYNC_ERROR_HANDLING: Final = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+    SIGNALS_TO_HANDLE: Final = "TORCHELASTIC_SIGNALS_TO_HANDLE"
     # ModelArts' counters (R-04, R-05)
     SCHEDULE_CNT: Final = "MA_SCHEDULE_CNT"
     PROC_START_CNT: Final = "MA_PROC_START_CNT"
@@ -84,9 +97,19 @@ class PodEnvironment:
     membership_file: str | None = None
     """With process-level recovery: where the launcher writes the membership."""
     recovery_wait_s: float | None = None
+    run_id: str = "none"
+    """TORCHELASTIC_RUN_ID (torchrun's --rdzv-id, whose default is "none")."""
+    max_restarts: int = 0
+    """TORCHELASTIC_MAX_RESTARTS: the job-level restarts the job may use."""
 
     def variables(self) -> dict[str, str]:
         env = {
+            Env.RUN_ID: self.run_id,
+            Env.GROUP_WORLD_SIZE: str(max(1, self.world_size // max(1, self.procs_per_pod))),
+            Env.ROLE_NAME: "default",
+            Env.ROLE_WORLD_SIZE: str(self.world_size),
+            Env.MAX_RESTARTS: str(self.max_restarts),
+            Env.USE_AGENT_STORE: "False",
             Env.WORLD_SIZE: str(self.world_size),
             Env.LOCAL_WORLD_SIZE: str(self.procs_per_pod),
             Env.GROUP_RANK: str(self.pod),
