@@ -49,6 +49,7 @@ def test_r08_fault_kinds() -> None:
         "network",
         "memory-uce",
         "controller-outage",  # relaunch's own: its controller away longer than the adopt grace
+        "slow",  # a pod slower than its peers (SubHealthFault, diagnosis.subhealth)
     }
 
 
