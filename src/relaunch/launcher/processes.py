@@ -25,6 +25,7 @@ __all__ = [
     "die_with_parent",
     "group_alive",
     "is_python",
+    "python_process",
     "sample_busy",
     "signal_group",
     "terminate",
@@ -160,6 +161,16 @@ def is_python(process: psutil.Process) -> bool:
     return name.startswith("python") or exe.startswith("python")
 
 
+def python_process(pid: int) -> psutil.Process | None:
+    """A rank's Python: the process started (a `python` command), or the first Python under it
+    (a shell, a wrapper)."""
+    try:
+        root = psutil.Process(pid)
+        return next((p for p in (root, *root.children(recursive=True)) if is_python(p)), None)
+    except psutil.Error:
+        return None
+
+
 BUSY_STATES: Final = frozenset("RDTt")
 """Main-thread states that are not waiting: running or runnable, disk I/O, stopped."""
 
@@ -167,11 +178,7 @@ BUSY_STATES: Final = frozenset("RDTt")
 def sample_busy(worker: Worker) -> None:
     """One look at the rank's main thread (the state in /proc/PID/stat: a few microseconds)."""
     if worker.python_pid is None:
-        try:
-            root = psutil.Process(worker.proc.pid)
-            found = next((p for p in (root, *root.children(recursive=True)) if is_python(p)), None)
-        except psutil.Error:
-            return
+        found = python_process(worker.proc.pid)
         if found is None:
             return
         worker.python_pid = found.pid

@@ -16,7 +16,7 @@ from typing import Any
 import psutil
 
 from relaunch.diagnosis import Frame, RankStack
-from relaunch.launcher.processes import is_python
+from relaunch.launcher.processes import python_process
 
 __all__ = ["capture", "py_spy"]
 
@@ -38,7 +38,7 @@ def capture(ranks: dict[int, int], timeout_s: float) -> list[RankStack]:
 
 
 def _one(rank: int, pid: int, tool: str | None, timeout_s: float) -> RankStack:
-    process = _python_in(pid)
+    process = python_process(pid)
     if process is None:
         return RankStack(rank, pid, "gone", error="no Python process in the rank's process tree")
     try:
@@ -92,16 +92,3 @@ def _parsed(rank: int, pid: int, state: str, threads: list[dict[str, Any]]) -> R
         if name == "MainThread" or (i == 0 and not main):
             main = frames
     return RankStack(rank, pid, state, main, "\n".join(text))
-
-
-def _python_in(pid: int) -> psutil.Process | None:
-    """The rank's Python: the process started (a `python` command), or the first Python under
-    it (a shell, a wrapper)."""
-    try:
-        root = psutil.Process(pid)
-        for process in [root, *root.children(recursive=True)]:
-            if is_python(process):
-                return process
-    except psutil.Error:
-        return None
-    return None
