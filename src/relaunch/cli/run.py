@@ -29,6 +29,25 @@ from relaunch.cli.common import (
     state_dir_of,
 )
 from relaunch.cli.engines import engine_name, ray_cluster, stop_trial
+from relaunch.cli.launch import (
+    AnnotationOption,
+    EnvOption,
+    HangRetryOption,
+    HangSecondsOption,
+    LabelOption,
+    LaunchOptions,
+    MaxRestartsOption,
+    MonitorOption,
+    NameOption,
+    NnodesOption,
+    NprocOption,
+    PodRetryOption,
+    StandaloneOption,
+    TorchrunForm,
+    UnconditionalOption,
+    WarmSparesOption,
+    launch_document,
+)
 from relaunch.cli.summary import print_summary
 from relaunch.controller import Controller, RunOptions
 from relaunch.errors import MISSING, InputError, Problem, RelaunchError
@@ -37,7 +56,14 @@ from relaunch.report import build_report
 from relaunch.spec import parse_job
 from relaunch.store import JobRow, JobStatus, Store
 
-JobFileArgument = Annotated[Path | None, typer.Argument(help="Job spec, YAML or JSON.")]
+JobFileArgument = Annotated[
+    Path | None,
+    typer.Argument(
+        help="Job spec, YAML or JSON; or, in torchrun's form, the training script, followed by "
+        "its arguments.",
+        metavar="JOB_FILE | SCRIPT [ARGS]...",
+    ),
+]
 ClusterOption = Annotated[
     Path | None, typer.Option("--cluster", help="Cluster file (nodes, chips, timings).")
 ]
@@ -76,8 +102,9 @@ EngineOption = Annotated[
 ]
 
 
-@app.command()
+@app.command(cls=TorchrunForm)
 def run(
+    ctx: typer.Context,
     job_file: JobFileArgument = None,
     cluster_file: ClusterOption = None,
     faults_file: FaultsOption = None,
@@ -92,9 +119,41 @@ def run(
     engine: EngineOption = "embedded",
     address: AddressOption = None,
     ray_select: RaySelectOption = None,
+    nnodes: NnodesOption = None,
+    nproc_per_node: NprocOption = None,
+    standalone: StandaloneOption = False,
+    max_restarts: MaxRestartsOption = None,
+    monitor_interval: MonitorOption = None,
+    name: NameOption = None,
+    pod_retry_num: PodRetryOption = None,
+    unconditional_retry: UnconditionalOption = None,
+    hang_retry: HangRetryOption = None,
+    hang_detect_seconds: HangSecondsOption = None,
+    warm_spares: WarmSparesOption = None,
+    annotation: AnnotationOption = None,
+    label: LabelOption = None,
+    env: EnvOption = None,
 ) -> None:
     """Run a job until it succeeds or fails (exit 0 / 1; 2 for bad input), on the embedded
-    cluster or on Ray."""
+    cluster or on Ray. Either from a job file, or as torchrun would run a script: `relaunch run
+    --nnodes 2 --nproc-per-node 4 train.py --epochs 3` (everything after the script is the
+    script's)."""
+    launch = LaunchOptions(
+        nnodes,
+        nproc_per_node,
+        standalone,
+        max_restarts,
+        monitor_interval,
+        name,
+        pod_retry_num,
+        unconditional_retry,
+        hang_retry,
+        hang_detect_seconds,
+        warm_spares,
+        annotation,
+        label,
+        env,
+    )
     engine = engine_name(engine)
     if engine == "embedded" and (address or ray_select):
         err.print("[bold red]error:[/] --address and --ray-select need --engine ray")
@@ -109,10 +168,16 @@ def run(
     try:
         table, rules = service.table_from(fault_table)
         store = Store(directory / "relaunch.db")
+        document = launch_document(ctx, job_file, launch)
         if resume:
+            if document is not None:
+                raise InputError(
+                    "relaunch run --resume",
+                    [Problem("SCRIPT", str(job_file), "the job's name or id, with --resume")],
+                )
             job_id = _unfinished(store, job_file).id
         else:
-            request = _NewRun(job_file, cluster_file, faults_file, fault_table, startup_s)
+            request = _NewRun(job_file, cluster_file, faults_file, fault_table, startup_s, document)
             cluster_raw = _cluster_settings(cluster_file, nodes_count, chips_per_node)
             job_id, trial = _submit(
                 store, directory, request, cluster_raw, engine, address, ray_select
@@ -145,6 +210,8 @@ class _NewRun:
     faults_file: Path | None
     fault_table: Path | None
     startup_s: float | None
+    document: tuple[dict[str, Any], str] | None
+    """The job torchrun's form made, and the source its errors name; None: the job file."""
 
 
 def _cluster_settings(
@@ -171,19 +238,32 @@ def _submit(
 ) -> tuple[int, Any]:
     """The job checked fully and stored, before anything starts; an unfinished earlier job is
     abandoned, saying so. Returns the job's id and the Ray trial cluster, if one was started."""
-    if request.job_file is None:
-        raise InputError("relaunch run", [Problem("JOB", MISSING, "a job file to run")])
+    if request.document is not None:
+        raw, source = request.document  # parsed already, errors naming the options
+    elif request.job_file is None:
+        raise InputError(
+            "relaunch run",
+            [
+                Problem(
+                    "JOB",
+                    MISSING,
+                    "a job file to run, or torchrun's form: --nnodes N "
+                    "--nproc-per-node M script.py ARGS",
+                )
+            ],
+        )
+    else:
+        raw, source = read_document(request.job_file), str(request.job_file)
+        parse_job(raw, source=source)  # before a trial cluster starts for it
     faults_file = request.faults_file
     plan_raw = read_document(faults_file) if faults_file else None
-    raw = read_document(request.job_file)
-    parse_job(raw, source=str(request.job_file))  # before a trial cluster starts for it
     plan = service.plan_entries(plan_raw, source=str(faults_file))
     engine_spec, trial = None, None
     if engine == "ray":
         cluster_raw, engine_spec, trial = ray_cluster(cluster_raw, address, ray_select)
     submission = service.Submission(
         raw=raw,
-        source=str(request.job_file),
+        source=source,
         cwd=os.getcwd(),
         cluster=cluster_raw,
         plan=plan,

@@ -19,17 +19,44 @@ from relaunch.cli.common import (
     fail_input,
     out,
 )
+from relaunch.cli.launch import (
+    AnnotationOption,
+    EnvOption,
+    HangRetryOption,
+    HangSecondsOption,
+    LabelOption,
+    LaunchOptions,
+    MaxRestartsOption,
+    MonitorOption,
+    NameOption,
+    NnodesOption,
+    NprocOption,
+    PodRetryOption,
+    StandaloneOption,
+    TorchrunForm,
+    UnconditionalOption,
+    WarmSparesOption,
+    launch_document,
+)
 from relaunch.cluster.config import parse_cluster
 from relaunch.errors import InputError
 from relaunch.faults import EscalationRules, Fault, FaultCodeTable, FaultKind
 from relaunch.files import load_cluster, load_job, read_document
 from relaunch.policy import ClusterView, Decision, JobHistory, PodView, plan
-from relaunch.spec import JobSpec, RecoverySettings, process_recovery_env
+from relaunch.spec import JobSpec, RecoverySettings, parse_job, process_recovery_env
 
 
-@app.command()
+@app.command(cls=TorchrunForm)
 def validate(
-    file: Annotated[Path, typer.Argument(help="Job spec, YAML or JSON.")],
+    ctx: typer.Context,
+    file: Annotated[
+        Path,
+        typer.Argument(
+            help="Job spec, YAML or JSON; or, in torchrun's form, the training script and its "
+            "arguments.",
+            metavar="JOB_FILE | SCRIPT [ARGS]...",
+        ),
+    ],
     fault_table: FaultTableOption = None,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the effective settings as JSON.")
@@ -42,11 +69,43 @@ def validate(
         Path | None,
         typer.Option("--cluster", help="The cluster the fault plan is checked against."),
     ] = None,
+    nnodes: NnodesOption = None,
+    nproc_per_node: NprocOption = None,
+    standalone: StandaloneOption = False,
+    max_restarts: MaxRestartsOption = None,
+    monitor_interval: MonitorOption = None,
+    name: NameOption = None,
+    pod_retry_num: PodRetryOption = None,
+    unconditional_retry: UnconditionalOption = None,
+    hang_retry: HangRetryOption = None,
+    hang_detect_seconds: HangSecondsOption = None,
+    warm_spares: WarmSparesOption = None,
+    annotation: AnnotationOption = None,
+    label: LabelOption = None,
+    env: EnvOption = None,
 ) -> None:
     """Check a job spec (and a fault plan against it); print its effective recovery settings,
-    or every problem (exit 2)."""
+    or every problem (exit 2). A torchrun-shaped command line (`relaunch validate --nnodes 2
+    --nproc-per-node 4 train.py`) is checked as `relaunch run` would build its job."""
+    launch = LaunchOptions(
+        nnodes,
+        nproc_per_node,
+        standalone,
+        max_restarts,
+        monitor_interval,
+        name,
+        pod_retry_num,
+        unconditional_retry,
+        hang_retry,
+        hang_detect_seconds,
+        warm_spares,
+        annotation,
+        label,
+        env,
+    )
     try:
-        job = load_job(file)
+        document = launch_document(ctx, file, launch)
+        job = load_job(file) if document is None else parse_job(document[0], source=document[1])
         table, rules = service.table_from(fault_table)
         plan: tuple[ChaosEntry, ...] = ()
         if faults_file is not None:

@@ -1,0 +1,229 @@
+"""torchrun's form on the command line: `relaunch run --nnodes N --nproc-per-node M script.py
+ARGS` (and `relaunch validate` in the same form). Everything after the script is the script's,
+as under torchrun; before it, relaunch's and torchrun's options mix freely."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from typer._click.core import Context as ClickContext  # typer's own click (0.2x)
+from typer.core import TyperCommand
+
+from relaunch.errors import Problem, SpecError
+from relaunch.spec import parse_job
+from relaunch.spec.launch import Launch, launch_job, option_problems
+
+__all__ = [
+    "LaunchOptions",
+    "TorchrunForm",
+    "launch_document",
+]
+
+_TORCHRUN_OPTIONS = frozenset({"--nnodes", "--nproc-per-node", "--nproc_per_node", "--standalone"})
+_JOB_FILE_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+def torchrun_form(args: list[str]) -> bool:
+    """A command line in torchrun's form: a torchrun option, or a `.py` script where the job file
+    goes, before anything else positional."""
+    for arg in args:
+        if arg == "--":
+            return False
+        if arg.startswith("-"):
+            if arg.split("=", 1)[0] in _TORCHRUN_OPTIONS:
+                return True
+        elif arg.endswith(".py"):
+            return True
+    return False
+
+
+class TorchrunForm(TyperCommand):
+    """A command whose first positional is a job file, or, in torchrun's form, a script whose
+    arguments follow it unparsed (an `--epochs 3` or a `--report` after the script is the
+    script's)."""
+
+    def parse_args(self, ctx: ClickContext, args: list[str]) -> list[str]:
+        if torchrun_form(args):
+            ctx.allow_interspersed_args = False
+            ctx.allow_extra_args = True
+        return super().parse_args(ctx, args)
+
+
+NnodesOption = Annotated[
+    str | None,
+    typer.Option("--nnodes", help="torchrun form: pods (nodes) of the job.", show_default=False),
+]
+NprocOption = Annotated[
+    str | None,
+    typer.Option(
+        "--nproc-per-node", "--nproc_per_node", help="torchrun form: processes (ranks) per pod."
+    ),
+]
+StandaloneOption = Annotated[
+    bool, typer.Option("--standalone", help="torchrun form: one node (torchrun's meaning).")
+]
+MaxRestartsOption = Annotated[
+    int | None,
+    typer.Option(
+        "--max-restarts",
+        help="torchrun form: job-level restarts (fault-tolerance/job-retry-num; 0: none). "
+        "Default 3.",
+    ),
+]
+MonitorOption = Annotated[
+    float | None,
+    typer.Option("--monitor-interval", help="torchrun form: seconds between process checks."),
+]
+NameOption = Annotated[
+    str | None,
+    typer.Option("--name", help="torchrun form: the job's name (default: the script's)."),
+]
+PodRetryOption = Annotated[
+    int | None,
+    typer.Option(
+        "--pod-retry-num",
+        help="torchrun form: pod-level reschedules (fault-tolerance/pod-retry-num).",
+    ),
+]
+UnconditionalOption = Annotated[
+    bool | None,
+    typer.Option(
+        "--unconditional-retry/--environment-faults-only",
+        help="torchrun form: restart on any failure, as torchrun does "
+        "(fault-tolerance/job-unconditional-retry), or only on environment faults (R-02). "
+        "Default: any failure.",
+        show_default=False,
+    ),
+]
+HangRetryOption = Annotated[
+    bool | None,
+    typer.Option(
+        "--hang-retry/--no-hang-retry",
+        help="torchrun form: restart a hung job (fault-tolerance/hang-retry). Default on.",
+        show_default=False,
+    ),
+]
+HangSecondsOption = Annotated[
+    float | None,
+    typer.Option("--hang-detect-seconds", help="torchrun form: silence that makes a hang."),
+]
+WarmSparesOption = Annotated[
+    int | None,
+    typer.Option("--warm-spares", help="torchrun form: warm spare processes per pod."),
+]
+AnnotationOption = Annotated[
+    list[str] | None,
+    typer.Option("--annotation", help="torchrun form: a job annotation, KEY=VALUE (repeatable)."),
+]
+LabelOption = Annotated[
+    list[str] | None,
+    typer.Option("--label", help="torchrun form: a job label, KEY=VALUE (repeatable)."),
+]
+EnvOption = Annotated[
+    list[str] | None,
+    typer.Option("--env", help="torchrun form: a variable for every rank, KEY=VALUE (repeatable)."),
+]
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """The torchrun form's options as the command received them: None where not given."""
+
+    nnodes: str | None = None
+    nproc_per_node: str | None = None
+    standalone: bool = False
+    max_restarts: int | None = None
+    monitor_interval: float | None = None
+    name: str | None = None
+    pod_retry_num: int | None = None
+    unconditional_retry: bool | None = None
+    hang_retry: bool | None = None
+    hang_detect_seconds: float | None = None
+    warm_spares: int | None = None
+    annotation: list[str] | None = None
+    label: list[str] | None = None
+    env: list[str] | None = None
+
+    def given(self) -> list[str]:
+        """The options given, as typed (`--max-restarts`), for the job file form's error."""
+        return [
+            "--" + f.name.replace("_", "-")
+            for f in fields(self)
+            if getattr(self, f.name) not in (None, False, [])
+        ]
+
+
+def launch_document(
+    ctx: typer.Context, first: Path | None, options: LaunchOptions
+) -> tuple[dict[str, Any], str] | None:
+    """In torchrun's form, the job mapping its options and script make and the source its
+    errors name; None for the job file form. Raises SpecError naming the options: the job file
+    form given torchrun options, a script that is not there, any option's bad value."""
+    if ctx.allow_interspersed_args:  # TorchrunForm.parse_args found the job file form
+        if options.given():
+            raise SpecError(
+                "relaunch run",
+                [
+                    Problem(
+                        ", ".join(options.given()),
+                        str(first),
+                        "these options in torchrun's form (`relaunch run --nnodes N "
+                        "--nproc-per-node M script.py ARGS`); a job file says them in its "
+                        "annotations, labels and spec",
+                    )
+                ],
+            )
+        return None
+    source = "relaunch run (torchrun form)"
+    problems = _script_problems(first, options)
+    if problems:
+        raise SpecError(source, problems)
+    assert first is not None
+    launch = Launch(
+        script=str(first),
+        args=tuple(ctx.args),
+        nnodes=options.nnodes or "1",
+        nproc_per_node=options.nproc_per_node or "1",
+        name=options.name,
+        **({} if options.max_restarts is None else {"max_restarts": options.max_restarts}),
+        pod_retry_num=options.pod_retry_num,
+        hang_retry=True if options.hang_retry is None else options.hang_retry,
+        unconditional_retry=options.unconditional_retry is not False,
+        hang_detect_seconds=options.hang_detect_seconds,
+        monitor_interval=options.monitor_interval,
+        warm_spares=options.warm_spares,
+        annotations=tuple(options.annotation or ()),
+        labels=tuple(options.label or ()),
+        env=tuple(options.env or ()),
+    )
+    raw, problems = launch_job(launch)
+    try:
+        parse_job(raw, source=source)
+    except SpecError as error:
+        problems.extend(option_problems(error.problems))
+    if problems:
+        raise SpecError(source, problems)
+    return raw, source
+
+
+def _script_problems(first: Path | None, options: LaunchOptions) -> list[Problem]:
+    problems: list[Problem] = []
+    if options.standalone and options.nnodes not in (None, "1"):
+        problems.append(Problem("--standalone", options.nnodes, "one node: drop --nnodes"))
+    if first is None:
+        problems.append(Problem("SCRIPT", "", "the training script after the options"))
+    elif first.suffix in _JOB_FILE_SUFFIXES:
+        problems.append(
+            Problem(
+                "SCRIPT",
+                str(first),
+                "a training script; a job file takes no --nnodes / --nproc-per-node (its spec "
+                "says replicas and procs_per_pod)",
+            )
+        )
+    elif not first.is_file():
+        problems.append(Problem("SCRIPT", str(first), "a training script that exists"))
+    return problems

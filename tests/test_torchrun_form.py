@@ -1,0 +1,261 @@
+"""torchrun's form, `relaunch run --nnodes N --nproc-per-node M script.py ARGS`: the job it builds
+is the job file's (same checks, same recovery ladder), every bad option is named, and a DDP run
+in this form recovers from a crash. Real processes."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from relaunch.spec import parse_job
+from relaunch.spec.launch import DEFAULT_MAX_RESTARTS, Launch, job_name_of, launch_job
+
+ROOT = Path(__file__).resolve().parents[1]
+DDP = "examples/ddp/train_ddp.py"
+
+
+def relaunch(*args: str, cwd: Path = ROOT, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "relaunch", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def test_the_torchrun_form_defaults_to_torchruns_shape_with_the_ladder_on() -> None:
+    raw, problems = launch_job(Launch("train.py", ("--lr", "0.1"), "2", "4"))
+    job = parse_job(raw)
+    assert problems == []
+    assert (job.replicas, job.procs_per_pod, job.chips_per_pod) == (2, 4, 4)
+    assert job.command == ("python", "train.py", "--lr", "0.1")
+    assert job.name == "train"
+    assert job.recovery.job_retry_budget == DEFAULT_MAX_RESTARTS
+    assert job.recovery.unconditional_retry  # torchrun restarts on any failure
+    assert job.recovery.hang_retry
+
+
+def test_max_restarts_0_is_torchruns_no_restart() -> None:
+    raw, _ = launch_job(Launch("train.py", max_restarts=0))
+    job = parse_job(raw)
+    assert not job.recovery.auto_restart
+    assert not job.recovery.unconditional_retry
+
+
+@pytest.mark.parametrize(
+    ("script", "name"),
+    [
+        ("train.py", "train"),
+        ("examples/ddp/train_ddp.py", "train-ddp"),
+        ("My Model.V2.py", "my-model-v2"),
+        ("___.py", "job"),
+        ("9lives.py", "9lives"),
+        ("x" * 80 + ".py", "x" * 63),
+    ],
+)
+def test_a_job_is_named_after_its_script_with_a_name_the_spec_accepts(
+    script: str, name: str
+) -> None:
+    assert job_name_of(script) == name
+    raw, _ = launch_job(Launch(script))
+    assert parse_job(raw).name == name
+
+
+def test_the_torchrun_form_has_the_job_files_settings_and_ladder() -> None:
+    """examples/ddp/job.yaml, said as options: `relaunch validate --json` prints the same."""
+    from_file = relaunch("validate", "--json", "examples/ddp/job.yaml")
+    spec = yaml.safe_load((ROOT / "examples/ddp/job.yaml").read_text())["spec"]
+    script, *args = spec["command"].split()[1:]
+    from_options = relaunch(
+        "validate",
+        "--json",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--name",
+        "ddp",
+        "--max-restarts",
+        "6",
+        "--pod-retry-num",
+        "2",
+        "--label",
+        "fault-scheduling=grace",
+        "--label",
+        "grace-over-time=5",
+        "--hang-detect-seconds",
+        "4",
+        "--monitor-interval",
+        "0.2",
+        script,
+        *args,
+    )
+    assert from_file.returncode == 0, from_file.stderr
+    assert from_options.returncode == 0, from_options.stderr
+    shown, expected = json.loads(from_options.stdout), json.loads(from_file.stdout)
+    # the file's command is a shell line; the script's words are the same
+    assert expected.pop("command") == ["/bin/sh", "-c", " ".join(shown.pop("command"))]
+    assert shown == expected
+
+
+def test_everything_after_the_script_is_the_scripts() -> None:
+    """As under torchrun: relaunch's own option names after the script go to the script."""
+    result = relaunch(
+        "validate", "--json", "--nproc_per_node=3", DDP, "--report", "x", "-q", "--nnodes", "9"
+    )
+    assert result.returncode == 0, result.stderr
+    shown = json.loads(result.stdout)
+    assert shown["command"] == ["python", DDP, "--report", "x", "-q", "--nnodes", "9"]
+    assert (shown["replicas"], shown["procs_per_pod"]) == (1, 3)
+
+
+def test_a_py_file_alone_runs_as_torchrun_would_one_process() -> None:
+    shown = json.loads(relaunch("validate", "--json", DDP, "--steps", "3").stdout)
+    assert (shown["replicas"], shown["procs_per_pod"]) == (1, 1)
+    assert shown["command"] == ["python", DDP, "--steps", "3"]
+
+
+BAD_OPTIONS = {
+    "nodes zero": (["--nnodes", "0", DDP], "--nnodes: '0'"),
+    "nodes text": (["--nnodes", "two", DDP], "--nnodes: 'two'"),
+    "nodes range": (["--nnodes", "1:4", DDP], "not a MIN:MAX range"),
+    "procs zero": (["--nproc-per-node", "0", DDP], "--nproc-per-node: '0'"),
+    "procs text": (["--nproc-per-node", "auto", DDP], "--nproc-per-node: 'auto'"),
+    "restarts over": (["--max-restarts", "500", DDP], "--max-restarts: '500'"),
+    "restarts negative": (["--max-restarts", "-1", DDP], "--max-restarts: '-1'"),
+    "pod retries zero": (["--pod-retry-num", "0", DDP], "--pod-retry-num: '0'"),
+    "hang seconds": (["--hang-detect-seconds", "-4", DDP], "--hang-detect-seconds: -4"),
+    "monitor": (["--monitor-interval", "0", DDP], "--monitor-interval: 0"),
+    "spares": (["--warm-spares", "99", DDP], "--warm-spares: 99"),
+    "name": (["--name", "Not_A_Name", DDP], "--name: 'Not_A_Name'"),
+    "annotation pair": (["--annotation", "job-retry", DDP], "--annotation: 'job-retry'"),
+    "annotation value": (
+        ["--annotation", "recover-strategy=bogus", DDP],
+        "--annotation recover-strategy: 'bogus'",
+    ),
+    "unknown ft annotation": (
+        ["--annotation", "fault-tolerance/typo=1", DDP],
+        "fault-tolerance/typo",
+    ),
+    "label value": (
+        ["--label", "fault-scheduling=sometimes", DDP],
+        "--label fault-scheduling: 'sometimes'",
+    ),
+    "label twice": (
+        ["--label", "pod-rescheduling=on", "--label", "pod-rescheduling=off", DDP],
+        "pod-rescheduling was given twice",
+    ),
+    "env pair": (["--env", "NOVALUE", DDP], "--env: 'NOVALUE'"),
+    "no script": (["--nnodes", "2"], "SCRIPT"),
+    "missing script": (["--nnodes", "2", "nothere.py"], "a training script that exists"),
+    "job file as script": (
+        ["--nnodes", "2", "examples/ddp/job.yaml"],
+        "a job file takes no --nnodes",
+    ),
+    "standalone and nodes": (["--standalone", "--nnodes", "2", DDP], "--standalone: '2'"),
+    "job file with torchrun options": (
+        ["examples/ddp/job.yaml", "--max-restarts", "2", "--label", "a=b"],
+        "--max-restarts, --label",
+    ),
+    "a rendezvous option relaunch runs itself": (
+        ["--rdzv-backend", "c10d", "--nnodes", "2", DDP],
+        "No such option",
+    ),
+}
+
+
+RUN_CASES = ["nodes range", "missing script", "job file with torchrun options", "label value"]
+"""`relaunch run` reads the options as `validate` does (one function); these show it says so and
+starts nothing."""
+
+
+@pytest.mark.parametrize(
+    ("command", "case"),
+    [("validate", c) for c in sorted(BAD_OPTIONS)] + [("run", c) for c in RUN_CASES],
+)
+def test_each_bad_option_is_named_and_nothing_runs(case: str, command: str, tmp_path: Path) -> None:
+    args, expected = BAD_OPTIONS[case]
+    extra = ["--state-dir", str(tmp_path / "state")] if command == "run" else []
+    result = relaunch(command, *extra, *args)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    said = " ".join(result.stderr.split())
+    assert expected in said, said
+    assert "Traceback" not in said
+    assert not (tmp_path / "state" / "relaunch.db").exists() or command == "run"
+    if command == "run" and (tmp_path / "state" / "relaunch.db").exists():
+        jobs = relaunch("jobs", "--state-dir", str(tmp_path / "state"))
+        assert "train" not in jobs.stdout  # no job stored for bad input
+
+
+def test_every_bad_option_is_reported_at_once() -> None:
+    result = relaunch(
+        "validate",
+        "--nnodes",
+        "0",
+        "--nproc-per-node",
+        "x",
+        "--max-restarts",
+        "500",
+        "--label",
+        "fault-scheduling=bogus",
+        "--env",
+        "NOEQ",
+        DDP,
+    )
+    assert result.returncode == 2
+    for option in ("--nnodes", "--nproc-per-node", "--max-restarts", "--label", "--env"):
+        assert f"  - {option}" in result.stderr, result.stderr
+    assert result.stderr.count("\n  - ") == 5
+
+
+def test_resume_takes_a_job_not_a_script(tmp_path: Path) -> None:
+    result = relaunch("run", "--resume", "--state-dir", str(tmp_path), "--nnodes", "2", DDP)
+    assert result.returncode == 2
+    assert "the job's name or id, with --resume" in " ".join(result.stderr.split())
+
+
+def test_a_ddp_script_run_in_the_torchrun_form_recovers_from_a_crash(tmp_path: Path) -> None:
+    """The README's line, with a crash: a job-level restart, the run resumed from its checkpoint
+    and every rank a torchelastic launch."""
+    plan = tmp_path / "faults.yaml"
+    plan.write_text(
+        yaml.safe_dump({"faults": [{"kind": "process-exit", "at_step": 6, "pod": 1, "rank": 3}]})
+    )
+    report = tmp_path / "report.json"
+    result = relaunch(
+        "run",
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--faults",
+        str(plan),
+        "--report",
+        str(report),
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--monitor-interval",
+        "0.2",
+        DDP,
+        "--steps",
+        "14",
+        "--ckpt-every",
+        "5",
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads(report.read_text())
+    assert summary["job"] == "train-ddp"
+    assert [r["action"] for r in summary["recoveries"]] == ["job-reschedule"]
+    resumed = {int(n) for n in re.findall(r"resume_step=(\d+)", result.stdout)}
+    # the restart resumed from a checkpoint (which one: how far the ranks ran past step 6
+    # before the crash landed)
+    assert len(resumed) == 2 and min(resumed) == 0 and 0 < max(resumed) <= 14, resumed
