@@ -1,0 +1,114 @@
+"""The frameworks users already run, unmodified (examples/frameworks/: written from Lightning's
+and Accelerate's docs, nothing of relaunch in them), under `relaunch run` in torchrun's form:
+each sees a torchelastic launch, and comes through a crash, a hang and a lost node, resuming
+each time from its own checkpoints. Real Lightning, real Accelerate, gloo on CPU."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Framework:
+    script: str
+    args: tuple[str, ...]
+    steps: int
+    launched: str
+    """What the script prints of how the framework saw its launch."""
+    after_s: float
+    """When each fault fires, from its attempt's start: once the framework trains."""
+
+
+FRAMEWORKS = {
+    "lightning": Framework(
+        "examples/frameworks/lightning_ddp.py",
+        ("--num-nodes", "2", "--devices", "1", "--max-steps", "800"),
+        800,
+        "environment=TorchElasticEnvironment torchelastic=True",
+        8,
+    ),
+    "accelerate": Framework(
+        "examples/frameworks/accelerate_train.py",
+        ("--steps", "2000"),
+        2000,
+        "distributed_type=MULTI_CPU torchelastic=True",
+        6,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FRAMEWORKS))
+def test_an_unmodified_framework_script_comes_through_a_crash_a_hang_and_a_lost_node(
+    name: str, tmp_path: Path
+) -> None:
+    framework = FRAMEWORKS[name]
+    plan = tmp_path / "faults.yaml"
+    after = framework.after_s
+    plan.write_text(
+        yaml.safe_dump(
+            {
+                "faults": [
+                    {"kind": "process-exit", "after_s": after, "pod": 1, "rank": 1},
+                    {"kind": "hang", "after_s": after, "pod": 0, "rank": 0},
+                    {"kind": "node-down", "after_s": after, "pod": 1},
+                ]
+            }
+        )
+    )
+    report = tmp_path / "report.json"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "relaunch",
+            "run",
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--faults",
+            str(plan),
+            "--report",
+            str(report),
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--hang-detect-seconds",
+            "4",
+            "--monitor-interval",
+            "0.2",
+            str(ROOT / framework.script),
+            *framework.args,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,  # the scripts keep their checkpoints under the working directory
+        timeout=300,
+        check=False,
+    )
+    said = result.stdout + result.stderr
+    assert result.returncode == 0, said[-4000:]
+    summary = json.loads(report.read_text())
+    assert [e["state"] for e in summary["fault_plan"]] == ["fired"] * 3, summary["fault_plan"]
+    assert [(r["action"], r["outcome"]) for r in summary["recoveries"]] == [
+        ("job-reschedule", "succeeded"),
+        ("hang-restart", "succeeded"),
+        ("isolated-job-reschedule", "succeeded"),
+    ]
+    starts = re.findall(r"\] start: .*", said)
+    assert len(starts) >= 4, said[-4000:]  # the first attempt and three restarts
+    assert all(framework.launched in line for line in starts), starts
+    resumed = [int(n) for n in re.findall(r"\] start: .*?(?:global_step|step)=(\d+)", said)]
+    # every attempt started from a later checkpoint than the one before (both ranks say it)
+    attempts = list(dict.fromkeys(resumed))
+    assert attempts[0] == 0 and attempts == sorted(attempts) and len(attempts) >= 3, resumed
+    assert re.search(rf"done: .*step={framework.steps}\b", said), said[-2000:]
