@@ -81,7 +81,10 @@ def _code(value: Any) -> str:
     try:
         return normalize_code(value)
     except (ValueError, TypeError):
-        raise reject("an 8-hex-digit fault code like 80E18005") from None
+        raise reject(
+            "a fault code: 8 hex digits like 80E18005 (NPU), XID-<n> like XID-79 or a GPU "
+            "condition like GPU-LOST (NVIDIA)"
+        ) from None
 
 
 def _factor(value: Any) -> float:

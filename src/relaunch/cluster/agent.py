@@ -1,7 +1,9 @@
 """The node agent of the embedded cluster: one process per simulated node.
 
 It connects to the controller, says which node it is, and sends a heartbeat every interval with the
-health of its simulated chips and its network link. A chip fault or a link going down is set by
+health of its chips and its network link. Its chips are real GPUs, read through NVML at each
+heartbeat (relaunch.cluster.nvml), where this machine has them (`--first-gpu`: which ones);
+simulated otherwise. A chip fault or a link going down is set by
 the fault plan (through the controller) and shows up in the next heartbeat, as a device plugin
 would report it. Killing the agent is how a node is lost; a stopped (SIGSTOP) agent stops
 answering too. Without a controller it exits after the grace period.
@@ -20,6 +22,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from relaunch.cluster.nvml import NvmlChips, open_gpus
+from relaunch.faults.gpu_codes import PERSISTENT, GpuReading, gpu_fault_codes, most_serious
 from relaunch.protocol.messages import (
     AgentHello,
     ChipReport,
@@ -46,8 +50,17 @@ class LinkDown:
 
 class Agent:
     def __init__(
-        self, state_dir: Path, node: str, chips: int, interval: float, grace: float, blip_s: float
+        self,
+        state_dir: Path,
+        node: str,
+        chips: int,
+        interval: float,
+        grace: float,
+        blip_s: float,
+        gpus: NvmlChips | None = None,
     ) -> None:
+        self.gpus = gpus
+        self.gpu_looks: dict[int, GpuReading] = {}
         self.state_dir = state_dir
         self.node = node
         self.chips = chips
@@ -61,7 +74,10 @@ class Agent:
 
     def heartbeat(self) -> Heartbeat:
         now = time.time()
+        readings = self.gpus.look() if self.gpus is not None else []
         with self.lock:
+            for reading in readings:
+                self._gpu_fault(reading, now)
             link = None
             if self.link is not None:
                 down_for = now - self.link.at
@@ -72,6 +88,21 @@ class Agent:
                 if restored:
                     self.link = None
             return Heartbeat(self.node, now, tuple(self.faults.values()), link)
+
+    def _gpu_fault(self, reading: GpuReading, now: float) -> None:
+        """A real GPU's look as its chip's fault: a new Xid or ECC event each time; a condition
+        (lost, remap pending or failed) once while it holds, and cleared when it no longer does."""
+        chip = reading.index
+        code = most_serious(gpu_fault_codes(self.gpu_looks.get(chip), reading))
+        self.gpu_looks[chip] = reading
+        current = self.faults.get(chip)
+        if current is not None and current.code in PERSISTENT and current.code != code:
+            del self.faults[chip]  # the GPU was reset or replaced: the condition is gone
+            current = None
+        if code is None or (current is not None and current.code == code and code in PERSISTENT):
+            return
+        self.seq += 1
+        self.faults[chip] = ChipReport(self.seq, chip, code, code not in PERSISTENT, "chip", now)
 
     def handle(self, conn: Connection, message: Message) -> None:
         with self.lock:
@@ -147,9 +178,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--interval", type=float, default=0.5)
     parser.add_argument("--grace", type=float, default=30.0)
     parser.add_argument("--blip", type=float, default=20.0)
+    parser.add_argument(
+        "--first-gpu", type=int, default=0, help="this node's chip 0 is this machine's GPU N"
+    )
+    parser.add_argument(
+        "--simulate-chips", action="store_true", help="simulated chips even where NVML sees GPUs"
+    )
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    Agent(args.state_dir, args.node, args.chips, args.interval, args.grace, args.blip).run()
+    gpus, why = (None, "simulated (--simulate-chips)")
+    if not args.simulate_chips and args.chips > 0:
+        gpus, why = open_gpus(args.first_gpu, args.chips)
+    print(f"agent {args.node}: {args.chips} chip(s): {why}", flush=True)
+    agent = Agent(args.state_dir, args.node, args.chips, args.interval, args.grace, args.blip, gpus)
+    agent.run()
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ Pure: parsing only.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -72,6 +72,10 @@ class _ClusterFile(BaseModel):
 class NodeSpec:
     name: str
     chips: int
+    first_gpu: int = field(default=0, compare=False)
+    """On the embedded cluster, whose nodes share one machine: this node's chip 0 is the
+    machine's GPU `first_gpu` (the chips of the nodes before it come first). Set by
+    ClusterConfig."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,13 @@ class ClusterConfig:
     def sized(cls, nodes: int, chips_per_node: int = 2, **timings: float) -> ClusterConfig:
         specs = tuple(NodeSpec(f"node-{i}", chips_per_node) for i in range(nodes))
         return cls(nodes=specs, **timings)
+
+    def __post_init__(self) -> None:
+        first, placed = 0, []
+        for node in self.nodes:
+            placed.append(replace(node, first_gpu=first))
+            first += node.chips
+        object.__setattr__(self, "nodes", tuple(placed))
 
 
 def parse_cluster(data: Any, *, source: str = "<cluster>") -> ClusterConfig:

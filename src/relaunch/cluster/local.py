@@ -106,6 +106,7 @@ class LocalCluster:
         self._kill(self._pids()["agents"].get(node.name))  # a node has one agent at a time
         pid = self._spawn(
             ["relaunch.cluster.agent", "--node", node.name, "--chips", str(node.chips),
+             "--first-gpu", str(node.first_gpu),
              "--interval", str(interval), "--grace", str(grace), "--blip", str(blip_s)],
             self.layout.agent_log(node.name),
         )  # fmt: skip

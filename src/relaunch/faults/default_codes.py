@@ -1,13 +1,15 @@
 """The fault codes relaunch knows out of the box (R-09, R-11).
 
 The codes named in RECOVERY_RULES.md, plus a selection of Ascend NPU codes with the handling
-level MindCluster's device plugin assigns them in its public default table. Descriptions are
+level MindCluster's device plugin assigns them in its public default table, plus the NVIDIA GPU
+codes of relaunch.faults.gpu_codes (Xids and NVML conditions). Descriptions are
 ours. Users extend or override this table with `--fault-table FILE`.
 """
 
 from __future__ import annotations
 
 from relaunch.faults.codes import FaultCode, FaultCodeTable, HandlingLevel
+from relaunch.faults.gpu_codes import GPU_ROWS
 
 __all__ = ["DEFAULT_TABLE", "default_rows"]
 
@@ -45,7 +47,7 @@ def default_rows() -> tuple[FaultCode, ...]:
     ]
     for level, codes in _BY_LEVEL.items():
         rows.extend(FaultCode(code, level, level.default_severity) for code in codes)
-    return tuple(rows)
+    return (*rows, *GPU_ROWS)
 
 
 DEFAULT_TABLE = FaultCodeTable(default_rows())

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from enum import IntEnum, StrEnum
+from typing import Final
 
 __all__ = ["ErrorReport", "Fault", "FaultKind", "Severity"]
 
@@ -128,9 +130,32 @@ class Fault:
         return " ".join(parts) + (f" ({', '.join(where)})" if where else "")
 
 
+GPU_CONDITIONS: Final = (
+    "GPU-LOST",
+    "GPU-ECC-DBE",
+    "GPU-ROW-REMAP-FAILURE",
+    "GPU-ROW-REMAP-PENDING",
+    "GPU-RETIRED-PAGES-PENDING",
+)
+"""The NVIDIA GPU conditions NVML shows without an Xid event (relaunch.faults.gpu_codes)."""
+
+_XID = re.compile(r"^XID[-_ ]?0*(\d{1,4})$")
+
+
 def normalize_code(code: str | int) -> str:
-    """Fault codes are 8 hex digits; YAML reads an all-digit code as an int."""
+    """A fault code: 8 hex digits for an Ascend NPU code (YAML reads an all-digit code as an
+    int); `XID-<n>` for an NVIDIA Xid (`xid79`, `Xid 79` are the same); or a GPU condition of
+    :data:`GPU_CONDITIONS`."""
     text = f"{code:08d}" if isinstance(code, int) else str(code).strip()
+    upper = text.upper()
+    xid = _XID.match(upper)
+    if xid is not None and 0 < int(xid.group(1)) < 1000:
+        return f"XID-{int(xid.group(1))}"
+    if upper in GPU_CONDITIONS:
+        return upper
     if len(text) != 8 or any(c not in "0123456789abcdefABCDEF" for c in text):
-        raise ValueError(f"fault code {code!r} is not 8 hexadecimal digits")
-    return text.upper()
+        raise ValueError(
+            f"fault code {code!r} is not 8 hexadecimal digits (an NPU code like 80E18005), "
+            f"XID-<1..999> (an NVIDIA Xid) or one of {', '.join(GPU_CONDITIONS)}"
+        )
+    return upper

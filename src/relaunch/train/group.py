@@ -60,6 +60,11 @@ __all__ = ["GroupLost", "Membership", "ProcessGroupKeeper", "read_membership"]
 # Membership and read_membership are the protocol's (relaunch.protocol.plans), re-exported here.
 
 
+NCCL_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+NCCL_CLEAN_UP_ONLY = "2"
+"""ProcessGroupNCCL's error handling "CleanUpOnly": abort the communicator, keep the process."""
+
+
 class GroupLost(RuntimeError):
     """No working process group could be formed again within the wait (the controller's fallback
     takes over: a rank that raises this exits, and the next recovery level runs)."""
@@ -86,6 +91,7 @@ class ProcessGroupKeeper:
         self.model = model
         self.optimizer = optimizer
         self.backend = backend
+        self.nccl = "nccl" in backend.lower()
         env_timeout = os.environ.get(Env.COLLECTIVE_TIMEOUT)
         self.collective_timeout_s = collective_timeout_s or float(env_timeout or 30.0)
         env_wait = os.environ.get(Env.RECOVERY_WAIT)
@@ -189,8 +195,13 @@ class ProcessGroupKeeper:
         self.membership = m
 
     def _abort(self) -> None:
-        """Make every collective of the current group fail now, here and at every peer: shut its
-        TCP connections down (what NCCL's abort does for NCCL; gloo has none that unblocks)."""
+        """Make every collective of the current group fail now, here and at every peer. NCCL:
+        abort the communicators (ncclCommAbort; each peer's keeper aborts its own when it sees
+        the new membership, its collectives do not run over sockets). gloo, which has no abort
+        that unblocks: shut the group's TCP connections down, which every peer sees at once."""
+        if self.nccl and dist.is_initialized():
+            with contextlib.suppress(RuntimeError, ValueError):
+                dist.distributed_c10d._abort_process_group()
         for fd in self._sockets:
             with contextlib.suppress(OSError):
                 duplicate = socket.socket(fileno=os.dup(fd))
@@ -213,6 +224,10 @@ class ProcessGroupKeeper:
 
     def _form(self, m: Membership | None) -> None:
         timeout = timedelta(seconds=self.collective_timeout_s)
+        if self.nccl and self.membership_path is not None:
+            # a failed collective aborts its communicator and raises, the process lives on for
+            # the keeper to re-form the group (torchrun's default, 1, tears the process down)
+            os.environ[NCCL_ASYNC_ERROR_HANDLING] = NCCL_CLEAN_UP_ONLY
         if m is None:
             dist.init_process_group(self.backend, timeout=timeout)
         else:
