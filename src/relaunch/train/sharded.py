@@ -1,0 +1,246 @@
+"""Checkpoints of sharded state (FSDP2, DTensor, any torch.distributed.checkpoint state dict)
+with the guarantees of relaunch.train.checkpoint: atomic, verified with fallback, rotated,
+asynchronous, a dying gasp. Every rank calls save and load together (they are collectives).
+
+Layout, one directory per step, written by torch.distributed.checkpoint (DCP)::
+
+    DIR/step-000000120/__0_0.distcp ...   each rank's shards (DCP's files)
+    DIR/step-000000120/.metadata          DCP's index of them
+    DIR/step-000000120/manifest.json      {step, world_size, format: "dcp", files: {name: {size, xxh3_128}}}
+
+A save writes into `DIR/.step-000000120.tmp-<run>` (DCP fsyncs each file); each rank hashes the
+files it wrote, rank 0 gathers their sizes and hashes, fsyncs, renames the directory to its
+name and only then writes the manifest (temporary name, fsync, rename). A step counts only with
+its manifest; `load` takes the newest step whose every file matches it (the ranks check a share
+each) and falls back, with a CheckpointWarning, past a torn or corrupted one. DCP reshards on
+load, so a checkpoint saved by 4 ranks loads on 2 (after an elastic scale-in) or on 8.
+
+Checkpoint collectives run on a gloo group of their own, so that an asynchronous save's
+background work never shares a communicator with training (NCCL or gloo)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import xxhash
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from relaunch.train.checkpoint import (
+    Checkpoint,
+    CheckpointManager,
+    CheckpointWarning,
+    _fsync_dir,
+    _write_atomic,
+    _write_bytes,
+    check_fence,
+)
+from relaunch.train.progress import SdkPhase, report_phase
+
+__all__ = ["ShardedCheckpointManager"]
+
+FORMAT = "dcp"
+HASH = "xxh3_128"
+MANIFEST = "manifest.json"
+_CHUNK = 8 << 20
+
+
+def _digest(path: Path) -> dict[str, Any]:
+    hasher = xxhash.xxh3_128()
+    size = 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(_CHUNK):
+            hasher.update(chunk)
+            size += len(chunk)
+    return {"size": size, HASH: hasher.hexdigest()}
+
+
+class ShardedCheckpointManager(CheckpointManager):
+    """Saves and loads a job's sharded state with DCP. `state` is a DCP state dict (for FSDP2:
+    `{"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt),
+    "step": step}` or `get_state_dict`'s pair); every rank passes its own and calls together.
+
+    `every`, `keep`, `async_save`, :meth:`step` and :meth:`dying_gasp` are
+    CheckpointManager's. An asynchronous save returns once DCP has staged the state in host
+    memory; the save is committed (hashed, renamed, manifest written) at the next save, `wait`
+    or `load`, which every rank reaches together."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        every: int | None = None,
+        keep: int = 3,
+        async_save: bool = False,
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "ShardedCheckpointManager saves with every rank: initialise torch.distributed "
+                "(init_process_group) first"
+            )
+        self.group = dist.new_group(backend="gloo")
+        self._pending: tuple[int, Path, Any] | None = None
+        self._run = uuid.uuid4().hex[:8] if dist.get_rank() == 0 else ""
+        shared = [self._run]
+        dist.broadcast_object_list(shared, src=0, group=self.group)
+        self._run = str(shared[0])
+        super().__init__(directory, rank=dist.get_rank(), every=every, keep=keep,
+                         async_save=async_save)  # fmt: skip
+
+    # -- saving -------------------------------------------------------------------------------
+
+    def save(self, step: int, state: Any, *, blocking: bool | None = None) -> None:
+        """Save `state` as `step`, with every rank (a collective)."""
+        report_phase(SdkPhase.CHECKPOINT)
+        try:
+            self.wait()
+            check_fence()
+            tmp = self.directory / f".step-{step:09d}.tmp-{self._run}"
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            dist.barrier(group=self.group)
+            if blocking if blocking is not None else not self.async_save:
+                dcp_save(state, checkpoint_id=str(tmp), process_group=self.group)
+                self._commit(step, tmp)
+                return
+            response = dcp_async_save(state, checkpoint_id=str(tmp), process_group=self.group)
+            # torch returns a future, or (with some stagers) a pair of them: wait for the upload
+            future = getattr(response, "upload_completion", response)
+            self._pending = (step, tmp, future)
+        finally:
+            report_phase(SdkPhase.TRAINING)
+
+    def wait(self) -> None:
+        """Commit an asynchronous save (every rank calls it together); re-raise its error."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        step, tmp, future = pending
+        future.result()
+        self._commit(step, tmp)
+
+    def _commit(self, step: int, tmp: Path) -> None:
+        mine = {
+            p.name: _digest(p)
+            for p in sorted(tmp.iterdir())
+            if p.name.startswith(f"__{self.rank}_")
+            or (self.rank == 0 and not p.name.startswith("__"))
+        }
+        gathered: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(gathered, mine, group=self.group)
+        if self.rank == 0:
+            files: dict[str, Any] = {}
+            for part in gathered:
+                files.update(part)
+            check_fence()  # a stale generation must not commit what the new one would load
+            _fsync_dir(tmp)
+            final = self.directory / f"step-{step:09d}"
+            if final.exists():  # the same step saved again (a dying gasp after a save)
+                old = self.directory / f".step-{step:09d}.old-{self._run}"
+                final.rename(old)
+                shutil.rmtree(old, ignore_errors=True)
+            tmp.rename(final)
+            _fsync_dir(self.directory)
+            manifest = {
+                "step": step,
+                "world_size": dist.get_world_size(self.group),
+                "format": FORMAT,
+                "files": files,
+            }
+            _write_atomic(final / MANIFEST, _write_bytes(json.dumps(manifest).encode()))
+            self._rotate()
+        dist.barrier(group=self.group)
+
+    def sweep(self) -> int:
+        """Remove what an earlier run's save left half-written (rank 0; the others: none)."""
+        removed = 0
+        if self.rank != 0:
+            return removed
+        for path in self.directory.glob(".step-*"):
+            if path.name.endswith(f"-{self._run}"):
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed += 1
+        return removed
+
+    def _rotate(self) -> None:
+        for old in self.steps()[self.keep :]:
+            shutil.rmtree(self.directory / f"step-{old:09d}", ignore_errors=True)
+
+    # -- loading ------------------------------------------------------------------------------
+
+    def steps(self, rank: int | None = None) -> list[int]:
+        """Steps with a manifest, newest first (not yet verified)."""
+        found = []
+        for path in self.directory.glob("step-*"):
+            if (path / MANIFEST).exists():
+                with contextlib.suppress(ValueError):
+                    found.append(int(path.name.removeprefix("step-")))
+        return sorted(found, reverse=True)
+
+    def verified_steps(self, rank: int | None = None) -> list[int]:
+        return [s for s in self._agreed_steps() if self._verified(s, warn=False)]
+
+    def load(
+        self, step: int | None = None, *, rank: int | None = None, into: Any = None
+    ) -> Checkpoint | None:
+        """Load the newest step that verifies (or exactly `step`) into `into`, a state dict of
+        the current model's shape (DCP loads in place and reshards); None where there is none.
+        Every rank calls it together."""
+        if into is None:
+            raise TypeError(
+                "a sharded checkpoint loads into the current state dict: load(into=state)"
+            )
+        self.wait()
+        candidates = [step] if step is not None else self._agreed_steps()
+        for candidate in candidates:
+            if self._verified(candidate, warn=True):
+                directory = self.directory / f"step-{candidate:09d}"
+                dcp_load(into, checkpoint_id=str(directory), process_group=self.group)
+                return Checkpoint(candidate, into, directory)
+        return None
+
+    def _agreed_steps(self) -> list[int]:
+        """Rank 0's list, so that every rank tries the same steps in the same order."""
+        listed = [self.steps() if self.rank == 0 else None]
+        dist.broadcast_object_list(listed, src=0, group=self.group)
+        return list(listed[0] or [])
+
+    def _verified(self, step: int, *, warn: bool) -> bool:
+        """Every file of `step` matches the manifest: each rank checks a share of them."""
+        directory = self.directory / f"step-{step:09d}"
+        problem = ""
+        try:
+            manifest = json.loads((directory / MANIFEST).read_text())
+            files = sorted(manifest["files"].items())
+            world = dist.get_world_size(self.group)
+            if manifest.get("format") != FORMAT or ".metadata" not in manifest["files"]:
+                problem = "not a DCP checkpoint manifest"
+            for name, expected in files[self.rank :: world]:
+                if problem:
+                    break
+                if _digest(directory / name) != expected:
+                    problem = f"{name} does not match its manifest"
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            problem = str(error)
+        problems: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(problems, problem, group=self.group)
+        found = [p for p in problems if p]
+        if found and warn and self.rank == 0:
+            warnings.warn(
+                f"checkpoint step {step} in {directory} is unusable ({found[0]}); trying an "
+                "older one",
+                CheckpointWarning,
+                stacklevel=3,
+            )
+        return not found

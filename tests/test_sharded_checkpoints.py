@@ -1,0 +1,180 @@
+"""Sharded state (torch.distributed.checkpoint) with the SDK's guarantees: an FSDP2 job faulted
+under relaunch ends bit-identical to its fault-free run under torchrun; a checkpoint saved by 2
+ranks loads on 1 and on 3; a flipped byte or a torn save is never loaded; an asynchronous save
+is committed at the next save. Real torch.distributed, real processes."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import yaml
+
+from relaunch.train import CheckpointWarning
+from relaunch.train.sharded import MANIFEST, ShardedCheckpointManager
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "fsdp" / "train_fsdp2.py"
+
+
+def torchrun(ranks: int, *args: str, cwd: Path) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         str(ranks), str(SCRIPT), "--step-seconds", "0", *args],
+        capture_output=True, text=True, timeout=180, cwd=cwd, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def final_hash(output: str) -> str:
+    found = re.findall(r"done: params sha256 ([0-9a-f]{64})", output)
+    assert len(found) == 1, output[-2000:]
+    return found[0]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_fsdp2_faulted_under_relaunch_ends_bit_identical_to_its_fault_free_run(
+    mode: str, tmp_path: Path
+) -> None:
+    extra = ["--async-save"] if mode == "async" else []
+    clean = final_hash(
+        torchrun(2, "--steps", "45", "--ckpt-dir", str(tmp_path / "clean"), *extra, cwd=tmp_path)
+    )
+    plan = tmp_path / "faults.yaml"
+    plan.write_text(
+        yaml.safe_dump(
+            {
+                "faults": [
+                    {"kind": "process-exit", "at_step": 12, "pod": 1, "rank": 1},
+                    # every rank stopped with a grace: a collective dying gasp saves
+                    {"kind": "chip-fault", "at_step": 22, "pod": 1, "chip": 0, "code": "80E3A201"},
+                    {"kind": "node-down", "at_step": 33, "pod": 0},
+                ]
+            }
+        )
+    )
+    report = tmp_path / "report.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "relaunch", "run", "--state-dir", str(tmp_path / "state"),
+         "--faults", str(plan), "--report", str(report), "--nnodes", "2",
+         "--nproc-per-node", "1", "--monitor-interval", "0.2", "--label",
+         "fault-scheduling=grace", "--label", "grace-over-time=10", str(SCRIPT), "--steps",
+         "45", *extra],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False,
+    )  # fmt: skip
+    said = done.stdout + done.stderr
+    assert done.returncode == 0, said[-4000:]
+    summary = json.loads(report.read_text())
+    assert [e["state"] for e in summary["fault_plan"]] == ["fired"] * 3
+    assert [r["action"] for r in summary["recoveries"]] == [
+        "job-reschedule",
+        "isolated-job-reschedule",
+        "isolated-job-reschedule",
+    ]
+    # each attempt's start, as the ranks printed it (echoed "[pod i rank r] ..." lines)
+    resumed = [int(n) for n in re.findall(r"\] start: rank \d+/2 resume_step=(\d+)", said)]
+    attempts = list(dict.fromkeys(resumed))
+    assert attempts[0] == 0 and attempts == sorted(attempts) and len(attempts) == 4, resumed
+    logs = "".join(p.read_text() for p in (tmp_path / "state").glob("jobs/*/pods/*/logs/*.log"))
+    gasps = {int(n) for n in re.findall(r"dying gasp saved step (\d+) \(rank 0\)", logs)}
+    assert gasps & set(attempts), (gasps, attempts)  # the chip fault's restart began at its gasp
+    assert final_hash(said) == clean
+
+
+def test_a_sharded_checkpoint_saved_by_2_ranks_loads_on_1_and_on_3(tmp_path: Path) -> None:
+    """The world size changes after an elastic scale-in (or out): DCP reshards on load."""
+    ckpt = str(tmp_path / "ckpt")
+    saved = final_hash(torchrun(2, "--steps", "12", "--ckpt-every", "4", "--ckpt-dir", ckpt,
+                                cwd=tmp_path))  # fmt: skip
+    for ranks in (1, 3):
+        output = torchrun(ranks, "--steps", "12", "--ckpt-dir", ckpt, cwd=tmp_path)
+        assert f"start: rank 0/{ranks} resume_step=12" in output
+        assert final_hash(output) == saved
+
+
+def test_a_flipped_byte_is_never_loaded_the_step_before_is(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    torchrun(2, "--steps", "12", "--ckpt-every", "4", "--ckpt-dir", str(ckpt), cwd=tmp_path)
+    shard = ckpt / "step-000000012" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    output = torchrun(2, "--steps", "12", "--ckpt-dir", str(ckpt), cwd=tmp_path)
+    assert "resume_step=8" in output and "resume_step=12" not in output
+
+
+# -- the manager's rules, in one process (a world of one) ---------------------------------------
+
+
+@pytest.fixture
+def world_of_one() -> Iterator[None]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_sharded_checkpoints_need_torch_distributed() -> None:
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ShardedCheckpointManager("unused")
+
+
+def test_save_load_rotate_and_a_torn_save_is_skipped(world_of_one: None, tmp_path: Path) -> None:
+    manager = ShardedCheckpointManager(tmp_path, keep=2)
+    for step in (1, 2, 3):
+        manager.save(step, {"w": torch.full((4,), float(step)), "step": step})
+    assert manager.steps() == [3, 2]  # rotated
+    (tmp_path / "step-000000003" / MANIFEST).unlink()  # torn: renamed, manifest never written
+    into = {"w": torch.zeros(4), "step": 0}
+    loaded = manager.load(into=into)
+    assert loaded is not None and loaded.step == 2
+    assert torch.equal(into["w"], torch.full((4,), 2.0)) and into["step"] == 2
+    with pytest.raises(TypeError, match="load\\(into=state\\)"):
+        manager.load()
+
+
+def test_a_corrupted_newest_step_falls_back_with_a_warning(
+    world_of_one: None, tmp_path: Path
+) -> None:
+    manager = ShardedCheckpointManager(tmp_path)
+    manager.save(1, {"w": torch.ones(8)})
+    manager.save(2, {"w": torch.full((8,), 2.0)})
+    (tmp_path / "step-000000002" / ".metadata").write_bytes(b"garbage")
+    into = {"w": torch.zeros(8)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = manager.load(into=into)
+    assert loaded is not None and loaded.step == 1 and torch.equal(into["w"], torch.ones(8))
+    assert any(issubclass(w.category, CheckpointWarning) for w in caught)
+    assert manager.verified_steps() == [1]
+
+
+def test_an_async_save_counts_once_committed_and_a_dead_runs_leftovers_are_swept(
+    world_of_one: None, tmp_path: Path
+) -> None:
+    leftover = tmp_path / ".step-000000007.tmp-deadbeef"
+    leftover.mkdir(parents=True)
+    (leftover / "__0_0.distcp").write_bytes(b"half")
+    manager = ShardedCheckpointManager(tmp_path, async_save=True)
+    assert not leftover.exists()
+    state = {"w": torch.arange(6.0)}
+    manager.save(5, state)
+    state["w"].add_(100)  # the training goes on: the save has its own copy
+    manager.wait()
+    assert manager.steps() == [5]
+    into = {"w": torch.zeros(6)}
+    assert manager.load(into=into) is not None
+    assert torch.equal(into["w"], torch.arange(6.0))
