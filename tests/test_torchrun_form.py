@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from typer.testing import CliRunner
 
+from relaunch.cli import app
 from relaunch.spec import parse_job
 from relaunch.spec.launch import DEFAULT_MAX_RESTARTS, Launch, job_name_of, launch_job
 
@@ -172,27 +174,32 @@ BAD_OPTIONS = {
 }
 
 
-RUN_CASES = ["nodes range", "missing script", "job file with torchrun options", "label value"]
-"""`relaunch run` reads the options as `validate` does (one function); these show it says so and
-starts nothing."""
+@pytest.mark.parametrize("case", sorted(BAD_OPTIONS))
+def test_each_bad_option_is_named(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`relaunch validate`, in this process (typer's runner: the command line as parsed)."""
+    monkeypatch.chdir(ROOT)
+    args, expected = BAD_OPTIONS[case]
+    result = CliRunner().invoke(app, ["validate", *args])
+    assert result.exit_code == 2, (result.stdout, result.stderr)
+    said = " ".join(result.stderr.split())
+    assert expected in said, said
+    assert result.exception is None or isinstance(result.exception, SystemExit)
 
 
 @pytest.mark.parametrize(
-    ("command", "case"),
-    [("validate", c) for c in sorted(BAD_OPTIONS)] + [("run", c) for c in RUN_CASES],
+    "case", ["nodes range", "missing script", "job file with torchrun options", "label value"]
 )
-def test_each_bad_option_is_named_and_nothing_runs(case: str, command: str, tmp_path: Path) -> None:
+def test_relaunch_run_reads_the_options_as_validate_does_and_starts_nothing(
+    case: str, tmp_path: Path
+) -> None:
     args, expected = BAD_OPTIONS[case]
-    extra = ["--state-dir", str(tmp_path / "state")] if command == "run" else []
-    result = relaunch(command, *extra, *args)
+    state = tmp_path / "state"
+    result = relaunch("run", "--state-dir", str(state), *args)
     assert result.returncode == 2, (result.stdout, result.stderr)
     said = " ".join(result.stderr.split())
-    assert expected in said, said
-    assert "Traceback" not in said
-    assert not (tmp_path / "state" / "relaunch.db").exists() or command == "run"
-    if command == "run" and (tmp_path / "state" / "relaunch.db").exists():
-        jobs = relaunch("jobs", "--state-dir", str(tmp_path / "state"))
-        assert "train" not in jobs.stdout  # no job stored for bad input
+    assert expected in said and "Traceback" not in said, said
+    jobs = relaunch("jobs", "--state-dir", str(state))
+    assert "train" not in jobs.stdout and "ddp" not in jobs.stdout, jobs.stdout  # none stored
 
 
 def test_every_bad_option_is_reported_at_once() -> None:

@@ -177,7 +177,7 @@ def launch_document(
                 ],
             )
         return None
-    source = "relaunch run (torchrun form)"
+    source = f"relaunch {ctx.info_name} (torchrun form)"
     problems = _script_problems(first, options)
     if problems:
         raise SpecError(source, problems)
