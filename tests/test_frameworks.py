@@ -39,8 +39,8 @@ FRAMEWORKS = {
     ),
     "accelerate": Framework(
         "examples/frameworks/accelerate_train.py",
-        ("--steps", "2000"),
-        2000,
+        ("--steps", "1500"),
+        1500,
         "distributed_type=MULTI_CPU torchelastic=True",
         6,
     ),

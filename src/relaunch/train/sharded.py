@@ -177,6 +177,22 @@ class ShardedCheckpointManager(CheckpointManager):
         for old in self.steps()[self.keep :]:
             shutil.rmtree(self.directory / f"step-{old:09d}", ignore_errors=True)
 
+    def _gasp_and_exit(self) -> None:
+        """The collective gasp, only where every rank stands at the same completed step (a rank
+        stopped between steps while a peer is inside the next one would save a mixture): else
+        skipped, saying so, and the last committed checkpoint stands. A peer blocked in a
+        training collective never answers: the grace ends it, and nothing half-written counts."""
+        steps: list[Any] = [None] * dist.get_world_size(self.group)
+        try:
+            dist.all_gather_object(steps, self.completed_step, group=self.group)
+        except RuntimeError as error:  # a peer is gone
+            print(f"relaunch: dying gasp failed: {error}", flush=True)
+            os._exit(143)
+        if len(set(steps)) != 1:
+            print(f"relaunch: dying gasp skipped: the ranks stand at steps {steps}", flush=True)
+            os._exit(143)
+        super()._gasp_and_exit()
+
     # -- loading ------------------------------------------------------------------------------
 
     def steps(self, rank: int | None = None) -> list[int]:
