@@ -11,7 +11,10 @@ from pathlib import Path
 import torch.distributed as dist
 
 PREFIXES = ("TORCHELASTIC_", "ROLE_", "GROUP_", "TORCH_NCCL_")
-NAMES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+NAMES = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "OMP_NUM_THREADS",
+)  # fmt: skip
 
 seen = {k: v for k, v in os.environ.items() if k in NAMES or k.startswith(PREFIXES)}
 out = Path(sys.argv[1])

@@ -357,6 +357,10 @@ class Launcher:
     def _child_env(self, env: dict[str, str]) -> dict[str, str]:
         """What every process of the pod sees, before its rank is set."""
         child_env = {**os.environ, **self.plan.env, **env}
+        if self.plan.procs_per_pod > 1:
+            # torchrun's rule: several processes on a node share its cores, one OpenMP thread
+            # each unless the job says otherwise (spares too: torch reads it when imported)
+            child_env.setdefault("OMP_NUM_THREADS", "1")
         child_env.update(
             {
                 Env.PROGRESS_SOCKET: "@" + self.progress_name,
