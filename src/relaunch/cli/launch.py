@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from typer._click.core import Context as ClickContext  # typer's own click (0.2x)
 from typer.core import TyperCommand
 
 from relaunch.errors import Problem, SpecError
@@ -45,7 +44,9 @@ class TorchrunForm(TyperCommand):
     arguments follow it unparsed (an `--epochs 3` or a `--report` after the script is the
     script's)."""
 
-    def parse_args(self, ctx: ClickContext, args: list[str]) -> list[str]:
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        """`ctx` is click's Context: typer's own copy of click since typer 0.2x, click itself
+        before; not named, so that both work."""
         if torchrun_form(args):
             ctx.allow_interspersed_args = False
             ctx.allow_extra_args = True
