@@ -40,6 +40,8 @@ def capture(ranks: dict[int, int], timeout_s: float) -> list[RankStack]:
 def _one(rank: int, pid: int, tool: str | None, timeout_s: float) -> RankStack:
     process = python_process(pid)
     if process is None:
+        if not psutil.pid_exists(pid):  # it ended between the request and the look
+            return RankStack(rank, pid, "gone", error="the process exited")
         return RankStack(rank, pid, "gone", error="no Python process in the rank's process tree")
     try:
         state = str(process.status())
