@@ -148,6 +148,16 @@ class LaunchOptions:
     label: list[str] | None = None
     env: list[str] | None = None
 
+    @classmethod
+    def of(cls, ctx: typer.Context) -> LaunchOptions:
+        """The options as the command received them (its parameters of these names; a
+        repeatable option given no times is None, as typer passes it)."""
+        values = {f.name: ctx.params.get(f.name, f.default) for f in fields(cls)}
+        for name, value in values.items():
+            if isinstance(value, tuple | list):
+                values[name] = list(value) or None
+        return cls(**values)
+
     def given(self) -> list[str]:
         """The options given, as typed (`--max-restarts`), for the job file form's error."""
         return [

@@ -138,22 +138,7 @@ def run(
     cluster or on Ray. Either from a job file, or as torchrun would run a script: `relaunch run
     --nnodes 2 --nproc-per-node 4 train.py --epochs 3` (everything after the script is the
     script's)."""
-    launch = LaunchOptions(
-        nnodes,
-        nproc_per_node,
-        standalone,
-        max_restarts,
-        monitor_interval,
-        name,
-        pod_retry_num,
-        unconditional_retry,
-        hang_retry,
-        hang_detect_seconds,
-        warm_spares,
-        annotation,
-        label,
-        env,
-    )
+    launch = LaunchOptions.of(ctx)
     engine = engine_name(engine)
     if engine == "embedded" and (address or ray_select):
         err.print("[bold red]error:[/] --address and --ray-select need --engine ray")

@@ -87,22 +87,7 @@ def validate(
     """Check a job spec (and a fault plan against it); print its effective recovery settings,
     or every problem (exit 2). A torchrun-shaped command line (`relaunch validate --nnodes 2
     --nproc-per-node 4 train.py`) is checked as `relaunch run` would build its job."""
-    launch = LaunchOptions(
-        nnodes,
-        nproc_per_node,
-        standalone,
-        max_restarts,
-        monitor_interval,
-        name,
-        pod_retry_num,
-        unconditional_retry,
-        hang_retry,
-        hang_detect_seconds,
-        warm_spares,
-        annotation,
-        label,
-        env,
-    )
+    launch = LaunchOptions.of(ctx)
     try:
         document = launch_document(ctx, file, launch)
         job = load_job(file) if document is None else parse_job(document[0], source=document[1])
