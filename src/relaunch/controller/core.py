@@ -24,14 +24,14 @@ from typing import Final
 from relaunch.chaos import ChaosEntry
 from relaunch.cluster import Engine
 from relaunch.cluster.config import ClusterConfig
-from relaunch.controller import checks, lifecycle
+from relaunch.controller import checks, detectors, lifecycle
 from relaunch.controller.clock import TICK_S, Clock, SystemClock
 from relaunch.controller.dispatch import dispatch
 from relaunch.controller.faultplan import FaultPlanRunner
 from relaunch.controller.listener import Listener
 from relaunch.controller.membership import MembershipPublisher
 from relaunch.controller.peers import AgentLink, LauncherLink, Peer
-from relaunch.controller.pods import Pod
+from relaunch.controller.pods import Pod, PodPhase
 from relaunch.controller.reconcile import Reconciler
 from relaunch.controller.recovery import RecoveryDriver
 from relaunch.controller.stacks import Capture
@@ -39,15 +39,24 @@ from relaunch.faults import DEFAULT_TABLE, EscalationRules, FaultCodeTable
 from relaunch.protocol.layout import StateDir
 from relaunch.protocol.messages import Message
 from relaunch.spec import JobSpec
-from relaunch.store import JobRow, JobStatus, NodeRow, PodRow, Store
+from relaunch.store import JobRow, JobStatus, NodeRow, NodeState, PodRow, Store
 
 __all__ = ["TICK_S", "Controller", "RunOptions"]
 
 READ_EVERY_S: Final = 0.02
-"""The controller reads its connections at most this often: under a steady stream of messages
-(heartbeats, progress) one read takes several, at the cost of that much latency at most."""
+"""While something is under way (a start, a recovery, a planned fault), the controller reads its
+connections at most this often: under a steady stream of messages (heartbeats, progress) one
+read takes several, at the cost of that much latency at most. While the job trains undisturbed
+(`Controller.steady`) it reads at most every TICK_S: a message that needs a decision (an exit,
+a fault, a closed connection) still gets it within TICK_S, as a pass every TICK_S gave before."""
+IDLE_PASS_S: Final = 0.25
+"""While the job trains undisturbed, a pass runs when a message asks for one (`hurry`), when a
+deadline falls due (a node's heartbeat timeout, a rank's hang window: `Controller.next_due`), and
+at least this often (requests through the store: a stop, faults added, a cordon)."""
 DRAIN_ROUNDS: Final = 20
 """Reads of every ready connection per step at most, before the checks run anyway."""
+DUE_MARGIN_S: Final = 0.001
+"""A deadline's pass runs this much after it (the detectors count silence strictly longer)."""
 SEEN_EVERY_S: Final = 0.5
 """How often the controller writes that it is alive (a resume tells how long it was away)."""
 
@@ -127,6 +136,9 @@ class Controller:
         self.away_s = 0.0
         """How long the controller was away before this resume."""
         self.next_pass = 0.0
+        self.steady_since: float | None = None
+        """Since when the job trains undisturbed (None: something is under way): passes then
+        run on events and deadlines, not every TICK_S (see `steady`)."""
         self.seen_written = 0.0
         self.hang_stop = False
         """The processes are being stopped because the job hung: the hang grace applies."""
@@ -156,13 +168,74 @@ class Controller:
 
     def step(self, wait: float = 0.0) -> None:
         """Handle what arrived (waiting up to `wait` for the first message), then one pass of
-        checks once TICK_S has elapsed since the last."""
+        checks when it is due: TICK_S after the last while something is under way; while the
+        job trains undisturbed, at its next deadline (or when a message hurries it)."""
         self.drain(wait)
         now = self.clock.now()
+        if self.steady_since is not None and self._engine_lost_one():
+            self.hurry()
         if now < self.next_pass:
             return
         self.next_pass = now + TICK_S
         self.pass_(now)
+        if self.next_pass == 0.0:  # hurried during the pass: another one at once
+            self.steady_since = None
+        elif self.steady(now):
+            self.steady_since = self.steady_since or now
+            self.next_pass = max(now + READ_EVERY_S, min(now + IDLE_PASS_S, self.next_due(now)))
+        else:
+            self.steady_since = None
+
+    def steady(self, now: float) -> bool:
+        """The job trains undisturbed: nothing a pass drives is under way (no start, stop,
+        recovery, decision, heal, stack capture, adoption, scale-out, planned fault or standby
+        launcher to come), every pod's launcher runs the current attempt. Then nothing changes
+        between messages but the passing of the deadlines `next_due` gives."""
+        job = self.job
+        if job.status is not JobStatus.RUNNING or self.adopting or now < self.adopt_until:
+            return False
+        recoveries = self.recoveries
+        if recoveries.active is not None or recoveries.waiting or self.capture is not None:
+            return False
+        if self.membership.joining or self.membership.parked() or not self.fault_plan.finished:
+            return False
+        if not self.reconciler.standby_settled():
+            return False
+        return all(
+            pod.phase is PodPhase.RUNNING
+            and pod.leaving is None
+            and pod.link is not None
+            and not pod.link.stopping
+            and pod.link.started_attempt == job.attempt
+            for pod in self.pods.values()
+        )
+
+    def next_due(self, now: float) -> float:
+        """When a pass must look again if no message asks first: the first node that could be
+        silent for the heartbeat timeout, the first rank that could be silent for its hang
+        window, the next comparison of busy shares. Messages only move the first two later."""
+        due = [now + IDLE_PASS_S]
+        silence = detectors.heartbeat_due(
+            self.nodes.values(), self.agents, self.cluster.heartbeat_timeout_s, now
+        )
+        hang = detectors.hang_due(
+            [p.link for p in self.pods.values() if p.link is not None],
+            self.job.attempt,
+            self.hang_s,
+            self.startup_s,
+        )
+        due += [at + DUE_MARGIN_S for at in (silence, hang) if at is not None]
+        if self.cluster.slow_window_s > 0:
+            due.append(self.slow_checked_at + checks.SLOW_CHECKED_EVERY_S)
+        return min(due)
+
+    def _engine_lost_one(self) -> bool:
+        """The engine reports a node of the job dead that the controller does not know lost."""
+        gone = self.engine.lost_nodes()
+        return bool(gone) and any(
+            (row := self.nodes.get(name)) is not None and row.state is not NodeState.LOST
+            for name in gone
+        )
 
     def run(self) -> tuple[JobStatus, str]:
         """Run (or resume) the job until it ends; its status and why."""
@@ -181,9 +254,10 @@ class Controller:
         caught_up = True
         if self.listener is not None:
             since = time.monotonic() - self.read_at
-            if since < READ_EVERY_S:  # gather what arrives meanwhile into one read
-                time.sleep(READ_EVERY_S - since)
-                wait = max(0.0, wait - (READ_EVERY_S - since))
+            gap = READ_EVERY_S if self.steady_since is None else TICK_S
+            if since < gap:  # gather what arrives meanwhile into one read
+                time.sleep(gap - since)
+                wait = max(0.0, wait - (gap - since))
             received = self.listener.poll(wait if self.inbox.empty() else 0.0)
             self.read_at = time.monotonic()
             rounds = 0

@@ -23,7 +23,9 @@ __all__ = [
     "InjectedAt",
     "chip_faults",
     "exit_fault",
+    "hang_due",
     "hang_fault",
+    "heartbeat_due",
     "launcher_faults",
     "lost_nodes",
     "rank_active",
@@ -125,6 +127,19 @@ def lost_nodes(
     return found
 
 
+def heartbeat_due(
+    nodes: Iterable[NodeRow], agents: Mapping[str, AgentLink], timeout: float, silent_since: float
+) -> float | None:
+    """The earliest moment `lost_nodes` could find a silent node, as things stand: a heartbeat
+    only moves it later, so a controller that looks then misses no loss (None: no node in use)."""
+    lasts = [
+        agent.last_heartbeat if (agent := agents.get(node.name)) is not None else silent_since
+        for node in nodes
+        if node.state in (NodeState.READY, NodeState.FAULTY)
+    ]
+    return min(lasts) + timeout if lasts else None
+
+
 def launcher_faults(
     pods: Iterable[Pod], nodes: Mapping[str, NodeRow], now: float, grace: float
 ) -> list[tuple[Pod, Detected]]:
@@ -163,6 +178,21 @@ def rank_active(rank: Rank, cpu: float, io: int, now: float, uses_sdk: bool) -> 
         return False
     busy = cpu - cpu_then >= ACTIVE_CPU_SHARE * max(now - then, 1e-3)
     return busy or (not uses_sdk and io > io_then)
+
+
+def hang_due(
+    links: Iterable[LauncherLink], attempt: int, hang_s: float, startup_s: float
+) -> float | None:
+    """The earliest moment `hang_fault` could find a silent rank, as things stand: progress only
+    moves it later (None: no rank runs)."""
+    due = [
+        rank.last_activity + (hang_s if rank.progressed else startup_s)
+        for link in links
+        if not link.stopping
+        for rank in link.ranks.values()
+        if rank.running and rank.attempt == attempt
+    ]
+    return min(due) if due else None
 
 
 def hang_fault(

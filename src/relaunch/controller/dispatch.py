@@ -61,6 +61,7 @@ def dispatch(c: Controller, peer: Peer, message: Message | None) -> None:
             link = c.launcher_of(peer) or c.launcher_of(peer, leaving=True)
             if link is not None:  # a leaving launcher's exits may be collateral of its fault
                 _exited(c, link, message)
+            c.hurry()  # a fault is decided, or the job's end seen, in this pass
         case _:
             link = c.launcher_of(peer)
             if link is not None:

@@ -37,6 +37,8 @@ class FaultPlanRunner:
         """Faults injected and not yet detected, by what detects them: when they were sent."""
         self.unacknowledged: dict[int, Key] = {}
         self.warned = False
+        self.finished = not plan
+        """Every entry fired (or cannot) and was detected: nothing for the plan to time."""
 
     def injected_at(self, key: Key, default: float) -> float:
         """When a detected fault was injected by the plan (forgetting it), else `default`."""
@@ -46,6 +48,7 @@ class FaultPlanRunner:
         """Entries added while the job runs (the API's POST .../faults)."""
         if len(stored) != len(self.plan):
             self.plan = parse_plan(stored, source="stored fault plan")
+            self.finished = False
             self.c.event(f"fault plan now has {len(self.plan)} entr(ies)")
 
     def fire(self, now: float) -> None:
@@ -61,6 +64,9 @@ class FaultPlanRunner:
         if self.injected:
             return
         done = c.store.fired(c.job_id)
+        if all(entry.index in done for entry in self.plan):
+            self.finished = True
+            return
         elapsed = now - (c.job.attempt_started_at or now)
         self._warn_silent(done, elapsed)
         for entry in self.plan:

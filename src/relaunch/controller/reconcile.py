@@ -155,6 +155,10 @@ class Reconciler:
             return set()
         return set(commands.free_nodes(c, set()))
 
+    def standby_settled(self) -> bool:
+        """Every node that keeps a standby launcher has one (none is to be started)."""
+        return self.standby_nodes() <= set(self.standby)
+
     def awaiting_launcher(self) -> set[str]:
         """Nodes where a pod was placed and has no launcher yet (a standby one may become it)."""
         parked = self.c.membership.parked()
