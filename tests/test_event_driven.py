@@ -6,16 +6,31 @@ that showed progress since its last usage sample is not judged on that sample.""
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import io
+import json
+import signal
 import socket
+import subprocess
 import sys
 import time
+import types
+import typing
 from pathlib import Path
+from typing import Any
 
 from relaunch.controller import checks
+from relaunch.controller.clock import TICK_S
+from relaunch.controller.core import IDLE_PASS_S
 from relaunch.controller.detectors import rank_active
 from relaunch.controller.listener import Listener
 from relaunch.controller.peers import Rank
+from relaunch.launcher.processes import Worker, forget_stat, sample_busy
+from relaunch.protocol import messages
+from relaunch.protocol.codec import to_data
 from relaunch.protocol.messages import AgentHello, Heartbeat, encode
+from relaunch.protocol.plans import LaunchPlan
 from relaunch.protocol.wire import Connection
 from relaunch.store import JobStatus, NodeState
 from tests.controller_sim import Sim, job_spec
@@ -46,6 +61,88 @@ def test_a_controller_that_fell_behind_declares_no_node_lost_and_still_finds_the
     assert states.pop("node-3") is NodeState.LOST
     assert set(states.values()) == {NodeState.READY}
     assert c.job.status is JobStatus.RUNNING
+
+
+def _steady_sim(tmp_path: Path) -> tuple[Sim, list[float]]:
+    """A job of 2 pods training undisturbed, and the times of the controller's passes."""
+    annotations = {
+        "fault-tolerance/job-retry-num": "2",
+        "fault-tolerance/job-unconditional-retry": "true",
+        "fault-tolerance/hang-retry": "true",
+    }
+    sim = Sim(tmp_path, job_spec(annotations, hang_detect_seconds=3))
+    sim.boot()
+    sim.train(1)
+    sim.run(0.5)
+    passes: list[float] = []
+    sim.controller.on_tick = lambda: passes.append(sim.clock.now())
+    return sim, passes
+
+
+def test_a_job_training_undisturbed_is_looked_at_on_its_deadlines_not_every_tick(
+    tmp_path: Path,
+) -> None:
+    """While nothing is under way a pass runs at most every IDLE_PASS_S (and at deadlines):
+    over 2 s of heartbeats and progress every TICK_S, about 8 passes, not 40."""
+    sim, passes = _steady_sim(tmp_path)
+    c = sim.controller
+    for step in range(2, 42):
+        sim.train(step)
+        sim.tick()
+    assert c.steady_since is not None
+    assert 4 <= len(passes) <= 2 / IDLE_PASS_S + 3, passes
+    # Something under way (a stop asked through the store) brings back a pass every TICK_S.
+    sim.store.append_plan(c.job_id, [{"kind": "process-exit", "pod": 1, "after_s": 30}])
+    sim.run(IDLE_PASS_S + TICK_S)  # the next idle pass reads the plan
+    passes.clear()
+    sim.run(1.0)
+    assert c.steady_since is None
+    assert len(passes) >= 1.0 / TICK_S - 1
+
+
+def test_a_crash_in_a_steady_job_is_decided_in_the_step_that_reads_it(tmp_path: Path) -> None:
+    sim, _ = _steady_sim(tmp_path)
+    c = sim.controller
+    sim.run(1.0)
+    assert c.steady_since is not None
+    sim.crash(3)
+    sim.tick()
+    assert any(e.startswith("fault: ") for e in sim.events)
+    assert [r.action.value for r in sim.records()] == ["job-reschedule"]
+    assert c.steady_since is None
+
+
+def test_a_silent_node_and_a_silent_rank_are_found_at_their_deadline_in_a_steady_job(
+    tmp_path: Path,
+) -> None:
+    """Between passes the controller sleeps until the first moment a node could have been
+    silent for the heartbeat timeout, or a rank for its hang window: no idle pass adds to
+    either detection."""
+    sim, _ = _steady_sim(tmp_path)
+    c = sim.controller
+    timeout = sim.cluster.heartbeat_timeout_s
+    sim.run(1.0)
+    assert c.steady_since is not None
+    node = c.pods[1].row.node
+    sim.silent = {node}
+    silent_at = c.agents[node].last_heartbeat
+    while c.node(node).state is not NodeState.LOST:  # type: ignore[union-attr]
+        sim.train(100)
+        sim.tick(0.01)
+        assert sim.clock.now() < silent_at + timeout + 1.0
+    assert sim.clock.now() - silent_at <= timeout + 0.02
+
+    sim2, _ = _steady_sim(tmp_path / "hang")
+    c2 = sim2.controller
+    sim2.run(0.5)
+    assert c2.steady_since is not None
+    quiet_at = sim2.clock.now()
+    while not sim2.records():
+        sim2.train(100, pods={0})  # pod 1's ranks fall silent
+        sim2.tick(0.01)
+        assert sim2.clock.now() < quiet_at + 10
+    assert sim2.records()[0].fault.kind.value == "hang"
+    assert sim2.clock.now() - quiet_at <= c2.hang_s + 0.02
 
 
 def test_a_usage_sample_after_other_signs_of_life_is_only_a_baseline() -> None:
@@ -103,3 +200,79 @@ def test_an_exit_is_heard_at_once_though_its_output_stays_open_and_monitoring_is
     assert result.returncode != 0
     assert result.report["status"] == "Failed", result.stdout + result.stderr
     assert "exit code 3" in result.report["reason"], result.report["reason"]
+
+
+def _example(kind: Any) -> Any:
+    """A value of every field's declared type (non-empty collections, nested dataclasses)."""
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    plain = {int: 3, float: 1.5, str: "x", bool: True, Any: {"k": (1, [2.5, None])}}
+    if kind in plain:
+        return plain[kind]
+    if origin is typing.Literal:
+        return args[0]
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        return next(iter(kind))
+    if origin in (typing.Union, types.UnionType):
+        return _example(next(a for a in args if a is not type(None)))
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return (_example(args[0]), _example(args[0]))
+        return tuple(_example(a) for a in args)
+    if origin is list:
+        return [_example(args[0])]
+    if origin is dict:
+        return {_example(args[0]): _example(args[1])}
+    assert dataclasses.is_dataclass(kind), kind
+    hints = typing.get_type_hints(kind)
+    fields = dataclasses.fields(kind)
+    return kind(**{f.name: _example(hints[f.name]) for f in fields if f.init})
+
+
+def _walked(value: Any) -> Any:
+    """to_data as it was before its encoders were built per type: every value walked."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _walked(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {str(k): _walked(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_walked(v) for v in value]
+    return value
+
+
+def test_every_message_encodes_as_the_value_walk_did_and_decodes_back() -> None:
+    """The encoders built once per message type (launchers and agents encode every second)
+    write exactly what walking each value wrote, byte for byte, for every message kind and the
+    launch plan; and every message decodes back to itself."""
+    for kind in [*messages._KINDS.values(), LaunchPlan]:
+        value = _example(kind)
+        assert json.dumps(to_data(value)) == json.dumps(_walked(value)), kind
+        if kind is not LaunchPlan:
+            assert messages.decode(messages.encode(value)) == value, kind
+    empty = messages.ProgressBatch((), (), {})
+    assert messages.decode(messages.encode(empty)) == empty
+
+
+def test_a_rank_is_looked_at_through_one_kept_descriptor_until_it_exits() -> None:
+    """The launcher's look at a rank's main thread: sleeping is not busy, stopped is; once the
+    process is gone the descriptor is closed and looks stop counting (a reused pid is never
+    read: the descriptor belonged to the process that ended)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    worker = Worker(0, 0, 1, proc, io.StringIO())
+    try:
+        time.sleep(0.5)
+        sample_busy(worker)
+        assert (worker.samples, worker.busy) == (1, 0)
+        fd = worker.stat_fd
+        assert fd is not None
+        proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while worker.busy == 0 and time.monotonic() < deadline:
+            sample_busy(worker)
+        assert worker.busy >= 1 and worker.stat_fd == fd
+    finally:
+        proc.kill()
+        proc.wait()
+    looks = worker.samples
+    sample_busy(worker)
+    assert worker.samples == looks and worker.stat_fd is None
+    forget_stat(worker)  # closing twice is harmless

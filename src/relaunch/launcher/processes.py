@@ -23,6 +23,7 @@ __all__ = [
     "Worker",
     "children_by_parent",
     "die_with_parent",
+    "forget_stat",
     "group_alive",
     "is_python",
     "python_process",
@@ -91,6 +92,9 @@ class Worker:
     """When the launcher was told to stop it."""
     python_pid: int | None = None
     """Its Python process (the command's, or the first Python under a shell), once found."""
+    stat_fd: int | None = None
+    """/proc/PYTHON_PID/stat, kept open: each look is one read (it fails once that process is
+    gone, even if its pid is reused)."""
     busy: int = 0
     samples: int = 0
     """Of `samples` looks at its main thread, how many found it not sleeping: computing,
@@ -171,24 +175,39 @@ def python_process(pid: int) -> psutil.Process | None:
         return None
 
 
-BUSY_STATES: Final = frozenset("RDTt")
+BUSY_STATES: Final = frozenset((b"R", b"D", b"T", b"t"))
 """Main-thread states that are not waiting: running or runnable, disk I/O, stopped."""
 
 
 def sample_busy(worker: Worker) -> None:
-    """One look at the rank's main thread (the state in /proc/PID/stat: a few microseconds)."""
-    if worker.python_pid is None:
-        found = python_process(worker.proc.pid)
-        if found is None:
+    """One look at the rank's main thread (its state in /proc/PID/stat: one read)."""
+    if worker.stat_fd is None:
+        if worker.python_pid is None:
+            found = python_process(worker.proc.pid)
+            if found is None:
+                return
+            worker.python_pid = found.pid
+        try:
+            worker.stat_fd = os.open(f"/proc/{worker.python_pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
             return
-        worker.python_pid = found.pid
     try:
-        with open(f"/proc/{worker.python_pid}/stat", "rb") as stat:
-            state = stat.read().rsplit(b")", 1)[1].split()[0].decode()
-    except (OSError, IndexError):
+        data = os.pread(worker.stat_fd, 1024, 0)
+        end = data.rindex(b")")  # the name in brackets may hold any character
+        state = data[end + 2 : end + 3]
+    except (OSError, ValueError):
+        forget_stat(worker)
         return
     worker.samples += 1
     worker.busy += state in BUSY_STATES
+
+
+def forget_stat(worker: Worker) -> None:
+    """Close the rank's /proc stat descriptor (it exited)."""
+    if worker.stat_fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(worker.stat_fd)
+        worker.stat_fd = None
 
 
 def children_by_parent() -> dict[int, list[int]]:

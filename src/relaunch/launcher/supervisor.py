@@ -49,6 +49,7 @@ from relaunch.launcher.processes import (
     Worker,
     children_by_parent,
     die_with_parent,
+    forget_stat,
     group_alive,
     is_python,
     sample_busy,
@@ -294,6 +295,7 @@ class Launcher:
         self.events.register(worker.pidfd, selectors.EVENT_READ, worker)
 
     def _unwatch_exit(self, worker: Worker) -> None:
+        forget_stat(worker)
         if worker.pidfd is None:
             return
         with contextlib.suppress(KeyError, ValueError):

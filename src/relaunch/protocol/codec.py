@@ -9,7 +9,7 @@ import functools
 import types
 import typing
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 __all__ = ["from_data", "to_data"]
 
@@ -17,19 +17,82 @@ T = TypeVar("T")
 
 
 def to_data(value: Any) -> Any:
-    """A dataclass (or a structure of them) as plain JSON-ready values."""
+    """A dataclass (or a structure of them) as plain JSON-ready values: dataclasses as dicts,
+    tuples as lists, dict keys as strings."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {name: to_data(getattr(value, name)) for name in _field_names(type(value))}
+        return _encoder(type(value))(value)
+    return _any(value)
+
+
+def _any(value: Any) -> Any:
+    """to_data for a value whose type is known only now."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _encoder(type(value))(value)
     if isinstance(value, dict):
-        return {str(k): to_data(v) for k, v in value.items()}
+        return {str(k): _any(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [to_data(v) for v in value]
+        return [_any(v) for v in value]
     return value
 
 
+PLAIN: Final = (int, float, str, bool, type(None))
+"""Types JSON takes as they are (a str or int enum member is one of them)."""
+
+
 @functools.cache
-def _field_names(kind: type) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(kind))
+def _encoder(kind: type) -> Callable[[Any], dict[str, Any]]:
+    """to_data for a dataclass, built once per type from its hints: launchers and agents encode
+    a message or two every second, and walking every value to find out its type cost more than
+    the JSON. A field of a type the hints cannot settle (Any, a union of structures) is walked."""
+    hints = typing.get_type_hints(kind)
+    fields = [(f.name, _hinted(hints[f.name])) for f in dataclasses.fields(kind)]
+    plain = tuple(name for name, encode in fields if encode is None)
+    other = tuple((name, encode) for name, encode in fields if encode is not None)
+    order = tuple(name for name, _ in fields)
+
+    def encode(value: Any) -> dict[str, Any]:
+        data = {name: getattr(value, name) for name in plain}
+        for name, convert in other:
+            data[name] = convert(getattr(value, name))
+        return {name: data[name] for name in order} if other and plain else data
+
+    return encode
+
+
+def _hinted(kind: Any) -> Callable[[Any], Any] | None:
+    """How a value declared as `kind` becomes JSON-ready; None: it already is."""
+    origin = typing.get_origin(kind)
+    if kind in PLAIN or (isinstance(kind, type) and issubclass(kind, PLAIN)):
+        return None
+    if origin is typing.Literal:
+        return None
+    if dataclasses.is_dataclass(kind) and isinstance(kind, type):
+        return _encoder(kind)
+    args = typing.get_args(kind)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in args if a is not type(None)]
+        if len(options) == 1:
+            inner = _hinted(options[0])
+            if inner is None:
+                return None
+            return lambda value: None if value is None else inner(value)
+        return _any
+    if origin in (tuple, list):
+        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
+            parts = [_hinted(a) for a in args]
+            if all(part is None for part in parts):
+                return list
+            return _any
+        each = _hinted(args[0]) if args else _any
+        if each is None:
+            return list
+        return lambda value: [each(item) for item in value]
+    if origin is dict and args:
+        values = _hinted(args[1])
+        if values is None:
+            return lambda value: {str(k): v for k, v in value.items()}
+        return lambda value: {str(k): values(v) for k, v in value.items()}
+    return _any
 
 
 def from_data(cls: type[T], data: Any) -> T:
@@ -124,12 +187,16 @@ def _same(data: Any) -> Any:
 
 
 def _int(data: Any) -> int:
+    if type(data) is int:  # the common case first: the controller decodes thousands a second
+        return data
     if isinstance(data, bool) or not isinstance(data, int | str):
         _raise(int, data)
     return int(data)
 
 
 def _float(data: Any) -> float:
+    if type(data) is float:
+        return data
     if isinstance(data, bool) or not isinstance(data, int | float):
         _raise(float, data)
     return float(data)
