@@ -7,8 +7,13 @@ the JSON report, and checks afterwards that no process of the run is left.
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import subprocess
+import time
 
+from relaunch.store import Store
 from tests.runtime import (
     AUTO,
     FAST_CLUSTER,
@@ -16,6 +21,7 @@ from tests.runtime import (
     HANG_S,
     MONITOR_S,
     POD_LEVEL,
+    ROOT,
     UNCONDITIONAL,
     Cluster,
     toy_job,
@@ -211,6 +217,60 @@ def test_r23_no_standby_node_falls_back_to_job_level(cluster: Cluster) -> None:
     assert result.returncode == 0, result.stdout
     assert result.actions == ["isolated-job-reschedule"]
     assert "node-1" not in [p["node"] for p in result.report["pods"]]
+
+
+# -- a lost node: an agent that died, an agent that lives but is silent -----------------------------
+
+
+def node_events(cluster: Cluster, job_id: int) -> list[str]:
+    return [
+        text for _, text in Store(cluster.state / "relaunch.db").events(job_id) if "lost" in text
+    ]
+
+
+def test_a_node_whose_agent_died_is_lost_at_once_not_at_its_heartbeat_timeout(
+    cluster: Cluster,
+) -> None:
+    """node-down kills node-1's agent and its pod: the engine sees the agent exit (a pidfd) and
+    the node is lost then, though its heartbeat timeout (120 s) is twice the run's limit."""
+    shape = {**FAST_CLUSTER, "heartbeat_timeout_s": 120}
+    faults = [{"kind": "node-down", "at_step": 10, "pod": 1}]
+    result = cluster.run(toy_job(POD_LEVEL), faults, shape, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.actions == ["pod-reschedule"]
+    events = node_events(cluster, result.report["id"])
+    assert any("node node-1 lost: the engine reports the node dead" in e for e in events), events
+
+
+def test_a_node_whose_agent_lives_but_is_silent_is_lost_at_its_heartbeat_timeout(
+    cluster: Cluster,
+) -> None:
+    """node-1's agent stopped (SIGSTOP): alive, so the engine has nothing to say; its silence
+    for the heartbeat timeout (1 s) loses the node, and only pod 1 moves."""
+    job = toy_job(POD_LEVEL, steps=300)
+    run = subprocess.Popen(
+        cluster.command(job), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            db = cluster.state / "relaunch.db"
+            jobs = Store(db).jobs() if db.exists() else []
+            if jobs and (jobs[0].last_step or 0) >= 5:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("the job made no 5 steps in 60 s")
+        agent = json.loads((cluster.state / "pids.json").read_text())["agents"]["node-1"][0]
+        os.kill(agent, signal.SIGSTOP)
+        said, _ = run.communicate(timeout=90)
+    finally:
+        run.kill()
+    result = cluster.result(run.returncode, said)
+    assert result.returncode == 0, said
+    assert result.actions == ["pod-reschedule"]
+    events = node_events(cluster, result.report["id"])
+    assert any("node node-1 lost: no heartbeat for 1 s" in e for e in events), events
 
 
 # -- R-24 -------------------------------------------------------------------------------------------

@@ -4,12 +4,19 @@ Each node is a real agent process (see :mod:`relaunch.cluster.agent`); each pod 
 launcher process with its workers. Losing a node kills its agent and every process of every pod
 on it. Processes start in sessions of their own, so that they outlive a controller that dies (and
 are re-adopted by the next one) but not a launcher that dies.
+
+A simulated node lives as long as its agent process: the engine watches each agent through a
+pidfd and reports the node dead (`lost_nodes`) the moment its agent has exited, as Ray reports a
+node its GCS saw die. A silent agent that still lives (stopped, cut off) is found by the
+heartbeat timeout, as before.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
+import select
 import signal
 import socket
 import subprocess
@@ -64,6 +71,10 @@ class LocalCluster:
         self.layout = StateDir(state_dir)
         self.pid_file = self.layout.pids
         self.layout.logs.mkdir(parents=True, exist_ok=True)
+        self._agent_fds: dict[str, int] | None = None  # node -> its agent's pidfd, once watched
+        self._poll = select.poll()
+        self._watched: dict[int, str] = {}  # pidfd -> node, for the fds still registered
+        self._dead: set[str] = set()
 
     def _pids(self) -> dict[str, dict[str, Any]]:
         try:
@@ -111,6 +122,8 @@ class LocalCluster:
             self.layout.agent_log(node.name),
         )  # fmt: skip
         self._remember("agents", node.name, pid)
+        self._watch_agents()
+        self._watch(node.name, pid)
         return pid
 
     def start_pod(self, plan: LaunchPlan) -> int:
@@ -181,7 +194,42 @@ class LocalCluster:
         self._save({"agents": {}, "launchers": {}})
 
     def lost_nodes(self) -> set[str]:
-        return set()  # the agents' heartbeats are the only witness of a simulated node
+        """Nodes whose agent process has exited (killed by node-down, or dead of its own): one
+        poll of every agent's pidfd, without waiting."""
+        self._watch_agents()
+        if self._watched:
+            for fd, _ in self._poll.poll(0):
+                node = self._watched.pop(fd)
+                self._poll.unregister(fd)
+                self._dead.add(node)
+        return set(self._dead)
+
+    def _watch_agents(self) -> None:
+        """At the first look, watch the agents an earlier controller started (a resume)."""
+        if self._agent_fds is not None:
+            return
+        self._agent_fds = {}
+        for node, ref in self._pids()["agents"].items():
+            process = self._ours(ref)
+            if process is not None:
+                self._watch(node, process.pid)
+
+    def _watch(self, node: str, pid: int) -> None:
+        """Watch `node`'s agent `pid` from now on (a new agent replaces the one before)."""
+        assert self._agent_fds is not None
+        old = self._agent_fds.pop(node, None)
+        if old is not None:
+            if self._watched.pop(old, None) is not None:
+                self._poll.unregister(old)
+            os.close(old)
+        self._dead.discard(node)
+        try:
+            fd = os.pidfd_open(pid)
+        except (OSError, AttributeError):  # gone and reaped, or no pidfds: heartbeats only
+            return
+        self._agent_fds[node] = fd
+        self._watched[fd] = node
+        self._poll.register(fd, select.POLLIN)
 
     def node_address(self, node: str) -> str:
         return "127.0.0.1"
