@@ -19,6 +19,7 @@ no step and prints the loaded parameters' hash.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import os
 import time
@@ -128,3 +129,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # FSDP's modules and the checkpoint manager hold process groups in reference cycles: collect
+    # them while the interpreter is whole. Left to its finalisation, a gloo group was destroyed
+    # with its threads still joinable ("terminate called without an active exception", SIGABRT
+    # after the work was done: 5 exits in about 50 on two busy cores, none in 30 with this).
+    gc.collect()
