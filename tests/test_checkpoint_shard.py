@@ -222,3 +222,59 @@ def test_consecutive_async_saves_reuse_one_buffer_and_each_keeps_its_own_values(
         assert loaded is not None and loaded.state["step"] == step
         assert torch.all(loaded.state["w"] == 101.0 * (step - 1) + 1.0)
     assert manager.load(4).state["w"] is not manager.load(3).state["w"]  # type: ignore[union-attr]
+
+
+def test_a_loaded_tensor_can_be_changed_and_the_file_never_changes(tmp_path: Path) -> None:
+    """A load maps the shard privately (its pages shared with the page cache until written): a
+    tensor changed in place copies its pages, and neither the file nor the next load sees it."""
+    manager = CheckpointManager(tmp_path, rank=0)
+    weights = torch.arange(float(1 << 20))  # 4 MB: many pages, more than one read chunk
+    manager.save(3, {"w": weights, "moments": {"m": weights * 2}})
+    path = tmp_path / "step-000000003" / "rank-0.ckpt"
+    before = hashlib.sha256(path.read_bytes()).hexdigest()
+    loaded = manager.load()
+    assert loaded is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not a read-only buffer
+        loaded.state["w"].add_(1.0)
+        loaded.state["moments"]["m"][::1000].zero_()  # a few scattered pages
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == before
+    again = manager.load()
+    assert again is not None
+    assert torch.equal(again.state["w"], weights)
+    assert torch.equal(again.state["moments"]["m"], weights * 2)
+    assert torch.equal(loaded.state["w"], weights + 1.0)  # the changed copy keeps its change
+
+
+def test_a_kernel_without_populate_read_loads_the_same_and_still_verifies(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the kernel refuses MADV_POPULATE_READ (EINVAL, before Linux 5.14; here an advice no
+    kernel knows), the load falls back to a populated private mapping: same state, same checks."""
+    monkeypatch.setattr(shard_format, "_MADV_POPULATE_READ", 0x7FFF)
+    manager, path, older = _two_steps(tmp_path)
+    loaded = manager.load()
+    assert loaded is not None and loaded.step == 2
+    _assert_same(loaded.state, {"w": torch.arange(6.0) * 2, "step": 2, "extra": [torch.ones(2)]})
+    loaded.state["w"].add_(1.0)
+    good = path.read_bytes()
+    damaged = bytearray(good)
+    damaged[len(good) // 2] ^= 0x01
+    path.write_bytes(bytes(damaged))
+    with pytest.warns(CheckpointWarning, match="step 2 of rank 0"):
+        fallback = manager.load()
+    assert fallback is not None and fallback.step == 1
+    _assert_same(fallback.state, older)
+
+
+def test_a_step_saved_again_leaves_what_was_loaded_from_it_as_it_was(tmp_path: Path) -> None:
+    """A loaded state shares pages with its file until changed; a save never writes into a
+    committed shard (it renames a new file over it), so a dying gasp that saves the very step a
+    rank resumed from cannot change what the rank loaded."""
+    manager = CheckpointManager(tmp_path, rank=0)
+    manager.save(27, {"w": torch.full((1 << 18,), 1.0)})
+    loaded = manager.load()
+    assert loaded is not None
+    manager.save(27, {"w": torch.full((1 << 18,), 2.0)})
+    assert torch.all(loaded.state["w"] == 1.0)
+    assert torch.all(manager.load().state["w"] == 2.0)  # type: ignore[union-attr]
