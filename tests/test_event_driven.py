@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from relaunch.controller import checks
+from relaunch.controller import listener as listener_module
 from relaunch.controller.clock import TICK_S
 from relaunch.controller.core import IDLE_PASS_S
 from relaunch.controller.detectors import rank_active
@@ -175,6 +176,75 @@ def test_the_listener_reads_whole_messages_from_many_peers_and_hears_each_leave(
     finally:
         for peer in peers:
             peer.close()
+        listener.close()
+
+
+def test_a_quiet_listener_sleeps_through_routine_messages_and_wakes_for_its_doorbell() -> None:
+    """While the job trains undisturbed the controller waits on its doorbell, new connections
+    and closing ones only: a heartbeat, progress or output waits for the next read; an exit (or
+    any message that is not ROUTINE) rings the bell and wakes it; so does a peer that leaves."""
+    listener = Listener("127.0.0.1")
+    assert listener.rings
+    peer = Connection.connect(*listener.address)
+    other = Connection.connect(*listener.address)
+    try:
+        assert listener.wait_quietly(5.0)  # the new connections
+        assert peer.send(AgentHello("node-1", 2))  # rings: read at once
+        assert listener.wait_quietly(5.0)
+        assert [m for _, m in _poll_until(listener, 1)] == [AgentHello("node-1", 2)]
+        assert not listener.wait_quietly(0.0)  # every bell was read with the wake
+        routine = [
+            Heartbeat("node-1", 1.0, (), None),
+            messages.ProgressBatch((messages.Progress(0, 5, 1, 1.0),)),
+            messages.Output(0, 1, "step 5"),
+            messages.Usage(1, 1.0, {0: (1.5, 10)}),
+        ]
+        for message in routine:
+            assert message.ROUTINE and peer.send(message)
+        assert not listener.wait_quietly(0.3)  # slept through them: they wait on the socket
+        assert [m for _, m in _poll_until(listener, 4)] == routine
+        first_step = messages.ProgressBatch((messages.Progress(0, 1, 2, 2.0),))
+        assert peer.send(first_step, urgent=True)  # a launcher's first step of an attempt
+        assert listener.wait_quietly(5.0)
+        assert [m for _, m in _poll_until(listener, 1)] == [first_step]
+        exited = messages.Exited(0, 1, 1, None, False, 3.0)
+        assert not exited.ROUTINE and peer.send(exited)
+        assert listener.wait_quietly(5.0)
+        assert [m for _, m in _poll_until(listener, 1)] == [exited]
+        other.close()  # a peer that died: its connection closes
+        assert listener.wait_quietly(5.0)
+        assert [m for _, m in _poll_until(listener, 1)] == [None]
+        assert not listener.wait_quietly(0.0)  # the closed one no longer wakes it
+    finally:
+        peer.close()
+        other.close()
+        listener.close()
+
+
+def test_without_a_doorbell_the_controller_reads_every_tick_and_peers_ring_into_nothing() -> None:
+    """Where the UDP port beside the listener is taken there is no doorbell: `rings` is False
+    (the controller then reads every TICK_S, as before the doorbell) and a peer's bells go
+    nowhere without an error; its messages still arrive on the connection."""
+    taker = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    taker.bind(("127.0.0.1", 0))
+    taken = taker.getsockname()
+    listener = Listener("127.0.0.1")
+    try:
+        assert listener_module._doorbell(taken) is None  # the port is someone else's
+        assert listener.doorbell is not None
+        listener.doorbell.close()
+        listener.doorbell = None
+        assert not listener.rings
+        peer = Connection.connect(*listener.address)
+        peer._doorbell = taken  # rings a port that is not the controller's: no one answers
+        try:
+            exited = messages.Exited(0, 1, 1, None, False, 3.0)
+            assert peer.send(exited) and peer.send(exited)
+            assert [m for _, m in _poll_until(listener, 2)] == [exited, exited]
+        finally:
+            peer.close()
+    finally:
+        taker.close()
         listener.close()
 
 

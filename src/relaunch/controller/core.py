@@ -47,8 +47,10 @@ READ_EVERY_S: Final = 0.02
 """While something is under way (a start, a recovery, a planned fault), the controller reads its
 connections at most this often: under a steady stream of messages (heartbeats, progress) one
 read takes several, at the cost of that much latency at most. While the job trains undisturbed
-(`Controller.steady`) it reads at most every TICK_S: a message that needs a decision (an exit,
-a fault, a closed connection) still gets it within TICK_S, as a pass every TICK_S gave before."""
+(`Controller.steady`) it reads them when a pass is due (IDLE_PASS_S at most) and at once when a
+peer rings its doorbell (a message that needs a decision: an exit, a fault, a hello, a stop
+done; protocol.wire), connects or closes its connection; where the doorbell cannot listen (its
+UDP port is taken), at most every TICK_S."""
 IDLE_PASS_S: Final = 0.25
 """While the job trains undisturbed, a pass runs when a message asks for one (`hurry`), when a
 deadline falls due (a node's heartbeat timeout, a rank's hang window: `Controller.next_due`), and
@@ -253,12 +255,20 @@ class Controller:
         heard everything sent before then."""
         caught_up = True
         if self.listener is not None:
-            since = time.monotonic() - self.read_at
-            gap = READ_EVERY_S if self.steady_since is None else TICK_S
-            if since < gap:  # gather what arrives meanwhile into one read
-                time.sleep(gap - since)
-                wait = max(0.0, wait - (gap - since))
-            received = self.listener.poll(wait if self.inbox.empty() else 0.0)
+            if self.steady_since is not None and self.listener.rings and self.inbox.empty():
+                # Undisturbed: read when the next pass is due, or at once for a doorbell, a
+                # new connection or a closed one; routine messages wait on their sockets.
+                woken = self.listener.wait_quietly(wait)
+                received = self.listener.poll(0.0)
+                if woken and not received:  # a bell may overtake its message between hosts
+                    received = self.listener.poll(READ_EVERY_S)
+            else:
+                since = time.monotonic() - self.read_at
+                gap = READ_EVERY_S if self.steady_since is None else TICK_S
+                if since < gap:  # gather what arrives meanwhile into one read
+                    time.sleep(gap - since)
+                    wait = max(0.0, wait - (gap - since))
+                received = self.listener.poll(wait if self.inbox.empty() else 0.0)
             self.read_at = time.monotonic()
             rounds = 0
             while received:

@@ -159,10 +159,10 @@ class Launcher:
 
     # -- talking to the controller ---------------------------------------------------------------
 
-    def send(self, message: Message) -> None:
+    def send(self, message: Message, *, urgent: bool | None = None) -> None:
         with self.lock:
             conn = self.conn
-            undelivered = conn is None or not conn.send(message)
+            undelivered = conn is None or not conn.send(message, urgent=urgent)
             if undelivered and isinstance(message, _KEPT_WHILE_AWAY):
                 self.outbox.append(message)
 
@@ -263,7 +263,7 @@ class Launcher:
             phases, self.phases = tuple(self.phases), []
             self.progress_sent_at = now
         busy = {w.rank: (w.busy, w.samples) for w in self.workers.values() if w.samples}
-        self.send(ProgressBatch(reports, phases, busy))
+        self.send(ProgressBatch(reports, phases, busy), urgent=force)  # a first step, a phase
 
     # -- processes ----------------------------------------------------------------------------------
 

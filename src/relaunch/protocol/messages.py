@@ -60,9 +60,13 @@ __all__ = [
 
 
 class Message:
-    """Base of every wire message; KIND is its `t` on the wire."""
+    """Base of every wire message; KIND is its `t` on the wire. ROUTINE: what a peer sends to the
+    controller all the time (heartbeats, progress, output, usage), read at the controller's pace
+    while the job trains undisturbed; every other message rings the controller's doorbell so it
+    is read at once (protocol.wire)."""
 
     KIND: ClassVar[str] = ""
+    ROUTINE: ClassVar[bool] = False
 
 
 # -- node agent -----------------------------------------------------------------------------------
@@ -99,6 +103,7 @@ class LinkReport:
 @dataclass(frozen=True)
 class Heartbeat(Message):
     KIND = "heartbeat"
+    ROUTINE = True
     node: str
     at: float
     chips: tuple[ChipReport, ...] = ()
@@ -192,6 +197,7 @@ class Started(Message):
 @dataclass(frozen=True)
 class Output(Message):
     KIND = "output"
+    ROUTINE = True
     rank: int
     attempt: int
     line: str
@@ -218,6 +224,7 @@ class ProgressBatch(Message):
     """The newest step of each rank that reported one, and phase changes, since the last batch."""
 
     KIND = "progress"
+    ROUTINE = True  # but a rank's first step and phases go urgently (the launcher says so)
     reports: tuple[Progress, ...] = ()
     phases: tuple[RankPhase, ...] = ()
     busy: dict[int, tuple[int, int]] = field(default_factory=dict)
@@ -254,6 +261,7 @@ class Usage(Message):
     """Each running rank's process-tree CPU seconds and I/O bytes, when they changed."""
 
     KIND = "usage"
+    ROUTINE = True
     attempt: int
     at: float
     ranks: dict[int, tuple[float, int]] = field(default_factory=dict)

@@ -4,6 +4,13 @@ over TCP (see protocol.messages for the messages).
 The controller listens; node agents and pod launchers connect to it and say who they are. When the
 controller goes away, a peer reconnects to whichever controller next writes its address into the
 state directory (`controller.json`), so a controller restart loses no peer.
+
+The doorbell: the controller also listens for UDP datagrams on its port number. A peer sends the
+controller a one-byte datagram after every message that is not `Message.ROUTINE` (an exit, a
+hello, a stop done, a first step, ...), so that a controller that reads its connections only a
+few times a second while the job trains undisturbed still reads that message at once. The
+message itself travels on the connection as every other (their order is kept); a bell that is
+lost (UDP filtered between hosts) only delays it to the controller's next read.
 """
 
 from __future__ import annotations
@@ -24,12 +31,14 @@ __all__ = ["Connection", "controller_address", "write_controller_address"]
 class Connection:
     """One peer's socket: thread-safe `send`, blocking iteration over received messages."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, doorbell: tuple[str, int] | None = None) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock = sock
         self._reader = sock.makefile("r", encoding="utf-8", newline="\n")
         self._lock = threading.Lock()
         self._pending = b""
+        self._doorbell = doorbell
+        self._bell: socket.socket | None = None
         self.closed = False
 
     def fileno(self) -> int:
@@ -37,22 +46,38 @@ class Connection:
 
     @classmethod
     def connect(cls, host: str, port: int, timeout: float = 2.0) -> Connection:
+        """A peer's connection to the controller at (host, port), ringing its doorbell there."""
         sock = socket.create_connection((host, port), timeout=timeout)
         sock.settimeout(None)
-        return cls(sock)
+        return cls(sock, doorbell=sock.getpeername()[:2])
 
-    def send(self, message: Message) -> bool:
-        """False if the peer is gone; never raises for a closed connection."""
+    def send(self, message: Message, *, urgent: bool | None = None) -> bool:
+        """False if the peer is gone; never raises for a closed connection. A connection to the
+        controller rings its doorbell after a message that is `urgent` (by default: one that is
+        not `Message.ROUTINE`)."""
         data = (encode(message) + "\n").encode()
         with self._lock:
             if self.closed:
                 return False
             try:
                 self._sock.sendall(data)
-                return True
             except OSError:
                 self.closed = True
                 return False
+            if self._doorbell is not None and (not message.ROUTINE if urgent is None else urgent):
+                self._ring(self._doorbell)
+            return True
+
+    def _ring(self, doorbell: tuple[str, int]) -> None:
+        """One datagram to the controller's doorbell (held lock: one bell socket)."""
+        try:
+            if self._bell is None:
+                family = socket.AF_INET6 if ":" in doorbell[0] else socket.AF_INET
+                self._bell = socket.socket(family, socket.SOCK_DGRAM)
+                self._bell.setblocking(False)
+            self._bell.sendto(b"!", doorbell)
+        except OSError:
+            pass  # a bell that cannot ring only delays the message to the next read
 
     def __iter__(self) -> Iterator[Message]:
         """The messages received, until the peer goes; a line that is not a message is skipped."""
@@ -93,6 +118,9 @@ class Connection:
     def close(self) -> None:
         with self._lock:
             self.closed = True
+            if self._bell is not None:
+                self._bell.close()
+                self._bell = None
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
