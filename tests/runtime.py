@@ -15,6 +15,8 @@ from typing import Any
 import psutil
 import yaml
 
+from relaunch.store import Store
+
 ROOT = Path(__file__).resolve().parents[1]
 TOY = ROOT / "examples" / "train_toy.py"
 
@@ -93,6 +95,14 @@ class Result:
     def actions(self) -> list[str]:
         return [r["action"] for r in self.report["recoveries"]]
 
+    def assert_pod_moved_off_lost_node(self, node: str, why: str) -> None:
+        """The run succeeded by one pod-level rescheduling, and `node` was lost for `why`."""
+        assert self.returncode == 0, self.stdout + self.stderr
+        assert self.actions == ["pod-reschedule"]
+        events = Store(self.state_dir / "relaunch.db").events(self.report["id"])
+        lost = [text for _, text in events if "lost" in text]
+        assert any(f"node {node} lost: {why}" in e for e in lost), lost
+
     def logs(self) -> str:
         return "\n".join(
             p.read_text() for p in sorted((self.state_dir / "jobs").glob("*/pods/*/logs/*.log"))
@@ -163,16 +173,29 @@ class Cluster:
         report = json.loads(report_path.read_text()) if report_path.exists() else {}
         return Result(returncode, report, stdout, stderr, self.state)
 
-    def resume(self, timeout: float = 90) -> Result:
-        args = [
+    def resume_command(self) -> list[str]:
+        """`relaunch run --resume` of the run whose controller was killed."""
+        return [
             sys.executable, "-m", "relaunch", "run", "--resume",
             "--cluster", str(self.dir / "cluster.yaml"), "--state-dir", str(self.state),
             "--report", str(self.dir / "report.json"), "--startup-seconds", "8", "-q",
         ]  # fmt: skip
+
+    def resume(self, timeout: float = 90) -> Result:
         done = subprocess.run(
-            args, capture_output=True, text=True, timeout=timeout, cwd=ROOT, check=False
+            self.resume_command(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=ROOT,
+            check=False,
         )
         return self.result(done.returncode, done.stdout, done.stderr)
+
+    def signal_agent(self, node: str, signum: int) -> None:
+        """Send `signum` to `node`'s agent (its pid as the embedded cluster recorded it)."""
+        agent = json.loads((self.state / "pids.json").read_text())["agents"][node][0]
+        os.kill(agent, signum)
 
 
 def processes_of(state_dir: Path) -> list[psutil.Process]:

@@ -33,11 +33,19 @@ def query(state: Path, sql: str) -> list[tuple[object, ...]]:
 
 
 def start_and_kill(
-    cluster: Cluster, job: dict, faults: list[dict] | None, when: Callable[[], bool]
+    cluster: Cluster,
+    job: dict,
+    faults: list[dict] | None,
+    when: Callable[[], bool],
+    shape: dict | None = None,
 ) -> None:
-    """Start `relaunch run`, wait for `when`, then SIGKILL the controller."""
+    """Start `relaunch run` (on a cluster of `shape`), wait for `when`, then SIGKILL the
+    controller."""
     proc = subprocess.Popen(
-        cluster.command(job, faults), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        cluster.command(job, faults, shape),
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     deadline = time.time() + 60
     while not when():
@@ -124,3 +132,36 @@ def test_a_killed_run_that_is_not_resumed_leaves_nothing_after_the_grace_period(
     assert processes_of(cluster.state)
     left = wait_gone(cluster.state, timeout=float(FAST_CLUSTER["adopt_grace_s"]) + 3)
     assert not left, [p.cmdline() for p in left]
+
+
+def test_a_resumed_controller_loses_a_node_the_moment_an_agent_it_did_not_start_exits(
+    cluster: Cluster,
+) -> None:
+    """The agents were started by the controller that was killed: the resumed one watches them
+    too (their pids from pids.json, each checked to be the process that was started) and loses
+    node-1 the moment its agent is killed, though the heartbeat timeout (120 s) is twice the
+    run's limit."""
+    shape = {**FAST_CLUSTER, "heartbeat_timeout_s": 120}
+    job = toy_job(POD_LEVEL, steps=400, args="--step-seconds 0.05")
+    start_and_kill(cluster, job, None, step_at_least(cluster.state, 10), shape)
+    (killed_at,) = query(cluster.state, "SELECT last_step FROM jobs")[0]
+    resumed = subprocess.Popen(
+        cluster.resume_command(),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        hears = step_at_least(cluster.state, int(killed_at) + 20)  # type: ignore[call-overload]
+        deadline = time.monotonic() + 30
+        while not hears():  # the resumed controller hears the pods' steps
+            assert resumed.poll() is None and time.monotonic() < deadline, "no resume"
+            time.sleep(0.05)
+        cluster.signal_agent("node-1", signal.SIGKILL)
+        said, _ = resumed.communicate(timeout=60)
+    finally:
+        resumed.kill()
+    cluster.result(resumed.returncode, said).assert_pod_moved_off_lost_node(
+        "node-1", "the engine reports the node dead"
+    )
