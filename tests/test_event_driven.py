@@ -33,7 +33,7 @@ from relaunch.protocol.codec import to_data
 from relaunch.protocol.messages import AgentHello, Heartbeat, encode
 from relaunch.protocol.plans import LaunchPlan
 from relaunch.protocol.wire import Connection
-from relaunch.store import JobStatus, NodeState
+from relaunch.store import JobStatus, NodeState, Store
 from tests.controller_sim import Sim, job_spec
 from tests.runtime import Cluster, toy_job
 
@@ -346,3 +346,16 @@ def test_a_rank_is_looked_at_through_one_kept_descriptor_until_it_exits() -> Non
     sample_busy(worker)
     assert worker.samples == looks and worker.stat_fd is None
     forget_stat(worker)  # closing twice is harmless
+
+
+def test_the_last_step_a_rank_reports_before_it_exits_is_heard_though_its_batch_is_not_due(
+    cluster: Cluster,
+) -> None:
+    """A launcher forwards routine steps once a progress interval (a second here: the hang
+    window is 60 s); the job's 20 steps take about 0.6 s. Its last step is reported when the
+    rank exits, not held back for a batch that falls due after the exit was heard."""
+    job = toy_job(steps=20, replicas=2, hang_detect_seconds=60)
+    result = cluster.run(job, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    (job_row,) = Store(result.state_dir / "relaunch.db").jobs()
+    assert job_row.last_step == 20

@@ -249,10 +249,12 @@ class Launcher:
             worker.stepped = worker.alive_since_sample = True
             return first
 
-    def flush_progress(self, force: bool = False) -> None:
+    def flush_progress(self, force: bool = False, urgent: bool | None = None) -> None:
         """Forward the newest report of each rank in one message, at most every
         `progress_interval_s`: a loop that reports thousands of steps a second costs the
-        controller one message per pod per interval (up to a second, see commands.launch_plan)."""
+        controller one message per pod per interval (up to a second, see commands.launch_plan).
+        `force`: now, due or not; the message rings the controller's doorbell if `urgent`
+        (by default: if forced)."""
         now = time.time()
         with self.lock:
             if not (self.latest_progress or self.phases) or (
@@ -263,7 +265,8 @@ class Launcher:
             phases, self.phases = tuple(self.phases), []
             self.progress_sent_at = now
         busy = {w.rank: (w.busy, w.samples) for w in self.workers.values() if w.samples}
-        self.send(ProgressBatch(reports, phases, busy), urgent=force)  # a first step, a phase
+        urgent = force if urgent is None else urgent  # a first step, a phase
+        self.send(ProgressBatch(reports, phases, busy), urgent=urgent)
 
     # -- processes ----------------------------------------------------------------------------------
 
@@ -402,8 +405,9 @@ class Launcher:
             code = worker.proc.poll()
             if code is None or worker.reported:
                 continue
-            if not drained:  # what the rank reported before it exited goes first
+            if not drained:  # what the rank reported before it exited goes first, due or not
                 self.read_progress()
+                self.flush_progress(force=True, urgent=False)  # the exit rings right after
                 drained = True
             self._unwatch_exit(worker)
             if worker.pump is not None:
