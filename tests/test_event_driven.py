@@ -6,10 +6,11 @@ that showed progress since its last usage sample is not judged on that sample.""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
-import io
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -20,6 +21,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from relaunch.controller import checks
 from relaunch.controller import listener as listener_module
 from relaunch.controller.clock import TICK_S
@@ -27,7 +30,7 @@ from relaunch.controller.core import IDLE_PASS_S
 from relaunch.controller.detectors import rank_active
 from relaunch.controller.listener import Listener
 from relaunch.controller.peers import Rank
-from relaunch.launcher.processes import Worker, forget_stat, sample_busy
+from relaunch.launcher.processes import READ_AT_MOST, RankLog, Worker, forget_stat, sample_busy
 from relaunch.protocol import messages
 from relaunch.protocol.codec import to_data
 from relaunch.protocol.messages import AgentHello, Heartbeat, encode
@@ -35,7 +38,7 @@ from relaunch.protocol.plans import LaunchPlan
 from relaunch.protocol.wire import Connection
 from relaunch.store import JobStatus, NodeState, Store
 from tests.controller_sim import Sim, job_spec
-from tests.runtime import Cluster, toy_job
+from tests.runtime import ROOT, Cluster, processes_of, toy_job
 
 
 def node_states(sim: Sim) -> dict[str, NodeState]:
@@ -327,7 +330,7 @@ def test_a_rank_is_looked_at_through_one_kept_descriptor_until_it_exits() -> Non
     process is gone the descriptor is closed and looks stop counting (a reused pid is never
     read: the descriptor belonged to the process that ended)."""
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    worker = Worker(0, 0, 1, proc, io.StringIO())
+    worker = Worker(0, 0, 1, proc, None)
     try:
         time.sleep(0.5)
         sample_busy(worker)
@@ -359,3 +362,95 @@ def test_the_last_step_a_rank_reports_before_it_exits_is_heard_though_its_batch_
     assert result.returncode == 0, result.stdout + result.stderr
     (job_row,) = Store(result.state_dir / "relaunch.db").jobs()
     assert job_row.last_step == 20
+
+
+def test_a_rank_log_is_read_in_whole_lines_timed_when_written_and_bounded_per_read(
+    tmp_path: Path,
+) -> None:
+    """RankLog over a real file another writer appends to: whole lines only (the unfinished
+    one waits, or comes with the final read), from where the rank's output began, timed by
+    the file's last write, and at most READ_AT_MOST bytes a read (the newest whole lines)."""
+    path = tmp_path / "rank.log"
+    path.write_bytes(b"--- an earlier attempt ---\n")
+    log = RankLog(path)
+    with open(path, "ab", buffering=0) as writer:
+        writer.write(b"first\nsecond\nunfini")
+        os.utime(path, (1000.0, 1000.0))  # as if written long before it is read
+        assert log.read() == (1000.0, ["first", "second"])
+        assert log.read()[1] == []
+        writer.write(b"shed\n\xff\n")
+        assert log.read()[1] == ["unfinished", "\ufffd"]
+        writer.write(b"no newline at exit")
+        assert log.read()[1] == []
+        assert log.read(final=True)[1] == ["no newline at exit"]
+        lines = [f"{i:09d}".encode() * 10 for i in range(30_000)]  # 2.7 MB of 90-byte lines
+        writer.write(b"\n".join(lines) + b"\n")
+        got = log.read()[1]
+        assert len("\n".join(got)) < READ_AT_MOST and len(got) > 10_000
+        assert got == [line.decode() for line in lines[-len(got) :]]  # whole, newest, in order
+        writer.write(b"after\n")
+        assert log.read()[1] == ["after"]
+    log.close()
+    log.close()  # closing twice is harmless
+
+
+def test_a_rank_never_waits_for_a_stopped_launcher_to_read_its_output(cluster: Cluster) -> None:
+    """The rank's launcher is stopped (SIGSTOP) before the rank writes 8 MB of output (a pipe
+    would hold 64 KB and block the rank): the rank finishes writing meanwhile; once the
+    launcher goes on, the job ends with every line in the rank's log."""
+    flags = cluster.dir / "flag"
+    script = (
+        "import pathlib, sys, time\n"
+        f"flag = pathlib.Path({str(flags)!r})\n"
+        "def wait(name):\n"
+        "    while not flag.with_suffix(name).exists(): time.sleep(0.02)\n"
+        "wait('.go')\n"
+        "for i in range(80_000): print(f'{i:08d}' + 'x' * 91)\n"
+        "sys.stdout.flush(); flag.with_suffix('.written').touch()\n"
+        "wait('.end'); print('last line')\n"
+    )
+    job = toy_job(replicas=1, hang_detect_seconds=60)
+    job["spec"]["procs_per_pod"] = 1
+    job["spec"]["command"] = [sys.executable, "-c", script]
+    run = subprocess.Popen(
+        cluster.command(job), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (launcher := _launcher_pid(cluster.state)) or not _a_rank_runs(cluster.state):
+            assert run.poll() is None and time.monotonic() < deadline, "the rank never started"
+            time.sleep(0.05)
+        os.kill(launcher, signal.SIGSTOP)
+        try:
+            flags.with_suffix(".go").touch()
+            deadline = time.monotonic() + 30
+            while not flags.with_suffix(".written").exists():
+                assert time.monotonic() < deadline, "the rank waited for its launcher"
+                time.sleep(0.05)
+        finally:
+            os.kill(launcher, signal.SIGCONT)
+        flags.with_suffix(".end").touch()
+        said, _ = run.communicate(timeout=60)
+    finally:
+        run.kill()
+    result = cluster.result(run.returncode, said)
+    assert result.returncode == 0, said
+    logged = [line for line in result.logs().splitlines() if not line.startswith("---")]
+    assert logged == [f"{i:08d}" + "x" * 91 for i in range(80_000)] + ["last line"]
+
+
+def _launcher_pid(state: Path) -> int | None:
+    try:
+        launchers = json.loads((state / "pids.json").read_text())["launchers"]
+    except (OSError, ValueError, KeyError):
+        return None
+    pids = [ref[0] for key, ref in launchers.items() if "/-1/" not in key]
+    return pids[0] if len(pids) == 1 else None
+
+
+def _a_rank_runs(state: Path) -> bool:
+    for process in processes_of(state):
+        with contextlib.suppress(psutil.Error):
+            if process.environ().get("RANK") is not None:
+                return True
+    return False

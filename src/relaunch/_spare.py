@@ -4,8 +4,10 @@ for an identity and then runs a training script as if it had been started for it
 The launcher starts it as ``python -m relaunch._spare`` (stdin and stdout piped). It imports the
 modules of ``RELAUNCH_SPARE_PRELOAD`` (default: torch, torch.distributed, DDP and
 torch._dynamo, which torch.optim imports on first use: 1.7 s on our CI machines), writes ``ready``, and reads one JSON
-line: ``{"env": {...}, "argv": [script, args...], "cwd": dir}``. Then it becomes that process:
-environment, working directory and ``sys.argv`` replaced, the script run as ``__main__``.
+line: ``{"env": {...}, "argv": [script, args...], "cwd": dir, "log": path}``. Then it becomes
+that process: its stdout and stderr the rank's log (appended to, as a process the launcher
+starts writes it), environment, working directory and ``sys.argv`` replaced, the script run as
+``__main__``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,13 @@ def main() -> None:
     if not line:
         return  # the launcher went away or retired the spare
     identity = json.loads(line)
+    if identity.get("log"):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        log = os.open(identity["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
     os.environ.clear()
     os.environ.update(identity["env"])
     os.chdir(identity["cwd"])

@@ -7,11 +7,11 @@ import ctypes
 import os
 import signal
 import subprocess
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import IO, Final
+from pathlib import Path
+from typing import Final
 
 import psutil
 
@@ -20,6 +20,7 @@ from relaunch.diagnosis.errors import TAIL_LINES
 __all__ = [
     "BUSY_STATES",
     "NotStarted",
+    "RankLog",
     "Worker",
     "children_by_parent",
     "die_with_parent",
@@ -63,6 +64,55 @@ class NotStarted:
         return None
 
 
+READ_AT_MOST: Final = 1 << 20
+"""Bytes of a rank's new output one read takes at most: what a rank wrote beyond that since the
+last read is left in its log file and not forwarded (only the newest lines are ever needed: the
+tail its error is found in, and the lines the controller shows)."""
+
+
+class RankLog:
+    """A rank's log file, which the rank's process writes its stdout and stderr to itself: no
+    pipe, no thread, nothing that wakes the launcher per line, and a launcher that is slow to
+    read never stalls the rank's writes. The launcher reads what was appended since its last
+    read (from where this process's output began) when it reads the ranks' progress, and once
+    more when the process exits."""
+
+    def __init__(self, path: Path) -> None:
+        self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self.offset = os.fstat(self.fd).st_size
+        self.partial = b""
+
+    def read(self, final: bool = False) -> tuple[float, list[str]]:
+        """The whole lines written since the last read (`final`: the unfinished last one too),
+        and when the file was last written (the lines' time: a traceback printed before a
+        rank stalled is timed when it was printed, not when it was read)."""
+        try:
+            status = os.fstat(self.fd)
+            skipped = status.st_size - self.offset > READ_AT_MOST
+            if skipped:
+                self.offset, self.partial = status.st_size - READ_AT_MOST, b""
+            data = os.pread(self.fd, max(0, status.st_size - self.offset), self.offset)
+        except OSError:
+            return time.time(), []
+        self.offset += len(data)
+        data, self.partial = self.partial + data, b""
+        if skipped:  # the first line was cut: keep from the next whole one
+            data = data.partition(b"\n")[2]
+        lines = data.split(b"\n")
+        last = lines.pop()
+        if final and last:
+            lines.append(last)
+        else:
+            self.partial = last
+        return status.st_mtime, [line.decode("utf-8", "replace") for line in lines]
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = -1
+
+
 @dataclass
 class Worker:
     """One rank of the pod, in one attempt."""
@@ -71,10 +121,10 @@ class Worker:
     local_rank: int
     attempt: int
     proc: subprocess.Popen[bytes] | NotStarted
-    log: IO[str]
+    output: RankLog | None
+    """Its log, as written by its process (None: the command could not be started)."""
     stopping: bool = False
     reported: bool = False
-    pump: threading.Thread | None = None
     start_error: str | None = None
     """Why the command could not be started, if it could not."""
     usage: tuple[float, int] = (0.0, 0)

@@ -23,10 +23,13 @@ class Spare:
     proc: subprocess.Popen[bytes]
     ready: threading.Event
 
-    def become(self, env: dict[str, str], argv: list[str], cwd: str) -> subprocess.Popen[bytes]:
-        """Hand the spare its identity: from now on it is that rank's process."""
+    def become(
+        self, env: dict[str, str], argv: list[str], cwd: str, log: str
+    ) -> subprocess.Popen[bytes]:
+        """Hand the spare its identity: from now on it is that rank's process, writing its
+        output to `log` (appending)."""
         assert self.proc.stdin is not None
-        identity = {"env": env, "argv": argv, "cwd": cwd}
+        identity = {"env": env, "argv": argv, "cwd": cwd, "log": log}
         self.proc.stdin.write((json.dumps(identity) + "\n").encode())
         self.proc.stdin.close()
         return self.proc

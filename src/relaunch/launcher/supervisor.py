@@ -46,6 +46,7 @@ from relaunch.diagnosis.errors import error_from_file, error_from_output
 from relaunch.faults.kinds import ErrorReport
 from relaunch.launcher.processes import (
     NotStarted,
+    RankLog,
     Worker,
     children_by_parent,
     die_with_parent,
@@ -99,15 +100,6 @@ SLOW_PERIOD_S = 0.1
 """A fault plan's `slow`: the period of its duty cycle."""
 """How often, at least, the processes are checked and the spares refilled when nothing else
 wakes the launcher (with pidfds an exit wakes it at once)."""
-
-
-class _Check(Message):
-    """Internal: a rank's output closed; check the processes now."""
-
-    KIND = "-check"
-
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
 
 
 class Launcher:
@@ -225,6 +217,8 @@ class Launcher:
                 urgent = self._received(data) or urgent
         self.progress_read_at = time.time()
         for worker in self.workers.values():
+            if not worker.reported:
+                self.read_output(worker)
             if worker.started and worker.attempt == self.attempt and worker.proc.poll() is None:
                 sample_busy(worker)
         self.flush_progress(force=urgent)
@@ -322,42 +316,43 @@ class Launcher:
         )
         child_env.setdefault(Env.NCCL_ASYNC_ERROR_HANDLING, "1")  # torchrun's defaults
         child_env.setdefault(Env.SIGNALS_TO_HANDLE, "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
-        log = open(self.dir.rank_log(rank), "a", encoding="utf-8")  # noqa: SIM115
+        path = self.dir.rank_log(rank)
         spare = self.spares.take() if self.spares.argv is not None else None
         cwd = self.plan.working_dir or str(self.dir.path)
         how = f", warm spare pid {spare.proc.pid}" if spare is not None else ""
-        log.write(
-            f"--- relaunch: attempt {attempt}, "
-            f"{Env.PROC_START_CNT}={env.get(Env.PROC_START_CNT)}{how} ---\n"
-        )
-        log.flush()
         start_error = None
         proc: subprocess.Popen[bytes] | NotStarted
-        if spare is not None and self.spares.argv is not None:
-            proc = spare.become(child_env, self.spares.argv, cwd)
-        else:
-            try:
-                proc = subprocess.Popen(
-                    list(self.plan.command),
-                    cwd=cwd,
-                    env=child_env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                    preexec_fn=die_with_parent,
-                )
-            except (OSError, ValueError, subprocess.SubprocessError) as error:
-                start_error = f"could not start {self.plan.command[0]!r} in {cwd}: {error}"
-                proc = NotStarted(126 if isinstance(error, PermissionError) else 127)
-                log.write(f"relaunch: {start_error}\n")
-        worker = Worker(rank, local_rank, attempt, proc, log, start_error=start_error)
-        if worker.started:
-            worker.pump = threading.Thread(target=self.pump, args=(worker,), daemon=True)
-            worker.pump.start()
-        else:
-            log.close()
-        return worker
+        # The process writes its output to its log itself (appending: the log holds every
+        # attempt of the rank); the launcher reads it from where this attempt's begins.
+        with open(path, "ab") as log:
+            log.write(
+                f"--- relaunch: attempt {attempt}, "
+                f"{Env.PROC_START_CNT}={env.get(Env.PROC_START_CNT)}{how} ---\n".encode()
+            )
+            log.flush()
+            output: RankLog | None = RankLog(path)
+            if spare is not None and self.spares.argv is not None:
+                proc = spare.become(child_env, self.spares.argv, cwd, str(path))
+            else:
+                try:
+                    proc = subprocess.Popen(
+                        list(self.plan.command),
+                        cwd=cwd,
+                        env=child_env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                        preexec_fn=die_with_parent,
+                    )
+                except (OSError, ValueError, subprocess.SubprocessError) as error:
+                    start_error = f"could not start {self.plan.command[0]!r} in {cwd}: {error}"
+                    proc = NotStarted(126 if isinstance(error, PermissionError) else 127)
+                    log.write(f"relaunch: {start_error}\n".encode())
+        if start_error is not None and output is not None:
+            output.close()
+            output = None
+        return Worker(rank, local_rank, attempt, proc, output, start_error=start_error)
 
     def _child_env(self, env: dict[str, str]) -> dict[str, str]:
         """What every process of the pod sees, before its rank is set."""
@@ -385,19 +380,20 @@ class Launcher:
         )
         return child_env
 
-    def pump(self, worker: Worker) -> None:
-        assert worker.proc.stdout is not None
-        with worker.log:  # the pump owns the log: a child may write after its group leader died
-            for raw in worker.proc.stdout:
-                line = raw.decode("utf-8", "replace").rstrip("\n")
-                worker.log.write(line + "\n")
-                worker.log.flush()
-                worker.tail.append((time.time(), line[:2000]))
-                worker.alive_since_sample = True
-                self.send(Output(worker.rank, worker.attempt, line[:2000]))
-        # Output closed: the rank has most likely exited. Check now: where exits are polled,
-        # a crash is then reported at once (not at the next monitor interval).
-        self.post(_Check(worker.rank))
+    def read_output(self, worker: Worker, final: bool = False) -> None:
+        """The lines the rank wrote to its log since the last read (`final`: it exited, its
+        unfinished last line too): kept for its error, forwarded to the controller, and a sign
+        of life (detectors.rank_active; for a script without the SDK, its progress)."""
+        if worker.output is None:
+            return
+        written, lines = worker.output.read(final)
+        if not lines:
+            return
+        at = min(written, time.time())
+        worker.alive_since_sample = True
+        for line in lines:
+            worker.tail.append((at, line[:2000]))
+            self.send(Output(worker.rank, worker.attempt, line[:2000]))
 
     def monitor(self) -> None:
         drained = False
@@ -410,8 +406,9 @@ class Launcher:
                 self.flush_progress(force=True, urgent=False)  # the exit rings right after
                 drained = True
             self._unwatch_exit(worker)
-            if worker.pump is not None:
-                worker.pump.join(timeout=1.0)
+            self.read_output(worker, final=True)
+            if worker.output is not None:
+                worker.output.close()
             worker.reported = True
             signum = -code if code < 0 else None
             error = self.error_of(worker) if code != 0 and worker.started else None
@@ -476,6 +473,9 @@ class Launcher:
     def stop(self, grace: float, ranks: tuple[int, ...] | None = None) -> None:
         """SIGTERM every process group, SIGKILL what is left after `grace` seconds."""
         chosen = [w for w in self.workers.values() if ranks is None or w.rank in ranks]
+        for worker in chosen:  # what a rank printed before it was asked to stop is timed so
+            if not worker.reported:
+                self.read_output(worker)
         asked = time.time()
         for worker in chosen:
             worker.stopping = True
@@ -663,12 +663,6 @@ class Launcher:
 
     def handle(self, message: Message) -> None:
         match message:
-            case _Check(rank=rank):
-                worker = self.workers.get(rank)
-                deadline = time.time() + 0.5  # its output closes a moment before it is reaped
-                while worker is not None and worker.proc.poll() is None and time.time() < deadline:
-                    time.sleep(0.01)
-                self.monitor()
             case Start(attempt=attempt, env=env, ranks=ranks):
                 self.start(attempt, env, ranks)
             case Stop(grace=grace, ranks=ranks):
