@@ -197,6 +197,29 @@ class Cluster:
         agent = json.loads((self.state / "pids.json").read_text())["agents"][node][0]
         os.kill(agent, signum)
 
+    def signal_agent_at_step(
+        self, run: subprocess.Popen[str], step: int, node: str, signum: int
+    ) -> Result:
+        """Once the job run by `run` (its controller, started or resumed) has recorded `step`,
+        send `signum` to `node`'s agent; the run's result when it ends (90 s at most)."""
+        try:
+            deadline = time.monotonic() + 60
+            while not _reached(self.state, step):
+                alive = run.poll() is None
+                assert alive and time.monotonic() < deadline, f"the job did not reach step {step}"
+                time.sleep(0.05)
+            self.signal_agent(node, signum)
+            said, _ = run.communicate(timeout=90)
+        finally:
+            run.kill()
+        return self.result(run.returncode, said)
+
+
+def _reached(state: Path, step: int) -> bool:
+    db = state / "relaunch.db"
+    jobs = Store(db).jobs() if db.exists() else []
+    return bool(jobs) and (jobs[0].last_step or 0) >= step
+
 
 def processes_of(state_dir: Path) -> list[psutil.Process]:
     """Every live process that belongs to this state directory: agents, launchers, workers."""

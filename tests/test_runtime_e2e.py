@@ -10,9 +10,7 @@ import json
 import re
 import signal
 import subprocess
-import time
 
-from relaunch.store import Store
 from tests.runtime import (
     AUTO,
     FAST_CLUSTER,
@@ -241,23 +239,8 @@ def test_a_node_whose_agent_lives_but_is_silent_is_lost_at_its_heartbeat_timeout
     run = subprocess.Popen(
         cluster.command(job), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            db = cluster.state / "relaunch.db"
-            jobs = Store(db).jobs() if db.exists() else []
-            if jobs and (jobs[0].last_step or 0) >= 5:
-                break
-            time.sleep(0.1)
-        else:
-            raise AssertionError("the job made no 5 steps in 60 s")
-        cluster.signal_agent("node-1", signal.SIGSTOP)
-        said, _ = run.communicate(timeout=90)
-    finally:
-        run.kill()
-    cluster.result(run.returncode, said).assert_pod_moved_off_lost_node(
-        "node-1", "no heartbeat for 1 s"
-    )
+    result = cluster.signal_agent_at_step(run, 5, "node-1", signal.SIGSTOP)
+    result.assert_pod_moved_off_lost_node("node-1", "no heartbeat for 1 s")
 
 
 # -- R-24 -------------------------------------------------------------------------------------------
