@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from relaunch.controller.commands import progress_interval, slow_window_unusable
 from relaunch.controller.peers import Rank
 from relaunch.diagnosis import (
+    MIN_LOOKS,
     Frame,
     Goodput,
     Group,
@@ -31,7 +33,7 @@ from relaunch.diagnosis import (
 )
 from relaunch.faults import ErrorReport, Fault, FaultKind
 from relaunch.store import Store
-from tests.runtime import DDP_CLUSTER, ROOT, Cluster, Result
+from tests.runtime import DDP_CLUSTER, FAST_CLUSTER, ROOT, Cluster, Result, toy_job
 
 GLOO_PEER = (
     "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
@@ -427,19 +429,68 @@ def test_no_slow_pod_without_an_outlier_among_waiting_peers(shares: dict[int, fl
     assert slow_pods(shares, margin=0.3) == []
 
 
+@pytest.mark.parametrize(
+    "hang_s, replicas, window_s",
+    [(10, 2, 2.0), (10, 2, 5.0), (1800, 2, 60.0), (4, 2, 3.0), (1800, 200, 30.0), (60, 8, 0.5)],
+)
+def test_a_slow_window_holds_twice_the_looks_a_share_needs_whatever_the_hang_window(
+    hang_s: float, replicas: int, window_s: float
+) -> None:
+    interval = progress_interval(hang_s, replicas, window_s)
+    assert window_s / interval >= 2 * MIN_LOOKS - 1e-9, interval
+    assert interval <= min(1.0, hang_s / 20) or interval == 0.002 * replicas
+    assert slow_window_unusable(hang_s, replicas, window_s) is None
+
+
+def test_a_slow_window_off_leaves_the_progress_interval_to_the_hang_window() -> None:
+    assert progress_interval(10, 2, 0) == 0.5
+    assert progress_interval(1800, 2, 0) == 1.0
+    assert progress_interval(1800, 2, 60) == 1.0, "the default window costs no wake-up"
+    assert slow_window_unusable(10, 2, 0) is None
+
+
+def test_a_slow_window_a_very_large_job_cannot_fill_is_said_with_the_window_that_works() -> None:
+    """5000 pods: the launchers report every 10 s (0.002 s a pod, for the controller's sake), so
+    a 60 s window holds 6 looks: the job is told, with the window that would hold 10."""
+    assert progress_interval(1800, 5000, 60) == 10.0
+    said = slow_window_unusable(1800, 5000, 60)
+    assert said is not None
+    assert "holds 6 looks, fewer than the 10" in said and "set slow_window_s to 100 s" in said
+    assert slow_window_unusable(1800, 5000, 100) is None
+    assert slow_window_unusable(10, 2, 0.15) is not None, "0.02 s is the shortest interval"
+
+
+def test_a_slow_window_the_launchers_cannot_fill_is_said_when_the_job_starts(
+    tmp_path: Path,
+) -> None:
+    cluster = Cluster(tmp_path)
+    result = cluster.run(toy_job(steps=10), None, {**FAST_CLUSTER, "slow_window_s": 0.15})
+    assert result.returncode == 0, result.stdout + result.stderr
+    said = [text for _, text in Store(cluster.state / "relaunch.db").events(result.report["id"])]
+    assert any("slow-pod detection is off for this job" in text for text in said), said
+    assert any("set slow_window_s to 0.2 s or more" in text for text in said), said
+
+
 SLOW_CLUSTER = {**DDP_CLUSTER, "slow_window_s": 3, "slow_margin": 0.3}
 
 
-def slow_run(tmp_path: Path, nodes: int, steps: int) -> tuple[Result, list[tuple[float, int]]]:
-    """The DDP example, one rank per pod on 2 pods; pod 1 made 6 times slower at step 20."""
+def slow_run(
+    tmp_path: Path, nodes: int, steps: int, **cluster_and_hang: float
+) -> tuple[Result, list[tuple[float, int]]]:
+    """The DDP example, one rank per pod on 2 pods; pod 1 made 6 times slower at step 20.
+    `hang_detect_seconds` goes to the job, the rest to SLOW_CLUSTER."""
     job = yaml.safe_load((ROOT / "examples" / "ddp" / "job.yaml").read_text())
+    hang_s = cluster_and_hang.pop("hang_detect_seconds", None)
+    if hang_s is not None:
+        job["spec"]["hang_detect_seconds"] = hang_s
     job["spec"]["procs_per_pod"] = 1
     job["spec"]["command"] = (
         f"python {ROOT / 'examples' / 'ddp' / 'train_ddp.py'} --steps {steps} --ckpt-every 10"
     )
     plan = [{"kind": "slow", "at_step": 20, "pod": 1, "factor": 6}]
     cluster = Cluster(tmp_path)
-    result = cluster.run(job, plan, {**SLOW_CLUSTER, "nodes": nodes}, timeout=240, startup_s=60)
+    shape = {**SLOW_CLUSTER, "nodes": nodes, **cluster_and_hang}
+    result = cluster.run(job, plan, shape, timeout=240, startup_s=60)
     assert result.returncode == 0, result.stdout + result.stderr
     store = Store(cluster.state / "relaunch.db")
     return result, store.progress(result.report["id"])
@@ -468,7 +519,10 @@ def test_a_slow_pod_moves_to_the_standby_node_and_the_step_rate_recovers(tmp_pat
 
 
 def test_a_slow_pod_without_a_standby_node_is_recorded_only(tmp_path: Path) -> None:
-    result, _ = slow_run(tmp_path, nodes=2, steps=150)
+    """With a slow window (2 s) shorter than twenty progress intervals of the hang window
+    (10 s: 0.5 s), the launchers look often enough for the window: before, it held 4 looks of
+    the 10 a share needs and the slow pod was never found."""
+    result, _ = slow_run(tmp_path, nodes=2, steps=150, slow_window_s=2, hang_detect_seconds=10)
     (record,) = result.report["recoveries"]
     assert record["fault"]["kind"] == "slow" and record["fault"]["pod"] == 1
     assert record["action"] == "ignore"

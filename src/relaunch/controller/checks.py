@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from relaunch.controller import lifecycle, stacks
 from relaunch.controller.detectors import hang_fault, launcher_faults, lost_nodes
 from relaunch.controller.pods import PodPhase
-from relaunch.diagnosis import slow_pods
+from relaunch.diagnosis import MIN_LOOKS, slow_pods
 from relaunch.faults import Fault, FaultKind
 from relaunch.store import JobStatus, NodeState, Outcome
 
@@ -20,8 +20,6 @@ __all__ = ["adoption", "done", "hangs", "heartbeats", "launchers", "requests", "
 
 SLOW_CHECKED_EVERY_S = 1.0
 """How often the ranks' busy shares are compared (diagnosis.subhealth)."""
-MIN_LOOKS = 10
-"""A rank needs this many looks in the window before its share counts."""
 
 
 def adoption(c: Controller, now: float) -> None:

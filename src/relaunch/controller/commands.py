@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from relaunch import failpoints
 from relaunch.controller.active import HEAL_TIMEOUT_S, ActiveRecovery, HealRequest
+from relaunch.diagnosis import MIN_LOOKS, look_interval_s
 from relaunch.faults import Fault, FaultKind
 from relaunch.policy import ClusterView, PodView
 from relaunch.policy.placement import NodeCapacity, move, rebuild_slots
@@ -218,12 +219,30 @@ def pod_environment(c: Controller, row: PodRow, attempt: int) -> dict[str, str]:
     ).variables()
 
 
-def progress_interval(hang_s: float, replicas: int) -> float:
+def progress_interval(hang_s: float, replicas: int, slow_window_s: float) -> float:
     """How often a launcher forwards its ranks' newest steps (a rank's first step in an attempt
-    and SDK phases go at once): a twentieth of the hang window, at most a second, so that hang
-    detection and the progress chart lose nothing; longer for very large jobs (0.002 s a pod),
-    so that the controller hears a few hundred batches a second at most."""
-    return max(0.02, min(1.0, hang_s / 20), 0.002 * replicas)
+    and SDK phases go at once) and looks at whether they are busy: a twentieth of the hang
+    window, at most a second, so that hang detection and the progress chart lose nothing, and
+    often enough for the slow-pod window to hold the looks it needs (a short `slow_window_s`);
+    longer for very large jobs (0.002 s a pod), so that the controller hears a few hundred
+    batches a second at most."""
+    return max(0.02, min(1.0, hang_s / 20, look_interval_s(slow_window_s)), 0.002 * replicas)
+
+
+def slow_window_unusable(hang_s: float, replicas: int, slow_window_s: float) -> str | None:
+    """Why slow-pod detection cannot work for a job, where it cannot: its launchers look at the
+    ranks too seldom (a very large job) for `slow_window_s` to hold MIN_LOOKS."""
+    if slow_window_s <= 0:
+        return None
+    interval = progress_interval(hang_s, replicas, slow_window_s)
+    if slow_window_s / interval >= MIN_LOOKS:
+        return None
+    return (
+        f"slow-pod detection is off for this job: its launchers look at the ranks every "
+        f"{interval:g} s, so the cluster's slow_window_s of {slow_window_s:g} s holds "
+        f"{int(slow_window_s / interval)} looks, fewer than the {MIN_LOOKS} a share needs; "
+        f"set slow_window_s to {MIN_LOOKS * interval:g} s or more"
+    )
 
 
 def launch_plan(c: Controller, row: PodRow) -> LaunchPlan:
@@ -242,7 +261,7 @@ def launch_plan(c: Controller, row: PodRow) -> LaunchPlan:
         workdir=row.workdir,
         env=dict(c.spec.env),
         warm_spares=c.spec.warm_spares,
-        progress_interval_s=progress_interval(c.hang_s, c.spec.replicas),
+        progress_interval_s=progress_interval(c.hang_s, c.spec.replicas, c.cluster.slow_window_s),
         termination_grace_s=c.recovery.termination_grace_s,
         activity_interval_s=min(30.0, max(0.2, c.hang_s / 5)),
     )

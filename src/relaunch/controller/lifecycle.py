@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Final
 
 from relaunch.controller.active import ActiveRecovery
 from relaunch.controller.clock import TICK_S
-from relaunch.controller.commands import master_port, stop_grace
+from relaunch.controller.commands import master_port, slow_window_unusable, stop_grace
 from relaunch.controller.listener import Listener
 from relaunch.faults import Fault, FaultKind
 from relaunch.protocol.messages import Shutdown
@@ -37,6 +37,9 @@ def run(c: Controller) -> tuple[JobStatus, str]:
     listener = listen(c)
     try:
         now = c.clock.now()
+        unusable = slow_window_unusable(c.hang_s, c.spec.replicas, c.cluster.slow_window_s)
+        if unusable is not None:
+            c.event(unusable)
         if c.options.resume:
             resume(c, now)
         else:

@@ -12,10 +12,11 @@ from relaunch.diagnosis.rootcause import (
     is_collateral,
     root_cause,
 )
-from relaunch.diagnosis.subhealth import SlowPod, slow_pods
+from relaunch.diagnosis.subhealth import MIN_LOOKS, SlowPod, look_interval_s, slow_pods
 
 __all__ = [
     "CAUSES",
+    "MIN_LOOKS",
     "Frame",
     "Goodput",
     "Group",
@@ -30,6 +31,7 @@ __all__ = [
     "failure_time",
     "goodput",
     "is_collateral",
+    "look_interval_s",
     "root_cause",
     "slow_pods",
     "waits_in_collective",

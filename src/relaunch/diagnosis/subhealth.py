@@ -14,7 +14,18 @@ import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["SlowPod", "slow_pods"]
+__all__ = ["MIN_LOOKS", "SlowPod", "look_interval_s", "slow_pods"]
+
+MIN_LOOKS = 10
+"""A rank needs this many looks in the window before its share counts (fewer are too coarse
+for the margin: one look is a tenth of the share)."""
+
+
+def look_interval_s(window_s: float) -> float:
+    """The longest interval between looks at which a window holds twice MIN_LOOKS, so that its
+    jitter never leaves one short (with exactly MIN_LOOKS expected, a late look cost a whole
+    window). Infinite where slow-pod detection is off (a window of 0)."""
+    return window_s / (2 * MIN_LOOKS) if window_s > 0 else float("inf")
 
 
 @dataclass(frozen=True)
