@@ -30,7 +30,14 @@ from relaunch.controller.core import IDLE_PASS_S
 from relaunch.controller.detectors import rank_active
 from relaunch.controller.listener import Listener
 from relaunch.controller.peers import Rank
-from relaunch.launcher.processes import READ_AT_MOST, RankLog, Worker, forget_stat, sample_busy
+from relaunch.launcher.processes import (
+    LINE_AT_MOST,
+    READ_AT_MOST,
+    RankLog,
+    Worker,
+    forget_stat,
+    sample_busy,
+)
 from relaunch.protocol import messages
 from relaunch.protocol.codec import to_data
 from relaunch.protocol.messages import AgentHello, Heartbeat, encode
@@ -392,6 +399,33 @@ def test_a_rank_log_is_read_in_whole_lines_timed_when_written_and_bounded_per_re
         assert log.read()[1] == ["after"]
     log.close()
     log.close()  # closing twice is harmless
+
+
+def test_a_progress_bar_is_its_last_drawing_and_a_line_without_end_costs_a_bounded_memory(
+    tmp_path: Path,
+) -> None:
+    """A rank drawing a progress bar (carriage returns, no newline for a long time) or writing
+    without any newline: what is kept between reads never passes LINE_AT_MOST, a redrawn bar
+    comes as its last drawing, and "\\r\\n" endings are plain line ends."""
+    path = tmp_path / "rank.log"
+    path.touch()
+    log = RankLog(path)
+    with open(path, "ab", buffering=0) as writer:
+        for step in range(20_000):  # 20 000 drawings of a bar, about 0.9 MB, no newline
+            writer.write(f"\rtraining: {step:6d}/20000 |{'#' * (step // 1000)}".encode())
+            if step % 500 == 0:
+                assert log.read()[1] == []
+                assert len(log.partial) <= LINE_AT_MOST
+        writer.write(b"\nTraceback (most recent call last):\r\n  boom\r\n")
+        assert log.read()[1] == [
+            "training:  19999/20000 |" + "#" * 19, "Traceback (most recent call last):", "  boom"
+        ]  # fmt: skip
+        writer.write(b"." * (3 * LINE_AT_MOST))  # dots, never a newline
+        _, cut = log.read()
+        assert cut == ["." * LINE_AT_MOST] and len(log.partial) <= LINE_AT_MOST
+        writer.write(b"\rdone\r")
+        assert log.read()[1] == [] and log.read(final=True)[1] == ["done"]
+    log.close()
 
 
 def test_a_rank_never_waits_for_a_stopped_launcher_to_read_its_output(cluster: Cluster) -> None:

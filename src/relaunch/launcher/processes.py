@@ -68,6 +68,10 @@ READ_AT_MOST: Final = 1 << 20
 """Bytes of a rank's new output one read takes at most: what a rank wrote beyond that since the
 last read is left in its log file and not forwarded (only the newest lines are ever needed: the
 tail its error is found in, and the lines the controller shows)."""
+LINE_AT_MOST: Final = 1 << 16
+"""Bytes of an unfinished line kept between reads: a rank that writes without a newline (a
+progress bar's carriage returns, a stream of dots) costs its launcher at most this; beyond it,
+the line is forwarded cut (the controller keeps 2000 characters of a line anyway)."""
 
 
 class RankLog:
@@ -103,14 +107,27 @@ class RankLog:
         if final and last:
             lines.append(last)
         else:
-            self.partial = last
-        return status.st_mtime, [line.decode("utf-8", "replace") for line in lines]
+            self.partial = _shown(last, unfinished=True)
+            if len(self.partial) > LINE_AT_MOST:
+                lines.append(self.partial[:LINE_AT_MOST])
+                self.partial = b""
+        shown = (_shown(line) for line in lines)
+        return status.st_mtime, [line.decode("utf-8", "replace") for line in shown]
 
     def close(self) -> None:
         if self.fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(self.fd)
             self.fd = -1
+
+
+def _shown(line: bytes, unfinished: bool = False) -> bytes:
+    """What a terminal shows of a line: a carriage return goes back to its start, so a progress
+    bar redrawn a thousand times is its last drawing. A line's own ending ("\\r\\n") is not a
+    redraw; an unfinished line ending in one keeps it (the next drawing may follow)."""
+    body = line if unfinished else line.removesuffix(b"\r")
+    cut = body.rfind(b"\r", 0, len(body) - 1 if unfinished else len(body))
+    return body[cut + 1 :] if cut >= 0 else body
 
 
 @dataclass
