@@ -330,7 +330,7 @@ class Launcher:
                 f"{Env.PROC_START_CNT}={env.get(Env.PROC_START_CNT)}{how} ---\n".encode()
             )
             log.flush()
-            output: RankLog | None = RankLog(path)
+            output = RankLog(path)
             if spare is not None and self.spares.argv is not None:
                 proc = spare.become(child_env, self.spares.argv, cwd, str(path))
             else:
@@ -349,10 +349,10 @@ class Launcher:
                     start_error = f"could not start {self.plan.command[0]!r} in {cwd}: {error}"
                     proc = NotStarted(126 if isinstance(error, PermissionError) else 127)
                     log.write(f"relaunch: {start_error}\n".encode())
-        if start_error is not None and output is not None:
-            output.close()
-            output = None
-        return Worker(rank, local_rank, attempt, proc, output, start_error=start_error)
+        if start_error is not None:
+            output.close()  # nothing will write to it
+        kept = output if start_error is None else None
+        return Worker(rank, local_rank, attempt, proc, kept, start_error=start_error)
 
     def _child_env(self, env: dict[str, str]) -> dict[str, str]:
         """What every process of the pod sees, before its rank is set."""
