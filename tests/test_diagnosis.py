@@ -436,16 +436,21 @@ def test_no_slow_pod_without_an_outlier_among_waiting_peers(shares: dict[int, fl
 def test_a_slow_window_holds_twice_the_looks_a_share_needs_whatever_the_hang_window(
     hang_s: float, replicas: int, window_s: float
 ) -> None:
-    interval = progress_interval(hang_s, replicas, window_s)
-    assert window_s / interval >= 2 * MIN_LOOKS - 1e-9, interval
-    assert interval <= min(1.0, hang_s / 20) or interval == 0.002 * replicas
+    for pod in (0, 1, replicas - 1):
+        interval = progress_interval(hang_s, replicas, window_s, pod)
+        assert window_s / interval >= 2 * MIN_LOOKS - 1e-9, (pod, interval)
+        cap = 1.0 if pod == 0 else 5.0
+        assert interval <= min(cap, hang_s / 20) or interval == 0.002 * replicas, (pod, interval)
     assert slow_window_unusable(hang_s, replicas, window_s) is None
 
 
 def test_a_slow_window_off_leaves_the_progress_interval_to_the_hang_window() -> None:
     assert progress_interval(10, 2, 0) == 0.5
+    assert progress_interval(10, 2, 0, pod=1) == 0.5
     assert progress_interval(1800, 2, 0) == 1.0
-    assert progress_interval(1800, 2, 60) == 1.0, "the default window costs no wake-up"
+    assert progress_interval(1800, 2, 0, pod=1) == 5.0
+    assert progress_interval(1800, 2, 60) == 1.0, "the default window costs pod 0 no wake-up"
+    assert progress_interval(1800, 2, 60, pod=1) == 3.0, "the default window's looks"
     assert slow_window_unusable(10, 2, 0) is None
 
 

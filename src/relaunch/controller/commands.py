@@ -219,14 +219,26 @@ def pod_environment(c: Controller, row: PodRow, attempt: int) -> dict[str, str]:
     ).variables()
 
 
-def progress_interval(hang_s: float, replicas: int, slow_window_s: float) -> float:
+LEAD_PROGRESS_S = 1.0
+"""How often, at most, pod 0's launcher forwards its ranks' steps: the job's step (the newest
+any rank reported) that the progress chart, goodput and `at_step` faults follow."""
+
+PROGRESS_AT_MOST_S = 5.0
+"""How often, at most, any other pod's launcher does: its ranks' output reaches the job's log
+at least this often."""
+
+
+def progress_interval(hang_s: float, replicas: int, slow_window_s: float, pod: int = 0) -> float:
     """How often a launcher forwards its ranks' newest steps (a rank's first step in an attempt
-    and SDK phases go at once) and looks at whether they are busy: a twentieth of the hang
-    window, at most a second, so that hang detection and the progress chart lose nothing, and
-    often enough for the slow-pod window to hold the looks it needs (a short `slow_window_s`);
-    longer for very large jobs (0.002 s a pod), so that the controller hears a few hundred
-    batches a second at most."""
-    return max(0.02, min(1.0, hang_s / 20, look_interval_s(slow_window_s)), 0.002 * replicas)
+    and SDK phases go at once), reads their output and looks at whether they are busy: a
+    twentieth of the hang window, so that hang detection loses nothing, and often enough for
+    the slow-pod window to hold the looks it needs (a short `slow_window_s`); for pod 0 at most
+    LEAD_PROGRESS_S (the job's step needs one pod), for the others PROGRESS_AT_MOST_S (with
+    the defaults, a 1800 s hang window and a 60 s slow window, 3 s: a launcher wakes a third as
+    often as at 1 s); longer for very large jobs (0.002 s a pod), so that the controller hears
+    a few hundred batches a second at most."""
+    cap = LEAD_PROGRESS_S if pod == 0 else PROGRESS_AT_MOST_S
+    return max(0.02, min(cap, hang_s / 20, look_interval_s(slow_window_s)), 0.002 * replicas)
 
 
 def slow_window_unusable(hang_s: float, replicas: int, slow_window_s: float) -> str | None:
@@ -234,7 +246,7 @@ def slow_window_unusable(hang_s: float, replicas: int, slow_window_s: float) -> 
     ranks too seldom (a very large job) for `slow_window_s` to hold MIN_LOOKS."""
     if slow_window_s <= 0:
         return None
-    interval = progress_interval(hang_s, replicas, slow_window_s)
+    interval = progress_interval(hang_s, replicas, slow_window_s, pod=1)  # the longest
     if slow_window_s / interval >= MIN_LOOKS:
         return None
     return (
@@ -261,7 +273,9 @@ def launch_plan(c: Controller, row: PodRow) -> LaunchPlan:
         workdir=row.workdir,
         env=dict(c.spec.env),
         warm_spares=c.spec.warm_spares,
-        progress_interval_s=progress_interval(c.hang_s, c.spec.replicas, c.cluster.slow_window_s),
+        progress_interval_s=progress_interval(
+            c.hang_s, c.spec.replicas, c.cluster.slow_window_s, row.idx
+        ),
         termination_grace_s=c.recovery.termination_grace_s,
         activity_interval_s=min(30.0, max(0.2, c.hang_s / 5)),
     )

@@ -592,9 +592,13 @@ class Launcher:
                     break
                 self.handle(message)
             now = time.time()
+            # what falls due within one progress interval of a progress read is done with it,
+            # early, rather than in a wake-up of its own (a wake costs far more than the work)
+            early = 0.0
             if now >= self.progress_read_at + self.plan.progress_interval_s:
                 self.read_progress()
-            if now >= next_check:
+                early = self.plan.progress_interval_s
+            if now >= next_check - early:
                 self.monitor()
                 interval = self.plan.monitor_interval_s
                 next_check = now + (HOUSEKEEPING_S if self.exits_by_pidfd else interval)
@@ -608,7 +612,7 @@ class Launcher:
                     self._child_env(self.last_env or {}),
                     at_once=self.plan.spares_at_once and not training,
                 )
-            if now - self.usage_sent_at >= self.plan.activity_interval_s:
+            if now - self.usage_sent_at >= self.plan.activity_interval_s - early:
                 self.usage_sent_at = now
                 self.send_usage()
             if self.abandoned():
