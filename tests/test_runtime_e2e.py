@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 
+from relaunch.store import NodeState, Store
 from tests.runtime import (
     AUTO,
     FAST_CLUSTER,
@@ -72,6 +73,32 @@ def test_r20_chip_fault_heals_in_place_without_consuming_restarts(cluster: Clust
     assert sorted(set(start_counters(result.logs()))) == sorted(
         [(r, 1, 1) for r in range(4)] + [(r, 1, 2) for r in range(4)]
     )
+
+
+def test_a_chip_fault_and_its_heal_are_sent_at_once_not_at_the_next_heartbeat(
+    cluster: Cluster,
+) -> None:
+    """Agents beat every 30 s here: a 40-step job would end long before a beat carried the
+    fault (no recovery at all), and the healed node would stay faulty until the next one. Both
+    go at once, so the fault is healed in place as with fast beats and the node is Ready."""
+    slow_beats = {**FAST_CLUSTER, "heartbeat_interval_s": 30, "heartbeat_timeout_s": 120}
+    faults = [
+        {
+            "kind": "chip-fault",
+            "at_step": 10,
+            "pod": 1,
+            "chip": 0,
+            "code": "80E18005",
+            "heals": True,
+        }
+    ]
+    result = cluster.run(toy_job(AUTO), faults, slow_beats)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.actions == ["in-place"], result.stdout
+    assert result.report["recoveries"][0]["outcome"] == "succeeded"
+    assert result.report["restarts_used"] == 0 and result.report["isolated_nodes"] == []
+    healed = Store(result.state_dir / "relaunch.db").node("node-1")
+    assert healed is not None and healed.state is NodeState.READY, healed
 
 
 def test_r20_heal_fails_isolate_and_rebuild_at_job_level(cluster: Cluster) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import psutil
 
+from relaunch.cluster.config import ClusterConfig
 from relaunch.cluster.local import LocalCluster
 from relaunch.store import Outcome, Store
 from relaunch_bench.jobs import Progress, cluster, light_job, run_job
@@ -20,7 +21,8 @@ GROUPS = ("controller", "launchers", "agents", "workers")
 RELAUNCH = ("controller", "launchers", "agents")
 
 
-HEARTBEATS = ((0.5, 3.0), (0.2, 1.5))
+_DEFAULT = ClusterConfig()
+HEARTBEATS = ((_DEFAULT.heartbeat_interval_s, _DEFAULT.heartbeat_timeout_s), (0.2, 1.5))
 """(interval, timeout) of the agents' heartbeats measured: the embedded cluster's default, and
 the bench's fast one (node loss in 1.5 s) that the MTTR rows use."""
 
@@ -38,8 +40,8 @@ def overhead_row(
     window_s: float,
     say: Progress,
     report_hz: float = 10.0,
-    heartbeat_s: float = 0.5,
-    heartbeat_timeout_s: float = 3.0,
+    heartbeat_s: float = _DEFAULT.heartbeat_interval_s,
+    heartbeat_timeout_s: float = _DEFAULT.heartbeat_timeout_s,
 ) -> dict[str, Any]:
     """CPU time of relaunch's own processes (controller, launchers, agents) per supervised process
     per second, with `processes` light workers each reporting progress `report_hz` times a

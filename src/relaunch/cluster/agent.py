@@ -4,8 +4,9 @@ It connects to the controller, says which node it is, and sends a heartbeat ever
 health of its chips and its network link. Its chips are real GPUs, read through NVML at each
 heartbeat (relaunch.cluster.nvml), where this machine has them (`--first-gpu`: which ones);
 simulated otherwise. A chip fault or a link going down is set by
-the fault plan (through the controller) and shows up in the next heartbeat, as a device plugin
-would report it. Killing the agent is how a node is lost; a stopped (SIGSTOP) agent stops
+the fault plan (through the controller) and goes in a heartbeat sent at once, as does a heal (a
+GPU's fault goes in the next one; a heartbeat whose chips changed rings the controller's
+doorbell), as a device plugin would report it. Killing the agent is how a node is lost; a stopped (SIGSTOP) agent stops
 answering too. Without a controller it exits after the grace period.
 
 Run as `python -m relaunch.cluster.agent`.
@@ -70,6 +71,8 @@ class Agent:
         self.faults: dict[int, ChipReport] = {}
         self.link: LinkDown | None = None
         self.seq = 0
+        self.sent_chips: tuple[int, ...] = ()
+        """The chip faults (their `seq`) the last heartbeat carried."""
         self.lock = threading.Lock()
 
     def heartbeat(self) -> Heartbeat:
@@ -88,6 +91,16 @@ class Agent:
                 if restored:
                     self.link = None
             return Heartbeat(self.node, now, tuple(self.faults.values()), link)
+
+    def beat(self, conn: Connection) -> bool:
+        """Send a heartbeat; one whose chip faults differ from the last one's (a fault came or
+        healed) rings the controller's doorbell, so that it is acted on now, not at its next
+        read."""
+        heartbeat = self.heartbeat()
+        chips = tuple(chip.seq for chip in heartbeat.chips)
+        with self.lock:
+            news, self.sent_chips = chips != self.sent_chips, chips
+        return conn.send(heartbeat, urgent=news)
 
     def _gpu_fault(self, reading: GpuReading, now: float) -> None:
         """A real GPU's look as its chip's fault: a new Xid or ECC event each time; a condition
@@ -158,10 +171,12 @@ class Agent:
                         if isinstance(message, Shutdown):
                             os._exit(0)
                         self.handle(c, message)
+                        if isinstance(message, InjectChipFault | Heal):
+                            self.beat(c)  # a chip failed or healed: said at once
                     done.set()
 
                 threading.Thread(target=read, daemon=True).start()
-                while not done.is_set() and conn.send(self.heartbeat()):
+                while not done.is_set() and self.beat(conn):
                     done.wait(self.interval)
                 conn.close()
                 alone_since = time.time()

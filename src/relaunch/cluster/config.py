@@ -4,7 +4,7 @@ A cluster file is YAML or JSON::
 
     nodes: 5                 # node-0 .. node-4, or a list of {name, chips}
     chips_per_node: 2
-    heartbeat_interval_s: 0.5
+    heartbeat_interval_s: 1   # a new chip fault goes at once, not at the next beat
     heartbeat_timeout_s: 3   # a node whose agent is silent this long is Lost
     adopt_grace_s: 30        # pods keep running this long without a controller
     root_cause_window_s: 5   # ranks failing this close to a fault are its collateral
@@ -59,7 +59,7 @@ class _ClusterFile(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     nodes: Annotated[int | list[_Node], v(_nodes)] = 4
     chips_per_node: Annotated[int, v(integer(0, 64, "chips"))] = 2
-    heartbeat_interval_s: Annotated[float, v(seconds(0, 60))] = 0.5
+    heartbeat_interval_s: Annotated[float, v(seconds(0, 60))] = 1.0
     heartbeat_timeout_s: Annotated[float, v(seconds(0, 600))] = 3.0
     adopt_grace_s: Annotated[float, v(seconds(0, 86400))] = 30.0
     root_cause_window_s: Annotated[float, v(seconds(0, 600))] = 5.0
@@ -81,7 +81,11 @@ class NodeSpec:
 @dataclass(frozen=True)
 class ClusterConfig:
     nodes: tuple[NodeSpec, ...] = tuple(NodeSpec(f"node-{i}", 2) for i in range(4))
-    heartbeat_interval_s: float = 0.5
+    heartbeat_interval_s: float = 1.0
+    """How often an agent says its node is alive: three beats in a timeout (Ray's health check
+    allows 5 missed, one every 3 s). A new chip fault is sent at once,
+    and an agent that exits is lost the moment its connection closes; only a node that lives but
+    says nothing waits out the timeout."""
     heartbeat_timeout_s: float = 3.0
     adopt_grace_s: float = 30.0
     root_cause_window_s: float = 5.0
