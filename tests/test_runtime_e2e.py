@@ -46,19 +46,18 @@ def test_fault_free_run_succeeds_with_no_records(cluster: Cluster) -> None:
 
 # -- R-20 ---------------------------------------------------------------------------------------
 
+HEALING_CHIP_FAULT = {
+    "kind": "chip-fault",
+    "at_step": 10,
+    "pod": 1,
+    "chip": 0,
+    "code": "80E18005",
+    "heals": True,
+}
+
 
 def test_r20_chip_fault_heals_in_place_without_consuming_restarts(cluster: Cluster) -> None:
-    faults = [
-        {
-            "kind": "chip-fault",
-            "at_step": 10,
-            "pod": 1,
-            "chip": 0,
-            "code": "80E18005",
-            "heals": True,
-        }
-    ]
-    result = cluster.run(toy_job(AUTO), faults)
+    result = cluster.run(toy_job(AUTO), [HEALING_CHIP_FAULT])
     assert result.returncode == 0, result.stdout
     assert result.actions == ["in-place"]
     record = result.report["recoveries"][0]
@@ -82,17 +81,7 @@ def test_a_chip_fault_and_its_heal_are_sent_at_once_not_at_the_next_heartbeat(
     fault (no recovery at all), and the healed node would stay faulty until the next one. Both
     go at once, so the fault is healed in place as with fast beats and the node is Ready."""
     slow_beats = {**FAST_CLUSTER, "heartbeat_interval_s": 30, "heartbeat_timeout_s": 120}
-    faults = [
-        {
-            "kind": "chip-fault",
-            "at_step": 10,
-            "pod": 1,
-            "chip": 0,
-            "code": "80E18005",
-            "heals": True,
-        }
-    ]
-    result = cluster.run(toy_job(AUTO), faults, slow_beats)
+    result = cluster.run(toy_job(AUTO), [HEALING_CHIP_FAULT], slow_beats)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.actions == ["in-place"], result.stdout
     assert result.report["recoveries"][0]["outcome"] == "succeeded"
