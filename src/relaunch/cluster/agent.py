@@ -3,11 +3,11 @@
 It connects to the controller, says which node it is, and sends a heartbeat every interval with the
 health of its chips and its network link. Its chips are real GPUs, read through NVML at each
 heartbeat (relaunch.cluster.nvml), where this machine has them (`--first-gpu`: which ones);
-simulated otherwise. A chip fault or a link going down is set by
-the fault plan (through the controller) and goes in a heartbeat sent at once, as does a heal (a
-GPU's fault goes in the next one; a heartbeat whose chips changed rings the controller's
-doorbell), as a device plugin would report it. Killing the agent is how a node is lost; a stopped (SIGSTOP) agent stops
-answering too. Without a controller it exits after the grace period.
+simulated otherwise. A chip fault or a link going down is set by the fault plan (through the
+controller); a chip fault and its heal go in a heartbeat sent at once (a GPU's fault in the next
+one; a heartbeat whose chips changed rings the controller's doorbell), as a device plugin would
+report it. Killing the agent is how a node is lost; a stopped (SIGSTOP) agent stops answering
+too. Without a controller it exits after the grace period.
 
 Run as `python -m relaunch.cluster.agent`.
 """

@@ -83,9 +83,9 @@ class ClusterConfig:
     nodes: tuple[NodeSpec, ...] = tuple(NodeSpec(f"node-{i}", 2) for i in range(4))
     heartbeat_interval_s: float = 1.0
     """How often an agent says its node is alive: three beats in a timeout (Ray's health check
-    allows 5 missed, one every 3 s). A new chip fault is sent at once,
-    and an agent that exits is lost the moment its connection closes; only a node that lives but
-    says nothing waits out the timeout."""
+    allows 5 missed, one every 3 s). A new chip fault is sent at once, and an agent that exits
+    is lost the moment its connection closes; only a node that lives but says nothing waits out
+    the timeout."""
     heartbeat_timeout_s: float = 3.0
     adopt_grace_s: float = 30.0
     root_cause_window_s: float = 5.0
