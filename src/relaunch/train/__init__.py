@@ -2,7 +2,12 @@
 checkpoints that a restart can trust, a dying-gasp save, and reentrancy helpers.
 torch.distributed helpers live in :mod:`relaunch.train.distributed`."""
 
-from relaunch.train.checkpoint import Checkpoint, CheckpointManager, CheckpointWarning
+from relaunch.train.checkpoint import (
+    Checkpoint,
+    CheckpointManager,
+    CheckpointWarning,
+    StateChangedDuringSave,
+)
 from relaunch.train.progress import JobEnv, env, report_progress
 from relaunch.train.reentrancy import once_per_container, recreate_shared_memory
 
@@ -11,6 +16,7 @@ __all__ = [
     "CheckpointManager",
     "CheckpointWarning",
     "JobEnv",
+    "StateChangedDuringSave",
     "env",
     "once_per_container",
     "recreate_shared_memory",

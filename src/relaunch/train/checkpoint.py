@@ -15,6 +15,7 @@ written by earlier releases (`torch.save` or pickle, SHA-256) still load. Import
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import io
@@ -28,20 +29,29 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from relaunch.protocol.environment import Env
 from relaunch.protocol.layout import FENCE_FILE
-from relaunch.train import rng, shard
+from relaunch.train import overlap, rng, shard
 from relaunch.train.progress import SdkPhase, report_phase
 
-__all__ = ["FENCE_FILE", "Checkpoint", "CheckpointManager", "CheckpointWarning", "StaleProcess"]
+__all__ = [
+    "FENCE_FILE",
+    "Checkpoint",
+    "CheckpointManager",
+    "CheckpointWarning",
+    "StaleProcess",
+    "StateChangedDuringSave",
+]
 
 _T = TypeVar("_T")
+StateChangedDuringSave = overlap.StateChangedDuringSave
 _STEP_DIR = re.compile(r"step-(\d{9})")
 
 
@@ -143,13 +153,28 @@ def _read_shard(path: Path, fmt: str, expected: dict[str, Any]) -> Any:
     return _legacy_state(data, fmt)
 
 
+def _wait_at_exit(manager: weakref.ref[CheckpointManager]) -> None:
+    live = manager()
+    if live is None:
+        return
+    try:
+        live.wait()
+    except Exception as error:  # the interpreter is exiting: say it, as a dying gasp does
+        print(f"relaunch: the last asynchronous save failed: {error}", file=sys.stderr, flush=True)
+
+
 class CheckpointManager:
     """Saves and loads one rank's shard of a job's checkpoints.
 
     `every`: save every that many steps through :meth:`maybe_save` (None: only on demand or as a
     dying gasp). `keep`: how many verified steps to keep. `async_save`: write in a background thread;
-    the training loop only waits for the copy of the state to host memory.
+    the training loop only waits for the copy of the state to host memory. `overlap_copy` (with
+    `async_save`): the copy of what an optimizer owns is taken while the loop runs the next
+    forward and backward, and the optimizer's next step waits for it (relaunch.train.overlap).
     """
+
+    WAITS_AT_EXIT: ClassVar[bool] = True
+    """Whether the interpreter's exit waits for an asynchronous save (not for a collective one)."""
 
     def __init__(
         self,
@@ -159,7 +184,12 @@ class CheckpointManager:
         every: int | None = None,
         keep: int = 3,
         async_save: bool = False,
+        overlap_copy: bool = False,
     ) -> None:
+        if overlap_copy and not async_save:
+            raise ValueError(
+                "overlap_copy needs async_save=True (a synchronous save copies nothing)"
+            )
         if keep < 1:
             raise ValueError("keep must be at least 1")
         if every is not None and every < 1:
@@ -170,6 +200,10 @@ class CheckpointManager:
         self.every = every
         self.keep = keep
         self.async_save = async_save
+        self.overlap_copy = overlap_copy
+        if overlap_copy:
+            overlap.install()
+        self._uncopied: overlap.PendingCopy | None = None
         self._writer: threading.Thread | None = None
         self._error: BaseException | None = None
         self._lock = threading.Lock()
@@ -180,6 +214,8 @@ class CheckpointManager:
         self._gasp: Callable[[], Any] | None = None
         self._host = shard.HostBuffer()  # reused by every asynchronous save
         self.sweep()
+        if async_save and self.WAITS_AT_EXIT:  # a script that ends right after a save writes it
+            atexit.register(_wait_at_exit, weakref.ref(self))
 
     @property
     def completed_step(self) -> int | None:
@@ -205,9 +241,14 @@ class CheckpointManager:
             if blocking if blocking is not None else not self.async_save:
                 self._write(step, shard.pack(state))  # written from where the tensors are
                 return
-            packed = shard.pack(state, self._host)  # copied: later steps cannot change it
+            later = overlap.owned_by_optimizers() if self.overlap_copy else None
+            packed = shard.pack(state, self._host, later)  # copied: later steps cannot change it
+            if packed.uncopied:  # ... but what the optimizer's next step waits for
+                self._uncopied = overlap.PendingCopy(packed.uncopied)
             self._writer = threading.Thread(
-                target=self._write_in_background, args=(step, packed), daemon=True
+                target=self._write_in_background,
+                args=(step, packed, self._uncopied),
+                daemon=True,
             )
             self._writer.start()
         finally:
@@ -226,6 +267,9 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Wait for an asynchronous save; re-raise its error, if it had one."""
+        pending, self._uncopied = self._uncopied, None
+        if pending is not None:
+            pending.settle()  # on the training thread: the copy is checked here at the latest
         writer = self._writer
         if writer is not None:
             writer.join()
@@ -234,8 +278,15 @@ class CheckpointManager:
             error, self._error = self._error, None
             raise error
 
-    def _write_in_background(self, step: int, packed: shard.Packed) -> None:
+    def _write_in_background(
+        self, step: int, packed: shard.Packed, pending: overlap.PendingCopy | None
+    ) -> None:
         try:
+            if pending is not None:
+                pending.take()
+                error = pending.verdict()
+                if error is not None:
+                    raise error
             self._write(step, packed)
         except BaseException as error:  # handed to the training loop by wait()
             self._error = error

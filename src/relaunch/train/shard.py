@@ -33,6 +33,7 @@ import os
 import pickle
 import struct
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -69,12 +70,15 @@ class ShardError(ValueError):
 
 @dataclass
 class Packed:
-    """A state ready to be written: the pickled rest and the tensors it refers to."""
+    """A state ready to be written: the pickled rest and the tensors it refers to. `uncopied`:
+    `(target, source)` pairs of copies into a host buffer not taken yet (an overlapped save):
+    the targets are in `tensors`, and nothing may write them before the copies are taken."""
 
     rest: bytes
     tensors: list[Any] = field(default_factory=list)
     parameters: list[int] = field(default_factory=list)
     requires_grad: list[int] = field(default_factory=list)
+    uncopied: list[tuple[Any, Any]] = field(default_factory=list)
 
 
 class HostBuffer:
@@ -84,8 +88,11 @@ class HostBuffer:
     def __init__(self) -> None:
         self._buffer: Any = None
 
-    def copies(self, tensors: list[Any]) -> list[Any]:
-        """Copies of `tensors` in this buffer (grown when too small)."""
+    def copies(
+        self, tensors: list[Any], later: Callable[[Any], bool] | None = None
+    ) -> tuple[list[Any], list[tuple[Any, Any]]]:
+        """Copies of `tensors` in this buffer (grown when too small), and the `(target, source)`
+        pairs of those `later` says to copy later: their targets are returned uncopied."""
         torch = sys.modules["torch"]
         spans, total = [], 0
         for tensor in tensors:
@@ -95,13 +102,16 @@ class HostBuffer:
         if self._buffer is None or self._buffer.numel() < total:
             self._buffer = None  # release the old one before taking the new
             self._buffer = torch.empty(total, dtype=torch.uint8)
-        copies = []
+        copies, uncopied = [], []
         for tensor, (offset, nbytes) in zip(tensors, spans, strict=True):
             raw = self._buffer[offset : offset + nbytes]
             target = raw.view(tensor.dtype).view(tensor.shape)
-            target.copy_(tensor.detach())
+            if later is not None and later(tensor):
+                uncopied.append((target, tensor))
+            else:
+                target.copy_(tensor.detach())
             copies.append(target)
-        return copies
+        return copies, uncopied
 
 
 def _plain_tensor(torch: Any, value: Any) -> bool:
@@ -131,10 +141,13 @@ class _Pickler(pickle.Pickler):
         return index
 
 
-def pack(state: Any, host: HostBuffer | None = None) -> Packed:
+def pack(
+    state: Any, host: HostBuffer | None = None, later: Callable[[Any], bool] | None = None
+) -> Packed:
     """Pickle everything but the tensors now (a later change to the state cannot reach the
-    save); with `host`, copy the tensors into it (an asynchronous save), otherwise write them
-    from where they are (the caller waits for the write)."""
+    save); with `host`, copy the tensors into it (an asynchronous save), but those `later` picks
+    only into `Packed.uncopied`; without `host`, write them from where they are (the caller
+    waits for the write)."""
     torch = sys.modules.get("torch")
     buffer = io.BytesIO()
     pickler = _Pickler(buffer, torch)
@@ -144,7 +157,10 @@ def pack(state: Any, host: HostBuffer | None = None) -> Packed:
     if tensors:  # so torch is imported
         packed.parameters = [i for i, t in enumerate(tensors) if type(t) is not torch.Tensor]  # type: ignore[union-attr]
         packed.requires_grad = [i for i, t in enumerate(tensors) if t.requires_grad]
-        packed.tensors = host.copies(tensors) if host is not None else tensors
+        if host is None:
+            packed.tensors = tensors
+        else:
+            packed.tensors, packed.uncopied = host.copies(tensors, later)
     return packed
 
 

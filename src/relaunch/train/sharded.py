@@ -74,6 +74,8 @@ class ShardedCheckpointManager(CheckpointManager):
     memory; the save is committed (hashed, renamed, manifest written) at the next save, `wait`
     or `load`, which every rank reaches together."""
 
+    WAITS_AT_EXIT = False  # its wait is a collective: a rank exiting alone would hang in it
+
     def __init__(
         self,
         directory: str | os.PathLike[str],
