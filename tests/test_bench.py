@@ -113,6 +113,8 @@ def test_quick_bench_writes_json_markdown_and_chart(tmp_path: Path) -> None:
     (ckpt,) = result["checkpoint"]
     assert all(ckpt[k] > 0 for k in ("raw_write_mb_s", "save_mb_s", "raw_read_mb_s", "load_mb_s"))
     assert ckpt["async_stall_s"] is not None and ckpt["async_vs_sync"] is not None
+    assert ckpt["loop_sync_stall_s"] > 0 and ckpt["loop_overlap_stall_s"] > 0
+    assert ckpt["loop_async_vs_sync"] is not None and ckpt["loop_overlap_vs_sync"] is not None
     reliability = {r["system"]: r for r in result["reliability"]}
     assert reliability["relaunch"]["recovered"] == reliability["relaunch"]["injected"] == 1
     assert reliability["torchrun"]["injected"] == 1
@@ -124,6 +126,7 @@ def test_quick_bench_writes_json_markdown_and_chart(tmp_path: Path) -> None:
     assert markdown.startswith("| system |")
     for title in (
         "Where the time goes", "Scale", "MTTR by job size", "Controller overhead", "Checkpoints",
+        "Save stalls in a training loop",
         "Restart", "Slow pod detection",
     ):  # fmt: skip
         assert title in markdown

@@ -2,7 +2,8 @@
 Adam, three random streams: tests/scripts/ddp_dropout_adam.py), under every fault kind of the
 fault plan: a crash (job-reschedule), a chip fault that heals (in-place), a lost node
 (pod-reschedule) and a hang (hang-restart). Each run ends with the parameters of the fault-free
-run, bit for bit; so does a run that saves only dying gasps (no periodic checkpoint).
+run, bit for bit (its periodic saves overlapped with the next step: `overlap_copy=True`); so does
+a run that saves only dying gasps (no periodic checkpoint).
 
 Before the fix, the settle pass's dropout drew once more per start, and a gasp after a failed
 step saved the random streams of the step that failed: both runs ended with another hash.
@@ -23,14 +24,16 @@ SCRIPT = ROOT / "tests" / "scripts" / "ddp_dropout_adam.py"
 ACTIONS = ["job-reschedule", "in-place", "pod-reschedule", "hang-restart"]
 
 
-def job(out: Path, ckpt_every: int) -> dict[str, Any]:
+def job(out: Path, ckpt_every: int, save: str = "sync") -> dict[str, Any]:
     """The DDP example's job file (fault-scheduling: grace, every level on), running the
     independent script; one process per pod, so that each restart starts two torch processes
-    on the tests' two cores."""
+    on the tests' two cores. `save`: sync, async or overlap (the script's --save)."""
     spec = yaml.safe_load(yaml.safe_dump(DDP_JOB))
     spec["metadata"]["name"] = "dropout-adam"
     spec["spec"]["procs_per_pod"] = 1
-    spec["spec"]["command"] = f"python {SCRIPT} --steps 120 --ckpt-every {ckpt_every} --out {out}"
+    spec["spec"]["command"] = (
+        f"python {SCRIPT} --steps 120 --ckpt-every {ckpt_every} --out {out} --save {save}"
+    )
     return spec
 
 
@@ -52,8 +55,12 @@ def resume_steps(logs: str) -> list[int]:
 def test_sdk_script_with_dropout_and_adam_ends_bit_identical_under_every_fault(
     cluster: Cluster, fault_free: str
 ) -> None:
+    """Periodic saves overlapped with the next step (the fault-free run saves synchronously;
+    the synchronous path is the DDP example's, tested under every fault elsewhere)."""
     out = cluster.dir / "hash.txt"
-    result = cluster.run(job(out, 10), DDP_FAULTS, DDP_CLUSTER, timeout=400, startup_s=60)
+    result = cluster.run(
+        job(out, 10, "overlap"), DDP_FAULTS, DDP_CLUSTER, timeout=400, startup_s=60
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.actions == ACTIONS
     assert all(r["outcome"] == "succeeded" for r in result.report["recoveries"])

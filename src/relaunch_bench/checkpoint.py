@@ -1,4 +1,5 @@
-"""The SDK's checkpoint save and load against the raw disk, same files, same run."""
+"""The SDK's checkpoint save and load against the raw disk, same files, same run; and how long
+each kind of save stalls a training loop (a model and Adam, the state of the same size)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,15 @@ from typing import Any
 from relaunch_bench.jobs import Progress
 
 KINDS = ("raw_write", "raw_read", "save", "load", "async_first_stall", "async_stall", "async_total")
+LOOP_KINDS = (
+    "loop_sync_stall",
+    "loop_async_stall",
+    "loop_overlap_stall",
+    "loop_async_next_step_extra",
+    "loop_overlap_next_step_extra",
+)
+LAYERS = 8  # the loop's model: LAYERS square linear layers, Adam
+BATCH = 32
 
 
 def _drop_cache(path: Path) -> None:
@@ -57,10 +67,12 @@ def checkpoint_rows(
     rows = []
     for mb in sizes_mb:
         tensor = torch.randn(mb * (1 << 20) // 4, generator=torch.Generator().manual_seed(mb))
-        samples: dict[str, list[float]] = {k: [] for k in KINDS}
+        samples: dict[str, list[float]] = {k: [] for k in KINDS + LOOP_KINDS}
         for _ in range(repeats):
             with tempfile.TemporaryDirectory(prefix="relaunch-bench-ckpt-", dir=where) as tmp:
                 for kind, seconds in _one_round(Path(tmp), tensor).items():
+                    samples[kind].append(seconds)
+                for kind, seconds in _loop_round(Path(tmp), mb).items():
                     samples[kind].append(seconds)
         rows.append(_row(mb, repeats, {k: statistics.median(v) for k, v in samples.items()}))
         say(f"checkpoint {mb} MB: {rows[-1]}")
@@ -101,6 +113,72 @@ def _one_round(directory: Path, tensor: Any) -> dict[str, float]:
     return seconds
 
 
+def _loop_round(directory: Path, mb: int) -> dict[str, float]:
+    """A training loop whose state (the model's and Adam's) weighs `mb`: how long a save stalls
+    it, synchronous, asynchronous (copied before it returns) and overlapped (what the optimizer
+    owns copied during the next forward and backward; its step waits for the rest of the copy,
+    timed where it waits). And how much longer the step after each asynchronous save takes than
+    a step without one: the copy and the background write share the machine with it."""
+    import torch
+
+    from relaunch.train import CheckpointManager, overlap
+
+    torch.manual_seed(mb)
+    width = max(8, int((mb * (1 << 20) / 12 / LAYERS) ** 0.5))  # weights and 2 moments: 12 B
+    model = torch.nn.Sequential(*(torch.nn.Linear(width, width, bias=False) for _ in range(LAYERS)))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    batch = torch.randn(BATCH, width)
+
+    def train_step() -> float:
+        start = time.perf_counter()
+        loss = model(batch).square().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        return time.perf_counter() - start
+
+    def state() -> dict[str, Any]:
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+    def timed_save(manager: CheckpointManager, step: int) -> float:
+        saved = state()
+        start = time.perf_counter()
+        manager.save(step, saved)
+        return time.perf_counter() - start
+
+    waited: list[float] = []
+    settle = overlap.PendingCopy.settle
+
+    def timed_settle(self: overlap.PendingCopy) -> None:
+        start = time.perf_counter()
+        settle(self)
+        waited.append(time.perf_counter() - start)
+
+    seconds: dict[str, float] = {}
+    sync = CheckpointManager(directory / "loop-sync", rank=0, keep=1)
+    copying = CheckpointManager(directory / "loop-async", rank=0, keep=1, async_save=True)
+    overlapped = CheckpointManager(
+        directory / "loop-overlap", rank=0, keep=1, async_save=True, overlap_copy=True
+    )
+    usual = statistics.median(train_step() for _ in range(4))  # Adam's state exists after one
+    seconds["loop_sync_stall"] = timed_save(sync, 1)
+    for manager, kind in ((copying, "async"), (overlapped, "overlap")):
+        timed_save(manager, 1)  # the first save of a manager allocates its buffer
+        train_step()
+        manager.wait()
+        overlap.PendingCopy.settle = timed_settle  # type: ignore[method-assign]
+        try:
+            stall = timed_save(manager, 2)
+            seconds[f"loop_{kind}_next_step_extra"] = max(0.0, train_step() - usual)
+            stall += sum(waited)  # the optimizer's step waiting for the copy
+            waited.clear()
+        finally:
+            overlap.PendingCopy.settle = settle  # type: ignore[method-assign]
+        seconds[f"loop_{kind}_stall"] = stall
+        manager.wait()
+    return seconds
+
+
 def _row(mb: int, repeats: int, med: dict[str, float]) -> dict[str, Any]:
     return {
         "size_mb": mb,
@@ -117,4 +195,11 @@ def _row(mb: int, repeats: int, med: dict[str, float]) -> dict[str, Any]:
         "async_stall_s": round(med["async_stall"], 3),
         "async_vs_sync": round(med["async_stall"] / med["save"], 3),
         "async_total_s": round(med["async_total"], 3),
+        "loop_sync_stall_s": round(med["loop_sync_stall"], 4),
+        "loop_async_stall_s": round(med["loop_async_stall"], 4),
+        "loop_async_vs_sync": round(med["loop_async_stall"] / med["loop_sync_stall"], 3),
+        "loop_overlap_stall_s": round(med["loop_overlap_stall"], 4),
+        "loop_overlap_vs_sync": round(med["loop_overlap_stall"] / med["loop_sync_stall"], 3),
+        "loop_async_next_step_extra_s": round(med["loop_async_next_step_extra"], 4),
+        "loop_overlap_next_step_extra_s": round(med["loop_overlap_next_step_extra"], 4),
     }

@@ -42,6 +42,13 @@ CHECKPOINT_COLUMNS = {
     "async_first_stall_s": "first async save stalls s", "async_stall_s": "async save stalls s",
     "async_vs_sync": "async / sync stall", "async_total_s": "async done after s",
 }  # fmt: skip
+LOOP_COLUMNS = {
+    "size_mb": "state MB", "loop_sync_stall_s": "sync save stalls s",
+    "loop_async_stall_s": "async save stalls s", "loop_async_vs_sync": "async / sync",
+    "loop_overlap_stall_s": "overlapped save stalls s", "loop_overlap_vs_sync": "overlapped / sync",
+    "loop_async_next_step_extra_s": "next step slower by s (async)",
+    "loop_overlap_next_step_extra_s": "next step slower by s (overlapped)",
+}  # fmt: skip
 RELIABILITY_COLUMNS = {
     "system": "system", "level": "level", "workload": "workload", "jobs": "jobs",
     "injected": "faults injected",
@@ -58,6 +65,11 @@ SECTIONS = (
     ("scale", "Scale (light workload, 2 processes per pod)", SCALE_COLUMNS),
     ("sizes", "MTTR by job size (DDP, 2 pods)", SIZE_COLUMNS),
     ("checkpoint", "Checkpoints against the raw disk", CHECKPOINT_COLUMNS),
+    (
+        "checkpoint",
+        "Save stalls in a training loop (a model and Adam, same state size)",
+        LOOP_COLUMNS,
+    ),
     ("reliability", "Restart reliability", RELIABILITY_COLUMNS),
     ("slow", "Slow pod detection (DDP, 2 pods, record only)", SLOW_COLUMNS),
 )

@@ -3,7 +3,8 @@ an MLP with dropout, trained with Adam, drawing from torch's, NumPy's and Python
 streams in every step. Run under relaunch through a crash, a healing chip fault, a lost node and
 a hang, it must end with the parameters of its fault-free run, bit for bit.
 
-Usage: ddp_dropout_adam.py --steps N --ckpt-every K --out HASHFILE (K = 0: dying gasps only)
+Usage: ddp_dropout_adam.py --steps N --ckpt-every K --out HASHFILE [--save sync|async|overlap]
+(K = 0: dying gasps only; async: `async_save=True`, overlap: and `overlap_copy=True`)
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def main() -> None:
     parser.add_argument("--ckpt-every", type=int, default=10)
     parser.add_argument("--out", required=True)
     parser.add_argument("--step-seconds", type=float, default=0.02)
+    parser.add_argument("--save", choices=("sync", "async", "overlap"), default="sync")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -53,7 +55,13 @@ def main() -> None:
     ddp = DistributedDataParallel(model)
 
     shared = os.environ.get("RELAUNCH_SHARED_DIR", ".")
-    ckpt = CheckpointManager(shared + "/ckpt", every=args.ckpt_every or None, keep=3)
+    ckpt = CheckpointManager(
+        shared + "/ckpt",
+        every=args.ckpt_every or None,
+        keep=3,
+        async_save=args.save != "sync",
+        overlap_copy=args.save == "overlap",
+    )
 
     def state() -> dict[str, object]:
         return {
