@@ -251,3 +251,31 @@ def test_a_script_that_ends_right_after_an_async_save_still_writes_it(
     loaded = CheckpointManager(tmp_path, rank=0).load()
     assert loaded is not None and loaded.step == 3
     assert_same(loaded.state["model"], torch.load(tmp_path / "expected.pt"))
+
+
+def test_an_online_retry_that_restores_the_step_start_keeps_the_save_before_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """relaunch's own in-place restores (an online retry puts back the state the step started
+    from; a healthy rank's broadcast, an elastic boundary do the same) settle a pending copy
+    first: the save before the retried step is written, not failed."""
+    from relaunch.protocol.environment import Env
+    from relaunch.train.group import ProcessGroupKeeper
+
+    monkeypatch.setenv(Env.MEMBERSHIP, str(tmp_path / "membership.json"))  # recovery on
+    model, optimizer = model_and_optimizer()
+    keeper = ProcessGroupKeeper(model, optimizer)
+    manager = CheckpointManager(tmp_path / "ckpt", rank=0, async_save=True, overlap_copy=True)
+    train_step(model, optimizer, 1)
+    state = state_of(model, optimizer, 1)
+    expected = snapshot(state)
+    manager.save(1, state)
+    assert manager._uncopied is not None
+    start = keeper._take_snapshot()  # step 2 starts
+    model(torch.randn(32, 64)).sum().backward()  # ... and is told to run again
+    keeper._restore(start)
+    train_step(model, optimizer, 2)
+    manager.wait()
+    loaded = manager.load()
+    assert loaded is not None and loaded.step == 1
+    assert_same(loaded.state, expected)

@@ -53,6 +53,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from relaunch.protocol.environment import Env
 from relaunch.protocol.plans import Membership, read_membership
+from relaunch.train import overlap
 from relaunch.train.distributed import rng_state, set_rng_state, settle_ddp_buckets
 from relaunch.train.progress import SdkPhase, report_phase
 
@@ -268,6 +269,7 @@ class ProcessGroupKeeper:
         dist.broadcast_object_list(box, src=source)
         state = box[0]
         if self.rank != source:
+            overlap.settle_pending()  # an overlapped save's copy comes before the state it gets
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
             set_rng_state(state["rng"])
@@ -332,6 +334,7 @@ class ProcessGroupKeeper:
         boundary = self._boundary
         if boundary is None:
             return
+        overlap.settle_pending()
         self.model.load_state_dict(boundary["model"])
         self.optimizer.load_state_dict(boundary["optimizer"])
         set_rng_state(boundary["rng"])
@@ -387,6 +390,7 @@ class ProcessGroupKeeper:
         if snapshot is None:
             return
         if "model" in snapshot:
+            overlap.settle_pending()  # the save before this step holds the state it saved
             self.model.load_state_dict(snapshot["model"])
             self.optimizer.load_state_dict(snapshot["optimizer"])
         set_rng_state(snapshot["rng"])

@@ -28,7 +28,13 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["PendingCopy", "StateChangedDuringSave", "install", "owned_by_optimizers"]
+__all__ = [
+    "PendingCopy",
+    "StateChangedDuringSave",
+    "install",
+    "owned_by_optimizers",
+    "settle_pending",
+]
 
 
 class StateChangedDuringSave(RuntimeError):
@@ -55,9 +61,16 @@ def install() -> None:
 
 def _before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     _optimizers.add(optimizer)
+    settle_pending()  # an optimizer step changes what the copies still read: wait, check
+
+
+def settle_pending() -> None:
+    """Wait for every copy still being taken and check it: what changes an optimizer's tensors in
+    place on purpose (the SDK's own restores: an online retry, a state broadcast by a healthy
+    rank) calls this first, so that it cannot fail a save it did not race."""
     with _lock:
         pending = list(_pending)
-    for copy in pending:  # an optimizer step changes what the copies still read: wait, check
+    for copy in pending:
         copy.settle()
 
 
