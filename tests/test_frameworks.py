@@ -115,3 +115,28 @@ def test_an_unmodified_framework_script_comes_through_a_crash_a_hang_and_a_lost_
     attempts = list(dict.fromkeys(resumed))
     assert attempts[0] == 0 and attempts == sorted(attempts) and len(attempts) >= 3, resumed
     assert re.search(rf"done: .*step={framework.steps}\b", said), said[-2000:]
+
+
+def test_the_accelerate_script_saves_past_a_checkpoint_a_kill_cut_short(tmp_path: Path) -> None:
+    """A kill in the middle of `save_state` leaves a directory that does not load; the script
+    resumes from the one before it and numbers its next saves past it (Accelerate refuses to
+    save into a directory that exists: before, every restart failed there)."""
+    script = ROOT / "examples" / "frameworks" / "accelerate_train.py"
+    root = tmp_path / "run"
+
+    def run(steps: int) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, str(script), "--steps", str(steps), "--save-every", "10"]
+        return subprocess.run(
+            [*command, "--width", "16", "--root", str(root)],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+
+    first = run(20)
+    assert first.returncode == 0, first.stderr
+    (root / "checkpoints" / "checkpoint_2").mkdir()  # torn: nothing in it
+    second = run(40)
+    assert second.returncode == 0, second.stderr
+    assert "skipping checkpoint_2" in second.stdout and "step=20" in second.stdout
+    assert "done: step=40" in second.stdout
+    names = sorted(p.name for p in (root / "checkpoints").iterdir())
+    assert names == ["checkpoint_2", "checkpoint_3", "checkpoint_4"]  # total_limit 3

@@ -130,6 +130,6 @@ def test_the_training_sdk_loads_no_wire_messages_and_no_controller() -> None:
     assert loaded <= {
         "relaunch", "relaunch.errors", "relaunch.protocol", "relaunch.protocol.datagrams",
         "relaunch.protocol.environment", "relaunch.protocol.layout", "relaunch.train",
-        "relaunch.train.checkpoint", "relaunch.train.progress", "relaunch.train.reentrancy",
-        "relaunch.train.rng", "relaunch.train.shard",
+        "relaunch.train.checkpoint", "relaunch.train.overlap", "relaunch.train.progress",
+        "relaunch.train.reentrancy", "relaunch.train.rng", "relaunch.train.shard",
     }, loaded  # fmt: skip

@@ -1,7 +1,8 @@
 """A Hugging Face Accelerate training loop as Accelerate's docs write one, with nothing of
 relaunch in it: run it with `accelerate launch`, `torchrun` or `relaunch run` alike. It saves
 with `save_state` every few steps and, started again, loads its newest checkpoint that loads
-(`save_state` is not atomic: one cut short by a kill is skipped).
+(`save_state` is not atomic: one cut short by a kill is skipped, and the next saves are
+numbered past it).
 
     relaunch run --nnodes 2 --nproc-per-node 1 examples/frameworks/accelerate_train.py --steps 300
 """
@@ -56,13 +57,16 @@ def main() -> None:
     model, optimizer = accelerator.prepare(model, optimizer)
     counter = Counter()
     accelerator.register_for_checkpointing(counter)
-    for checkpoint in checkpoints(root):
+    found = checkpoints(root)
+    for checkpoint in found:
         try:
             accelerator.load_state(str(checkpoint))
         except Exception as error:  # cut short by a kill: the one before it
             accelerator.print(f"skipping {checkpoint.name}: {error!r}")
             continue
-        config.iteration = int(re.sub(r"\D", "", checkpoint.name)) + 1
+        # numbered past every directory there, the one skipped included: save_state refuses
+        # to write into a directory that exists
+        config.iteration = int(re.sub(r"\D", "", found[0].name)) + 1
         break
     accelerator.print(
         f"start: world {accelerator.num_processes} distributed_type="
