@@ -82,6 +82,8 @@ def waiting_stack(rank: int, state: str = "sleeping") -> RankStack:
 
 class FakeEngine:
     bind_host = "127.0.0.1"
+    left_behind: int | None = None
+    containers = "pods are simulated"
 
     def __init__(self) -> None:
         self.calls: list[tuple[Any, ...]] = []

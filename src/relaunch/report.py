@@ -46,6 +46,7 @@ def build_report(store: Store, job_id: int, now: float | None = None) -> dict[st
         "restarts_used": sum(1 for r in records if Budget.JOB in r.consumed),
         "pod_restarts_used": sum(1 for r in records if Budget.POD in r.consumed),
         "isolated_nodes": isolated,
+        "left_behind": job.left_behind,
         "budgets_left": budgets_left(store, job),
         "created_at": job.created_at,
         "ended_at": job.ended_at,

@@ -292,6 +292,9 @@ def _execute(
             f"{len(controller.cluster.nodes)} node(s); state in {directory}",
             highlight=False,
         )
+        out.print(
+            f"[bold cyan]\\[relaunch][/] {escape(controller.engine.containers)}", highlight=False
+        )
 
     live = _LiveView(store, job_id) if out.is_terminal else None
     previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)

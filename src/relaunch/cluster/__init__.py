@@ -21,6 +21,15 @@ class Engine(Protocol):
     bind_host: str
     """The address the controller listens on: one every node can reach."""
 
+    left_behind: int | None
+    """After `shutdown`: how many processes the pods left in their cgroups (0 when every pod
+    ended all it started; None where pods are not cgroups)."""
+
+    @property
+    def containers(self) -> str:
+        """What a pod is on this engine (cgroups or process groups, and why), in words."""
+        ...
+
     def start_agent(self, node: NodeSpec, interval: float, grace: float, blip_s: float) -> int:
         """Start the node agent of `node` (its heartbeat and chip health); its pid."""
         ...

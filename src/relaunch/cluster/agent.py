@@ -9,6 +9,11 @@ one; a heartbeat whose chips changed rings the controller's doorbell), as a devi
 report it. Killing the agent is how a node is lost; a stopped (SIGSTOP) agent stops answering
 too. Without a controller it exits after the grace period.
 
+Where pods are cgroups (`--cgroups`, see relaunch.containers), the agent is also what a kubelet
+is to a container: at every beat it looks at the pods on its node, and a pod whose launcher has
+died is killed whole (its ranks, all they started) and its cgroups removed, with a controller or
+without one.
+
 Run as `python -m relaunch.cluster.agent`.
 """
 
@@ -24,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from relaunch.cluster.nvml import NvmlChips, open_gpus
+from relaunch.containers import Cgroup, ClusterCgroups, reap_pods, step_out
 from relaunch.faults.gpu_codes import PERSISTENT, GpuReading, gpu_fault_codes, most_serious
 from relaunch.protocol.messages import (
     AgentHello,
@@ -59,8 +65,12 @@ class Agent:
         grace: float,
         blip_s: float,
         gpus: NvmlChips | None = None,
+        cgroups: ClusterCgroups | None = None,
     ) -> None:
         self.gpus = gpus
+        self.cgroups = cgroups
+        self.launchers_seen: set[Path] = set()
+        """Pods whose launcher this agent saw alive (see containers.reap_pods)."""
         self.gpu_looks: dict[int, GpuReading] = {}
         self.state_dir = state_dir
         self.node = node
@@ -153,7 +163,32 @@ class Agent:
                 self.link = None
         return ok
 
+    def reap(self) -> None:
+        """Kill the pods on this node whose launcher died (see the module docstring)."""
+        if self.cgroups is None:
+            return
+        killed = reap_pods(self.cgroups, self.node, self.launchers_seen)
+        if killed:
+            print(
+                f"agent {self.node}: killed {killed} process(es) of pods whose launcher died",
+                flush=True,
+            )
+
     def run(self) -> None:
+        threading.Thread(target=self.reap_loop, daemon=True).start()
+        try:
+            self.serve()
+        finally:
+            self.reap()
+            if self.cgroups is not None:  # its own cgroup, and the node's if empty
+                step_out(self.cgroups.agent(self.node), levels=1)
+
+    def reap_loop(self) -> None:
+        while True:
+            time.sleep(self.interval)
+            self.reap()
+
+    def serve(self) -> None:
         alone_since = time.time()
         while True:
             address = controller_address(self.state_dir)
@@ -199,13 +234,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--simulate-chips", action="store_true", help="simulated chips even where NVML sees GPUs"
     )
+    parser.add_argument("--cgroups", type=Path, help="the cluster's cgroup: pods are cgroups")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     gpus, why = (None, "simulated (--simulate-chips)")
     if not args.simulate_chips and args.chips > 0:
         gpus, why = open_gpus(args.first_gpu, args.chips)
     print(f"agent {args.node}: {args.chips} chip(s): {why}", flush=True)
-    agent = Agent(args.state_dir, args.node, args.chips, args.interval, args.grace, args.blip, gpus)
+    cgroups = ClusterCgroups(Cgroup(args.cgroups)) if args.cgroups is not None else None
+    agent = Agent(
+        args.state_dir, args.node, args.chips, args.interval, args.grace, args.blip, gpus, cgroups
+    )
     agent.run()
 
 

@@ -5,6 +5,12 @@ launcher process with its workers. Losing a node kills its agent and every proce
 on it. Processes start in sessions of their own, so that they outlive a controller that dies (and
 are re-adopted by the next one) but not a launcher that dies.
 
+Where cgroups can be made (:mod:`relaunch.containers`), a node is a cgroup and each pod a cgroup
+below it: the agent and each launcher are started in theirs, a rank's processes in the rank's,
+and losing a node, ending a pod or shutting the cluster down is one `cgroup.kill`, which no
+process of theirs escapes. A pod whose launcher died is killed by its node's agent. Elsewhere
+processes are found by their process tree, as before (`containers` says why).
+
 A simulated node lives as long as its agent process: the engine watches each agent through a
 pidfd and reports the node dead (`lost_nodes`) the moment its agent has exited, as Ray reports a
 node its GCS saw die. A silent agent that still lives (stopped, cut off) is found by the
@@ -21,12 +27,14 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import psutil
 
 from relaunch.cluster.config import NodeSpec
+from relaunch.containers import Cgroup, ClusterCgroups
 from relaunch.protocol.layout import PodDir, StateDir
 from relaunch.protocol.plans import LaunchPlan
 
@@ -75,6 +83,20 @@ class LocalCluster:
         self._poll = select.poll()
         self._watched: dict[int, str] = {}  # pidfd -> node, for the fds still registered
         self._dead: set[str] = set()
+        probed = ClusterCgroups.probe(state_dir)
+        self.cgroups = probed if isinstance(probed, ClusterCgroups) else None
+        """The cluster's cgroups (None: pods are process groups)."""
+        self.no_cgroups_because = probed if isinstance(probed, str) else None
+        self.left_behind: int | None = None
+        """After `shutdown`: processes that were still in the cluster's cgroups once every
+        launcher and agent had exited (each pod should have ended all it started: 0)."""
+
+    @property
+    def containers(self) -> str:
+        """What a pod is on this cluster, in words (said once at start)."""
+        if self.cgroups is not None:
+            return f"pods are cgroups under {self.cgroups.root.path}"
+        return f"pods are process groups, not cgroups: {self.no_cgroups_because}; a process that leaves its rank's process group (setsid, a daemon) can outlive its pod"
 
     def _pids(self) -> dict[str, dict[str, Any]]:
         try:
@@ -120,6 +142,8 @@ class LocalCluster:
              "--first-gpu", str(node.first_gpu),
              "--interval", str(interval), "--grace", str(grace), "--blip", str(blip_s)],
             self.layout.agent_log(node.name),
+            self._cgroup(lambda c: c.agent(node.name)),
+            ["--cgroups", str(self.cgroups.root.path)] if self.cgroups is not None else [],
         )  # fmt: skip
         self._remember("agents", node.name, pid)
         self._watch_agents()
@@ -130,7 +154,13 @@ class LocalCluster:
         pod = PodDir(Path(plan.workdir))
         pod.path.mkdir(parents=True, exist_ok=True)
         pod.plan.write_text(plan.to_json())
-        pid = self._spawn(["relaunch.launcher", "--plan", str(pod.plan)], pod.launcher_log)
+        container = self._cgroup(lambda c: c.pod(plan.node, plan.job, plan.pod, plan.generation))
+        pid = self._spawn(
+            ["relaunch.launcher", "--plan", str(pod.plan)],
+            pod.launcher_log,
+            container.child("launcher").make() if container is not None else None,
+            ["--container", str(container.path)] if container is not None else [],
+        )
         self._remember("launchers", f"{plan.job}/{plan.pod}/{plan.generation}/{plan.node}", pid)
         return pid
 
@@ -142,17 +172,32 @@ class LocalCluster:
             pids["launchers"][f"{job}/{pod}/{generation}/{node}"] = ref
             self._save(pids)
 
-    def _spawn(self, module_and_args: list[str], log_path: Path) -> int:
-        """A relaunch process in a session of its own, so that it outlives its controller."""
+    def _cgroup(self, which: Callable[[ClusterCgroups], Cgroup]) -> Cgroup | None:
+        """The cgroup `which` names in this cluster's, made (None: no cgroups)."""
+        if self.cgroups is None:
+            return None
+        return which(self.cgroups).make()
+
+    def _spawn(
+        self,
+        module_and_args: list[str],
+        log_path: Path,
+        cgroup: Cgroup | None = None,
+        extra: list[str] | None = None,
+    ) -> int:
+        """A relaunch process in a session of its own, so that it outlives its controller, and
+        in `cgroup` from its first instruction, where there is one."""
         module, *args = module_and_args
         with open(log_path, "a") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", module, "--state-dir", str(self.state_dir), *args],
+                [sys.executable, "-m", module, "--state-dir", str(self.state_dir), *args,
+                 *(extra or [])],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-            )
+                preexec_fn=cgroup.join if cgroup is not None else None,
+            )  # fmt: skip
         return proc.pid
 
     def _remember(self, kind: str, key: str, pid: int) -> None:
@@ -170,6 +215,8 @@ class LocalCluster:
         holding torch to be reaped kept it from reading for 2 s, which node-loss detection
         then measured."""
         pids = self._pids()
+        if self.cgroups is not None:
+            self.cgroups.node(node).kill()  # the agent, every pod, all they started: at once
         self._kill(pids["agents"].pop(node, None), wait=False)
         for key, ref in list(pids["launchers"].items()):
             if key.rsplit("/", 1)[1] == node:
@@ -177,21 +224,15 @@ class LocalCluster:
                 del pids["launchers"][key]
         self._save(pids)
 
-    def kill_pod(self, job: int, pod: int, generation: int) -> None:
-        pids = self._pids()
-        for key, ref in list(pids["launchers"].items()):
-            j, p, g, _ = key.split("/")
-            if (int(j), int(p), int(g)) == (job, pod, generation):
-                self._kill(ref)
-                del pids["launchers"][key]
-        self._save(pids)
-
     def shutdown(self) -> None:
-        """Kill everything this cluster started and is still running."""
+        """Kill everything this cluster started and is still running. With cgroups, count
+        what the pods left behind (`left_behind`), then kill it and remove the cgroups."""
         pids = self._pids()
         for ref in [*pids["launchers"].values(), *pids["agents"].values()]:
             self._kill(ref)
         self._save({"agents": {}, "launchers": {}})
+        if self.cgroups is not None:
+            self.left_behind = self.cgroups.shutdown()
 
     def lost_nodes(self) -> set[str]:
         """Nodes whose agent process has exited (killed by node-down, or dead of its own): one

@@ -186,6 +186,11 @@ def shutdown_pods(c: Controller) -> None:
     for agent in c.agents.values():
         agent.peer.send(Shutdown())
     c.engine.shutdown()
+    left = c.engine.left_behind
+    if left is not None:
+        c.update_job(left_behind=left)
+    if left:
+        c.event(f"the pods left {left} process(es) behind in their cgroups: killed")
 
 
 def stop(c: Controller, reason: str) -> None:

@@ -7,6 +7,7 @@ import signal
 import sys
 from pathlib import Path
 
+from relaunch.containers import Cgroup
 from relaunch.launcher.supervisor import Launcher
 from relaunch.protocol.plans import LaunchPlan
 
@@ -15,15 +16,20 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="relaunch.launcher")
     parser.add_argument("--state-dir", type=Path, required=True)
     parser.add_argument("--plan", type=Path, required=True)
+    parser.add_argument(
+        "--container", type=Path, help="the pod's cgroup (v2), which this launcher runs in"
+    )
     args = parser.parse_args(argv)
     plan = LaunchPlan.from_json(args.plan.read_text())
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    launcher = Launcher(args.state_dir, plan)
+    container = Cgroup(args.container) if args.container is not None else None
+    launcher = Launcher(args.state_dir, plan, container)
     try:
         launcher.run()
     finally:
         launcher.spares.retire()
         launcher.stop(0.0)
+        launcher.close_container()
 
 
 if __name__ == "__main__":

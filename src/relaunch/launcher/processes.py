@@ -9,12 +9,14 @@ import signal
 import subprocess
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
 import psutil
 
+from relaunch.containers import Cgroup
 from relaunch.diagnosis.errors import TAIL_LINES
 
 __all__ = [
@@ -26,6 +28,7 @@ __all__ = [
     "die_with_parent",
     "forget_stat",
     "group_alive",
+    "in_container",
     "is_python",
     "python_process",
     "sample_busy",
@@ -41,6 +44,20 @@ def die_with_parent() -> None:
     """In a child, before exec: the kernel SIGKILLs it when the launcher dies."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def in_container(cgroup: Cgroup | None) -> Callable[[], None]:
+    """What a child runs before exec: it dies with the launcher and, where the pod is a
+    cgroup, moves into `cgroup` first, so that everything it forks is born there. A child that
+    cannot join is not started (the rank exits with 127 and says why) rather than run outside
+    its container."""
+
+    def prepare() -> None:
+        die_with_parent()
+        if cgroup is not None:
+            cgroup.join()
+
+    return prepare
 
 
 class NotStarted:

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from relaunch.launcher.processes import die_with_parent
+from relaunch.containers import Cgroup
+from relaunch.launcher.processes import in_container
 
 __all__ = ["Spare", "SparePool", "spare_argv"]
 
@@ -43,9 +44,16 @@ class SparePool:
     hang). `on_ready` is called (from a thread) when one is ready."""
 
     def __init__(
-        self, size: int, command: tuple[str, ...], on_ready: Callable[[], None] = lambda: None
+        self,
+        size: int,
+        command: tuple[str, ...],
+        on_ready: Callable[[], None] = lambda: None,
+        container: Cgroup | None = None,
     ) -> None:
         self.size = size
+        self.container = container
+        """Where spares wait (the pod's `spares` cgroup); one that becomes a rank is moved to
+        the rank's cgroup first."""
         self.argv = spare_argv(list(command))
         self.spares: list[Spare] = []
         self.on_ready = on_ready
@@ -54,6 +62,11 @@ class SparePool:
         if not self.size or self.argv is None:
             return
         self.spares = [sp for sp in self.spares if sp.proc.poll() is None]
+        if self.container is not None:
+            try:
+                self.container.make()
+            except OSError:
+                return
         while len(self.spares) < self.size:
             if not at_once and not all(sp.ready.is_set() for sp in self.spares):
                 return
@@ -65,7 +78,7 @@ class SparePool:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=die_with_parent,
+                preexec_fn=in_container(self.container),
             )
             spare = Spare(proc, threading.Event())
             threading.Thread(target=_await_ready, args=(spare, self.on_ready), daemon=True).start()

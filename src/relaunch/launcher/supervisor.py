@@ -42,6 +42,7 @@ from pathlib import Path
 
 import psutil
 
+from relaunch.containers import Cgroup, step_out
 from relaunch.diagnosis.errors import error_from_file, error_from_output
 from relaunch.faults.kinds import ErrorReport
 from relaunch.launcher.processes import (
@@ -49,9 +50,9 @@ from relaunch.launcher.processes import (
     RankLog,
     Worker,
     children_by_parent,
-    die_with_parent,
     forget_stat,
     group_alive,
+    in_container,
     is_python,
     sample_busy,
     signal_group,
@@ -103,13 +104,24 @@ wakes the launcher (with pidfds an exit wakes it at once)."""
 
 
 class Launcher:
-    def __init__(self, state_dir: Path, plan: LaunchPlan) -> None:
+    def __init__(self, state_dir: Path, plan: LaunchPlan, container: Cgroup | None = None) -> None:
         self.state_dir = state_dir
         self.plan = plan
+        self.container = container
+        """The pod's cgroup (None: no cgroups here, each rank is a process group): each rank's
+        processes live in its `rank-R` cgroup below it, killed whole when the rank ends."""
+        self.helpers_killed = 0
+        """Processes that outlived their rank (a helper that left its process group) and were
+        killed with the rank's cgroup."""
         self.dir = PodDir(Path(plan.workdir))
         self.dir.logs.mkdir(parents=True, exist_ok=True)
         self.dir.inject.mkdir(exist_ok=True)
-        self.spares = SparePool(plan.warm_spares, plan.command, on_ready=lambda: self.wake())
+        self.spares = SparePool(
+            plan.warm_spares,
+            plan.command,
+            on_ready=lambda: self.wake(),
+            container=container.child("spares") if container is not None else None,
+        )
         self.commands: queue.Queue[Message] = queue.Queue()
         self.workers: dict[int, Worker] = {}
         self.conn: Connection | None = None
@@ -317,6 +329,10 @@ class Launcher:
         child_env.setdefault(Env.NCCL_ASYNC_ERROR_HANDLING, "1")  # torchrun's defaults
         child_env.setdefault(Env.SIGNALS_TO_HANDLE, "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
         path = self.dir.rank_log(rank)
+        cgroup = self.rank_cgroup(rank)
+        if cgroup is not None:  # what an earlier process of this rank left there
+            self.helpers_killed += cgroup.kill()
+            cgroup.wait_empty(5.0)
         spare = self.spares.take() if self.spares.argv is not None else None
         cwd = self.plan.working_dir or str(self.dir.path)
         how = f", warm spare pid {spare.proc.pid}" if spare is not None else ""
@@ -332,6 +348,11 @@ class Launcher:
             log.flush()
             output = RankLog(path)
             if spare is not None and self.spares.argv is not None:
+                if (
+                    cgroup is not None
+                ):  # moved before it runs the rank's code: all it forks is born there
+                    with contextlib.suppress(OSError):
+                        cgroup.add(spare.proc.pid)
                 proc = spare.become(child_env, self.spares.argv, cwd, str(path))
             else:
                 try:
@@ -343,7 +364,7 @@ class Launcher:
                         stdout=log,
                         stderr=subprocess.STDOUT,
                         start_new_session=True,
-                        preexec_fn=die_with_parent,
+                        preexec_fn=in_container(cgroup),
                     )
                 except (OSError, ValueError, subprocess.SubprocessError) as error:
                     start_error = f"could not start {self.plan.command[0]!r} in {cwd}: {error}"
@@ -353,6 +374,35 @@ class Launcher:
             output.close()  # nothing will write to it
         kept = output if start_error is None else None
         return Worker(rank, local_rank, attempt, proc, kept, start_error=start_error)
+
+    def rank_cgroup(self, rank: int) -> Cgroup | None:
+        """Rank `rank`'s cgroup in the pod's container, made if need be (None: no cgroups)."""
+        if self.container is None:
+            return None
+        cgroup = self.container.child(f"rank-{rank}")
+        try:
+            return cgroup.make()
+        except OSError:
+            return None
+
+    def end_rank(self, worker: Worker) -> None:
+        """The rank's process has ended: whatever it started that still runs (a helper that
+        left its process group, a daemon) ends with it, as a container's processes end with it."""
+        if self.container is None or group_alive(worker.proc):
+            return  # a wrapper's child still saving its dying gasp: the stop ends it
+        cgroup = self.container.child(f"rank-{worker.rank}")
+        self.helpers_killed += cgroup.kill()
+
+    def close_container(self) -> None:
+        """The launcher exits: every process of its ranks and spares is killed and their
+        cgroups removed, the pod's own too (with the node's and the cluster's, if they are then empty)."""
+        if self.container is None:
+            return
+        for name in ["spares", *(f"rank-{rank}" for rank in self.workers)]:
+            cgroup = self.container.child(name)
+            self.helpers_killed += cgroup.kill()
+            cgroup.wait_empty(5.0)
+        step_out(self.container, levels=1)  # pod, node, cluster: removed if this was the last
 
     def _child_env(self, env: dict[str, str]) -> dict[str, str]:
         """What every process of the pod sees, before its rank is set."""
@@ -406,6 +456,7 @@ class Launcher:
                 self.flush_progress(force=True, urgent=False)  # the exit rings right after
                 drained = True
             self._unwatch_exit(worker)
+            self.end_rank(worker)
             self.read_output(worker, final=True)
             if worker.output is not None:
                 worker.output.close()
@@ -499,6 +550,8 @@ class Launcher:
             signal_group(worker.proc.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 worker.proc.wait(timeout=5)
+            if self.container is not None:  # and all the rank started, wherever it went
+                self.helpers_killed += self.container.child(f"rank-{worker.rank}").kill()
         self.monitor()
 
     def inject(self, message: InjectProcessFault) -> None:

@@ -70,6 +70,7 @@ MIGRATIONS = (
     ("jobs", "controller_seen_at", "REAL"),
     ("faults", "collateral_of", "INTEGER"),
     ("faults", "evidence", "TEXT"),
+    ("jobs", "left_behind", "INTEGER"),
 )
 
 

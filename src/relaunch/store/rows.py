@@ -94,6 +94,9 @@ class JobRow:
     """The process group's current membership, for process-level recovery (see train.group)."""
     controller_seen_at: float | None = None
     """When the job's controller last said it was alive (a resume tells how long it was away)."""
+    left_behind: int | None = None
+    """Processes its pods left in their cgroups when it ended, killed then (should be 0; None:
+    not counted, pods were not cgroups, or the job has not ended)."""
 
 
 @dataclass(frozen=True)

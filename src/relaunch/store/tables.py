@@ -166,6 +166,7 @@ class JobTable(Database):
             r["stop_requested"],
             json.loads(r["membership"]) if r["membership"] else None,
             r["controller_seen_at"],
+            r["left_behind"],
         )
 
     def update_job(self, job_id: int, **fields: Any) -> None:

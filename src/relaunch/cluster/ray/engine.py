@@ -55,6 +55,21 @@ class RayCluster:
         self.poll_s = poll_s
         self._watcher = threading.Thread(target=self._watch, daemon=True)
         self._watcher.start()
+        self.left_behind: int | None = None
+        """After `shutdown`: processes the pods left in their nodes' cgroups (None: a node
+        without cgroups, or no answer)."""
+
+    @property
+    def containers(self) -> str:
+        """What a pod is on each node, in words (said once at start)."""
+        said = {}
+        for name in self.nodes:
+            if name not in self._lost:
+                said[name] = self._call(name, "containers") or "no answer"
+        kinds = sorted(set(said.values()))
+        if len(kinds) == 1 and kinds[0].startswith("cgroups"):
+            return "pods are cgroups on every node"
+        return "pods: " + "; ".join(f"{node}: {what}" for node, what in sorted(said.items()))
 
     @classmethod
     def open(
@@ -109,7 +124,7 @@ class RayCluster:
                 lifetime="detached",
                 get_if_exists=True,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(target.node_id, soft=False),
-            ).remote(str(self.state_dir))
+            ).remote(str(self.state_dir), node)
             self.hosts[node] = host
         return host
 
@@ -173,7 +188,13 @@ class RayCluster:
             with contextlib.suppress(ValueError):
                 hosts.append(ray.get_actor(f"{self.prefix}:{node}", namespace=NAMESPACE))
         done: list[Any] = [host.kill_all.remote() for host in hosts]  # every node at once
-        ray.wait(done, num_returns=len(done), timeout=CALL_TIMEOUT_S)
+        ready, _ = ray.wait(done, num_returns=len(done), timeout=CALL_TIMEOUT_S)
+        counts = []
+        for ref in ready:
+            with contextlib.suppress(ray.exceptions.RayError):
+                counts.append(ray.get(ref))
+        if counts and all(count is not None for count in counts):
+            self.left_behind = sum(counts)
         for host in hosts:
             with contextlib.suppress(ray.exceptions.RayError):
                 ray.kill(host)

@@ -16,6 +16,7 @@ import ray
 
 from relaunch.cluster.local import free_port, kill_tree
 from relaunch.cluster.ray.discovery import node_environment
+from relaunch.containers import Cgroup, ClusterCgroups
 
 __all__ = ["NodeHost"]
 
@@ -23,30 +24,53 @@ __all__ = ["NodeHost"]
 class NodeHost:
     """Runs on one node (a detached actor); starts and kills relaunch's processes there."""
 
-    def __init__(self, state_dir: str) -> None:
+    def __init__(self, state_dir: str, node: str = "") -> None:
         self.state_dir = state_dir
+        self.node = node
         self.children: dict[str, int] = {}
         self.raylet = os.getppid()
         self.dead = False
+        probed = ClusterCgroups.probe(Path(state_dir))
+        self.cgroups = probed if isinstance(probed, ClusterCgroups) and node else None
+        """This node's pods as cgroups, as on the embedded cluster (None: process groups)."""
+        self.no_cgroups_because = probed if isinstance(probed, str) else "no node name"
 
     def ping(self) -> int:
         return os.getpid()
 
+    def containers(self) -> str:
+        """What a pod is on this node, in words."""
+        if self.cgroups is not None:
+            return f"cgroups under {self.cgroups.node(self.node).path}"
+        return f"process groups ({self.no_cgroups_because})"
+
+    def _cgroup(self, key: str) -> tuple[Cgroup | None, list[str]]:
+        """The cgroup the process `key` starts in, and the arguments that tell it its own."""
+        if self.cgroups is None:
+            return None, []
+        if key == "agent":
+            return self.cgroups.agent(self.node).make(), ["--cgroups", str(self.cgroups.root.path)]
+        job, pod, generation = (int(part) for part in key.split("/"))
+        container = self.cgroups.pod(self.node, job, pod, generation).make()
+        return container.child("launcher").make(), ["--container", str(container.path)]
+
     def spawn(self, key: str, module: str, args: list[str], log: str, files: dict[str, str]) -> int:
         if self.dead:
             raise RuntimeError("this node is going down")
+        cgroup, extra = self._cgroup(key)
         for path, text in files.items():
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             Path(path).write_text(text)
         Path(log).parent.mkdir(parents=True, exist_ok=True)
         with open(log, "a") as out:
             proc = subprocess.Popen(
-                [sys.executable, "-m", module, "--state-dir", self.state_dir, *args],
+                [sys.executable, "-m", module, "--state-dir", self.state_dir, *args, *extra],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # outlives this actor and the controller, as on local
                 env=node_environment(),
+                preexec_fn=cgroup.join if cgroup is not None else None,
             )
         self.children[key] = proc.pid
         threading.Thread(target=proc.wait, daemon=True).start()  # reap it
@@ -56,10 +80,19 @@ class NodeHost:
         if old in self.children:
             self.children[new] = self.children.pop(old)
 
-    def kill_all(self) -> None:
+    def kill_all(self) -> int | None:
+        """Kill what relaunch started here; with cgroups, how many processes the pods left
+        behind (killed with the node's cgroup, which is then removed)."""
         for pid in self.children.values():
             kill_tree(pid)
         self.children.clear()
+        if self.cgroups is None:
+            return None
+        node = self.cgroups.node(self.node)
+        left = node.kill()
+        node.wait_empty(5)
+        node.remove()
+        return left
 
     def free_port(self) -> int:
         return free_port("0.0.0.0")
@@ -68,6 +101,8 @@ class NodeHost:
         """The node dies at once: every process relaunch started here, its raylet, this actor.
         Nothing is started here any more, and nothing waits: a node does not die in steps."""
         self.dead = True
+        if self.cgroups is not None:
+            self.cgroups.node(self.node).kill()
         family: list[psutil.Process] = []
         for pid in self.children.values():
             with contextlib.suppress(psutil.Error):
