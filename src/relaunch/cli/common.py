@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +34,27 @@ err = Console(stderr=True)
 
 
 EXIT_INVALID = 2
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+"""Characters a terminal acts on instead of showing: ESC (colours, a title change, a clear
+screen, OSC 52 writing the clipboard), a bell, a backspace, a carriage return, C1's CSI."""
+
+
+def visible(text: str) -> str:
+    """A rank's text as a terminal may safely show it: each control character written out as
+    `\\xNN` (newlines and tabs kept). Bytes that were not UTF-8 were read as U+FFFD."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}", text)
+
+
+def visible_all(data: Any) -> Any:
+    """`visible` applied to every string in a report (dicts, lists, strings)."""
+    if isinstance(data, str):
+        return visible(data)
+    if isinstance(data, dict):
+        return {key: visible_all(value) for key, value in data.items()}
+    if isinstance(data, list):
+        return [visible_all(item) for item in data]
+    return data
 
 
 def _print_version(value: bool) -> None:

@@ -23,6 +23,7 @@ from relaunch.cli.common import (
     open_store,
     out,
     remote,
+    visible,
 )
 from relaunch.cli.summary import print_summary
 from relaunch.report import build_report
@@ -102,9 +103,13 @@ def logs(
     rank: Annotated[
         int | None, typer.Option("--rank", help="Global rank (default: the pod's first).")
     ] = None,
+    raw: Annotated[
+        bool, typer.Option("--raw", help="The bytes as the rank wrote them, escapes included.")
+    ] = False,
     state_dir: StateDirOption = None,
 ) -> None:
-    """Print one rank's log (the pod's current container)."""
+    """Print one rank's log (the pod's current container). Control characters (a rank's
+    escape sequences) are shown as \\xNN and bytes that are not UTF-8 as U+FFFD, unless --raw."""
     store = open_store(state_dir)
     row = job_or_exit(store, job)
     pods = {p.idx: p for p in store.pods(row.id)}
@@ -121,4 +126,9 @@ def logs(
             f"[bold red]error:[/] no log for rank {rank} of pod {pod} ({path})", highlight=False
         )
         raise typer.Exit(EXIT_INVALID)
-    sys.stdout.write(path.read_text())
+    data = path.read_bytes()
+    if raw:
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()
+        return
+    sys.stdout.write(visible(data.decode("utf-8", "replace")))

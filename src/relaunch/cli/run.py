@@ -27,6 +27,7 @@ from relaunch.cli.common import (
     fail_input,
     out,
     state_dir_of,
+    visible,
 )
 from relaunch.cli.engines import engine_name, ray_cluster, stop_trial
 from relaunch.cli.launch import (
@@ -273,16 +274,21 @@ def _execute(
     quiet: bool,
     trial: Any,
 ) -> JobStatus:
-    """The job run to its end, its events and output echoed; SIGTERM stops it in order."""
+    """The job run to its end, its events and output echoed; SIGTERM or SIGHUP (its terminal
+    closed) stops it in order."""
 
     def on_event(text: str) -> None:
         # escaped: an event quotes what ranks said ("[/pytorch/.../pair.cc:553] Connection...")
-        out.print(f"[bold cyan]\\[relaunch][/] {escape(text)}", highlight=False, soft_wrap=True)
+        out.print(
+            f"[bold cyan]\\[relaunch][/] {escape(visible(text))}", highlight=False, soft_wrap=True
+        )
 
     def on_output(pod: int, rank: int, line: str) -> None:
         if not quiet:
             out.print(
-                f"[dim]\\[pod {pod} rank {rank}][/] {escape(line)}", highlight=False, soft_wrap=True
+                f"[dim]\\[pod {pod} rank {rank}][/] {escape(visible(line))}",
+                highlight=False,
+                soft_wrap=True,
             )
 
     def on_start(controller: Controller) -> None:
@@ -297,7 +303,7 @@ def _execute(
         )
 
     live = _LiveView(store, job_id) if out.is_terminal else None
-    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    previous = {sig: signal.signal(sig, _stop_on_signal) for sig in _STOPPING_SIGNALS}
     try:
         if live is not None:
             live.start()
@@ -318,24 +324,38 @@ def _execute(
         err.print(f"[bold red]error:[/] {error}", highlight=False)
         raise typer.Exit(EXIT_INVALID) from None
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         if live is not None:
             live.stop()
 
 
-def _stop_on_sigterm(signum: int, frame: Any) -> None:
-    """SIGTERM (systemd, docker, `timeout`) stops the job in order, as Ctrl-C does; a second
-    one does not cut that stop short."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise runner.Interrupted("SIGTERM")
+_STOPPING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _stop_on_signal(signum: int, frame: Any) -> None:
+    """SIGTERM (systemd, docker, `timeout`) and SIGHUP (the terminal of a foreground run was
+    closed) stop the job in order, as Ctrl-C does; a second one does not cut that stop short.
+    After a hangup nothing is written to the terminal that is gone (a write there fails): what
+    the run says goes to /dev/null, the job's record keeps it all."""
+    for sig in _STOPPING_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    if signum == signal.SIGHUP:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        for fd in (1, 2):
+            os.dup2(devnull, fd)
+        os.close(devnull)
+    raise runner.Interrupted(signal.Signals(signum).name)
 
 
 def _exit_code(status: JobStatus, reason: str) -> int:
-    """0 succeeded, 1 failed or stopped, 130 / 143 stopped by Ctrl-C / SIGTERM."""
+    """0 succeeded, 1 failed or stopped, 130 / 143 / 129 stopped by Ctrl-C / SIGTERM / SIGHUP."""
     if status is JobStatus.SUCCEEDED:
         return 0
     if status is JobStatus.STOPPED and reason.endswith("(SIGTERM)"):
         return 143
+    if status is JobStatus.STOPPED and reason.endswith("(SIGHUP)"):
+        return 129
     if status is JobStatus.STOPPED and reason.endswith("(Ctrl-C)"):
         return 130
     return 1

@@ -7,12 +7,13 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
-from relaunch.cli.common import out
+from relaunch.cli.common import out, visible_all
 
 __all__ = ["print_summary"]
 
 
 def print_summary(summary: dict[str, Any]) -> None:
+    summary = visible_all(summary)  # it quotes what ranks said: never their escape sequences
     colour = "green" if summary["status"] == "Succeeded" else "red"
     out.print(
         f"\n[bold {colour}]{summary['status']}[/]: job {summary['job']} - "
