@@ -233,6 +233,17 @@ class LocalCluster:
         self._save({"agents": {}, "launchers": {}})
         if self.cgroups is not None:
             self.left_behind = self.cgroups.shutdown()
+        self._unwatch_all()
+
+    def _unwatch_all(self) -> None:
+        """Close every agent's pidfd: a runner runs job after job, each with an engine of its
+        own, and kept 4 descriptors a job open until it could open no more."""
+        for fd in (self._agent_fds or {}).values():
+            if self._watched.pop(fd, None) is not None:
+                self._poll.unregister(fd)
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._agent_fds = None
 
     def lost_nodes(self) -> set[str]:
         """Nodes whose agent process has exited (killed by node-down, or dead of its own): one

@@ -124,6 +124,10 @@ class Connection:
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
+        # the reader holds the descriptor too: without this the socket is closed in name only,
+        # its descriptor kept until the collector frees the reader (a runner ran out of them)
+        with contextlib.suppress(OSError, ValueError):
+            self._reader.close()
 
 
 def write_controller_address(state_dir: Path, host: str, port: int, pid: int) -> None:
