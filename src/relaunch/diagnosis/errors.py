@@ -4,16 +4,36 @@ TORCHELASTIC_ERROR_FILE says), else the last lines of its output."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from relaunch.faults import ErrorReport
 
-__all__ = ["TAIL_LINES", "error_from_file", "error_from_output"]
+__all__ = [
+    "ERROR_FILE_AT_MOST",
+    "MESSAGE_AT_MOST",
+    "TAIL_LINES",
+    "TRACEBACK_AT_MOST",
+    "capped",
+    "error_from_file",
+    "error_from_large_file",
+    "error_from_output",
+]
 
 TAIL_LINES: Final = 40
 """How many of a rank's last output lines are kept to find its traceback in."""
+MESSAGE_AT_MOST: Final = 4000
+"""Characters of an exception's message kept (its start and its end): a rank can raise with a
+message of any size (a tensor printed whole, a 20 MB dump), and every view of the record, the
+wire to the controller and the store would carry it all."""
+TRACEBACK_AT_MOST: Final = 8000
+"""Characters of a traceback kept: its first line and its innermost frames (where it failed)."""
+ERROR_FILE_AT_MOST: Final = 16 << 20
+"""An error file larger than this is not parsed (its start is read for the exception's name
+and message): a rank may write one of any size."""
 
 _HEADER: Final = "Traceback (most recent call last):"
 _RANK_PREFIX: Final = re.compile(r"^\[(?:default)?rank\d+\]:\s?")
@@ -38,7 +58,39 @@ def error_from_file(data: Mapping[str, Any], at: float) -> ErrorReport | None:
     rest = message.strip().splitlines()[1:]
     if rest:
         text = "\n".join([text, *rest])
-    return ErrorReport(kind, text, traceback.rstrip(), at, "error-file")
+    return capped(ErrorReport(kind, text, traceback.rstrip(), at, "error-file"))
+
+
+def error_from_large_file(head: str, size: int, at: float) -> ErrorReport:
+    """What the start of an error file too large to parse (`size` bytes) says: the exception's
+    name and the start of its message, where they are found there."""
+    found = re.search(r'"message"\s*:\s*(?:\{\s*"message"\s*:\s*)?"((?:[^"\\]|\\.)*)', head)
+    raw = re.sub(r"\\(u[0-9a-fA-F]{0,3})?$", "", found.group(1) if found else "")
+    try:
+        text = str(json.loads(f'"{raw}"'))  # the JSON string's escapes, as far as it was read
+    except ValueError:
+        text = raw
+    kind, message = _split(text.splitlines()[0]) if text.strip() else ("", "")
+    note = f"[relaunch: the error file was {size:,} bytes; only its start was read]"
+    return capped(ErrorReport(kind, f"{message} {note}".strip(), "", at, "error-file"))
+
+
+def capped(report: ErrorReport) -> ErrorReport:
+    """The report with its message and traceback cut to what is kept, saying how much was cut:
+    the message keeps its start and end, the traceback its first line and innermost frames."""
+    message = _cut(report.message, MESSAGE_AT_MOST, head=MESSAGE_AT_MOST // 2)
+    traceback = _cut(report.traceback, TRACEBACK_AT_MOST, head=200)
+    if message is report.message and traceback is report.traceback:
+        return report
+    return dataclasses.replace(report, message=message, traceback=traceback)
+
+
+def _cut(text: str, at_most: int, head: int) -> str:
+    if len(text) <= at_most:
+        return text
+    tail = at_most - head
+    cut = len(text) - head - tail
+    return f"{text[:head]}\n[relaunch: {cut:,} characters cut]\n{text[-tail:]}"
 
 
 def error_from_output(lines: Sequence[tuple[float, str]]) -> ErrorReport | None:
@@ -56,15 +108,15 @@ def error_from_output(lines: Sequence[tuple[float, str]]) -> ErrorReport | None:
             kind, text = _split(block[end])
             more = [line for line in block[end + 1 :] if line.strip()]
             message = "\n".join([text, *more[:5]]) if more and not kind else text
-            return ErrorReport(
-                kind, message, "\n".join(block[: end + 1]), clean[start][0], "output"
+            return capped(
+                ErrorReport(kind, message, "\n".join(block[: end + 1]), clean[start][0], "output")
             )
     printed = [(at, line) for at, line in clean if line.strip()]
     if not printed:
         return None
     at, last = printed[-1]
     tail = "\n".join(line for _, line in printed[-10:])
-    return ErrorReport("", last.strip(), tail, at, "output")
+    return capped(ErrorReport("", last.strip(), tail, at, "output"))
 
 
 def _split(line: str) -> tuple[str, str]:

@@ -43,7 +43,12 @@ from pathlib import Path
 import psutil
 
 from relaunch.containers import Cgroup, step_out
-from relaunch.diagnosis.errors import error_from_file, error_from_output
+from relaunch.diagnosis.errors import (
+    ERROR_FILE_AT_MOST,
+    error_from_file,
+    error_from_large_file,
+    error_from_output,
+)
 from relaunch.faults.kinds import ErrorReport
 from relaunch.launcher.processes import (
     NotStarted,
@@ -488,8 +493,13 @@ class Launcher:
         written), else the traceback or last lines of its output."""
         path = self.dir.error_file(worker.rank)
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-            written = path.stat().st_mtime
+            status = path.stat()
+            with open(path, "rb") as file:
+                if status.st_size > ERROR_FILE_AT_MOST:  # not parsed whole: its start says enough
+                    head = file.read(64 << 10).decode("utf-8", "replace")
+                    return error_from_large_file(head, status.st_size, status.st_mtime)
+                data = json.loads(file.read().decode("utf-8", "replace"))
+            written = status.st_mtime
         except (OSError, ValueError):
             data = None
         if isinstance(data, dict):

@@ -21,11 +21,16 @@ import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Final
 
 from relaunch.protocol.layout import StateDir
 from relaunch.protocol.messages import Message, decode, encode
 
 __all__ = ["Connection", "controller_address", "write_controller_address"]
+
+
+READ_AT_MOST: Final = 8 << 20
+"""Bytes one `read_ready` takes from a peer at most, so that one peer cannot hold the reader."""
 
 
 class Connection:
@@ -104,7 +109,20 @@ class Connection:
         if not data:
             self.close()
             return None
-        *lines, self._pending = (self._pending + data).split(b"\n")
+        # and what else arrived already, without waiting (up to READ_AT_MOST): a message larger
+        # than one receive is read whole now, not a receive at each of the controller's passes
+        chunks = [data]
+        received = len(data)
+        while received < READ_AT_MOST:
+            try:
+                more = self._sock.recv(1 << 16, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError, OSError):
+                break
+            if not more:
+                break  # the peer closed: the next read says so
+            chunks.append(more)
+            received += len(more)
+        *lines, self._pending = (self._pending + b"".join(chunks)).split(b"\n")
         messages = []
         for line in lines:
             try:

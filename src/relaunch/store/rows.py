@@ -8,6 +8,7 @@ from enum import StrEnum
 from typing import Any
 
 from relaunch.diagnosis import failure_time, root_cause
+from relaunch.diagnosis.errors import capped
 from relaunch.faults import Cause, ErrorReport, Fault, FaultKind, Severity
 from relaunch.policy import Action, Budget, Counters
 
@@ -216,5 +217,5 @@ def fault_from_json(text: str) -> Fault:
     severity = data.get("reported_severity")
     data["reported_severity"] = Severity[severity] if severity else None
     error = data.get("error")
-    data["error"] = ErrorReport(**error) if error else None
+    data["error"] = capped(ErrorReport(**error)) if error else None  # stored by an older relaunch
     return Fault(**data)
