@@ -8,6 +8,7 @@ from relaunch.errors import (
     RelaunchError,
     SpecError,
     StoreError,
+    StoreFull,
 )
 
 __version__ = "0.1.0"
@@ -20,5 +21,6 @@ __all__ = [
     "RelaunchError",
     "SpecError",
     "StoreError",
+    "StoreFull",
     "__version__",
 ]

@@ -18,6 +18,7 @@ __all__ = [
     "RelaunchError",
     "SpecError",
     "StoreError",
+    "StoreFull",
 ]
 
 
@@ -88,6 +89,20 @@ class FaultPlanError(InputError):
     """A fault plan is invalid, or names a pod, rank, chip or node the job and cluster lack."""
 
     what = "fault plan"
+
+
+class StoreFull(RelaunchError):
+    """The disk holding the state directory is full: nothing is wrong with the database, and the
+    job's record is intact up to the last write that fit."""
+
+    def __init__(self, path: str, detail: str) -> None:
+        self.path = path
+        self.detail = detail
+        super().__init__(
+            f"the disk holding {path} is full ({detail}): relaunch cannot record the job. Its "
+            "pods keep running for the adopt grace; free space, then `relaunch run --resume` "
+            "carries the job on"
+        )
 
 
 class StoreError(RelaunchError):

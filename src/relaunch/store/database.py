@@ -3,6 +3,7 @@ error for a file that is not a usable database."""
 
 from __future__ import annotations
 
+import errno
 import os
 import sqlite3
 import threading
@@ -11,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from relaunch.errors import StoreError
+from relaunch.errors import StoreError, StoreFull
 
 __all__ = ["Database"]
 
@@ -180,8 +181,16 @@ def _errors_named(path: Path) -> Iterator[None]:
     except sqlite3.OperationalError as error:
         if "locked" in str(error) or "busy" in str(error):
             raise  # busy, not broken: the caller may try again
+        if getattr(error, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+            raise StoreFull(str(path), str(error)) from None  # full, not broken either
         raise StoreError(str(path), str(error)) from None
-    except (sqlite3.DatabaseError, PermissionError, IsADirectoryError) as error:
+    except OSError as error:
+        if error.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise StoreFull(str(path), error.strerror or str(error)) from None
+        if isinstance(error, PermissionError | IsADirectoryError):
+            raise StoreError(str(path), str(error)) from None
+        raise
+    except sqlite3.DatabaseError as error:
         raise StoreError(str(path), str(error) or type(error).__name__) from None
 
 
