@@ -485,3 +485,21 @@ def test_no_slow_fault_when_every_pod_is_busy_or_during_a_recovery(tmp_path: Pat
     assert sim.actions() == [("job-reschedule", "running")]
     feed_looks(sim, 1.5, {0: 0.2, 1: 0.9})
     assert [r.fault.kind.value for r in sim.records()] == ["process-exit"]
+
+
+def test_a_fault_the_policy_ignores_leaves_the_recovery_under_way_alone(tmp_path: Path) -> None:
+    """A node no pod uses is lost while the job is rebuilt: the rebuild goes on and is recorded
+    as it ends (before: failed, with no MTTR, and goodput counted no recovery at all)."""
+    sim = booted(tmp_path, UNCONDITIONAL)
+    sim.crash(1)
+    sim.tick()
+    assert sim.actions() == [("job-reschedule", "running")]
+    sim.kill_node("node-3")  # a standby: no pod is on it
+    sim.tick()
+    assert sim.actions() == [("job-reschedule", "running"), ("ignore", "succeeded")]
+    sim.run(0.5)
+    sim.train(2)
+    sim.tick()
+    assert sim.actions() == [("job-reschedule", "succeeded"), ("ignore", "succeeded")]
+    rebuild = sim.records()[0]
+    assert rebuild.mttr_s is not None and rebuild.mttr_s > 0

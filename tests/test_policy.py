@@ -710,3 +710,18 @@ def test_a_slow_pod_whose_move_failed_is_recorded_only_never_a_job_restart() -> 
 def test_a_slow_pod_under_process_level_recovery_moves_by_process_rescheduling() -> None:
     d = first(process_settings("retry,recover-in-place,recover,dump,exit"), slow())
     assert d.action is Action.PROCESS_RESCHEDULE and d.isolate_nodes == ("node-1",)
+
+
+def test_a_fault_only_recorded_leaves_the_recovery_under_way_going() -> None:
+    from relaunch.policy.fallback import Consequence, on_new_fault
+
+    crash = Fault(FaultKind.PROCESS_EXIT, 0.0, pod=1, exit_code=1)
+    lost = Fault(FaultKind.NODE_LOST, 1.0, node="node-3")
+    rebuild = Action.JOB_RESCHEDULE
+    assert on_new_fault(rebuild, crash, frozenset(), lost, Action.IGNORE).consequence is (
+        Consequence.ALONGSIDE
+    )
+    acted_on = on_new_fault(rebuild, crash, frozenset(), lost, Action.ISOLATED_JOB_RESCHEDULE)
+    assert acted_on.consequence is Consequence.DECIDE_NEW
+    finer = on_new_fault(Action.POD_RESCHEDULE, crash, frozenset(), crash, Action.JOB_RESCHEDULE)
+    assert finer.consequence is Consequence.FALL_BACK

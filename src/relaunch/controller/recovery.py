@@ -74,19 +74,25 @@ class RecoveryDriver:
         now = c.clock.now()
         active = self.active
         fallback = None
+        if active is not None:
+            fallback = on_new_fault(
+                active.action, active.fault, active.tried, fault, self._action_alone(fault, now)
+            )
+        alongside = fallback is not None and fallback.consequence is Consequence.ALONGSIDE
         with c.store.transaction():
             fault_id = c.store.add_fault(c.job_id, fault, now, source, evidence=evidence)
             if fault_id is None:
                 return  # seen before (a heartbeat repeats it, a resumed controller re-hears it)
-            self.group, self.members = Group(fault_id, fault, attempt), [fault]
+            if not alongside:  # a fault only recorded causes nothing: no collateral is its
+                self.group, self.members = Group(fault_id, fault, attempt), [fault]
             waiting, tried = fault_id, frozenset[Action]()
-            if active is not None:
+            if active is not None and fallback is not None and not alongside:
                 c.store.settle_record(active.record_id, Outcome.FAILED)
-                fallback = on_new_fault(active.action, active.fault, active.tried, fault)
                 if fallback.consequence is Consequence.FALL_BACK:
                     waiting, tried = active.fault_id, fallback.tried
             c.store.add_pending(c.job_id, waiting, sorted(tried))
-        self.active = None
+        if not alongside:
+            self.active = None
         c.event(f"fault: {fault.describe()}")
         if active is not None and fallback and fallback.consequence is Consequence.FALL_BACK:
             c.event(f"{active.action.value} did not recover {active.fault.describe()}")
@@ -158,10 +164,30 @@ class RecoveryDriver:
         for fault_id, fault, tried in waiting:
             if c.job.status.ended:
                 return
-            if self.active is not None:  # a newer fault outranks a recovery under way
-                c.store.settle_record(self.active.record_id, Outcome.FAILED)
+            active = self.active
+            if active is not None and (  # a newer fault outranks a recovery under way
+                on_new_fault(
+                    active.action, active.fault, active.tried, fault, self._action_alone(fault, now)
+                ).consequence
+                is not Consequence.ALONGSIDE
+            ):
+                c.store.settle_record(active.record_id, Outcome.FAILED)
                 self.active = None
             self._climb(fault, fault_id, tried, now)
+
+    def _action_alone(self, fault: Fault, now: float) -> Action:
+        """What the policy would decide for `fault` on its own, as things stand (pure; nothing
+        is stored): whether it is only recorded decides what it does to a recovery under way."""
+        c = self.c
+        return decide(
+            c.recovery,
+            fault,
+            c.store.history(c.job_id),
+            commands.cluster_view(c, fault),
+            now,
+            table=c.options.table,
+            rules=c.options.rules,
+        ).action
 
     def _climb(self, fault: Fault, fault_id: int, tried: frozenset[Action], now: float) -> None:
         """Down the ladder until an action is under way or the job ends; each record is stored

@@ -26,6 +26,9 @@ class Consequence(StrEnum):
     """The recovery under way did not work: decide its fault again, one level down."""
     DECIDE_NEW = "decide-new"
     """The recovery under way is over (failed); decide the new fault on its own."""
+    ALONGSIDE = "alongside"
+    """The new fault is only recorded (the policy ignores it: a node no pod uses, a link fault
+    of 20 s or less, a warning): the recovery under way goes on, untouched."""
 
 
 @dataclass(frozen=True)
@@ -36,15 +39,24 @@ class NewFault:
 
 
 def on_new_fault(
-    active: Action, active_fault: Fault, active_tried: frozenset[Action], new: Fault
+    active: Action,
+    active_fault: Fault,
+    active_tried: frozenset[Action],
+    new: Fault,
+    new_action: Action | None = None,
 ) -> NewFault:
-    """Any new fault ends the recovery under way as failed: it did not keep the job running.
+    """A new fault that the policy would act on ends the recovery under way as failed: it did
+    not keep the job running. One it only records (`new_action`, what the policy decides for it
+    alone, is IGNORE) leaves that recovery alone: a node no pod uses, lost while the job is
+    rebuilt, says nothing about the rebuild.
 
     A recovery finer than job level that is followed by a process exit or a hang failed in the
     way such recoveries fail (its restarted processes crashed, or its group never re-formed):
     its own fault falls back one level (R-20, R-23, R-36's multi-layer fallback). Any other new
     fault (a node lost, a chip fault), or any fault after a job-level rebuild, is decided on its
     own."""
+    if new_action is Action.IGNORE:
+        return NewFault(Consequence.ALONGSIDE, new, frozenset())
     finer = active not in _JOB_LEVEL
     if finer and new.kind in (FaultKind.PROCESS_EXIT, FaultKind.HANG):
         return NewFault(Consequence.FALL_BACK, active_fault, active_tried | {active})
