@@ -25,6 +25,7 @@ from relaunch.store import Store
 from tests.runtime import (
     AUTO,
     FAST_CLUSTER,
+    HANG,
     POD_LEVEL,
     ROOT,
     UNCONDITIONAL,
@@ -356,3 +357,37 @@ def test_a_stopped_rank_is_still_hung_though_its_peer_computes(cluster: Cluster)
     result = cluster.run(job, faults)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.actions == ["hang-restart"]
+
+
+def test_a_hang_already_there_at_a_resume_is_found_within_the_hang_window(
+    cluster: Cluster,
+) -> None:
+    """Rank 0 stops (a real hang, SIGSTOP) and the controller dies before the hang window (6 s)
+    is over. The resumed controller adopts ranks that trained: they get the hang window, not
+    the startup allowance (600 s here; before, a re-adopted rank counted as not yet started)."""
+    run = start_and_wait(cluster, toy_job(HANG, steps=100000, hang_detect_seconds=6), step=5)
+    rank0 = next(
+        p
+        for p in processes_of(cluster.state)
+        if p.name().startswith("python")  # not the /bin/sh -c that runs it
+        and "train_toy.py" in " ".join(p.cmdline())
+        and p.environ().get("RANK") == "0"
+    )
+    rank0.suspend()
+    time.sleep(2)  # its last steps reached the controller; the hang window has 4 s to run
+    run.send_signal(signal.SIGKILL)
+    run.wait()
+    resume = cluster.resume_command()
+    resume[resume.index("--startup-seconds") + 1] = "600"
+    resumed = subprocess.Popen(
+        resume, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.time() + 60
+        while not query(cluster.state, "SELECT 1 FROM recoveries WHERE action = 'hang-restart'"):
+            assert resumed.poll() is None, resumed.communicate()
+            assert time.time() < deadline, "the hang was not found (startup allowance: 600 s)"
+            time.sleep(0.1)
+    finally:
+        resumed.terminate()
+        resumed.communicate(timeout=60)

@@ -192,7 +192,9 @@ def _launcher_hello(c: Controller, peer: Peer, hello: LauncherHello) -> None:
     link = LauncherLink(peer, hello.pod, hello.generation, hello.pid, node=hello.node)
     now = c.clock.now()
     for rank, report in hello.procs.items():
-        link.ranks[rank] = Rank(report.attempt, report.running, now, now, code=report.code)
+        link.ranks[rank] = Rank(  # a rank that trained before a resume is not starting up
+            report.attempt, report.running, now, now, progressed=report.progressed, code=report.code
+        )
     link.started_attempt = hello.attempt
     if hello.standby:
         if not c.reconciler.standby_hello(link):

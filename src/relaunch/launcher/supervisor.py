@@ -177,7 +177,13 @@ class Launcher:
 
     def hello(self) -> LauncherHello:
         procs = {
-            w.rank: ProcReport(w.attempt, w.proc.pid, w.proc.poll() is None, w.proc.returncode)
+            w.rank: ProcReport(
+                w.attempt,
+                w.proc.pid,
+                w.proc.poll() is None,
+                w.proc.returncode,
+                progressed=w.stepped or bool(w.tail),
+            )
             for w in self.workers.values()
         }
         return LauncherHello(

@@ -170,6 +170,9 @@ class ProcReport:
     pid: int
     running: bool
     code: int | None
+    progressed: bool = False
+    """It reported a step or printed since it started: a controller that adopts it (a resume)
+    gives it the hang window, not the startup allowance."""
 
 
 @dataclass(frozen=True)
