@@ -160,10 +160,10 @@ def test_a_usage_sample_after_other_signs_of_life_is_only_a_baseline() -> None:
     """The launcher does not sample ranks that reported a step or printed since its last sample:
     the next sample spans that time, and its CPU proves nothing about now."""
     stepped = Rank(attempt=1, last_activity=15.0, usage=(10.0, 1.0, 0))
-    assert not rank_active(stepped, cpu=9.0, io=0, now=20.0, uses_sdk=True)
+    assert not rank_active(stepped, cpu=9.0, io=0, now=20.0)
     silent = Rank(attempt=1, last_activity=5.0, usage=(10.0, 1.0, 0))
-    assert rank_active(silent, cpu=9.0, io=0, now=20.0, uses_sdk=True)
-    assert not rank_active(silent, cpu=1.0, io=0, now=20.0, uses_sdk=True)
+    assert rank_active(silent, cpu=9.0, io=0, now=20.0)
+    assert not rank_active(silent, cpu=1.0, io=0, now=20.0)
 
 
 def test_the_listener_reads_whole_messages_from_many_peers_and_hears_each_leave() -> None:

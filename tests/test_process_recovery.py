@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from relaunch.store import NodeState, Store
+from tests.noisy import noisy_neighbour
 from tests.runtime import ROOT, Cluster, Result, wait_gone
 from tests.test_controller_restart import query
 
@@ -322,5 +323,21 @@ def test_r31_with_another_fault_on_the_rank0_pod_the_others_migrate(
     assert "rank-0 pod has another fault" in record["reason"]
     pods = result.report["pods"]
     assert [(p["node"], p["generation"]) for p in pods] == [("node-0", 1), ("node-2", 2)]
+    assert_kept(starts(result), [0, 1])
+    assert out.read_text().strip() == unbroken
+
+
+def test_r25_r32_process_reschedule_beside_a_disk_writer_and_a_cpu_hog(
+    cluster: Cluster, unbroken: str
+) -> None:
+    """On a busy machine (another job writes and fsyncs on the same disk, both cores are
+    taken), the replacement's checkpoint saves are slow: it is saving, not hung, and its peers
+    wait for it (before: declared hung 2 runs in 3, and the job failed)."""
+    out = cluster.dir / "hash.txt"
+    job = process_job(out, ckpt_every=5)
+    with noisy_neighbour(cluster.dir / "neighbour"):
+        result = run(cluster, job, [{"kind": "node-down", "at_step": 42, "pod": 1}])
+    assert result.actions == ["process-reschedule"]
+    assert result.report["recoveries"][0]["outcome"] == "succeeded"
     assert_kept(starts(result), [0, 1])
     assert out.read_text().strip() == unbroken

@@ -14,6 +14,7 @@ from typing import Final
 from relaunch.controller.peers import AgentLink, LauncherLink, Rank
 from relaunch.controller.pods import Pod, PodPhase
 from relaunch.faults import Fault, FaultKind
+from relaunch.protocol.datagrams import SdkPhase
 from relaunch.protocol.messages import Exited, Heartbeat
 from relaunch.store import NodeRow, NodeState
 
@@ -166,18 +167,19 @@ def launcher_faults(
     return found
 
 
-def rank_active(rank: Rank, cpu: float, io: int, now: float, uses_sdk: bool) -> bool:
-    """A usage sample shows the rank alive: enough CPU since the last sample, or, for a job
-    that does not report steps, any I/O (R-25). A rank that showed progress or output since the
-    last sample is not sampled meanwhile (the launcher skips it): this sample is only the
-    baseline for the next, its difference from the old one proves nothing about now."""
+def rank_active(rank: Rank, cpu: float, io: int, now: float) -> bool:
+    """A usage sample shows the rank alive: enough CPU since the last sample, or any I/O (R-25:
+    ModelArts counts a process's I/O, MindCluster its CPU time; a rank writing a checkpoint is
+    making progress). A rank that showed progress or output since the last sample is not
+    sampled meanwhile (the launcher skips it): this sample is only the baseline for the next,
+    its difference from the old one proves nothing about now."""
     if rank.usage is None:
         return False
     then, cpu_then, io_then = rank.usage
     if rank.last_activity > then:
         return False
     busy = cpu - cpu_then >= ACTIVE_CPU_SHARE * max(now - then, 1e-3)
-    return busy or (not uses_sdk and io > io_then)
+    return busy or io > io_then
 
 
 def hang_due(
@@ -207,18 +209,31 @@ def hang_fault(
     """R-25: a rank of the current attempt silent for the hang window (before its first sign of
     progress: the startup allowance). When several are silent (one stuck rank stalls its peers
     at the next collective), the one silent longest is reported. `exempt` ranks (healthy ranks
-    waiting for replacements) are not hung."""
+    waiting for replacements) are not hung. A rank inside a checkpoint save (the SDK's phase)
+    is making progress, for up to the startup allowance, and while one is, its silent peers
+    are waiting for it in a collective: neither is hung, and the peers' silence counts from
+    the end of the save."""
     silent: list[tuple[float, LauncherLink, int, float]] = []
-    for link in links:
-        if link.stopping:
+    saving = False
+    current = [
+        (link, index, rank)
+        for link in links
+        if not link.stopping
+        for index, rank in link.ranks.items()
+        if rank.running and rank.attempt == attempt
+    ]
+    saved_at = max((rank.save_ended_at for _, _, rank in current), default=0.0)
+    for link, rank_index, rank in current:
+        if exempt(rank_index):
             continue
-        for rank_index, rank in link.ranks.items():
-            if not rank.running or rank.attempt != attempt or exempt(rank_index):
-                continue
-            window = hang_s if rank.progressed else startup_s
-            if now - rank.last_activity > window:
-                silent.append((rank.last_activity, link, rank_index, window))
-    if not silent:
+        if rank.phase == SdkPhase.CHECKPOINT and now - rank.phase_since <= max(startup_s, hang_s):
+            saving = True  # making progress, however slow the disk
+            continue
+        window = hang_s if rank.progressed else startup_s
+        since = max(rank.last_activity, saved_at)  # it waited for a peer's save until then
+        if now - since > window:
+            silent.append((since, link, rank_index, window))
+    if not silent or saving:  # the silent ones wait for the saving rank in a collective
         return None
     _, link, rank_index, window = min(silent, key=lambda item: item[0])
     at = injected_at(("hang", "job"), now - window)

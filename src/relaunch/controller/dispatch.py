@@ -8,6 +8,7 @@ from relaunch.controller import stacks
 from relaunch.controller.detectors import chip_faults, exit_fault, rank_active
 from relaunch.controller.peers import AgentLink, LauncherLink, Peer, Rank
 from relaunch.controller.pods import PodPhase
+from relaunch.protocol.datagrams import SdkPhase
 from relaunch.protocol.messages import (
     AgentHello,
     Exited,
@@ -87,15 +88,19 @@ def _from_launcher(c: Controller, link: LauncherLink, message: Message) -> None:
             for phase in phases:
                 observed = link.ranks.get(phase.rank)
                 if observed is not None and observed.attempt == phase.attempt:
+                    if observed.phase == SdkPhase.CHECKPOINT != phase.phase:
+                        observed.save_ended_at = now
                     observed.phase = phase.phase
+                    observed.phase_since = now
+                    observed.last_activity = now  # a phase is a sign of life
             for report in reports:
                 _step(c, link, report.rank, report.attempt, report.step, now)
-        case Usage(attempt=attempt, ranks=ranks):
+        case Usage(attempt=attempt, ranks=ranks, working=working):
             for rank_index, (cpu, io) in ranks.items():
                 observed = link.ranks.get(rank_index)
                 if observed is None or observed.attempt != attempt:
                     continue
-                if rank_active(observed, cpu, io, now, c.progress.uses_sdk):
+                if working.get(rank_index, 0) or rank_active(observed, cpu, io, now):
                     observed.last_activity = now
                 observed.usage = (now, float(cpu), int(io))
         case Stacks():

@@ -41,6 +41,11 @@ class Rank:
     """(when, CPU seconds, I/O bytes) of the last usage sample."""
     phase: str = SdkPhase.TRAINING
     """What the SDK says it is doing (R-37: saving a checkpoint, building its group)."""
+    phase_since: float = 0.0
+    """When it said so (a save counts as progress for a while: detectors.hang_fault)."""
+    save_ended_at: float = 0.0
+    """When its last checkpoint save ended: its peers, waiting for it meanwhile in a
+    collective, are silent from then on, not from before the save."""
     busy: deque[tuple[float, int, int]] = field(default_factory=deque)
     """(when, busy looks, looks) as its launcher reported them, back to the start of the slow
     window: how much of it the rank was not waiting for its peers (diagnosis.subhealth)."""

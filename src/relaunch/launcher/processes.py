@@ -21,9 +21,11 @@ from relaunch.diagnosis.errors import TAIL_LINES
 
 __all__ = [
     "BUSY_STATES",
+    "WORKING_STATES",
     "NotStarted",
     "RankLog",
     "Worker",
+    "cgroup_usage",
     "children_by_parent",
     "die_with_parent",
     "forget_stat",
@@ -183,6 +185,11 @@ class Worker:
     samples: int = 0
     """Of `samples` looks at its main thread, how many found it not sleeping: computing,
     runnable, in disk I/O or stopped. A rank waiting for its peers in a collective sleeps."""
+    working: int = 0
+    """Of those looks, how many found it running, runnable or in disk I/O (not stopped): a
+    rank starved of CPU, or blocked in an fsync on a busy disk, is working, not hung (R-25)."""
+    working_sent: int = 0
+    """`working` as the last usage sample sent it."""
 
     @property
     def started(self) -> bool:
@@ -261,6 +268,8 @@ def python_process(pid: int) -> psutil.Process | None:
 
 BUSY_STATES: Final = frozenset((b"R", b"D", b"T", b"t"))
 """Main-thread states that are not waiting: running or runnable, disk I/O, stopped."""
+WORKING_STATES: Final = frozenset((b"R", b"D"))
+"""Main-thread states that show a rank at work: running or runnable, waiting for the disk."""
 
 
 def sample_busy(worker: Worker) -> None:
@@ -284,6 +293,7 @@ def sample_busy(worker: Worker) -> None:
         return
     worker.samples += 1
     worker.busy += state in BUSY_STATES
+    worker.working += state in WORKING_STATES
 
 
 def forget_stat(worker: Worker) -> None:
@@ -302,6 +312,26 @@ def children_by_parent() -> dict[int, list[int]]:
         if parent:
             children.setdefault(int(parent), []).append(process.pid)
     return children
+
+
+def cgroup_usage(cgroup: Cgroup) -> tuple[float, int] | None:
+    """CPU seconds and bytes read and written by a rank's processes, from its cgroup: CPU from
+    `cpu.stat` (every process that ever ran there, helpers included), I/O from `io.stat` where
+    the io controller is on, else summed over the pids in `cgroup.procs` (no walk of the
+    process table). None if the cgroup is gone."""
+    cpu = cgroup.cpu_seconds()
+    if cpu is None:
+        return None
+    io = cgroup.io_bytes()
+    if io is None:
+        io = 0
+        for pid in cgroup.procs():
+            with contextlib.suppress(psutil.Error, AttributeError):
+                counters = psutil.Process(pid).io_counters()
+                io += int(getattr(counters, "read_chars", 0)) + int(
+                    getattr(counters, "write_chars", 0)
+                )
+    return round(cpu, 2), io
 
 
 def tree_usage(pid: int, children: dict[int, list[int]]) -> tuple[float, int] | None:

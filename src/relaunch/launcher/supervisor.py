@@ -54,6 +54,7 @@ from relaunch.launcher.processes import (
     NotStarted,
     RankLog,
     Worker,
+    cgroup_usage,
     children_by_parent,
     forget_stat,
     group_alive,
@@ -515,8 +516,10 @@ class Launcher:
         return error_from_output(list(worker.tail))
 
     def send_usage(self) -> None:
-        """CPU time and I/O of each running rank (its whole process tree), when they changed:
-        the controller counts a rank that computes or does I/O as alive though it is silent.
+        """CPU time and I/O of each running rank (its cgroup, or its whole process tree without
+        cgroups), and whether it was seen running or waiting for the disk, when they changed:
+        the controller counts a rank that computes, does I/O or waits for the disk as alive
+        though it is silent.
         Ranks that reported a step or wrote output since the last sample are alive already and
         are not sampled (the controller takes their next sample as a new baseline, see
         detectors.rank_active): a job whose ranks report steps costs no walk of the process
@@ -527,15 +530,24 @@ class Launcher:
             worker.alive_since_sample = False
         if not silent:
             return
-        children = children_by_parent()
+        children = children_by_parent() if self.container is None else {}
         ranks: dict[int, tuple[float, int]] = {}
+        working: dict[int, int] = {}
         for worker in silent:
-            usage = tree_usage(worker.proc.pid, children)
-            if usage is not None and usage != worker.usage:
+            usage = (
+                cgroup_usage(self.container.child(f"rank-{worker.rank}"))
+                if self.container is not None
+                else tree_usage(worker.proc.pid, children)
+            )
+            looks = worker.working - worker.working_sent
+            worker.working_sent = worker.working
+            if usage is not None and (usage != worker.usage or looks):
                 worker.usage = usage
                 ranks[worker.rank] = usage
+                if looks:
+                    working[worker.rank] = looks
         if ranks:
-            self.send(Usage(self.attempt, time.time(), ranks))
+            self.send(Usage(self.attempt, time.time(), ranks, working))
 
     def stop(self, grace: float, ranks: tuple[int, ...] | None = None) -> None:
         """SIGTERM every process group, SIGKILL what is left after `grace` seconds."""

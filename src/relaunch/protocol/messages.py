@@ -261,13 +261,15 @@ class Stopped(Message):
 
 @dataclass(frozen=True)
 class Usage(Message):
-    """Each running rank's process-tree CPU seconds and I/O bytes, when they changed."""
+    """Each running rank's process-tree CPU seconds and I/O bytes, when they changed; and how
+    many looks since the last sample found its main thread running or in disk I/O."""
 
     KIND = "usage"
     ROUTINE = True
     attempt: int
     at: float
     ranks: dict[int, tuple[float, int]] = field(default_factory=dict)
+    working: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,125 @@
+"""R-25 in a harsh world: a rank that is slow, saving or starved is not hung (pure detectors, and
+the launcher's look at a real process)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from relaunch.controller.detectors import hang_fault, rank_active
+from relaunch.controller.peers import LauncherLink, Rank
+from relaunch.launcher.processes import NotStarted, Worker, sample_busy
+from relaunch.protocol.datagrams import SdkPhase
+from tests.runtime import AUTO, Cluster, toy_job
+
+HANG_S, STARTUP_S = 4.0, 30.0
+
+
+class _Peer:
+    closed = False
+
+    def send(self, message: object) -> bool:
+        return True
+
+
+def _links(*ranks: Rank) -> list[LauncherLink]:
+    link = LauncherLink(_Peer(), 0, 1, 100)  # type: ignore[arg-type]
+    link.ranks = dict(enumerate(ranks))
+    return [link]
+
+
+def _hung(links: list[LauncherLink], now: float) -> int | None:
+    found = hang_fault(links, 1, now, HANG_S, STARTUP_S, lambda _: False, lambda _, at: at)
+    return None if found is None else found.fault.rank
+
+
+def test_r25_a_rank_saving_a_checkpoint_is_not_hung_nor_are_the_peers_that_wait_for_it() -> None:
+    """The replacement sat in the checkpoint's fsync on a busy disk for longer than the hang
+    window while its peers waited in the all-reduce: before, the job was declared hung."""
+    saving = Rank(1, last_activity=100.0, progressed=True, phase=SdkPhase.CHECKPOINT)
+    saving.phase_since = 100.0
+    waiting = Rank(1, last_activity=100.0, progressed=True)
+    links = _links(waiting, saving)
+    assert _hung(links, 100.0 + 3 * HANG_S) is None
+    # a save counts for the startup allowance at most: one that never ends is a hang
+    assert _hung(links, 100.0 + STARTUP_S + 1) == 0
+    saving.phase, saving.save_ended_at = SdkPhase.TRAINING, 110.0  # the save ended at 110
+    assert _hung(links, 110.0 + HANG_S - 0.5) is None, "rank 0 waited for it until then"
+    assert _hung(links, 110.0 + HANG_S + 0.5) == 0, "then both fell silent"
+
+
+def test_r25_io_counts_as_progress_for_a_job_that_reports_steps() -> None:
+    """A rank writing a checkpoint does I/O and little CPU; before, I/O counted only for
+    scripts that report no steps."""
+    writing = Rank(1, last_activity=5.0, usage=(10.0, 1.0, 1000))
+    assert rank_active(writing, cpu=1.0, io=5000, now=20.0)
+    assert not rank_active(writing, cpu=1.0, io=1000, now=20.0)
+
+
+def test_r25_the_launcher_sees_a_rank_working_not_a_stopped_one(tmp_path: Path) -> None:
+    """A look at a rank's main thread: running (or runnable, starved of CPU) and disk waits
+    count as work; a stopped rank (SIGSTOP, a real hang) and a sleeping one do not."""
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        workers = {
+            name: Worker(0, 0, 1, proc, None) for name, proc in (("spin", spin), ("sleep", sleeper))
+        }
+        time.sleep(0.5)
+        for _ in range(20):
+            for worker in workers.values():
+                sample_busy(worker)
+            time.sleep(0.01)
+        assert workers["spin"].working >= 15 and workers["sleep"].working == 0
+        os.kill(spin.pid, 19)  # SIGSTOP: busy for the slow-pod detector, not working
+        time.sleep(0.2)
+        before = workers["spin"].working
+        for _ in range(10):
+            sample_busy(workers["spin"])
+        assert workers["spin"].working == before
+        assert workers["spin"].busy >= before + 10
+    finally:
+        for proc in (spin, sleeper):
+            proc.kill()
+            proc.wait()
+    assert Worker(0, 0, 1, NotStarted(127), None).working == 0
+
+
+SLOW_SAVE = """
+import os, sys, time
+import torch, torch.distributed as dist
+from relaunch.train import CheckpointManager, report_progress
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+ckpt = CheckpointManager(os.environ["RELAUNCH_SHARED_DIR"] + "/ckpt", every=10, keep=2)
+
+def state():  # rank 1 saves on a busy disk: its save outlasts the hang window three times
+    if rank == 1:
+        time.sleep(3 * float(sys.argv[1]))
+    return {"step": step, "w": torch.zeros(4)}
+
+for step in range(1, 21):
+    t = torch.ones(1)
+    dist.all_reduce(t)  # rank 0 waits here, silent, while rank 1 saves
+    report_progress(step)
+    ckpt.maybe_save(step, state)
+    time.sleep(0.02)
+dist.destroy_process_group()
+"""
+
+
+def test_r25_a_save_longer_than_the_hang_window_is_no_hang_end_to_end(cluster: Cluster) -> None:
+    """Written from the docs: a DDP-style gloo job whose rank 1 takes three hang windows to
+    save at step 10 while rank 0 waits for it in an all-reduce. Before: declared hung (the
+    silent rank 0 the culprit) and, without hang-retry, failed."""
+    hang_s = 2.0
+    job = toy_job(AUTO, replicas=2, hang_detect_seconds=hang_s)
+    job["spec"]["procs_per_pod"] = 1
+    job["spec"]["command"] = [sys.executable, "-c", SLOW_SAVE, str(hang_s)]
+    result = cluster.run(job, timeout=180, startup_s=60)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.report["recoveries"] == []
