@@ -5,7 +5,6 @@ TORCHELASTIC_ERROR_FILE says), else the last lines of its output."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
@@ -66,13 +65,22 @@ def error_from_large_file(head: str, size: int, at: float) -> ErrorReport:
     name and the start of its message, where they are found there."""
     found = re.search(r'"message"\s*:\s*(?:\{\s*"message"\s*:\s*)?"((?:[^"\\]|\\.)*)', head)
     raw = re.sub(r"\\(u[0-9a-fA-F]{0,3})?$", "", found.group(1) if found else "")
-    try:
-        text = str(json.loads(f'"{raw}"'))  # the JSON string's escapes, as far as it was read
-    except ValueError:
-        text = raw
+    text = _JSON_ESCAPE.sub(_unescaped, raw)  # the JSON string, as far as it was read
     kind, message = _split(text.splitlines()[0]) if text.strip() else ("", "")
     note = f"[relaunch: the error file was {size:,} bytes; only its start was read]"
     return capped(ErrorReport(kind, f"{message} {note}".strip(), "", at, "error-file"))
+
+
+_JSON_ESCAPE: Final = re.compile(r"\\(u[0-9a-fA-F]{4}|.)")
+_JSON_ESCAPES: Final = {"b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
+
+
+def _unescaped(match: re.Match[str]) -> str:
+    """One escape of a JSON string: \\uXXXX, \\n and the like, or the character escaped."""
+    escape = match.group(1)
+    if len(escape) == 5:
+        return chr(int(escape[1:], 16))
+    return _JSON_ESCAPES.get(escape, escape)
 
 
 def capped(report: ErrorReport) -> ErrorReport:
