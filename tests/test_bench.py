@@ -162,3 +162,20 @@ def test_bench_refuses_unknown_levels_and_sections(tmp_path: Path) -> None:
         )  # fmt: skip
         assert done.returncode == 2, done.stdout + done.stderr
         assert value.split(",")[1] in done.stderr and "choose from" in done.stderr
+
+
+def test_the_bench_faults_land_between_checkpoints_and_the_save_rows_on_one() -> None:
+    """At a checkpoint step R-37 passes over process-level recovery: a process-level row whose
+    fault fell there measured the level below (the process-reschedule row was a pod-reschedule)."""
+    import re
+
+    from relaunch_bench import mttr
+    from relaunch_bench.jobs import FAULT_STEP, SAVE_FAULT_STEP
+
+    for level in mttr.LEVELS:
+        for workload in ("light", "ddp"):
+            command = mttr._job(workload, level, None)["spec"]["command"]
+            every = int(re.search(r"--ckpt-every (\d+)", command)[1])  # type: ignore[index]
+            assert FAULT_STEP % every != 0, (level, workload, command)
+            assert SAVE_FAULT_STEP % every == 0
+    assert mttr.HANDLED_BY["process-reschedule@save"] == "pod-reschedule"

@@ -32,8 +32,12 @@ TOY = _script("train_toy.py")
 """examples/train_toy.py: light workers that report progress and checkpoint, no torch."""
 DDP = _script("train_ddp.py")
 """examples/ddp/train_ddp.py: PyTorch DDP on gloo, with its own timeline of each phase."""
-FAULT_STEP = 20
-"""The step at which the MTTR runs inject their fault."""
+FAULT_STEP = 22
+"""The step at which the MTTR runs inject their fault: between two checkpoints (the workloads
+save every 5 steps). A fault during a save is passed over by process-level recovery (R-37), so
+at a checkpoint step a process-level row measured the level below it."""
+SAVE_FAULT_STEP = 20
+"""A checkpoint step: where the `@save` rows put their fault, to measure a fault during a save."""
 
 
 def median(values: list[float]) -> float | None:

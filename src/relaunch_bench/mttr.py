@@ -16,7 +16,16 @@ from pathlib import Path
 from typing import Any
 
 from relaunch_bench import timeline, torchrun
-from relaunch_bench.jobs import DDP, FAULT_STEP, TOY, Progress, cluster, only_record, run_job
+from relaunch_bench.jobs import (
+    DDP,
+    FAULT_STEP,
+    SAVE_FAULT_STEP,
+    TOY,
+    Progress,
+    cluster,
+    only_record,
+    run_job,
+)
 from relaunch_bench.timeline import PHASES, Sample
 
 RETRY = {"fault-tolerance/job-retry-num": "8"}
@@ -51,7 +60,13 @@ LEVELS: dict[str, tuple[dict[str, str], dict[str, Any]]] = {
         {"kind": "process-exit", "pod": 1, "rank": 3, "exit_code": 1},
     ),
     "process-reschedule+spare": (RETRY, {"kind": "node-down", "pod": 1}),
+    # The same node lost while the ranks save a checkpoint: R-37 hands it to pod level.
+    "process-reschedule@save": (RETRY, {"kind": "node-down", "pod": 1}),
 }
+DURING_SAVE = "@save"
+"""A level whose fault lands on a checkpoint step (SAVE_FAULT_STEP), during the save."""
+HANDLED_BY = {"process-reschedule@save": "pod-reschedule"}
+"""The level that must handle a row's fault when it is not the row's own (R-37)."""
 WARM_SPARE = "+spare"
 """A level measured with warm spares: spec.warm_spares set to the processes of a pod, kept in
 each pod and, in a standby launcher, on each schedulable node."""
@@ -69,6 +84,7 @@ PROCESS_LEVELS = (
     "process-reschedule",
     "process-in-place+spare",
     "process-reschedule+spare",
+    "process-reschedule@save",
 )
 PROCESS_LABELS = {"process-recover-enable": "on", "pod-rescheduling": "on"}
 PROCESS_ANNOTATIONS = {
@@ -144,10 +160,11 @@ def relaunch_once(workload: str, level: str, tmp: Path, procs: int = 2) -> Sampl
     if "rank" in fault:
         fault = {**fault, "rank": 2 * procs - 1}
     scripted_crash = workload == "ddp" and level.removesuffix(WARM_SPARE) == "job-reschedule"
-    faults = [] if scripted_crash else [{**fault, "at_step": FAULT_STEP}]
+    step = SAVE_FAULT_STEP if level.endswith(DURING_SAVE) else FAULT_STEP
+    faults = [] if scripted_crash else [{**fault, "at_step": step}]
     nodes = CLUSTER if procs <= 2 else cluster(4, procs)
     report, _ = run_job(tmp, _job(workload, level, path, procs=procs), faults, nodes, timeout=300)
-    record = only_record(report, level.removesuffix(WARM_SPARE))
+    record = only_record(report, HANDLED_BY.get(level, level.removesuffix(WARM_SPARE)))
     if record is None:
         shown = (
             [(r["action"], r["outcome"]) for r in report["recoveries"]]
@@ -168,7 +185,7 @@ def relaunch_once(workload: str, level: str, tmp: Path, procs: int = 2) -> Sampl
         p.read_text() for p in (tmp / "state" / "jobs").glob("*/pods/*/logs/rank-0.log")
     )
     resumes = [int(m) for m in re.findall(r"resume_step=(\d+)", logs)]
-    lost = max(0, FAULT_STEP - resumes[-1]) if len(resumes) > 1 else None
+    lost = max(0, step - resumes[-1]) if len(resumes) > 1 else None
     phases = timeline.phases_of(timeline.read(path), record["fault_at"], record["detect_s"])
     return Sample(
         True, mttr_s=record["mttr_s"], detect_s=record["detect_s"], lost_steps=lost, phases=phases

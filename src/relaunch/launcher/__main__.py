@@ -1,4 +1,5 @@
-"""`python -m relaunch.launcher --state-dir DIR --plan FILE`: a pod's launcher."""
+"""`python -m relaunch.launcher --state-dir DIR --plan FILE [--container CGROUP]`: a pod's
+launcher (`--container`: the pod's cgroup, which the engine started it in)."""
 
 from __future__ import annotations
 

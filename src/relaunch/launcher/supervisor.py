@@ -1,6 +1,7 @@
 """The launcher: one per pod, the pod's "container". Run as `python -m relaunch.launcher`.
 
-It starts the job's command as `procs_per_pod` processes, each in its own process group with the
+It starts the job's command as `procs_per_pod` processes, each in its own process group (and,
+where the pod is a cgroup, in its rank's cgroup: see relaunch.containers) with the
 torchrun-compatible and ModelArts environment; writes their output to per-rank log files and
 relays it (and their progress reports and SDK phases) to the controller; learns of each exit at
 once (a pidfd per process; where the kernel has none, every `monitor_interval`); samples the CPU
