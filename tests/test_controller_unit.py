@@ -503,3 +503,41 @@ def test_a_fault_the_policy_ignores_leaves_the_recovery_under_way_alone(tmp_path
     assert sim.actions() == [("job-reschedule", "succeeded"), ("ignore", "succeeded")]
     rebuild = sim.records()[0]
     assert rebuild.mttr_s is not None and rebuild.mttr_s > 0
+
+
+def _phase(sim: Sim, pod: int, phase: str) -> None:
+    """Every running rank of `pod` says it entered `phase` (as the SDK's datagrams do)."""
+    from relaunch.protocol.messages import ProgressBatch, RankPhase
+
+    c = sim.controller
+    link = c.pods[pod].link
+    assert link is not None
+    phases = tuple(
+        RankPhase(rank, r.attempt, phase, sim.clock.now())
+        for rank, r in link.ranks.items()
+        if r.running
+    )
+    c.receive(link.peer, ProgressBatch((), phases))
+
+
+def test_r37_only_ranks_that_live_on_hold_process_level_recovery_back(tmp_path: Path) -> None:
+    """The lost node's ranks were last heard saving (their launcher, starved of CPU, had not
+    yet forwarded the save's end): they are gone, and process-level rescheduling still runs
+    (before: passed over, the job rebuilt at pod level, 1 run in 10 beside a noisy neighbour)."""
+    sim = booted(tmp_path, PROCESS, labels=PROCESS_LABELS)
+    _phase(sim, 1, "checkpoint")
+    sim.tick()
+    sim.engine.dead.add("node-1")  # the engine saw the node die; its launcher's close comes later
+    sim.tick()
+    assert sim.actions() == [("process-reschedule", "running")]
+
+
+def test_r37_a_surviving_rank_that_saves_still_holds_process_level_recovery_back(
+    tmp_path: Path,
+) -> None:
+    sim = booted(tmp_path, PROCESS, labels=PROCESS_LABELS)
+    _phase(sim, 0, "checkpoint")
+    sim.tick()
+    sim.engine.dead.add("node-1")
+    sim.tick()
+    assert sim.actions() == [("pod-reschedule", "running")]

@@ -68,14 +68,19 @@ def cluster_view(c: Controller, fault: Fault) -> ClusterView:
         if n.schedulable and n.name not in used and n.chips >= c.spec.chips_per_pod
     )
     attempt = c.job.attempt
+    failed = c.failed_pods()
+    faulty = faulty_pods(c, fault) | failed
+    # R-37 asks whether ranks that live on are saving or building their group: a rank on a lost
+    # node is gone whatever it was doing (and its last phase may never have reached the
+    # controller: a starved launcher forwards it late, then its node went)
+    gone = failed | {p.index for p in c.pods.values() if _node_lost(c, p.row.node)}
     phases = {
         r.phase
         for p in c.pods.values()
-        if p.link is not None
+        if p.link is not None and p.index not in gone
         for r in p.link.ranks.values()
         if r.attempt == attempt and r.running
     }
-    failed = c.failed_pods()
     started = c.job.attempt_started_at or fault.at
     from relaunch.policy.fallback import FAILED_AT_START_S
 
@@ -84,7 +89,7 @@ def cluster_view(c: Controller, fault: Fault) -> ClusterView:
         standby_nodes=standby,
         checkpoint_saving=SdkPhase.CHECKPOINT in phases,
         group_building=SdkPhase.GROUP in phases,
-        faulty_pods=frozenset(faulty_pods(c, fault) | failed),
+        faulty_pods=frozenset(faulty),
         all_pods_failed_at_start=(
             fault.kind is FaultKind.PROCESS_EXIT
             and fault.at - started < FAILED_AT_START_S
@@ -92,6 +97,11 @@ def cluster_view(c: Controller, fault: Fault) -> ClusterView:
         ),
         slots=rebuild_slots(capacities(c), c.spec.chips_per_pod),
     )
+
+
+def _node_lost(c: Controller, name: str) -> bool:
+    node = c.node(name)
+    return node is not None and node.state is NodeState.LOST
 
 
 def faulty_pods(c: Controller, fault: Fault) -> set[int]:
