@@ -289,3 +289,32 @@ def test_cgroup_is_gone_after_the_job(cluster: Cluster) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert not groups.root.path.exists()
     assert Cgroup(groups.root.path).procs() == []
+
+
+def test_cgroups_are_found_in_a_network_namespace_whose_sys_hides_them(tmp_path: Path) -> None:
+    """`ip netns exec` (how a node of the Ray trial cluster runs) mounts a fresh /sys, hiding
+    /sys/fs/cgroup: as root there relaunch mounts the one hierarchy itself, privately; a
+    machine whose cgroups are v1 only is left as it is."""
+    from relaunch.containers import _sys_remounted
+
+    assert _sys_remounted("45 40 0:22 / /sys rw - sysfs sysfs rw\n")
+    assert not _sys_remounted("32 31 0:29 / /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu\n")
+    _cgroups_or_skip(tmp_path)
+    namespace = f"relaunch-test-{os.getpid()}"
+    if subprocess.run(["ip", "netns", "add", namespace], capture_output=True).returncode != 0:
+        pytest.skip("needs root and iproute2 to make a network namespace")
+    try:
+        probe = (
+            "from pathlib import Path; from relaunch.containers import ClusterCgroups\n"
+            f"found = ClusterCgroups.probe(Path({str(tmp_path)!r}))\n"
+            "print(found if isinstance(found, str) else found.root.path)\n"
+        )
+        done = subprocess.run(
+            ["ip", "netns", "exec", namespace, sys.executable, "-c", probe],
+            capture_output=True, text=True, timeout=30, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith("/run/relaunch/cgroup2/relaunch-"), done.stdout
+    finally:
+        subprocess.run(["ip", "netns", "del", namespace], check=False)
+    assert not Path("/run/relaunch/cgroup2/cgroup.procs").exists(), "mounted outside it"

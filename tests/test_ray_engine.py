@@ -444,3 +444,28 @@ def test_a_server_on_ray_runs_what_is_submitted_to_it_there(
     assert [p["node"] for p in report["pods"]] == ["node-0", "node-2"]
     runner_log = (cluster.state / "runner.log").read_text()
     assert "ended: Succeeded" in runner_log, runner_log
+
+
+def test_helpers_that_leave_the_process_group_end_with_their_pod_on_ray(
+    cluster: Cluster, whole: RayTrial
+) -> None:
+    """The pods on a Ray node are cgroups too: a rank's setsid helpers end with a job-level
+    restart and with the job, and the report counts nothing left behind."""
+    from tests.test_containers import _cgroups_or_skip, helpers_job, kill_helpers, live_helpers
+
+    _cgroups_or_skip(cluster.state)
+    marks = cluster.dir / "marks"
+    marks.mkdir()
+    try:
+        faults = [{"kind": "process-exit", "at_step": 10, "pod": 1, "exit_code": 1}]
+        result = whole.run(cluster, helpers_job(marks, steps=60), faults, FAST_CLUSTER)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert result.actions == ["job-reschedule"]
+        said = [line for line in result.stdout.splitlines() if "pods" in line]
+        assert any("pods are cgroups on every node" in line for line in said), said
+        assert not list(marks.glob("survivors-seen-by-*"))
+        assert len(list(marks.glob("helper-*[0-9]"))) == 16
+        assert live_helpers(marks) == []
+        assert result.report["left_behind"] == 0
+    finally:
+        kill_helpers(marks)

@@ -35,6 +35,7 @@ import errno
 import hashlib
 import os
 import re
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,7 @@ __all__ = [
     "Cgroup",
     "ClusterCgroups",
     "cluster_root",
+    "find_unified",
     "own_cgroup",
     "pod_name",
     "reap_pods",
@@ -205,9 +207,49 @@ class Cgroup:
         return None
 
 
+PRIVATE_MOUNT: Final = Path("/run/relaunch/cgroup2")
+"""Where relaunch mounts the unified hierarchy itself when none is visible in a private mount
+namespace (`ip netns exec` gives each command one, with a fresh /sys that hides
+/sys/fs/cgroup): every cgroup2 mount shows the one hierarchy, and the mount ends with the
+namespace."""
+
+
+def _sys_remounted(mountinfo: str) -> bool:
+    """No cgroup file system (v1 or v2) is visible at all: this process sees a /sys mounted
+    anew (`ip netns exec`), not the machine's, whose cgroups are mounted somewhere."""
+    return not any(
+        line.partition(" - ")[2].split()[:1] in (["cgroup"], ["cgroup2"])
+        for line in mountinfo.splitlines()
+    )
+
+
+def find_unified() -> Path | None:
+    """The unified hierarchy's mount; where no cgroup file system is visible at all (a private
+    mount namespace with a fresh /sys), as root, mounted at PRIVATE_MOUNT. A machine whose
+    cgroups are v1 only is left as it is."""
+    try:
+        mountinfo = Path("/proc/self/mountinfo").read_text()
+    except OSError:
+        return None
+    found = unified_mount(mountinfo)
+    if found is not None or os.geteuid() != 0 or not _sys_remounted(mountinfo):
+        return found
+    try:
+        PRIVATE_MOUNT.mkdir(parents=True, exist_ok=True)
+        subprocess.run(
+            ["mount", "-t", "cgroup2", "cgroup2", str(PRIVATE_MOUNT)],
+            capture_output=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return unified_mount()
+
+
 def cluster_root(state_dir: Path) -> Cgroup | None:
     """Where the cluster of `state_dir` has its cgroups, made or not (None: no cgroup v2)."""
-    mount = unified_mount()
+    mount = find_unified()
     if mount is None:
         return None
     digest = hashlib.sha1(str(state_dir.resolve()).encode()).hexdigest()[:10]

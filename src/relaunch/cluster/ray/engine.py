@@ -66,8 +66,7 @@ class RayCluster:
         for name in self.nodes:
             if name not in self._lost:
                 said[name] = self._call(name, "containers") or "no answer"
-        kinds = sorted(set(said.values()))
-        if len(kinds) == 1 and kinds[0].startswith("cgroups"):
+        if said and all(what.startswith("cgroups") for what in said.values()):
             return "pods are cgroups on every node"
         return "pods: " + "; ".join(f"{node}: {what}" for node, what in sorted(said.items()))
 
