@@ -179,3 +179,5 @@ def test_the_bench_faults_land_between_checkpoints_and_the_save_rows_on_one() ->
             assert FAULT_STEP % every != 0, (level, workload, command)
             assert SAVE_FAULT_STEP % every == 0
     assert mttr.HANDLED_BY["process-reschedule@save"] == "pod-reschedule"
+    held = mttr._job("ddp", "process-reschedule@save", None)["spec"]["command"]
+    assert f"--slow-save-at {SAVE_FAULT_STEP}" in held

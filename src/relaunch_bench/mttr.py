@@ -64,7 +64,10 @@ LEVELS: dict[str, tuple[dict[str, str], dict[str, Any]]] = {
     "process-reschedule@save": (RETRY, {"kind": "node-down", "pod": 1}),
 }
 DURING_SAVE = "@save"
-"""A level whose fault lands on a checkpoint step (SAVE_FAULT_STEP), during the save."""
+"""A level whose fault lands on a checkpoint step (SAVE_FAULT_STEP), during the save: that
+save is held SAVE_HELD_S longer (a large model's), so that the surviving ranks are surely still
+saving when the fault is decided."""
+SAVE_HELD_S = 3
 HANDLED_BY = {"process-reschedule@save": "pod-reschedule"}
 """The level that must handle a row's fault when it is not the row's own (R-37)."""
 WARM_SPARE = "+spare"
@@ -133,6 +136,8 @@ def _job(
     spares = {}
     if level in PROCESS_LEVELS:
         command = f"python {DDP} --process-recovery --steps 60 --ckpt-every 5"
+    if level.endswith(DURING_SAVE):  # the save of the fault's step lasts: the fault lands in it
+        command += f" --slow-save-at {SAVE_FAULT_STEP} --slow-save-s {SAVE_HELD_S}"
         annotations = {**annotations, **PROCESS_ANNOTATIONS}
         labels = {**labels, **PROCESS_LABELS}
     if level.endswith(WARM_SPARE):
