@@ -181,3 +181,7 @@ def test_the_bench_faults_land_between_checkpoints_and_the_save_rows_on_one() ->
     assert mttr.HANDLED_BY["process-reschedule@save"] == "pod-reschedule"
     held = mttr._job("ddp", "process-reschedule@save", None)["spec"]["command"]
     assert f"--slow-save-at {SAVE_FAULT_STEP}" in held
+    for level in mttr.PROCESS_LEVELS:  # every process level runs with process recovery on
+        job = mttr._job("ddp", level, None)
+        assert job["metadata"]["labels"]["process-recover-enable"] == "on", level
+        assert "--slow-save-at" in job["spec"]["command"] or not level.endswith("@save")

@@ -136,10 +136,10 @@ def _job(
     spares = {}
     if level in PROCESS_LEVELS:
         command = f"python {DDP} --process-recovery --steps 60 --ckpt-every 5"
-    if level.endswith(DURING_SAVE):  # the save of the fault's step lasts: the fault lands in it
-        command += f" --slow-save-at {SAVE_FAULT_STEP} --slow-save-s {SAVE_HELD_S}"
         annotations = {**annotations, **PROCESS_ANNOTATIONS}
         labels = {**labels, **PROCESS_LABELS}
+    if level.endswith(DURING_SAVE):  # the save of the fault's step lasts: the fault lands in it
+        command += f" --slow-save-at {SAVE_FAULT_STEP} --slow-save-s {SAVE_HELD_S}"
     if level.endswith(WARM_SPARE):
         spares = {"warm_spares": procs}
     return {
