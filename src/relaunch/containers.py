@@ -160,6 +160,14 @@ class Cgroup:
             time.sleep(0.01)
         return True
 
+    def end(self) -> int:
+        """Kill every process here and below, wait (5 s at most) until they are gone, remove the
+        cgroups; how many processes there were."""
+        killed = self.kill()
+        self.wait_empty(5)
+        self.remove()
+        return killed
+
     def remove(self) -> bool:
         """Remove this cgroup and the empty ones below it, deepest first; True if it is gone."""
         if not self.path.exists():
@@ -300,13 +308,23 @@ class ClusterCgroups:
             return []
         return [self.node(node).child(n) for n in names if n.startswith("job-")]
 
+    def agent_placement(self, node: str) -> tuple[Cgroup, list[str]]:
+        """The cgroup `node`'s agent starts in (made), and the arguments that tell it the
+        cluster's."""
+        return self.agent(node).make(), ["--cgroups", str(self.root.path)]
+
+    def launcher_placement(
+        self, node: str, job: int, pod: int, generation: int
+    ) -> tuple[Cgroup, list[str]]:
+        """The cgroup a pod's launcher starts in (made), and the arguments that tell it its
+        pod's."""
+        container = self.pod(node, job, pod, generation).make()
+        return launcher_cgroup(container).make(), ["--container", str(container.path)]
+
     def shutdown(self) -> int:
         """Kill every process of the cluster and remove its cgroups; how many processes were
         still there."""
-        killed = self.root.kill()
-        self.root.wait_empty(5)
-        self.root.remove()
-        return killed
+        return self.root.end()
 
 
 def step_out(cgroup: Cgroup, levels: int) -> None:

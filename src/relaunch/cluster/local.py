@@ -27,7 +27,6 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -142,8 +141,7 @@ class LocalCluster:
              "--first-gpu", str(node.first_gpu),
              "--interval", str(interval), "--grace", str(grace), "--blip", str(blip_s)],
             self.layout.agent_log(node.name),
-            self._cgroup(lambda c: c.agent(node.name)),
-            ["--cgroups", str(self.cgroups.root.path)] if self.cgroups is not None else [],
+            self.cgroups.agent_placement(node.name) if self.cgroups is not None else None,
         )  # fmt: skip
         self._remember("agents", node.name, pid)
         self._watch_agents()
@@ -154,12 +152,13 @@ class LocalCluster:
         pod = PodDir(Path(plan.workdir))
         pod.path.mkdir(parents=True, exist_ok=True)
         pod.plan.write_text(plan.to_json())
-        container = self._cgroup(lambda c: c.pod(plan.node, plan.job, plan.pod, plan.generation))
+        placement = (
+            self.cgroups.launcher_placement(plan.node, plan.job, plan.pod, plan.generation)
+            if self.cgroups is not None
+            else None
+        )
         pid = self._spawn(
-            ["relaunch.launcher", "--plan", str(pod.plan)],
-            pod.launcher_log,
-            container.child("launcher").make() if container is not None else None,
-            ["--container", str(container.path)] if container is not None else [],
+            ["relaunch.launcher", "--plan", str(pod.plan)], pod.launcher_log, placement
         )
         self._remember("launchers", f"{plan.job}/{plan.pod}/{plan.generation}/{plan.node}", pid)
         return pid
@@ -172,26 +171,19 @@ class LocalCluster:
             pids["launchers"][f"{job}/{pod}/{generation}/{node}"] = ref
             self._save(pids)
 
-    def _cgroup(self, which: Callable[[ClusterCgroups], Cgroup]) -> Cgroup | None:
-        """The cgroup `which` names in this cluster's, made (None: no cgroups)."""
-        if self.cgroups is None:
-            return None
-        return which(self.cgroups).make()
-
     def _spawn(
         self,
         module_and_args: list[str],
         log_path: Path,
-        cgroup: Cgroup | None = None,
-        extra: list[str] | None = None,
+        placement: tuple[Cgroup, list[str]] | None = None,
     ) -> int:
         """A relaunch process in a session of its own, so that it outlives its controller, and
-        in `cgroup` from its first instruction, where there is one."""
+        in its cgroup from its first instruction, told so (`placement`), where there is one."""
         module, *args = module_and_args
+        cgroup, extra = placement if placement is not None else (None, [])
         with open(log_path, "a") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", module, "--state-dir", str(self.state_dir), *args,
-                 *(extra or [])],
+                [sys.executable, "-m", module, "--state-dir", str(self.state_dir), *args, *extra],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,

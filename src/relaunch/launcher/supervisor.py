@@ -117,9 +117,6 @@ class Launcher:
         self.container = container
         """The pod's cgroup (None: no cgroups here, each rank is a process group): each rank's
         processes live in its `rank-R` cgroup below it, killed whole when the rank ends."""
-        self.helpers_killed = 0
-        """Processes that outlived their rank (a helper that left its process group) and were
-        killed with the rank's cgroup."""
         self.dir = PodDir(Path(plan.workdir))
         self.dir.logs.mkdir(parents=True, exist_ok=True)
         self.dir.inject.mkdir(exist_ok=True)
@@ -343,8 +340,13 @@ class Launcher:
         child_env.setdefault(Env.SIGNALS_TO_HANDLE, "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
         path = self.dir.rank_log(rank)
         cgroup = self.rank_cgroup(rank)
+        if cgroup is not None:
+            try:
+                cgroup.make()
+            except OSError:
+                cgroup = None  # the rank runs as a process group only
         if cgroup is not None:  # what an earlier process of this rank left there
-            self.helpers_killed += cgroup.kill()
+            cgroup.kill()
             cgroup.wait_empty(5.0)
         spare = self.spares.take() if self.spares.argv is not None else None
         cwd = self.plan.working_dir or str(self.dir.path)
@@ -361,9 +363,8 @@ class Launcher:
             log.flush()
             output = RankLog(path)
             if spare is not None and self.spares.argv is not None:
-                if (
-                    cgroup is not None
-                ):  # moved before it runs the rank's code: all it forks is born there
+                # moved before it runs the rank's code: all it forks is born there
+                if cgroup is not None:
                     with contextlib.suppress(OSError):
                         cgroup.add(spare.proc.pid)
                 proc = spare.become(child_env, self.spares.argv, cwd, str(path))
@@ -389,22 +390,16 @@ class Launcher:
         return Worker(rank, local_rank, attempt, proc, kept, start_error=start_error)
 
     def rank_cgroup(self, rank: int) -> Cgroup | None:
-        """Rank `rank`'s cgroup in the pod's container, made if need be (None: no cgroups)."""
-        if self.container is None:
-            return None
-        cgroup = self.container.child(f"rank-{rank}")
-        try:
-            return cgroup.make()
-        except OSError:
-            return None
+        """Rank `rank`'s cgroup in the pod's container (None: no cgroups)."""
+        return self.container.child(f"rank-{rank}") if self.container is not None else None
 
     def end_rank(self, worker: Worker) -> None:
         """The rank's process has ended: whatever it started that still runs (a helper that
         left its process group, a daemon) ends with it, as a container's processes end with it."""
-        if self.container is None or group_alive(worker.proc):
+        cgroup = self.rank_cgroup(worker.rank)
+        if cgroup is None or not cgroup.populated() or group_alive(worker.proc):
             return  # a wrapper's child still saving its dying gasp: the stop ends it
-        cgroup = self.container.child(f"rank-{worker.rank}")
-        self.helpers_killed += cgroup.kill()
+        cgroup.kill()
 
     def close_container(self) -> None:
         """The launcher exits: every process of its ranks and spares is killed and their
@@ -413,7 +408,7 @@ class Launcher:
             return
         for name in ["spares", *(f"rank-{rank}" for rank in self.workers)]:
             cgroup = self.container.child(name)
-            self.helpers_killed += cgroup.kill()
+            cgroup.kill()
             cgroup.wait_empty(5.0)
         step_out(self.container, levels=1)  # pod, node, cluster: removed if this was the last
 
@@ -535,9 +530,10 @@ class Launcher:
         ranks: dict[int, tuple[float, int]] = {}
         working: dict[int, int] = {}
         for worker in silent:
+            cgroup = self.rank_cgroup(worker.rank)
             usage = (
-                cgroup_usage(self.container.child(f"rank-{worker.rank}"))
-                if self.container is not None
+                cgroup_usage(cgroup)
+                if cgroup is not None
                 else tree_usage(worker.proc.pid, children)
             )
             looks = worker.working - worker.working_sent
@@ -579,8 +575,9 @@ class Launcher:
             signal_group(worker.proc.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 worker.proc.wait(timeout=5)
-            if self.container is not None:  # and all the rank started, wherever it went
-                self.helpers_killed += self.container.child(f"rank-{worker.rank}").kill()
+            cgroup = self.rank_cgroup(worker.rank)
+            if cgroup is not None:  # and all the rank started, wherever it went
+                cgroup.kill()
         self.monitor()
 
     def inject(self, message: InjectProcessFault) -> None:

@@ -49,10 +49,9 @@ class NodeHost:
         if self.cgroups is None:
             return None, []
         if key == "agent":
-            return self.cgroups.agent(self.node).make(), ["--cgroups", str(self.cgroups.root.path)]
+            return self.cgroups.agent_placement(self.node)
         job, pod, generation = (int(part) for part in key.split("/"))
-        container = self.cgroups.pod(self.node, job, pod, generation).make()
-        return container.child("launcher").make(), ["--container", str(container.path)]
+        return self.cgroups.launcher_placement(self.node, job, pod, generation)
 
     def spawn(self, key: str, module: str, args: list[str], log: str, files: dict[str, str]) -> int:
         if self.dead:
@@ -88,11 +87,7 @@ class NodeHost:
         self.children.clear()
         if self.cgroups is None:
             return None
-        node = self.cgroups.node(self.node)
-        left = node.kill()
-        node.wait_empty(5)
-        node.remove()
-        return left
+        return self.cgroups.node(self.node).end()
 
     def free_port(self) -> int:
         return free_port("0.0.0.0")
