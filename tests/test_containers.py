@@ -138,6 +138,31 @@ def test_no_cgroups_on_purpose_is_said_and_the_probe_makes_nothing(
     assert ClusterCgroups.probe(tmp_path) == "RELAUNCH_CGROUPS=off"
 
 
+def test_probing_and_the_last_process_out_leave_no_cgroup(tmp_path: Path) -> None:
+    """A probe (every engine makes one) leaves nothing; the last process of a cluster to exit
+    removes every empty cgroup, a lost node's too, and a process that joins a cgroup removed
+    meanwhile gets it made again."""
+    cluster = _cgroups_or_skip(tmp_path)
+    assert not cluster.root.path.exists()
+    cluster.node("lost").make()  # a node lost: killed, its directory left
+    agent = cluster.agent("alive").make()
+    last = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from relaunch.containers import Cgroup, step_out;"
+         " step_out(Cgroup(__import__('pathlib').Path(sys.argv[1])), levels=1)", str(agent.path)],
+        preexec_fn=agent.join,
+    )  # fmt: skip
+    assert last.wait(30) == 0
+    assert not cluster.root.path.exists()
+    pod = cluster.pod("n", 1, 0, 1)
+    sleeper = subprocess.Popen(["sleep", "30"], preexec_fn=pod.child("rank-0").join)
+    try:
+        assert sleeper.pid in pod.procs()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        cluster.shutdown()
+
+
 def test_a_cgroup_kill_takes_what_left_the_process_group(tmp_path: Path) -> None:
     cluster = _cgroups_or_skip(tmp_path)
     pod = cluster.pod("node-0", 1, 0, 1).make()

@@ -110,12 +110,22 @@ class Cgroup:
         return (self.path / "cgroup.procs").exists()
 
     def join(self) -> None:
-        """Move the calling process here (in a child before exec: all it forks is born here)."""
-        with open(self.path / "cgroup.procs", "w") as procs:
-            procs.write("0")
+        """Move the calling process here (in a child before exec: all it forks is born here).
+        Made again if it is gone: the last process of a cluster removes the empty cgroups, and
+        this one may have been empty a moment ago."""
+        for _ in range(5):
+            self.path.mkdir(parents=True, exist_ok=True)
+            try:
+                with open(self.path / "cgroup.procs", "w") as procs:
+                    procs.write("0")
+                return
+            except FileNotFoundError:
+                continue
+        raise FileNotFoundError(f"{self.path} vanished each time it was made")
 
     def add(self, pid: int) -> None:
-        """Move process `pid` (all its threads) here."""
+        """Move process `pid` (all its threads) here (made again if it is gone, as for `join`)."""
+        self.path.mkdir(parents=True, exist_ok=True)
         with open(self.path / "cgroup.procs", "w") as procs:
             procs.write(str(pid))
 
@@ -281,12 +291,13 @@ class ClusterCgroups:
             return "no cgroup v2 hierarchy is mounted (see /proc/self/mountinfo)"
         base = root.path.parent
         trial = root.child("probe")
+        made_root = not root.path.exists()
         try:
             trial.make()
-            if not (trial.path / "cgroup.kill").exists():
-                trial.remove()
+            killable = (trial.path / "cgroup.kill").exists()
+            (root if made_root else trial).remove()  # nothing is left of the probe
+            if not killable:
                 return "this kernel's cgroups have no cgroup.kill (Linux 5.14 or later needed)"
-            trial.remove()
         except OSError as error:
             return f"cannot create a cgroup under {base} ({error.strerror}): run as root or in a delegated cgroup"
         return ClusterCgroups(root)
@@ -329,15 +340,14 @@ class ClusterCgroups:
 
 def step_out(cgroup: Cgroup, levels: int) -> None:
     """The calling process, about to exit, leaves the cluster's cgroups (for the parent of the
-    cluster's root, `levels` above `cgroup`'s parent: where their creator made them), and
-    `cgroup` is removed, with each cgroup above it up to the cluster's root that is then empty:
-    the last process of an abandoned cluster to exit leaves no cgroup behind."""
+    cluster's root, `levels` above `cgroup`'s parent: where their creator made them), and every
+    cgroup of the cluster that is then empty is removed (a populated one cannot be): the last
+    process of an abandoned cluster to exit leaves no cgroup behind. One made a moment ago for
+    a process still to start is made again when that process joins it (`Cgroup.join`)."""
     top = cgroup.path.parents[levels]
     with contextlib.suppress(OSError):
         Cgroup(top.parent).join()
-        cgroup.remove()
-        for parent in cgroup.path.parents[: levels + 1]:
-            os.rmdir(parent)  # fails (and stops) at the first that still holds something
+        Cgroup(top).remove()  # every empty cgroup of the cluster: a lost node's, this one's
 
 
 def launcher_cgroup(pod: Cgroup) -> Cgroup:
