@@ -541,3 +541,27 @@ def test_r37_a_surviving_rank_that_saves_still_holds_process_level_recovery_back
     sim.engine.dead.add("node-1")
     sim.tick()
     assert sim.actions() == [("pod-reschedule", "running")]
+
+
+def test_a_rank_that_failed_while_no_controller_heard_it_is_a_fault_at_adoption(
+    tmp_path: Path,
+) -> None:
+    """Rank 2 exited with code 1 while its launcher's connection was gone (its exit was sent to
+    a controller that was dying): the launcher's hello is all that says so. Before: the rank
+    counted as exited without a fault, and the job waited forever with nothing running."""
+    from relaunch.protocol.messages import LauncherHello, ProcReport
+    from tests.controller_sim import FakePeer
+
+    sim = booted(tmp_path, UNCONDITIONAL)
+    c = sim.controller
+    old = sim.link_peer(1)
+    old.closed = True
+    c.receive(old, None)
+    sim.tick()
+    again = FakePeer("launcher-1-again", sim.wire)
+    procs = {2: ProcReport(1, 5002, False, 1), 3: ProcReport(1, 5003, True, None)}
+    c.receive(again, LauncherHello(sim.job_id, 1, 1, 1011, 1, "node-1", procs=procs))
+    sim.tick()
+    assert sim.actions() == [("job-reschedule", "running")]
+    assert sim.records()[0].fault.rank == 2
+

@@ -35,6 +35,13 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
+def ended(run: subprocess.Popen[str]) -> tuple[str, str]:
+    """What a run said, once it is ended (killed if it still runs): a failing check never waits
+    on a run that does not end."""
+    run.kill()
+    return run.communicate(timeout=30)
+
+
 def fill(disk: Path) -> Path:
     """Fill the disk to its last byte; the file that did it."""
     filler = disk / "filler"
@@ -54,7 +61,7 @@ def test_a_full_disk_is_said_the_record_kept_and_resume_carries_on(small_disk: P
     )
     deadline = time.monotonic() + 60
     while not query(cluster.state, "SELECT 1 FROM jobs WHERE last_step >= 5"):
-        assert run.poll() is None and time.monotonic() < deadline, run.communicate()
+        assert run.poll() is None and time.monotonic() < deadline, ended(run)
         time.sleep(0.05)
     filler = fill(small_disk)
     _, stderr = run.communicate(timeout=120)
@@ -74,7 +81,7 @@ def test_a_full_disk_is_said_the_record_kept_and_resume_carries_on(small_disk: P
     while not query(
         cluster.state, f"SELECT 1 FROM jobs WHERE id = 1 AND last_step >= {before + 10}"
     ):
-        assert resumed.poll() is None and time.monotonic() < deadline, resumed.communicate()
+        assert resumed.poll() is None and time.monotonic() < deadline, ended(resumed)
         time.sleep(0.05)
     resumed.terminate()  # it trains on: the job carried on from its record
     resumed.communicate(timeout=60)

@@ -217,6 +217,16 @@ def _launcher_hello(c: Controller, peer: Peer, hello: LauncherHello) -> None:
     membership = c.membership.current()
     if c.recovery.process_level and membership is not None:
         peer.send(MembershipUpdate(membership))
+    for rank, report in hello.procs.items():
+        if report.running or report.attempt != c.job.attempt or not report.code:
+            continue
+        # a rank that failed while no controller heard it (its exit was sent to one that was
+        # dying): the hello is all that says so, and an exit no fault was stored for is one
+        if not c.store.has_fault_from(
+            c.job_id, f"exit:{report.attempt}:{hello.generation}:{rank}:"
+        ):
+            code, signum = (None, -report.code) if report.code < 0 else (report.code, None)
+            _exited(c, link, Exited(rank, report.attempt, code, signum, False, now))
 
 
 def _closed(c: Controller, peer: Peer) -> None:

@@ -44,6 +44,15 @@ class RecordTable(PodTable):
         )
         return None if row is None else int(row["id"])
 
+    def has_fault_from(self, job_id: int, source_prefix: str) -> bool:
+        """Whether a fault whose source starts with `source_prefix` was stored for the job."""
+        escaped = source_prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+        row = self._one(
+            "SELECT 1 FROM faults WHERE job_id = ? AND source LIKE ? ESCAPE '\\' LIMIT 1",
+            (job_id, escaped + "%"),
+        )
+        return row is not None
+
     def faults(self, job_id: int, before: int | None = None) -> list[Fault]:
         """The faults that were decided (collateral ones are not: their group's fault was)."""
         rows = self._all(
