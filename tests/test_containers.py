@@ -185,6 +185,40 @@ def test_a_cgroup_kill_takes_what_left_the_process_group(tmp_path: Path) -> None
     assert not cluster.root.path.exists()
 
 
+def test_a_cgroup_removed_while_a_process_joins_it_is_made_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last process of a cluster removes its empty cgroups; one can go between the open of
+    its cgroup.procs and the write, which the kernel answers with ENODEV (removed here at that
+    moment, for real). Seen in the suite: a launcher's start failed ("Exception occurred in
+    preexec_fn") and took the controller down with it."""
+    import builtins
+
+    import relaunch.containers as containers
+
+    cluster = _cgroups_or_skip(tmp_path)
+    target = cluster.pod("node-0", 1, 0, 1).child("launcher").make()
+    removed: list[str] = []
+
+    def open_then_remove(path: Any, *args: Any, **kwargs: Any) -> Any:
+        opened = builtins.open(path, *args, **kwargs)
+        if not removed and str(path).endswith("cgroup.procs"):
+            os.rmdir(Path(path).parent)
+            removed.append(str(path))
+        return opened
+
+    monkeypatch.setattr(containers, "open", open_then_remove, raising=False)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        target.add(sleeper.pid)
+        assert removed, "the cgroup was not removed under the join"
+        assert sleeper.pid in target.procs()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        cluster.shutdown()
+
+
 def test_an_agent_reaps_a_pod_whose_launcher_died_and_leaves_a_starting_one(
     tmp_path: Path,
 ) -> None:

@@ -565,3 +565,33 @@ def test_a_rank_that_failed_while_no_controller_heard_it_is_a_fault_at_adoption(
     assert sim.actions() == [("job-reschedule", "running")]
     assert sim.records()[0].fault.rank == 2
 
+
+def test_a_launcher_the_engine_could_not_start_is_started_again_not_fatal(
+    tmp_path: Path,
+) -> None:
+    """The engine's start of a pod's launcher raised (a cgroup removed under it): the controller
+    says so and carries on, and starts that launcher again once its launch is overdue. Before:
+    the exception ended `relaunch run` with a traceback, the job's pods left without a controller."""
+    import subprocess
+
+    from relaunch.controller.pods import LAUNCH_RETRY_S
+
+    sim = Sim(tmp_path, job_spec(UNCONDITIONAL), nodes=4)
+    real = sim.engine.start_pod
+    failed: list[int] = []
+
+    def start_pod(plan: Any) -> int:
+        if plan.pod == 1 and not failed:
+            failed.append(plan.pod)
+            raise subprocess.SubprocessError("Exception occurred in preexec_fn.")
+        return real(plan)
+
+    sim.engine.start_pod = start_pod  # type: ignore[method-assign]
+    sim.boot()
+    assert failed == [1]
+    assert any("could not start the launcher of pod 1" in e for e in sim.events)
+    sim.run(LAUNCH_RETRY_S + 0.5)
+    assert (1, 1, "node-1") in sim.engine.pods_started()
+    sim.train(1)
+    sim.tick()
+    assert sim.controller.job.status is JobStatus.RUNNING

@@ -113,21 +113,22 @@ class Cgroup:
         """Move the calling process here (in a child before exec: all it forks is born here).
         Made again if it is gone: the last process of a cluster removes the empty cgroups, and
         this one may have been empty a moment ago."""
+        self.add(0)
+
+    def add(self, pid: int) -> None:
+        """Move process `pid` (all its threads; 0: the caller) here. Made again if it is gone
+        or going: a cgroup removed between the `mkdir` and the open is not found (ENOENT), one
+        removed between the open and the write answers ENODEV."""
         for _ in range(5):
             self.path.mkdir(parents=True, exist_ok=True)
             try:
                 with open(self.path / "cgroup.procs", "w") as procs:
-                    procs.write("0")
+                    procs.write(str(pid))
                 return
-            except FileNotFoundError:
-                continue
+            except OSError as error:
+                if error.errno not in (errno.ENOENT, errno.ENODEV):
+                    raise
         raise FileNotFoundError(f"{self.path} vanished each time it was made")
-
-    def add(self, pid: int) -> None:
-        """Move process `pid` (all its threads) here (made again if it is gone, as for `join`)."""
-        self.path.mkdir(parents=True, exist_ok=True)
-        with open(self.path / "cgroup.procs", "w") as procs:
-            procs.write(str(pid))
 
     def procs(self) -> list[int]:
         """The processes in this cgroup and every cgroup below it."""

@@ -11,6 +11,7 @@ controller or a repeated message is harmless: each pass only looks at what is an
 from __future__ import annotations
 
 import json
+import subprocess
 from typing import TYPE_CHECKING
 
 from relaunch import failpoints
@@ -94,7 +95,14 @@ class Reconciler:
             return True
         if pod.needs_launch(now):
             pod.launching(now)
-            c.engine.start_pod(commands.launch_plan(c, pod.row))
+            try:
+                c.engine.start_pod(commands.launch_plan(c, pod.row))
+            except (OSError, subprocess.SubprocessError) as error:
+                # what the engine could not do is an observation: the pod is started again
+                # once its launch is overdue (PodPhase.LAUNCHING), the controller carries on
+                c.event(
+                    f"could not start the launcher of pod {pod.index} on {pod.row.node}: {error}"
+                )
         return False
 
     def _stop_or_start(self, pods: list[Pod]) -> None:
