@@ -208,6 +208,34 @@ def test_process_retry_keeps_every_process_and_is_verified_by_a_later_step(
     assert sim.actions() == [("process-retry", "succeeded")]
 
 
+def test_r30_the_retried_chip_is_healed_so_a_later_crash_restarts_in_place(
+    tmp_path: Path,
+) -> None:
+    """A memory UCE on pod 0's node is retried online; the chip is then healed (the retry asks
+    its agent), so a later crash in pod 1 restarts in place. Before: the chip stayed faulty for
+    good, and R-31's rank-0 rule sent every later crash to a standby node (seen on a GPU)."""
+    from relaunch.protocol.messages import ChipReport
+
+    sim = booted(tmp_path, PROCESS, labels=PROCESS_LABELS)
+    sim.train(5)
+    sim.tick()
+    sim.seq += 1
+    sim.chip_faults["node-0"] = [
+        ChipReport(sim.seq, 0, "80E01801", True, "memory-uce", sim.clock.now())
+    ]
+    sim.tick()
+    assert sim.actions() == [("process-retry", "running")]
+    assert sim.agents["node-0"].of(Heal)
+    sim.run(0.5)
+    sim.train(6)
+    sim.tick()
+    assert sim.actions() == [("process-retry", "succeeded")]
+    assert not sim.controller.node("node-0").chip_faults  # type: ignore[union-attr]
+    sim.crash(3)
+    sim.tick()
+    assert sim.actions()[-1] == ("process-in-place", "running")
+
+
 def test_process_in_place_restarts_only_the_crashed_rank(tmp_path: Path) -> None:
     sim = booted(tmp_path, PROCESS, labels=PROCESS_LABELS)
     sim.crash(3)

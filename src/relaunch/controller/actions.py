@@ -92,6 +92,11 @@ class ProcessRetry(LevelAction):
     def begin(self, c: Controller, d: Decision, active: ActiveRecovery, attempt: int) -> None:
         active.after_step = c.progress.step or 0
         c.membership.publish(retry=True)
+        if active.fault.chip is not None:
+            # the chip's error is repaired while the step runs again: left faulty, its node
+            # would count as faulty for every later decision (R-31's rank-0 rule); a chip that
+            # cannot heal fails the retry, and the ladder goes on down
+            commands.request_heal(c, active)
 
     def worked(
         self, active: ActiveRecovery, rank: int, started_at: float, step: int | None
