@@ -201,7 +201,7 @@ def test_a_cgroup_removed_while_a_process_joins_it_is_made_again(
     removed: list[str] = []
 
     def open_then_remove(path: Any, *args: Any, **kwargs: Any) -> Any:
-        opened = builtins.open(path, *args, **kwargs)
+        opened = builtins.open(path, *args, **kwargs)  # noqa: SIM115 (the caller closes it)
         if not removed and str(path).endswith("cgroup.procs"):
             os.rmdir(Path(path).parent)
             removed.append(str(path))
