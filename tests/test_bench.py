@@ -154,8 +154,9 @@ def test_bench_without_torch_says_what_to_install(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
-def test_bench_refuses_unknown_levels_and_sections(tmp_path: Path) -> None:
-    for option, value in (("--levels", "in-place,warp-drive"), ("--only", "mttr,speed")):
+def test_bench_refuses_unknown_levels_sections_and_devices(tmp_path: Path) -> None:
+    cases = (("--levels", "in-place,warp-drive"), ("--only", "mttr,speed"), ("--device", "cpu,tpu"))
+    for option, value in cases:
         done = subprocess.run(
             [sys.executable, "-m", "relaunch", "bench", option, value, "--out", str(tmp_path)],
             capture_output=True, text=True, timeout=60, check=False,

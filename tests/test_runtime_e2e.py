@@ -383,3 +383,5 @@ def test_r06_every_rank_gets_torchrun_s_whole_environment_and_counts_as_torchela
         assert ours["env"]["TORCHELASTIC_RUN_ID"] == f"e2e-{result.report['id']}"
         assert ours["env"]["TORCHELASTIC_MAX_RESTARTS"] == "4"
         assert ours["env"]["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+        # each node is a host of its own to NCCL, though the embedded cluster's share a machine
+        assert ours["env"]["NCCL_HOSTID"] == "relaunch-node-0"

@@ -1,11 +1,13 @@
-"""A PyTorch DDP job (gloo on CPU) that relaunch can stop and restart anywhere without changing
-the model it ends with.
+"""A PyTorch DDP job (gloo on CPU, or NCCL on NVIDIA GPUs with `--device cuda`) that relaunch can
+stop and restart anywhere without changing the model it ends with.
 
 - The data of step s depends only on s and the rank, so a resumed run sees the same batches.
 - Model, optimizer, RNG state and step are checkpointed every `--ckpt-every` steps into the job's
   shared directory (kept across reschedulings), and saved once more on SIGTERM (dying gasp).
 - Every rank resumes from the newest step all ranks can load.
 - Rank 0 writes the SHA-256 of the final parameters to `--out`.
+- `--device cuda`: the model and its batches on GPU `LOCAL_RANK % device count`, NCCL between
+  the ranks; `--dropout P` draws from the GPU's random stream, which the checkpoint then holds.
 - `--process-recovery`: the training SDK's ProcessGroupKeeper owns the process group, so that
   under `process-recover-enable: on` a failed rank is replaced (or a step retried) while the
   healthy ranks keep running; the maths of every step is the same.
@@ -57,12 +59,31 @@ def shard(step: int, rank: int, world: int, total: int = 128) -> tuple[torch.Ten
     return x[lo:hi], y[lo:hi]
 
 
+def device_of(args: argparse.Namespace) -> torch.device:
+    """Where this rank computes: the CPU, or its GPU (LOCAL_RANK, as torchrun's scripts pick it)."""
+    if args.device == "cpu":
+        return torch.device("cpu")
+    index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def finished(where: torch.device) -> None:
+    """A step is done when the GPU is done with it: CUDA runs it after the host has moved on, so
+    a step reported (or timed) before this could be one the GPU never finished."""
+    if where.type == "cuda":
+        torch.cuda.synchronize(where)
+
+
 def build(
     args: argparse.Namespace, rank: int
 ) -> tuple[nn.Module, torch.optim.Optimizer, CheckpointManager, Callable[[], dict[str, object]]]:
     """The model, its optimizer, the checkpoints and what a checkpoint holds."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
+    layers: list[nn.Module] = [nn.Linear(16, 64), nn.Tanh()]
+    if args.dropout > 0:
+        layers.append(nn.Dropout(args.dropout))
+    model = nn.Sequential(*layers, nn.Linear(64, 1)).to(args.where)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
     shared = Path(os.environ.get("RELAUNCH_SHARED_DIR", "."))
     ckpt = CheckpointManager(
@@ -89,6 +110,12 @@ def main() -> None:
     parser.add_argument("--ckpt-dir", default=None, help="default: $RELAUNCH_SHARED_DIR/ckpt")
     parser.add_argument("--out", default=None, help="where rank 0 writes the final parameter hash")
     parser.add_argument("--step-seconds", type=float, default=0.02)
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL on NVIDIA GPUs"
+    )
+    parser.add_argument(
+        "--dropout", type=float, default=0.0, help="draws from the device's random stream"
+    )
     parser.add_argument(
         "--timeline", default=None, help="append 'event step time' lines (benchmarks)"
     )
@@ -128,6 +155,7 @@ def main() -> None:
         help="tests: a replacement process exits 1 as soon as it has joined (fallback paths)",
     )
     args = parser.parse_args()
+    args.where = device_of(args)
     if args.process_recovery:
         process_level(args)
         return
@@ -151,7 +179,9 @@ def main() -> None:
     # Where a restart's time goes (rank 0): process start, imports, rendezvous, model, checkpoint.
     mark("launched", 0, LAUNCHED)
     mark("imported", 0)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "nccl" if args.where.type == "cuda" else "gloo", timeout=timedelta(seconds=60)
+    )
     mark("group", 0)
     model, optimizer, ckpt, state = build(args, job.rank)
     ddp = DistributedDataParallel(model)
@@ -165,7 +195,7 @@ def main() -> None:
         set_rng_state(resumed.state["rng"])
         start = resumed.step
     ckpt.completed_step = start
-    settle_ddp_buckets(ddp, batch(0, job.rank)[0])
+    settle_ddp_buckets(ddp, batch(0, job.rank)[0].to(args.where))
     ckpt.dying_gasp(state)
     mark("loaded", start)
     print(
@@ -174,6 +204,8 @@ def main() -> None:
         flush=True,
     )
 
+    if job.rank == 0:
+        print(f"backend: {dist.get_backend()} on {args.where}", flush=True)
     mark("start", start)
     for step in range(start + 1, args.steps + 1):
         if step == crash_step and job.rank == args.crash_rank:
@@ -185,11 +217,12 @@ def main() -> None:
             mark("hang", step)
             os.kill(os.getpid(), signal.SIGSTOP)
         with ckpt.step(step):
-            x, y = batch(step, job.rank)
+            x, y = (t.to(args.where) for t in batch(step, job.rank))
             optimizer.zero_grad()
             loss = nn.functional.mse_loss(ddp(x), y)
             loss.backward()
             optimizer.step()
+            finished(args.where)
         report_progress(step)
         mark("step", step)
         ckpt.maybe_save(step, state)
@@ -214,7 +247,9 @@ def process_level(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     job = env()
     model, optimizer, ckpt, state = build(args, job.rank)
-    keeper = ProcessGroupKeeper(model, optimizer)
+    keeper = ProcessGroupKeeper(
+        model, optimizer, backend="nccl" if args.where.type == "cuda" else "gloo"
+    )
     joined = keeper.start()
     if not joined:
         resumed = load_common_checkpoint(ckpt, replicated=True)
@@ -226,7 +261,7 @@ def process_level(args: argparse.Namespace) -> None:
     if joined and args.replacements_crash:
         print(f"replacement rank {job.rank} crashes on purpose", flush=True)
         os._exit(1)
-    keeper.settle(batch(0, job.rank)[0])
+    keeper.settle(batch(0, job.rank)[0].to(args.where))
     ckpt.completed_step = keeper.completed
     ckpt.dying_gasp(state)
     print(
@@ -236,14 +271,18 @@ def process_level(args: argparse.Namespace) -> None:
         flush=True,
     )
 
+    if job.rank == 0:
+        print(f"backend: {dist.get_backend()} on {args.where}", flush=True)
+
     def train_step(step: int) -> torch.Tensor:
-        x, y = shard(step, keeper.rank, keeper.world_size)
+        x, y = (t.to(args.where) for t in shard(step, keeper.rank, keeper.world_size))
         optimizer.zero_grad()
         loss = nn.functional.mse_loss(keeper.module(x), y)
         loss.backward()
         return loss
 
     def after(step: int, loss: torch.Tensor) -> None:
+        finished(args.where)
         ckpt.completed_step = step
         report_progress(step)
         ckpt.maybe_save(step, state)

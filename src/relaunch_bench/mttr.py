@@ -118,7 +118,12 @@ class Row:
 
 
 def _job(
-    workload: str, level: str, timeline_path: Path | None, pods: int = 2, procs: int = 2
+    workload: str,
+    level: str,
+    timeline_path: Path | None,
+    pods: int = 2,
+    procs: int = 2,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     annotations, _ = LEVELS[level]
     if workload == "light":
@@ -138,6 +143,8 @@ def _job(
         command = f"python {DDP} --process-recovery --steps 60 --ckpt-every 5"
         annotations = {**annotations, **PROCESS_ANNOTATIONS}
         labels = {**labels, **PROCESS_LABELS}
+    if workload == "ddp" and device != "cpu":
+        command += f" --device {device}"
     if level.endswith(DURING_SAVE):  # the save of the fault's step lasts: the fault lands in it
         command += f" --slow-save-at {SAVE_FAULT_STEP} --slow-save-s {SAVE_HELD_S}"
     if level.endswith(WARM_SPARE):
@@ -157,9 +164,12 @@ def _job(
     }
 
 
-def relaunch_once(workload: str, level: str, tmp: Path, procs: int = 2) -> Sample:
+def relaunch_once(
+    workload: str, level: str, tmp: Path, procs: int = 2, device: str = "cpu"
+) -> Sample:
     """One `relaunch run` whose single fault must be recovered by `level`. A process fault
-    hits the last rank (in pod 1, whatever the pod's size)."""
+    hits the last rank (in pod 1, whatever the pod's size). `device` cuda: the DDP workload on
+    the GPUs, over NCCL."""
     path = tmp / "timeline.txt"
     _, fault = LEVELS[level]
     if "rank" in fault:
@@ -168,7 +178,8 @@ def relaunch_once(workload: str, level: str, tmp: Path, procs: int = 2) -> Sampl
     step = SAVE_FAULT_STEP if level.endswith(DURING_SAVE) else FAULT_STEP
     faults = [] if scripted_crash else [{**fault, "at_step": step}]
     nodes = CLUSTER if procs <= 2 else cluster(4, procs)
-    report, _ = run_job(tmp, _job(workload, level, path, procs=procs), faults, nodes, timeout=300)
+    job = _job(workload, level, path, procs=procs, device=device)
+    report, _ = run_job(tmp, job, faults, nodes, timeout=300)
     record = only_record(report, HANDLED_BY.get(level, level.removesuffix(WARM_SPARE)))
     if record is None:
         shown = (
@@ -280,19 +291,22 @@ def plan(quick: bool, levels: tuple[str, ...]) -> list[tuple[str, str, str]]:
     return [*rows, ("torchrun", "ddp", "job-reschedule")]
 
 
-def mttr_rows(quick: bool, repeats: int, levels: tuple[str, ...], say: Progress) -> list[Row]:
-    """The MTTR table: `repeats` runs of each row of `plan` (DDP with 1 process a pod in quick)."""
-    procs = 1 if quick else 2  # --quick starts half as many DDP processes
+def mttr_rows(
+    quick: bool, repeats: int, levels: tuple[str, ...], say: Progress, device: str = "cpu"
+) -> list[Row]:
+    """The MTTR table: `repeats` runs of each row of `plan` (DDP with 1 process a pod in quick,
+    and on GPUs: NCCL lets two ranks share a GPU only from different hosts, as pods are)."""
+    procs = 1 if quick or device != "cpu" else 2  # --quick starts half as many DDP processes
     rows = []
     for system, workload, level in plan(quick, levels):
         samples = []
         for i in range(repeats):
             with tempfile.TemporaryDirectory(prefix="relaunch-bench-") as tmp:
                 if system == "torchrun":
-                    sample = torchrun.crash_once(Path(tmp), procs)
+                    sample = torchrun.crash_once(Path(tmp), procs, device)
                 else:
                     pod_procs = procs if workload == "ddp" else 2
-                    sample = relaunch_once(workload, level, Path(tmp), pod_procs)
+                    sample = relaunch_once(workload, level, Path(tmp), pod_procs, device)
             samples.append(sample)
             shown = (
                 f"{sample.mttr_s:.2f} s" if sample.mttr_s is not None else f"failed ({sample.note})"

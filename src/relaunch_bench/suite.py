@@ -35,6 +35,8 @@ class BenchOptions:
     row is always there."""
     sections: tuple[str, ...] = ()
     """Only these parts of the benchmark (all of SECTIONS when empty)."""
+    device: str = "cpu"
+    """cuda: the MTTR table's DDP rows (relaunch's and torchrun's) on the GPUs, over NCCL."""
 
 
 def run_bench(options: BenchOptions) -> dict[str, Any]:
@@ -47,7 +49,11 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
 
     sections = options.sections or SECTIONS
     repeats = 1 if options.quick else options.repeats
-    rows = mttr_rows(options.quick, repeats, options.levels, say) if "mttr" in sections else []
+    rows = (
+        mttr_rows(options.quick, repeats, options.levels, say, options.device)
+        if "mttr" in sections
+        else []
+    )
     hangs = hang_rows(options.quick, say) if "hang" in sections else []
     measured = _sections(options, sections, repeats, say)
     if options.quick and "reliability" in sections:
@@ -55,6 +61,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
     result = {
         "machine": _machine(),
         "quick": options.quick,
+        "device": options.device,
         "torchrun_env": torchrun.ENV,
         "mttr": [asdict(r) for r in rows],
         "hang": hangs,
@@ -138,7 +145,23 @@ def _machine() -> dict[str, Any]:
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": _torch_version(),
+        "gpus": _gpus(),
     }
+
+
+def _gpus() -> list[str]:
+    """The names of this machine's NVIDIA GPUs (none without a driver)."""
+    try:
+        import pynvml  # type: ignore[import-untyped]
+
+        pynvml.nvmlInit()
+        count = int(pynvml.nvmlDeviceGetCount())
+        return [
+            str(pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i)))
+            for i in range(count)
+        ]
+    except Exception:  # no nvidia-ml-py, no driver: no GPUs to name
+        return []
 
 
 def _torch_version() -> str | None:

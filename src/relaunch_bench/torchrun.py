@@ -27,12 +27,22 @@ def start(
     max_restarts: int = 3,
     steps: int = 60,
     procs: int = 2,
+    device: str = "cpu",
 ) -> Agents:
-    """The DDP script under torchrun --max-restarts=N: two agents (pods) of `procs` workers."""
+    """The DDP script under torchrun --max-restarts=N: two agents (pods) of `procs` workers.
+    `device` cuda: on the GPUs over NCCL, each agent a host of its own to NCCL (NCCL_HOSTID), as
+    relaunch's nodes are, so that the agents' ranks may share a GPU."""
     port = free_port()
-    env = {**os.environ, **ENV, "PYTHONUNBUFFERED": "1"}
     agents = []
+    if device != "cpu":
+        extra = [*extra, "--device", device]
     for node_rank in range(2):
+        env = {
+            **os.environ,
+            **ENV,
+            "PYTHONUNBUFFERED": "1",
+            "NCCL_HOSTID": f"torchrun-node-{node_rank}",
+        }
         args = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(procs),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench",
@@ -63,11 +73,11 @@ def stop(agents: Agents, wait_s: float = 0.0) -> bool:
     return ok
 
 
-def crash_once(tmp: Path, procs: int = 2) -> Sample:
+def crash_once(tmp: Path, procs: int = 2, device: str = "cpu") -> Sample:
     """One crash of the last rank at FAULT_STEP; MTTR from the timeline."""
     path = tmp / "timeline.txt"
     crash = ["--crash-at-step", str(FAULT_STEP), "--crash-rank", str(2 * procs - 1)]
-    ok = stop(start(tmp, path, crash, procs=procs), wait_s=240)
+    ok = stop(start(tmp, path, crash, procs=procs, device=device), wait_s=240)
     measured = timeline.crash_sample(path)
     if measured is None or not ok:
         return Sample(

@@ -13,7 +13,7 @@ import torch.distributed as dist
 PREFIXES = ("TORCHELASTIC_", "ROLE_", "GROUP_", "TORCH_NCCL_")
 NAMES = (
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-    "OMP_NUM_THREADS",
+    "OMP_NUM_THREADS", "NCCL_HOSTID",
 )  # fmt: skip
 
 seen = {k: v for k, v in os.environ.items() if k in NAMES or k.startswith(PREFIXES)}

@@ -32,6 +32,13 @@ def bench(
         str | None,
         typer.Option("--only", help="Comma-separated sections to run (default: all of them)."),
     ] = None,
+    device: Annotated[
+        str,
+        typer.Option(
+            "--device",
+            help="cpu, or cuda: the MTTR table's DDP rows on the GPUs over NCCL (relaunch and torchrun).",
+        ),
+    ] = "cpu",
 ) -> None:
     """Measure recovery time by level on this machine, side by side with torchrun."""
     _needs("torch", "matplotlib")
@@ -40,6 +47,12 @@ def bench(
 
     chosen = _choices("--levels", levels, LEVELS)
     sections = _choices("--only", only, SECTIONS)
+    if device not in ("cpu", "cuda"):
+        err.print(
+            f"[bold red]error:[/] --device: unknown {device}; choose from cpu, cuda",
+            highlight=False,
+        )
+        raise typer.Exit(2)
 
     def progress(text: str) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -53,6 +66,7 @@ def bench(
             progress=progress,
             levels=chosen,
             sections=sections,
+            device=device,
         )
     )
     sys.stdout.write((out / "bench.md").read_text())

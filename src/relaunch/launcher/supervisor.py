@@ -337,6 +337,9 @@ class Launcher:
             }
         )
         child_env.setdefault(Env.NCCL_ASYNC_ERROR_HANDLING, "1")  # torchrun's defaults
+        # NCCL takes ranks with one host identity and one GPU for a mistake ("Duplicate GPU
+        # detected"); ranks of different nodes sharing the machine's GPU are different hosts
+        child_env.setdefault(Env.NCCL_HOSTID, f"relaunch-{self.plan.node}")
         child_env.setdefault(Env.SIGNALS_TO_HANDLE, "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
         path = self.dir.rank_log(rank)
         cgroup = self.rank_cgroup(rank)

@@ -39,6 +39,9 @@ class Env:
     """"False": rank 0 hosts the rendezvous store, as with torchrun's static rendezvous (there
     is no agent store to join)."""
     NCCL_ASYNC_ERROR_HANDLING: Final = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+    NCCL_HOSTID: Final = "NCCL_HOSTID"
+    """What NCCL takes for the host's identity: a pod's node (each node of the embedded cluster
+    is a host of its own, though they share one machine and its GPUs)."""
     SIGNALS_TO_HANDLE: Final = "TORCHELASTIC_SIGNALS_TO_HANDLE"
     # ModelArts' counters (R-04, R-05)
     SCHEDULE_CNT: Final = "MA_SCHEDULE_CNT"

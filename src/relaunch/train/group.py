@@ -64,6 +64,10 @@ __all__ = ["GroupLost", "Membership", "ProcessGroupKeeper", "read_membership"]
 NCCL_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 NCCL_CLEAN_UP_ONLY = "2"
 """ProcessGroupNCCL's error handling "CleanUpOnly": abort the communicator, keep the process."""
+NCCL_BLOCKING_WAIT = "TORCH_NCCL_BLOCKING_WAIT"
+"""A NCCL collective's wait blocks the host and raises when the collective failed, timed out or
+was aborted; without it the wait only orders the GPU's streams, and a value read after an aborted
+collective (the commit's flag) is whatever the GPU held."""
 
 
 class GroupLost(RuntimeError):
@@ -117,6 +121,8 @@ class ProcessGroupKeeper:
         self._sockets: set[int] = set()
         self._stores: list[Any] = []
         self._in_step = False
+        self._aborted = False
+        """The current group was aborted (a newer membership): its collectives' results are void."""
         self._closing = threading.Event()
         self.recoveries: list[dict[str, Any]] = []
         """One entry per recovery this process took part in (kind, generation, step, seconds)."""
@@ -200,6 +206,7 @@ class ProcessGroupKeeper:
         abort the communicators (ncclCommAbort; each peer's keeper aborts its own when it sees
         the new membership, its collectives do not run over sockets). gloo, which has no abort
         that unblocks: shut the group's TCP connections down, which every peer sees at once."""
+        self._aborted = True
         if self.nccl and dist.is_initialized():
             with contextlib.suppress(RuntimeError, ValueError):
                 dist.distributed_c10d._abort_process_group()
@@ -229,6 +236,8 @@ class ProcessGroupKeeper:
             # a failed collective aborts its communicator and raises, the process lives on for
             # the keeper to re-form the group (torchrun's default, 1, tears the process down)
             os.environ[NCCL_ASYNC_ERROR_HANDLING] = NCCL_CLEAN_UP_ONLY
+            os.environ[NCCL_BLOCKING_WAIT] = "1"
+        self._aborted = False
         if m is None:
             dist.init_process_group(self.backend, timeout=timeout)
         else:
@@ -245,6 +254,12 @@ class ProcessGroupKeeper:
             dist.init_process_group(
                 self.backend, store=store, rank=rank, world_size=m.world_size, timeout=timeout
             )
+
+    def _device(self) -> torch.device:
+        """Where the group's own tensors live: NCCL reduces only tensors on this rank's GPU."""
+        if self.nccl:
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def _wrap(self) -> None:
         self.module = DistributedDataParallel(self.model, **self.ddp_options)
@@ -313,8 +328,10 @@ class ProcessGroupKeeper:
             return
         latest = self._latest()
         seen = latest.generation if latest is not None else self.generation
-        flag = torch.tensor([seen], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        flag = torch.tensor([seen], dtype=torch.int64, device=self._device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True).wait()
+        if self._aborted:  # NCCL: an aborted collective may complete with anything in `flag`
+            raise RuntimeError("the process group was aborted during the step")
         if int(flag.item()) > self.generation:
             raise _Retry(int(flag.item()))
 
