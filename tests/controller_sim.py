@@ -115,6 +115,17 @@ class FakeEngine:
     def free_port(self, node: str) -> int:
         return 29500
 
+    networks = "nodes are simulated"
+
+    def pod_environment(self, node: str) -> dict[str, str]:
+        return {}
+
+    def inject_link_fault(
+        self, node: str, kind: Any, duration_s: Any, cut: Any = None, rate_mbit: Any = None
+    ) -> str | None:
+        self.calls.append(("inject_link_fault", node, kind, duration_s, cut, rate_mbit))
+        return "simulated nodes have no links"
+
     def pods_started(self) -> list[tuple[int, int, str]]:
         return [(c[1], c[2], c[3]) for c in self.calls if c[0] == "start_pod"]
 

@@ -236,6 +236,36 @@ def test_r30_the_retried_chip_is_healed_so_a_later_crash_restarts_in_place(
     assert sim.actions()[-1] == ("process-in-place", "running")
 
 
+def test_r30_a_late_report_of_a_step_done_before_the_fault_proves_no_retry(
+    tmp_path: Path,
+) -> None:
+    """A report of step 6, made before the fault but heard after the decision (batched, or held
+    by a link that was down), is not progress past the fault: the retry still runs. Before, it
+    settled the retry as succeeded while the ranks still waited (seen with a 60 s link loss)."""
+    from relaunch.protocol.messages import ChipReport, Progress
+
+    sim = booted(tmp_path, PROCESS, labels=PROCESS_LABELS)
+    c = sim.controller
+    sim.train(5)
+    sim.tick()
+    before = sim.clock.now()
+    sim.run(0.2)
+    sim.seq += 1
+    sim.chip_faults["node-1"] = [
+        ChipReport(sim.seq, 0, "80E01801", True, "memory-uce", sim.clock.now())
+    ]
+    sim.tick()
+    assert sim.actions() == [("process-retry", "running")]
+    link = c.pods[0].link
+    assert link is not None
+    c.receive(link.peer, ProgressBatch((Progress(0, 6, c.job.attempt, before),)))
+    sim.tick()
+    assert sim.actions() == [("process-retry", "running")]
+    sim.train(7)
+    sim.tick()
+    assert sim.actions() == [("process-retry", "succeeded")]
+
+
 def test_process_in_place_restarts_only_the_crashed_rank(tmp_path: Path) -> None:
     sim = booted(tmp_path, PROCESS, labels=PROCESS_LABELS)
     sim.crash(3)

@@ -9,6 +9,8 @@ A plan is YAML or JSON::
       - {kind: hang, at_step: 80, pod: 0, rank: 1}
       - {kind: hang, at_step: 90, pod: 1, local_rank: 1}
       - {kind: network, after_s: 3, node: node-2, duration_s: 30}
+      - {kind: partition, at_step: 40, pod: 1, cut: peers, duration_s: 15}
+      - {kind: degraded-link, at_step: 50, pod: 1, rate_mbit: 2, duration_s: 120}
       - {kind: memory-uce, at_step: 10, pod: 1, chip: 1}
       - {kind: slow, at_step: 30, pod: 1, factor: 3, duration_s: 600}
 
@@ -18,6 +20,14 @@ attempt started. Each entry fires once. `pod: i` targets the node pod i is on wh
 rank within the pod (`LOCAL_RANK`). `chip` is a chip of the target node. `slow` makes every
 process of the pod `factor` times slower (it runs 1/factor of each 0.1 s and is stopped the rest,
 a CPU throttle's duty cycle) for `duration_s` (default: until the pod's processes end).
+
+Link faults, for `duration_s` (default: until the job ends), are real where the embedded
+cluster's nodes are network namespaces (relaunch.cluster.network): `network` takes the node's data
+link down (its carrier goes); `partition` cuts the node off from the `controller` (its management
+link), from its `peers` (its data link) or `both`, with blackhole routes both ways; `degraded-link`
+limits the node's data link to `rate_mbit` megabits a second. Where nodes share the loopback, a
+`network` fault is simulated (the agent reports it; no connection notices) and the others cannot
+fire (recorded so).
 
 :func:`parse_plan` checks each entry on its own; :func:`check_plan` checks that every entry can
 hit its target in a given job on a given cluster, so that a plan is refused before anything
@@ -35,6 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from relaunch.errors import FaultPlanError, Problem
 from relaunch.faults import normalize_code
+from relaunch.protocol.links import Cut
 from relaunch.validation import boolean, choice, integer, problems_from, reject, seconds, v
 
 if TYPE_CHECKING:
@@ -57,9 +68,12 @@ class ChaosKind(StrEnum):
     NETWORK = "network"
     MEMORY_UCE = "memory-uce"
     SLOW = "slow"
+    PARTITION = "partition"
+    DEGRADED_LINK = "degraded-link"
 
 
 _CHIP_KINDS: Final = (ChaosKind.CHIP_FAULT, ChaosKind.MEMORY_UCE)
+LINK_KINDS: Final = (ChaosKind.NETWORK, ChaosKind.PARTITION, ChaosKind.DEGRADED_LINK)
 _PROCESS_KINDS: Final = (ChaosKind.PROCESS_EXIT, ChaosKind.HANG, ChaosKind.SLOW)
 _RANK_KINDS: Final = (ChaosKind.PROCESS_EXIT, ChaosKind.HANG)
 
@@ -70,8 +84,10 @@ _ONLY_FOR: Final[dict[str, tuple[ChaosKind, ...]]] = {
     "chip": _CHIP_KINDS,
     "code": _CHIP_KINDS,
     "heals": (*_CHIP_KINDS, ChaosKind.NETWORK),
-    "duration_s": (ChaosKind.NETWORK, ChaosKind.SLOW),
+    "duration_s": (*LINK_KINDS, ChaosKind.SLOW),
     "factor": (ChaosKind.SLOW,),
+    "cut": (ChaosKind.PARTITION,),
+    "rate_mbit": (ChaosKind.DEGRADED_LINK,),
 }
 """Keys that mean something only for some kinds: given for another kind, they are an error
 rather than silently ignored."""
@@ -90,6 +106,12 @@ def _code(value: Any) -> str:
 def _factor(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 1 < value <= 100:
         raise reject("a slowdown factor above 1 and at most 100 (3: three times slower)")
+    return float(value)
+
+
+def _rate(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 100_000:
+        raise reject("a rate in megabits a second, above 0 and at most 100000 (2: 2 Mbit/s)")
     return float(value)
 
 
@@ -114,6 +136,8 @@ class _Entry(BaseModel):
     heals: Annotated[bool, v(boolean)] = True
     duration_s: Annotated[float | None, v(seconds(0, 86400))] = None
     factor: Annotated[float, v(_factor)] = 3.0
+    cut: Annotated[Cut | None, v(choice(Cut))] = None
+    rate_mbit: Annotated[float | None, v(_rate)] = None
 
 
 class _Plan(BaseModel):
@@ -143,6 +167,10 @@ class ChaosEntry:
     """A rank within the pod (LOCAL_RANK), if the entry names one that way."""
     factor: float = 3.0
     """`slow`: how many times slower the pod runs."""
+    cut: Cut | None = None
+    """`partition`: what the node is cut off from."""
+    rate_mbit: float | None = None
+    """`degraded-link`: the data link's rate."""
 
     @property
     def targets_process(self) -> bool:
@@ -172,7 +200,17 @@ class ChaosEntry:
             target += f" local rank {self.local_rank}"
         if self.kind in _CHIP_KINDS:
             target += f" chip {self.chip}"
-        kind = f"slow (x{self.factor:g})" if self.kind is ChaosKind.SLOW else self.kind.value
+        kind = self.kind.value
+        if self.kind is ChaosKind.SLOW:
+            kind = f"slow (x{self.factor:g})"
+        elif self.kind is ChaosKind.PARTITION:
+            kind = (
+                "partition from all" if self.cut is Cut.BOTH else f"partition from its {self.cut}"
+            )
+        elif self.kind is ChaosKind.DEGRADED_LINK:
+            kind = f"degraded link ({self.rate_mbit:g} Mbit/s)"
+        if self.kind in LINK_KINDS and self.duration_s is not None:
+            kind += f" for {self.duration_s:g} s"
         return f"{kind} on {target} {trigger}"
 
 
@@ -216,6 +254,13 @@ def _entry_problems(where: str, e: _Entry) -> list[Problem]:
                 "either rank (global) or local_rank (within the pod), not both",
             )
         )
+    if e.kind is ChaosKind.PARTITION and e.cut is None:
+        cuts = ", ".join(c.value for c in Cut)
+        problems.append(Problem(f"{where}.cut", None, f"partition needs cut: one of {cuts}"))
+    if e.kind is ChaosKind.DEGRADED_LINK and e.rate_mbit is None:
+        problems.append(
+            Problem(f"{where}.rate_mbit", None, "degraded-link needs rate_mbit (megabits a second)")
+        )
     for key, kinds in _ONLY_FOR.items():
         if key in e.model_fields_set and e.kind not in kinds:
             names = " or ".join(k.value for k in kinds)
@@ -239,6 +284,8 @@ def _entry(index: int, e: _Entry) -> ChaosEntry:
         duration_s=e.duration_s,
         local_rank=e.local_rank,
         factor=e.factor,
+        cut=e.cut,
+        rate_mbit=e.rate_mbit,
     )
 
 

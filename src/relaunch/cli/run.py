@@ -301,6 +301,9 @@ def _execute(
         out.print(
             f"[bold cyan]\\[relaunch][/] {escape(controller.engine.containers)}", highlight=False
         )
+        out.print(
+            f"[bold cyan]\\[relaunch][/] {escape(controller.engine.networks)}", highlight=False
+        )
 
     live = _LiveView(store, job_id) if out.is_terminal else None
     previous = {sig: signal.signal(sig, _stop_on_signal) for sig in _STOPPING_SIGNALS}

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from relaunch.cluster.config import NodeSpec
+    from relaunch.protocol.links import Cut, LinkFaultKind
     from relaunch.protocol.plans import LaunchPlan
 
 __all__ = ["Engine"]
@@ -18,8 +19,10 @@ __all__ = ["Engine"]
 class Engine(Protocol):
     """Starts and kills the processes of a job on the nodes of a cluster."""
 
-    bind_host: str
-    """The address the controller listens on: one every node can reach."""
+    @property
+    def bind_host(self) -> str:
+        """The address the controller listens on: one every node can reach."""
+        ...
 
     left_behind: int | None
     """After `shutdown`: how many processes the pods left in their cgroups (0 when every pod
@@ -28,6 +31,11 @@ class Engine(Protocol):
     @property
     def containers(self) -> str:
         """What a pod is on this engine (cgroups or process groups, and why), in words."""
+        ...
+
+    @property
+    def networks(self) -> str:
+        """What a node's network is on this engine (and which link faults are real), in words."""
         ...
 
     def start_agent(self, node: NodeSpec, interval: float, grace: float, blip_s: float) -> int:
@@ -60,4 +68,21 @@ class Engine(Protocol):
 
     def free_port(self, node: str) -> int:
         """A TCP port free on `node` now (MASTER_PORT when rank 0 is there)."""
+        ...
+
+    def pod_environment(self, node: str) -> dict[str, str]:
+        """What the engine adds to the environment of a pod's processes on `node` (the job's
+        own environment wins)."""
+        ...
+
+    def inject_link_fault(
+        self,
+        node: str,
+        kind: LinkFaultKind,
+        duration_s: float | None,
+        cut: Cut | None = None,
+        rate_mbit: float | None = None,
+    ) -> str | None:
+        """A fault plan's link fault on `node`, made real for `duration_s`; why not, where the
+        engine cannot (the controller then simulates a link down, or records it not fired)."""
         ...

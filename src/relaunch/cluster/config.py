@@ -11,6 +11,8 @@ A cluster file is YAML or JSON::
     stack_capture_s: 5       # on a hang, how long to wait for every rank's stack
     slow_window_s: 60        # a pod busy much more than its peers over this long is slow (0: off)
     slow_margin: 0.3         # ... by at least this share of the window
+    pod_lease_s: 30          # R-14: a pod that hears nothing from the controller this long stops
+                             # (default: adopt_grace_s); a silent node's pods are replaced after it
 
 Pure: parsing only.
 """
@@ -66,6 +68,7 @@ class _ClusterFile(BaseModel):
     stack_capture_s: Annotated[float, v(seconds(0, 120))] = 5.0
     slow_window_s: Annotated[float, v(seconds(0, 86400))] = 60.0
     slow_margin: Annotated[float, v(_share)] = 0.3
+    pod_lease_s: Annotated[float | None, v(seconds(0.1, 86400))] = None
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,14 @@ class ClusterConfig:
     """A pod whose ranks were busy (not waiting for their peers) `slow_margin` more of this
     window than the other pods', for half a window more, is slow (0: no detection)."""
     slow_margin: float = 0.3
+    pod_lease_s: float | None = None
+    """R-14: a pod whose launcher hears nothing from the controller this long (a node cut off
+    from it, still running) stops its processes; a silent node's pods are replaced only once
+    that lease, and the stop's grace, have passed. None: adopt_grace_s."""
+
+    @property
+    def lease_s(self) -> float:
+        return self.pod_lease_s if self.pod_lease_s is not None else self.adopt_grace_s
 
     @classmethod
     def sized(cls, nodes: int, chips_per_node: int = 2, **timings: float) -> ClusterConfig:
@@ -149,4 +160,5 @@ def parse_cluster(data: Any, *, source: str = "<cluster>") -> ClusterConfig:
         stack_capture_s=parsed.stack_capture_s,
         slow_window_s=parsed.slow_window_s,
         slow_margin=parsed.slow_margin,
+        pod_lease_s=parsed.pod_lease_s,
     )

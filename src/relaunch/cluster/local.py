@@ -15,6 +15,12 @@ A simulated node lives as long as its agent process: the engine watches each age
 pidfd and reports the node dead (`lost_nodes`) the moment its agent has exited, as Ray reports a
 node its GCS saw die. A silent agent that still lives (stopped, cut off) is found by the
 heartbeat timeout, as before.
+
+Where network namespaces can be made (:mod:`relaunch.cluster.network`), each node is one, with a
+management link to the controller and a data link to its peers: its agent, launchers and ranks
+run inside it, the controller listens on the management network, MASTER_ADDR is rank 0's node's
+data address, and a fault plan's link faults are real. Elsewhere every node shares the loopback
+(`networks` says why).
 """
 
 from __future__ import annotations
@@ -33,8 +39,10 @@ from typing import Any
 import psutil
 
 from relaunch.cluster.config import NodeSpec
+from relaunch.cluster.network import DATA_IF, ClusterNetwork, enter_namespace
 from relaunch.containers import Cgroup, ClusterCgroups
 from relaunch.protocol.layout import PodDir, StateDir
+from relaunch.protocol.links import Cut, LinkFaultKind
 from relaunch.protocol.plans import LaunchPlan
 
 __all__ = ["LocalCluster", "free_port", "kill_tree"]
@@ -71,8 +79,6 @@ class LocalCluster:
     pid the kernel gave to an unrelated process since is never signalled.
     """
 
-    bind_host = "127.0.0.1"
-
     def __init__(self, state_dir: Path) -> None:
         self.state_dir = state_dir
         self.layout = StateDir(state_dir)
@@ -89,6 +95,37 @@ class LocalCluster:
         self.left_behind: int | None = None
         """After `shutdown`: processes that were still in the cluster's cgroups once every
         launcher and agent had exited (each pod should have ended all it started: 0)."""
+        self._network: ClusterNetwork | str | None = None
+
+    @property
+    def network(self) -> ClusterNetwork | None:
+        """The cluster's network namespaces, made at the first use (None: shared loopback)."""
+        if self._network is None:
+            self._network = ClusterNetwork.open(self.state_dir)
+        return self._network if isinstance(self._network, ClusterNetwork) else None
+
+    @property
+    def bind_host(self) -> str:
+        """Where the controller listens: its end of the management network, or the loopback."""
+        network = self.network
+        return network.layout.controller_address if network is not None else "127.0.0.1"
+
+    @property
+    def networks(self) -> str:
+        """What a node's network is on this cluster, in words (said once at start)."""
+        network = self.network
+        if network is not None:
+            layout = network.layout
+            return (
+                f"nodes are network namespaces: a management link (10.{layout.mgmt}.0.0/16, the "
+                f"controller at {layout.controller_address}) and a data link "
+                f"(10.{layout.data}.0.0/16) each; link faults are real"
+            )
+        return (
+            f"nodes share the loopback, not networks of their own: {self._network}; a network "
+            "fault is simulated (the agent reports it, no connection notices), partition and "
+            "degraded-link faults cannot fire"
+        )
 
     @property
     def containers(self) -> str:
@@ -101,10 +138,11 @@ class LocalCluster:
         try:
             data = json.loads(self.pid_file.read_text())
             if isinstance(data, dict) and {"agents", "launchers"} <= set(data):
+                data.setdefault("helpers", {})
                 return data
         except (OSError, ValueError):
             pass
-        return {"agents": {}, "launchers": {}}
+        return {"agents": {}, "launchers": {}, "helpers": {}}
 
     def _save(self, pids: dict[str, dict[str, Any]]) -> None:
         tmp = self.pid_file.with_suffix(".tmp")
@@ -136,12 +174,17 @@ class LocalCluster:
 
     def start_agent(self, node: NodeSpec, interval: float, grace: float, blip_s: float) -> int:
         self._kill(self._pids()["agents"].get(node.name))  # a node has one agent at a time
+        network = self.network
+        if network is not None:
+            network.ensure_node(node.name)
         pid = self._spawn(
             ["relaunch.cluster.agent", "--node", node.name, "--chips", str(node.chips),
              "--first-gpu", str(node.first_gpu),
-             "--interval", str(interval), "--grace", str(grace), "--blip", str(blip_s)],
+             "--interval", str(interval), "--grace", str(grace), "--blip", str(blip_s),
+             *(["--network"] if network is not None else [])],
             self.layout.agent_log(node.name),
             self.cgroups.agent_placement(node.name) if self.cgroups is not None else None,
+            node.name,
         )  # fmt: skip
         self._remember("agents", node.name, pid)
         self._watch_agents()
@@ -158,7 +201,7 @@ class LocalCluster:
             else None
         )
         pid = self._spawn(
-            ["relaunch.launcher", "--plan", str(pod.plan)], pod.launcher_log, placement
+            ["relaunch.launcher", "--plan", str(pod.plan)], pod.launcher_log, placement, plan.node
         )
         self._remember("launchers", f"{plan.job}/{plan.pod}/{plan.generation}/{plan.node}", pid)
         return pid
@@ -176,20 +219,35 @@ class LocalCluster:
         module_and_args: list[str],
         log_path: Path,
         placement: tuple[Cgroup, list[str]] | None = None,
+        node: str | None = None,
     ) -> int:
-        """A relaunch process in a session of its own, so that it outlives its controller, and
-        in its cgroup from its first instruction, told so (`placement`), where there is one."""
+        """A relaunch process in a session of its own, so that it outlives its controller, in
+        its cgroup from its first instruction, told so (`placement`), where there is one, and
+        in `node`'s network namespace, where nodes have them."""
         module, *args = module_and_args
         cgroup, extra = placement if placement is not None else (None, [])
-        with open(log_path, "a") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", module, "--state-dir", str(self.state_dir), *args, *extra],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=cgroup.join if cgroup is not None else None,
-            )  # fmt: skip
+        network = self.network if node is not None else None
+        namespace = network.open_namespace(node) if network is not None and node else None
+
+        def enter() -> None:
+            if cgroup is not None:
+                cgroup.join()
+            if namespace is not None:
+                enter_namespace(namespace)
+
+        try:
+            with open(log_path, "a") as log:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", module, "--state-dir", str(self.state_dir), *args, *extra],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    preexec_fn=enter if cgroup is not None or namespace is not None else None,
+                )  # fmt: skip
+        finally:
+            if namespace is not None:
+                os.close(namespace)
         return proc.pid
 
     def _remember(self, kind: str, key: str, pid: int) -> None:
@@ -218,14 +276,23 @@ class LocalCluster:
 
     def shutdown(self) -> None:
         """Kill everything this cluster started and is still running. With cgroups, count
-        what the pods left behind (`left_behind`), then kill it and remove the cgroups."""
+        what the pods left behind (`left_behind`), then kill it and remove the cgroups; then
+        the nodes' networks (whatever an earlier run left of them too)."""
         pids = self._pids()
-        for ref in [*pids["launchers"].values(), *pids["agents"].values()]:
+        for ref in [
+            *pids["helpers"].values(),
+            *pids["launchers"].values(),
+            *pids["agents"].values(),
+        ]:
             self._kill(ref)
-        self._save({"agents": {}, "launchers": {}})
+        self._save({"agents": {}, "launchers": {}, "helpers": {}})
         if self.cgroups is not None:
             self.left_behind = self.cgroups.shutdown()
         self._unwatch_all()
+        network = self.network if self._network is not None else None
+        network = network or ClusterNetwork.existing(self.state_dir)
+        if network is not None:
+            network.remove()
 
     def _unwatch_all(self) -> None:
         """Close every agent's pidfd: a runner runs job after job, each with an engine of its
@@ -276,7 +343,48 @@ class LocalCluster:
         self._poll.register(fd, select.POLLIN)
 
     def node_address(self, node: str) -> str:
-        return "127.0.0.1"
+        network = self.network
+        if network is None or node not in network.layout.nodes:
+            return "127.0.0.1"
+        return network.layout.data_address(node)
 
     def free_port(self, node: str) -> int:
-        return free_port()
+        network = self.network
+        if network is None or node not in network.layout.nodes:
+            return free_port()
+        return network.free_port(node)
+
+    def pod_environment(self, node: str) -> dict[str, str]:
+        """What the ranks of a pod on `node` need to find their peers: gloo and NCCL bind the
+        data link (a namespace's host name resolves to no address of its own)."""
+        if self.network is None:
+            return {}
+        return {"GLOO_SOCKET_IFNAME": DATA_IF, "NCCL_SOCKET_IFNAME": DATA_IF}
+
+    def inject_link_fault(
+        self,
+        node: str,
+        kind: LinkFaultKind,
+        duration_s: float | None,
+        cut: Cut | None = None,
+        rate_mbit: float | None = None,
+    ) -> str | None:
+        """Cut, partition or slow `node`'s links for real, for `duration_s` (a helper process
+        applies the fault and undoes it: the loop does not wait); why not, where it cannot."""
+        network = self.network
+        if network is None:
+            return f"nodes share the loopback ({self._network})"
+        if node not in network.layout.nodes:
+            return f"node {node} has no network (its agent never started)"
+        args = ["--node", node, "--kind", kind.value]
+        args += ["--cut", cut.value] if cut is not None else []
+        args += ["--rate-mbit", str(rate_mbit)] if rate_mbit is not None else []
+        args += ["--duration", str(duration_s)] if duration_s is not None else []
+        placement: tuple[Cgroup, list[str]] | None = None
+        if self.cgroups is not None:  # ended with the cluster, like everything it started
+            placement = (self.cgroups.root.child("link-faults").make(), [])
+        pid = self._spawn(
+            ["relaunch.cluster.network", *args], self.layout.logs / "network-faults.log", placement
+        )
+        self._remember("helpers", f"{node}/{kind.value}/{pid}", pid)
+        return None

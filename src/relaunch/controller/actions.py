@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, ClassVar
 
 from relaunch.controller import commands
+from relaunch.faults import FaultKind
 from relaunch.policy import Action, Decision
 from relaunch.store import JobStatus, NodeState, PodRow
 
@@ -49,9 +50,15 @@ class LevelAction:
         return True
 
     def worked(
-        self, active: ActiveRecovery, rank: int, started_at: float, step: int | None
+        self,
+        active: ActiveRecovery,
+        rank: int,
+        started_at: float,
+        step: int | None,
+        reported_at: float | None = None,
     ) -> bool:
-        """Progress from a process started after the recovery began."""
+        """Progress from a process started after the recovery began (`reported_at`: when the
+        rank reported the step, where it did)."""
         return started_at >= active.started_at
 
 
@@ -85,13 +92,18 @@ class Exit(HandOver):
 
 
 class ProcessRetry(LevelAction):
-    """R-30: every rank rolls the step back and runs it again, in the same group."""
+    """R-30: every rank rolls the step back and runs it again: in the same group for a chip's
+    memory error; for a network fault, whose link broke the group's connections, in a group
+    formed anew by the same ranks (each waits in the new store until the link is back)."""
 
     action = Action.PROCESS_RETRY
 
     def begin(self, c: Controller, d: Decision, active: ActiveRecovery, attempt: int) -> None:
         active.after_step = c.progress.step or 0
-        c.membership.publish(retry=True)
+        if active.fault.kind is FaultKind.NETWORK:
+            c.membership.publish(reform=True)
+        else:
+            c.membership.publish(retry=True)
         if active.fault.chip is not None:
             # the chip's error is repaired while the step runs again: left faulty, its node
             # would count as faulty for every later decision (R-31's rank-0 rule); a chip that
@@ -99,9 +111,18 @@ class ProcessRetry(LevelAction):
             commands.request_heal(c, active)
 
     def worked(
-        self, active: ActiveRecovery, rank: int, started_at: float, step: int | None
+        self,
+        active: ActiveRecovery,
+        rank: int,
+        started_at: float,
+        step: int | None,
+        reported_at: float | None = None,
     ) -> bool:
-        return step is not None and step > (active.after_step or 0)
+        """A step past the newest one heard before, reported after the recovery began: a report
+        of a step done before the fault may reach the controller late (batched, or held by a
+        link that was down), and proves nothing."""
+        late = reported_at is not None and reported_at < active.started_at
+        return step is not None and step > (active.after_step or 0) and not late
 
 
 class ProcessInPlace(LevelAction):
@@ -115,7 +136,12 @@ class ProcessInPlace(LevelAction):
         commands.restart_ranks(c, active.ranks)
 
     def worked(
-        self, active: ActiveRecovery, rank: int, started_at: float, step: int | None
+        self,
+        active: ActiveRecovery,
+        rank: int,
+        started_at: float,
+        step: int | None,
+        reported_at: float | None = None,
     ) -> bool:
         return rank in active.ranks and started_at >= active.started_at
 

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 
 from relaunch.controller import lifecycle, stacks
 from relaunch.controller.detectors import hang_fault, launcher_faults, lost_nodes
-from relaunch.controller.pods import PodPhase
-from relaunch.diagnosis import MIN_LOOKS, slow_pods
+from relaunch.controller.pods import Pod, PodPhase
+from relaunch.diagnosis import MIN_LOOKS, slow_links, slow_pods
 from relaunch.faults import Fault, FaultKind
 from relaunch.store import JobStatus, NodeState, Outcome
 
@@ -113,6 +113,7 @@ def hangs(c: Controller, now: float) -> None:
         c.startup_s,
         lambda rank: waiting and active is not None and rank not in active.ranks,
         c.fault_plan.injected_at,
+        network_waited_until(c),
     )
     if found is None:
         return
@@ -123,11 +124,21 @@ def hangs(c: Controller, now: float) -> None:
         c.recoveries.fault(found.fault, found.source)
 
 
+def network_waited_until(c: Controller) -> float:
+    """The last moment a node of the job had its data link down (its ranks, and every peer in
+    a collective with them, waited for the network until then)."""
+    used = {p.row.node for p in c.pods.values()}
+    return max(
+        (a.network_waited_until for name, a in c.agents.items() if name in used), default=0.0
+    )
+
+
 def slow(c: Controller, now: float) -> None:
     """A pod persistently slower than its peers (SubHealthFault): its ranks busy `slow_margin`
-    more of the window than the other pods', at every check for half a window more. Not while
-    a recovery runs or a fault waits (their stops and restarts are not slowness), nor before
-    every rank of the attempt has a full window of looks."""
+    more of the window than the other pods', or its node's data link many times slower than
+    the others' (real links), at every check for half a window more. Not while a recovery runs
+    or a fault waits (their stops and restarts are not slowness), nor, for the busy shares,
+    before every rank of the attempt has a full window of looks."""
     window = c.cluster.slow_window_s
     if window <= 0 or now - c.slow_checked_at < SLOW_CHECKED_EVERY_S:
         return
@@ -137,24 +148,16 @@ def slow(c: Controller, now: float) -> None:
         c.slow_since.clear()
         return
     parked = c.membership.parked()
-    shares: dict[int, float] = {}
-    for pod in c.pods.values():
-        if pod.index in parked:
-            continue
-        if pod.link is None:
-            c.slow_since.clear()
-            return
-        ranks = [r for r in pod.link.ranks.values() if r.running and r.attempt == c.job.attempt]
-        seen = [r.busy_share(now - window) for r in ranks]
-        if not ranks or any(s is None or s[1] < MIN_LOOKS for s in seen):
-            c.slow_since.clear()
-            return  # not a full window for every rank yet (a start, a restart)
-        shares[pod.index] = sum(s[0] for s in seen if s is not None) / len(seen)
-    found = {p.pod: p for p in slow_pods(shares, c.cluster.slow_margin)}
+    pods = [p for p in c.pods.values() if p.index not in parked]
+    found: dict[int, str] = {link.pod: link.describe() for link in slow_links(_link_rtts(c, pods))}
+    shares = _busy_shares(c, pods, now - window)
+    if shares is not None:
+        for slowed in slow_pods(shares, c.cluster.slow_margin):
+            found.setdefault(slowed.pod, slowed.describe())
     for index in list(c.slow_since):
         if index not in found:
             del c.slow_since[index]
-    for index, slowed in found.items():
+    for index, why in found.items():
         since = c.slow_since.setdefault(index, now)
         if now - since < window / 2:
             continue
@@ -164,11 +167,36 @@ def slow(c: Controller, now: float) -> None:
             max(since - window, c.job.attempt_started_at or since - window),
             node=pod.row.node,
             pod=index,
-            detail=slowed.describe(),
+            detail=why,
         )
         c.recoveries.fault(fault, f"slow:{c.job.attempt}:{index}:{pod.row.generation}")
         c.slow_since.clear()
         return
+
+
+def _link_rtts(c: Controller, pods: list[Pod]) -> dict[int, float]:
+    """Each pod's node's data-link round trip, where its agent measures one."""
+    found = {}
+    for pod in pods:
+        agent = c.agents.get(pod.row.node)
+        if agent is not None and agent.data_rtt_ms is not None:
+            found[pod.index] = agent.data_rtt_ms
+    return found
+
+
+def _busy_shares(c: Controller, pods: list[Pod], since: float) -> dict[int, float] | None:
+    """Each pod's share of the window its ranks were busy; None until every rank of the
+    attempt has a full window of looks (a start, a restart)."""
+    shares: dict[int, float] = {}
+    for pod in pods:
+        if pod.link is None:
+            return None
+        ranks = [r for r in pod.link.ranks.values() if r.running and r.attempt == c.job.attempt]
+        seen = [r.busy_share(since) for r in ranks]
+        if not ranks or any(s is None or s[1] < MIN_LOOKS for s in seen):
+            return None
+        shares[pod.index] = sum(s[0] for s in seen if s is not None) / len(seen)
+    return shares
 
 
 def done(c: Controller, now: float) -> None:

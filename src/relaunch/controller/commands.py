@@ -281,11 +281,12 @@ def launch_plan(c: Controller, row: PodRow) -> LaunchPlan:
         monitor_interval_s=c.recovery.monitor_interval_s,
         adopt_grace_s=c.cluster.adopt_grace_s,
         workdir=row.workdir,
-        env=dict(c.spec.env),
+        env={**c.engine.pod_environment(row.node), **c.spec.env},
         warm_spares=c.spec.warm_spares,
         progress_interval_s=progress_interval(
             c.hang_s, c.spec.replicas, c.cluster.slow_window_s, row.idx
         ),
         termination_grace_s=c.recovery.termination_grace_s,
         activity_interval_s=min(30.0, max(0.2, c.hang_s / 5)),
+        lease_s=c.cluster.lease_s,
     )

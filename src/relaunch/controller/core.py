@@ -28,6 +28,7 @@ from relaunch.controller import checks, detectors, lifecycle
 from relaunch.controller.clock import TICK_S, Clock, SystemClock
 from relaunch.controller.dispatch import dispatch
 from relaunch.controller.faultplan import FaultPlanRunner
+from relaunch.controller.fencing import LeaseKeeper
 from relaunch.controller.listener import Listener
 from relaunch.controller.membership import MembershipPublisher
 from relaunch.controller.peers import AgentLink, LauncherLink, Peer
@@ -155,6 +156,7 @@ class Controller:
         self.membership = MembershipPublisher(self)
         self.fault_plan = FaultPlanRunner(self, plan)
         self.reconciler = Reconciler(self)
+        self.leases = LeaseKeeper(self)
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -225,8 +227,10 @@ class Controller:
             self.job.attempt,
             self.hang_s,
             self.startup_s,
+            checks.network_waited_until(self),
         )
         due += [at + DUE_MARGIN_S for at in (silence, hang) if at is not None]
+        due.append(self.leases.next_renewal())
         if self.cluster.slow_window_s > 0:
             due.append(self.slow_checked_at + checks.SLOW_CHECKED_EVERY_S)
         return min(due)
@@ -316,6 +320,7 @@ class Controller:
         self.membership.scale_out(now)
         self.reconciler.converge(now)
         self.reconciler.keep_standby(now)
+        self.leases.renew(now)
         checks.done(self, now)
         if self.on_tick is not None:
             self.on_tick()

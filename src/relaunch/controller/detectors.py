@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Final
 
+from relaunch.controller.fencing import SILENT_NODE
 from relaunch.controller.peers import AgentLink, LauncherLink, Rank
 from relaunch.controller.pods import Pod, PodPhase
 from relaunch.faults import Fault, FaultKind
@@ -84,7 +85,14 @@ def chip_faults(beat: Heartbeat, pod: int | None, injected_at: InjectedAt) -> li
     link = beat.link
     if link is not None:
         at = injected_at(("net", beat.node), link.at)
-        fault = Fault(FaultKind.NETWORK, at, node=beat.node, pod=pod, duration_s=link.duration_s)
+        fault = Fault(
+            FaultKind.NETWORK,
+            at,
+            node=beat.node,
+            pod=pod,
+            duration_s=link.duration_s,
+            detail=link.cause,
+        )
         found.append(Detected(fault, f"{beat.node}:{link.seq}"))
     return found
 
@@ -116,13 +124,14 @@ def lost_nodes(
         agent = agents.get(node.name)
         last = agent.last_heartbeat if agent is not None else silent_since
         if now - last > timeout or node.name in gone:
+            silent = node.name not in gone
             why = (
-                f"no heartbeat for {timeout:g} s"
-                if now - last > timeout
-                else "the engine reports the node dead"
+                f"no heartbeat for {timeout:g} s" if silent else "the engine reports the node dead"
             )
             at = injected_at(("node", node.name), last)
-            fault = Fault(FaultKind.NODE_LOST, at, node=node.name)
+            # a silent node may still run (cut off): its pods' replacements wait (fencing)
+            detail = f"{SILENT_NODE}: {why}" if silent else why
+            fault = Fault(FaultKind.NODE_LOST, at, node=node.name, detail=detail)
             detected = Detected(fault, f"lost:{node.name}:{last:.3f}")
             found.append(LostNode(node.name, why, now - last, detected))
     return found
@@ -183,12 +192,16 @@ def rank_active(rank: Rank, cpu: float, io: int, now: float) -> bool:
 
 
 def hang_due(
-    links: Iterable[LauncherLink], attempt: int, hang_s: float, startup_s: float
+    links: Iterable[LauncherLink],
+    attempt: int,
+    hang_s: float,
+    startup_s: float,
+    network_waited_until: float = 0.0,
 ) -> float | None:
     """The earliest moment `hang_fault` could find a silent rank, as things stand: progress only
     moves it later (None: no rank runs)."""
     due = [
-        rank.last_activity + (hang_s if rank.progressed else startup_s)
+        max(rank.last_activity, network_waited_until) + (hang_s if rank.progressed else startup_s)
         for link in links
         if not link.stopping
         for rank in link.ranks.values()
@@ -205,6 +218,7 @@ def hang_fault(
     startup_s: float,
     exempt: Callable[[int], bool],
     injected_at: InjectedAt,
+    network_waited_until: float = 0.0,
 ) -> Detected | None:
     """R-25: a rank of the current attempt silent for the hang window (before its first sign of
     progress: the startup allowance). When several are silent (one stuck rank stalls its peers
@@ -212,7 +226,9 @@ def hang_fault(
     waiting for replacements) are not hung. A rank inside a checkpoint save (the SDK's phase)
     is making progress, for up to the startup allowance, and while one is, its silent peers
     are waiting for it in a collective: neither is hung, and the peers' silence counts from
-    the end of the save."""
+    the end of the save. Ranks that wait for the network (a node of the job whose data link was
+    down until `network_waited_until`: R-12's flap, ridden out) are not hung either: their
+    silence counts from when the link was back."""
     silent: list[tuple[float, LauncherLink, int, float]] = []
     saving = False
     current = [
@@ -230,7 +246,8 @@ def hang_fault(
             saving = True  # making progress, however slow the disk
             continue
         window = hang_s if rank.progressed else startup_s
-        since = max(rank.last_activity, saved_at)  # it waited for a peer's save until then
+        # it waited for a peer's save, or for the network, until then
+        since = max(rank.last_activity, saved_at, network_waited_until)
         if now - since > window:
             silent.append((since, link, rank_index, window))
     if not silent or saving:  # the silent ones wait for the saving rank in a collective

@@ -94,7 +94,7 @@ def _from_launcher(c: Controller, link: LauncherLink, message: Message) -> None:
                     observed.phase_since = now
                     observed.last_activity = now  # a phase is a sign of life
             for report in reports:
-                _step(c, link, report.rank, report.attempt, report.step, now)
+                _step(c, link, report.rank, report.attempt, report.step, now, report.at)
         case Usage(attempt=attempt, ranks=ranks, working=working):
             for rank_index, (cpu, io) in ranks.items():
                 observed = link.ranks.get(rank_index)
@@ -122,7 +122,13 @@ def _activity(link: LauncherLink, rank: int, attempt: int, now: float) -> None:
 
 
 def _step(
-    c: Controller, link: LauncherLink, rank: int, attempt: int, step: int, now: float
+    c: Controller,
+    link: LauncherLink,
+    rank: int,
+    attempt: int,
+    step: int,
+    now: float,
+    reported_at: float | None = None,
 ) -> None:
     _activity(link, rank, attempt, now)
     progress = c.progress
@@ -133,15 +139,20 @@ def _step(
         progress.saved_at = now
         c.update_job(last_step=progress.step)
         c.store.add_progress(c.job_id, now, progress.step)
-    _progressed(c, link, rank, attempt, step)
+    _progressed(c, link, rank, attempt, step, reported_at)
 
 
 def _progressed(
-    c: Controller, link: LauncherLink, rank: int, attempt: int, step: int | None
+    c: Controller,
+    link: LauncherLink,
+    rank: int,
+    attempt: int,
+    step: int | None,
+    reported_at: float | None = None,
 ) -> None:
     observed = link.ranks.get(rank)
     started_at = observed.started_at if observed is not None else 0.0
-    c.recoveries.progressed(rank, started_at, attempt, step)
+    c.recoveries.progressed(rank, started_at, attempt, step, reported_at)
 
 
 def _exited(c: Controller, link: LauncherLink, message: Exited) -> None:
@@ -168,6 +179,8 @@ def _chip_health(c: Controller, agent: AgentLink, beat: Heartbeat) -> None:
     reported is a fault (stored once). The store hears of a heartbeat only when what it says
     changed, or every HEARTBEAT_WRITTEN_EVERY_S (the record's "last heartbeat")."""
     now = c.clock.now()
+    _link_state(agent, beat.link_down, now)
+    agent.data_rtt_ms = beat.data_rtt_ms
     chips = tuple((f.chip, f.code, f.kind) for f in beat.chips)
     if chips != agent.chips_written or now - agent.written_at >= HEARTBEAT_WRITTEN_EVERY_S:
         agent.chips_written, agent.written_at = chips, now
@@ -188,6 +201,18 @@ def _chip_health(c: Controller, agent: AgentLink, beat: Heartbeat) -> None:
     pod = next((p.index for p in c.pods.values() if p.row.node == beat.node), None)
     for found in chip_faults(beat, pod, c.fault_plan.injected_at):
         c.recoveries.fault(found.fault, found.source)
+
+
+def _link_state(agent: AgentLink, down: bool, now: float) -> None:
+    """While a node's data link is down its ranks (and every peer in a collective with them)
+    wait for the network; once it is back, TCP's next resend comes at most the outage's length
+    later (its interval doubles with every try): they wait until then too."""
+    if down:
+        agent.link_down_since = agent.link_down_since or now
+        agent.network_waited_until = now
+    elif agent.link_down_since is not None:
+        agent.network_waited_until = now + (now - agent.link_down_since)
+        agent.link_down_since = None
 
 
 def _launcher_hello(c: Controller, peer: Peer, hello: LauncherHello) -> None:

@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from relaunch import failpoints
-from relaunch.chaos import ChaosEntry, ChaosKind, parse_plan
+from relaunch.chaos import LINK_KINDS, ChaosEntry, ChaosKind, parse_plan
+from relaunch.protocol.links import Cut, LinkFaultKind
 from relaunch.protocol.messages import (
     InjectChipFault,
     Injected,
@@ -144,6 +145,9 @@ class FaultPlanRunner:
             self.injected[("node", node)] = now
             c.engine.kill_node(node)
             return
+        if entry.kind in LINK_KINDS:
+            self._inject_link(entry, node, now)
+            return
         if entry.targets_process:
             assert entry.pod is not None and rank is not None
             kind = {ChaosKind.PROCESS_EXIT: "exit", ChaosKind.HANG: "hang"}.get(entry.kind, "slow")
@@ -153,19 +157,40 @@ class FaultPlanRunner:
             )
             peer = c.pods[entry.pod].link
         else:
-            key = ("net" if entry.kind is ChaosKind.NETWORK else "chip", node)
-            if entry.kind is ChaosKind.NETWORK:
-                message = InjectNetworkFault(entry.index, entry.duration_s, entry.heals)
-            else:
-                assert entry.code is not None
-                message = InjectChipFault(
-                    entry.index, entry.chip, entry.code, entry.heals, entry.kind.value
-                )
+            key = ("chip", node)
+            assert entry.code is not None
+            message = InjectChipFault(
+                entry.index, entry.chip, entry.code, entry.heals, entry.kind.value
+            )
             peer = c.agents[node]  # type: ignore[assignment]
         self.injected[key] = now
         self.unacknowledged[entry.index] = key
         assert peer is not None
         peer.peer.send(message)
+
+    def _inject_link(self, entry: ChaosEntry, node: str, now: float) -> None:
+        """A link fault, made real by the engine (its node's agent sees it and says so, or the
+        node falls silent); where the engine cannot, a link down is simulated by the agent as
+        before, and the other kinds are recorded not fired."""
+        c = self.c
+        kind = {
+            ChaosKind.NETWORK: LinkFaultKind.DOWN,
+            ChaosKind.PARTITION: LinkFaultKind.PARTITION,
+            ChaosKind.DEGRADED_LINK: LinkFaultKind.DEGRADED,
+        }[entry.kind]
+        why = c.engine.inject_link_fault(node, kind, entry.duration_s, entry.cut, entry.rate_mbit)
+        if why is None:
+            key = _detected_by(kind, entry.cut, node)
+            if key is not None:
+                self.injected[key] = now
+            return
+        if entry.kind is not ChaosKind.NETWORK:
+            self.not_fired(entry.index, f"a real link is needed: {why}", now)
+            return
+        c.event(f"fault plan: the link fault is simulated: {why}")
+        self.injected[("net", node)] = now
+        self.unacknowledged[entry.index] = ("net", node)
+        c.agents[node].peer.send(InjectNetworkFault(entry.index, entry.duration_s, entry.heals))
 
     def acknowledged(self, message: Injected) -> None:
         """A launcher or agent says whether an entry it was sent really fired."""
@@ -211,3 +236,13 @@ class FaultPlanRunner:
             f"the job ended ({job.status.value}) {elapsed:.1f} s into attempt {job.attempt}, "
             f"before {entry.after_s:g} s"
         )
+
+
+def _detected_by(kind: LinkFaultKind, cut: Cut | None, node: str) -> Key | None:
+    """What detects a real link fault: the agent's report of its data link, or the node's
+    silence (a partition from the controller); a degraded link is found slow, later."""
+    if kind is LinkFaultKind.DEGRADED:
+        return None
+    if kind is LinkFaultKind.PARTITION and cut in (Cut.CONTROLLER, Cut.BOTH):
+        return ("node", node)
+    return ("net", node)

@@ -34,11 +34,16 @@ class MembershipPublisher:
         return set(current.parked) if current is not None else set()
 
     def publish(
-        self, joiners: tuple[int, ...] = (), retry: bool = False, parked: set[int] | None = None
+        self,
+        joiners: tuple[int, ...] = (),
+        retry: bool = False,
+        parked: set[int] | None = None,
+        reform: bool = False,
     ) -> None:
         """The next generation of the group: a new store port unless it is an online retry,
         which keeps the group. Parked pods' ranks are left out and the others are numbered
-        densely (elastic training)."""
+        densely (elastic training). `reform`: the same ranks form the group anew, on a new
+        store, and run the interrupted step again (a network fault broke its connections)."""
         c = self.c
         if not c.recovery.process_level:
             return
@@ -47,7 +52,7 @@ class MembershipPublisher:
             parked = self.parked() if (joiners or retry) else set()
         if retry and previous is not None:
             port = previous.port
-        elif previous is None or not (joiners or parked):
+        elif previous is None or not (joiners or parked or reform):
             port = c.job.master_port
         else:
             port = commands.master_port(c)
@@ -74,6 +79,8 @@ class MembershipPublisher:
             if retry
             else f"replacements {sorted(joiners)}"
             if joiners
+            else "the same ranks anew (the step runs again)"
+            if reform
             else "fresh group"
         )
         if parked:

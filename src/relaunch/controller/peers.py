@@ -96,3 +96,11 @@ class AgentLink:
     """The chip faults (chip, code, kind) last written to the store for this node."""
     written_at: float = 0.0
     """When its heartbeat was last written to the store."""
+    link_down_since: float | None = None
+    """Since when its heartbeats say the node's data link is down (None: it is up)."""
+    data_rtt_ms: float | None = None
+    """The round trip its probes of the neighbours took on the data link (real links only)."""
+    network_waited_until: float = 0.0
+    """Until when the node's ranks wait for the network: while the link is down, and after it,
+    as long again as it was down (TCP resends at doubling intervals). The hang window counts
+    from there."""

@@ -41,6 +41,8 @@ class Reconciler:
         self.fenced: dict[int, int] = {}
         """Pod -> the oldest generation allowed to write checkpoints."""
         self.fence_written: dict[str, dict[str, int]] = {}
+        self.fence_said: int | None = None
+        """The record whose wait for a silent node's lease was said (once each)."""
         try:  # a restarted controller keeps the fence
             written = json.loads(self.c.layout.job(self.c.job_id).fence.read_text())
             self.fenced = {int(k): int(v) for k, v in written["generations"].items()}
@@ -89,6 +91,8 @@ class Reconciler:
         node = c.node(pod.row.node)
         if node is None or node.state is NodeState.LOST or pod.row.node not in c.agents:
             return False
+        if self._fenced(now):
+            return False
         standby = self.standby.pop(pod.row.node, None)
         if standby is not None and not standby.peer.closed:
             self._assume(standby, pod, now)
@@ -104,6 +108,23 @@ class Reconciler:
                     f"could not start the launcher of pod {pod.index} on {pod.row.node}: {error}"
                 )
         return False
+
+    def _fenced(self, now: float) -> bool:
+        """R-14: the recovery under way replaces a silent node's pods, which may still run until
+        their lease and grace are over: no new launcher starts before (said once)."""
+        c = self.c
+        until = c.leases.hold_until()
+        if until is None or now >= until:
+            return False
+        active = c.recoveries.active
+        if active is not None and self.fence_said != active.record_id:
+            self.fence_said = active.record_id
+            c.event(
+                f"{active.fault.node} is silent, not known dead: new launchers start in "
+                f"{until - now:.1f} s, once its pods' lease ({c.cluster.lease_s:g} s) and grace "
+                "are over (R-14)"
+            )
+        return True
 
     def _stop_or_start(self, pods: list[Pod]) -> None:
         c = self.c

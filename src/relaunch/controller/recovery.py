@@ -272,13 +272,20 @@ class RecoveryDriver:
 
     # -- the recovery under way -----------------------------------------------------------------
 
-    def progressed(self, rank: int, started_at: float, attempt: int, step: int | None) -> None:
+    def progressed(
+        self,
+        rank: int,
+        started_at: float,
+        attempt: int,
+        step: int | None,
+        reported_at: float | None = None,
+    ) -> None:
         """A sign of progress: if it proves the active recovery worked, settle it."""
         active = self.active
         c = self.c
         if active is None or attempt != c.job.attempt:
             return
-        if not action_for(active.action).worked(active, rank, started_at, step):
+        if not action_for(active.action).worked(active, rank, started_at, step, reported_at):
             return
         self.succeeded(c.clock.now())
 
@@ -305,7 +312,8 @@ class RecoveryDriver:
             return
         heal.ok = ok
         if not ok:
-            self.failed("the chip did not heal")
+            network = self.active is not None and self.active.fault.kind is FaultKind.NETWORK
+            self.failed("the link is still down" if network else "the chip did not heal")
         else:
             self.c.hurry()
 

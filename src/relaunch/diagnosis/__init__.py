@@ -12,7 +12,14 @@ from relaunch.diagnosis.rootcause import (
     is_collateral,
     root_cause,
 )
-from relaunch.diagnosis.subhealth import MIN_LOOKS, SlowPod, look_interval_s, slow_pods
+from relaunch.diagnosis.subhealth import (
+    MIN_LOOKS,
+    SlowLink,
+    SlowPod,
+    look_interval_s,
+    slow_links,
+    slow_pods,
+)
 
 __all__ = [
     "CAUSES",
@@ -23,6 +30,7 @@ __all__ = [
     "HangFinding",
     "RankStack",
     "Recovery",
+    "SlowLink",
     "SlowPod",
     "caused_by_peer",
     "culprits",
@@ -33,6 +41,7 @@ __all__ = [
     "is_collateral",
     "look_interval_s",
     "root_cause",
+    "slow_links",
     "slow_pods",
     "waits_in_collective",
 ]

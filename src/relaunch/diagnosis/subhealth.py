@@ -6,7 +6,12 @@ I/O, stopped); a pod whose ranks are busy much more of the window than the other
 
 No alarm for a job that is uniformly slow (every pod busy: nobody waits) or uniformly fast
 (every pod waits alike), nor while a recovery runs or before the ranks have a full window of
-looks (the caller's part)."""
+looks (the caller's part).
+
+A pod slowed by its node's network is not found that way (every rank waits on the network
+alike). Where nodes have real links, each node's agent times probes of its neighbours on the
+data link: a degraded link queues them, so a node whose round trip is many times the other
+nodes' has the slow link, and its pod is the slow one (`slow_links`)."""
 
 from __future__ import annotations
 
@@ -14,7 +19,16 @@ import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["MIN_LOOKS", "SlowPod", "look_interval_s", "slow_pods"]
+__all__ = [
+    "MIN_LOOKS",
+    "SLOW_LINK_FACTOR",
+    "SLOW_LINK_FLOOR_MS",
+    "SlowLink",
+    "SlowPod",
+    "look_interval_s",
+    "slow_links",
+    "slow_pods",
+]
 
 MIN_LOOKS = 10
 """A rank needs this many looks in the window before its share counts (fewer are too coarse
@@ -53,4 +67,36 @@ def slow_pods(busy: Mapping[int, float], margin: float) -> list[SlowPod]:
         peers = statistics.median(s for p, s in busy.items() if p != pod)
         if share - peers >= margin and peers <= 1.0 - margin:
             found.append(SlowPod(pod, share, peers))
+    return found
+
+
+SLOW_LINK_FACTOR = 5.0
+"""A node's data-link round trip this many times the other nodes' median is slow..."""
+SLOW_LINK_FLOOR_MS = 5.0
+"""... and at least this long (a busy machine answers probes a few milliseconds late)."""
+
+
+@dataclass(frozen=True)
+class SlowLink:
+    pod: int
+    rtt_ms: float
+    peers_ms: float
+
+    def describe(self) -> str:
+        return (
+            f"its node's data link is slow: probes took {self.rtt_ms:.0f} ms there, "
+            f"{self.peers_ms:.1f} ms on the other pods' nodes"
+        )
+
+
+def slow_links(rtt_ms: Mapping[int, float]) -> list[SlowLink]:
+    """The pods whose node's data-link round trip (by pod) is SLOW_LINK_FACTOR times the median
+    of the others' and at least SLOW_LINK_FLOOR_MS. Needs two pods."""
+    if len(rtt_ms) < 2:
+        return []
+    found = []
+    for pod, rtt in sorted(rtt_ms.items()):
+        peers = statistics.median(r for p, r in rtt_ms.items() if p != pod)
+        if rtt >= max(SLOW_LINK_FACTOR * peers, SLOW_LINK_FLOOR_MS):
+            found.append(SlowLink(pod, rtt, peers))
     return found

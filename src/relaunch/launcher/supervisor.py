@@ -18,7 +18,10 @@ controller that writes its address into the state directory. After `adopt_grace_
 the pod is abandoned: its processes get SIGTERM (a dying gasp can still save) and SIGKILL once the
 job's termination grace has passed, but never more than `adopt_grace_s` later, also when a stop
 was already under way; then the launcher exits. Nothing outlives an abandoned job by more than
-twice the adopt grace.
+twice the adopt grace. A connection that stays open while nothing comes over it (the node cut
+off from the controller, but running) counts the same once the plan's `lease_s` has passed
+without a word (the controller renews the lease every quarter of it, R-14): the pod stops its
+processes, with the job's grace bounded by the lease, and the launcher exits.
 
 A command that cannot be started (its working directory is gone, the program does not exist) is
 reported as that rank's exit, with code 127 or 126 as a shell would give, so that the recovery
@@ -78,6 +81,7 @@ from relaunch.protocol.messages import (
     Injected,
     InjectProcessFault,
     LauncherHello,
+    Lease,
     MembershipUpdate,
     Message,
     Output,
@@ -134,7 +138,11 @@ class Launcher:
         self.attempt = 0
         self.last_env: dict[str, str] = {}
         self.alone_since: float | None = time.time()
+        self.heard_at = time.time()
+        """When the controller last said anything (a `Lease` at least every quarter lease)."""
         self.abandoned_at: float | None = None
+        self.fenced = False
+        """Abandoned because the lease ran out with the connection still open (R-14)."""
         self.running = True
         self.latest_progress: dict[int, Progress] = {}
         self.phases: list[RankPhase] = []
@@ -212,10 +220,13 @@ class Launcher:
                         self.conn = conn
                         backlog, self.outbox = self.outbox, []
                         self.alone_since = None
+                        self.heard_at = time.time()
                     for message in backlog:
                         conn.send(message)
                     for message in conn:
-                        self.post(message)
+                        self.heard_at = time.time()
+                        if not isinstance(message, Lease):
+                            self.post(message)
                     with self.lock:
                         self.conn = None
                         self.alone_since = time.time()
@@ -250,7 +261,7 @@ class Launcher:
         parsed = parse_datagram(data)
         if parsed is None:
             return False
-        rank, value = parsed
+        rank, value, reported_at = parsed
         worker = self.workers.get(rank)
         attempt = worker.attempt if worker else self.attempt
         now = time.time()
@@ -258,7 +269,7 @@ class Launcher:
             if isinstance(value, str):
                 self.phases.append(RankPhase(rank, attempt, value, now))
                 return True
-            self.latest_progress[rank] = Progress(rank, value, attempt, now)
+            self.latest_progress[rank] = Progress(rank, value, attempt, reported_at or now)
             if worker is None:
                 return False
             first = not worker.stepped
@@ -698,7 +709,7 @@ class Launcher:
                 self.usage_sent_at = now
                 self.send_usage()
             if self.abandoned():
-                self.stop(self.plan.termination_grace_s)
+                self.stop(self.abandon_grace())
                 self.running = False
 
     def next_due(self, next_check: float) -> float:
@@ -710,6 +721,8 @@ class Launcher:
         with self.lock:
             if self.alone_since is not None:
                 due.append(self.alone_since + self.plan.adopt_grace_s)
+            elif self.plan.lease_s is not None:
+                due.append(self.heard_at + self.plan.lease_s)
         if self.spares.wants_more():
             now = time.time()
             settled = (
@@ -728,24 +741,39 @@ class Launcher:
         return all(w.stepped or now - w.started_at >= SPARE_SETTLE_S for w in restarted)
 
     def abandoned(self) -> bool:
-        """No controller for `adopt_grace_s`: the pod is abandoned (see the module docstring)."""
+        """No controller for `adopt_grace_s`, or no word from a connected one for the lease: the
+        pod is abandoned (see the module docstring)."""
+        now = time.time()
         with self.lock:
-            alone = self.alone_since
-        if alone is None:
+            alone, heard = self.alone_since, self.heard_at
+        lease = self.plan.lease_s
+        closed = alone is not None and now - alone > self.plan.adopt_grace_s
+        silent = alone is None and lease is not None and now - heard > lease
+        if not (closed or silent):
             return False
-        if time.time() - alone > self.plan.adopt_grace_s:
-            if self.abandoned_at is None:
-                self.abandoned_at = time.time()
-            return True
-        return False
+        if self.abandoned_at is None:
+            self.abandoned_at = now
+            self.fenced = silent
+            if silent:
+                print(
+                    f"[relaunch] no word from the controller for {now - heard:.1f} s (lease "
+                    f"{lease:g} s, R-14): this pod stops its processes",
+                    flush=True,
+                )
+        return True
 
     def kill_by(self) -> float:
         """The latest moment a process of this pod may still run: once abandoned, at most
-        `adopt_grace_s` (and the job's grace) after that. A stop in progress checks it too."""
+        `adopt_grace_s` (the lease, when it ran out) and the job's grace after that. A stop in
+        progress checks it too."""
         if not self.abandoned() or self.abandoned_at is None:
             return float("inf")
-        grace = min(self.plan.termination_grace_s, self.plan.adopt_grace_s)
-        return self.abandoned_at + grace
+        return self.abandoned_at + self.abandon_grace()
+
+    def abandon_grace(self) -> float:
+        """How long an abandoned pod's processes have between SIGTERM and SIGKILL."""
+        bound = self.plan.lease_s if self.fenced and self.plan.lease_s else self.plan.adopt_grace_s
+        return min(self.plan.termination_grace_s, bound)
 
     def handle(self, message: Message) -> None:
         match message:

@@ -1,5 +1,6 @@
-"""The training SDK's datagrams to its pod's launcher: "RANK STEP" (progress) or "RANK @PHASE"
-(what the rank is doing, for R-37). Kept apart from the wire messages and free of dataclasses:
+"""The training SDK's datagrams to its pod's launcher: "RANK STEP AT" (progress: the step, and
+when the script reported it, which can be well before the datagram goes: a report held back by
+the interval waits for the next) or "RANK @PHASE" (what the rank is doing, for R-37). Kept apart from the wire messages and free of dataclasses:
 every training process imports it, and its start is on the path of every recovery."""
 
 from __future__ import annotations
@@ -19,21 +20,21 @@ class SdkPhase:
     """Building (or rebuilding) its communication group."""
 
 
-def progress_datagram(rank: int, step: int) -> bytes:
-    return f"{rank} {int(step)}".encode()
+def progress_datagram(rank: int, step: int, at: float | None = None) -> bytes:
+    return (f"{rank} {int(step)}" + (f" {at:.6f}" if at is not None else "")).encode()
 
 
 def phase_datagram(rank: int, phase: str) -> bytes:
     return f"{rank} @{phase}".encode()
 
 
-def parse_datagram(data: bytes) -> tuple[int, int | str] | None:
-    """(rank, step) or (rank, phase); None for anything else."""
+def parse_datagram(data: bytes) -> tuple[int, int | str, float | None] | None:
+    """(rank, step, when it was reported) or (rank, phase, None); None for anything else."""
     try:
-        rank_text, value = data.decode().split()[:2]
+        rank_text, value, *rest = data.decode().split()
         rank = int(rank_text)
         if value.startswith("@"):
-            return rank, value[1:]
-        return rank, int(value)
+            return rank, value[1:], None
+        return rank, int(value), float(rest[0]) if rest else None
     except (ValueError, UnicodeDecodeError):
         return None

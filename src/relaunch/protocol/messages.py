@@ -8,7 +8,7 @@ line on the wire is `{"t": KIND, ...fields}`). Who sends what:
     launcher -> controller   LauncherHello, Started, Output, ProgressBatch, Exited, Stopped,
                              Usage, Injected, Stacks
     controller -> launcher   Start, Stop, Shutdown, InjectProcessFault, MembershipUpdate, Assume,
-                             CaptureStacks
+                             CaptureStacks, Lease
 
 The training SDK's datagrams to its launcher are in `datagrams.py`.
 Standard library only.
@@ -39,6 +39,7 @@ __all__ = [
     "InjectProcessFault",
     "Injected",
     "LauncherHello",
+    "Lease",
     "LinkReport",
     "MembershipUpdate",
     "Message",
@@ -98,6 +99,8 @@ class LinkReport:
     at: float
     duration_s: float | None
     """How long the link was down, once it is back; None while it is still down."""
+    cause: str = ""
+    """What the agent saw (a real link): "carrier lost", or its peers not answering."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,13 @@ class Heartbeat(Message):
     at: float
     chips: tuple[ChipReport, ...] = ()
     link: LinkReport | None = None
+    link_down: bool = False
+    """The node's data link is down now (said at once, before R-12 makes it a fault: ranks
+    that wait for the network meanwhile are not hung)."""
+    data_rtt_ms: float | None = None
+    """The node's data-link round trip as its agent's probes of its neighbours find it (the
+    median over them of each one's 90th percentile; None: no real link): a degraded link
+    queues them."""
 
 
 @dataclass(frozen=True)
@@ -332,12 +342,22 @@ class Assume(Message):
     plan: LaunchPlan
 
 
+@dataclass(frozen=True)
+class Lease(Message):
+    """The controller still hears the pod: its lease runs on (R-14). A launcher that hears
+    nothing from its controller for the plan's `lease_s` takes its pod for abandoned and stops
+    its processes, as when the connection closes: a node cut off from the controller, but still
+    running, never trains beside the replacements of its pods."""
+
+    KIND = "lease"
+
+
 _KINDS: Final[dict[str, type[Message]]] = {
     cls.KIND: cls
     for cls in (
         AgentHello, Heartbeat, Healed, InjectChipFault, InjectNetworkFault, Heal, Injected,
         Shutdown, LauncherHello, Started, Output, ProgressBatch, Exited, Stopped, Usage, Start,
-        Stop, InjectProcessFault, MembershipUpdate, Assume, CaptureStacks, Stacks,
+        Stop, InjectProcessFault, MembershipUpdate, Assume, CaptureStacks, Stacks, Lease,
     )
 }  # fmt: skip
 

@@ -45,6 +45,10 @@ class LaunchPlan:
     """SIGTERM -> SIGKILL grace the job asks for: used when the pod is abandoned."""
     activity_interval_s: float = 1.0
     """How often each rank's CPU time and I/O are sampled and sent (hang detection, R-25)."""
+    lease_s: float | None = None
+    """R-14: a launcher that hears nothing from its controller for this long (a `Lease` comes
+    every quarter of it) stops its processes, as one whose connection closed does after
+    `adopt_grace_s`. None: only a closed connection counts."""
     standby: bool = False
     """A launcher on a standby node that runs no rank yet: it keeps `warm_spares` processes
     ready and becomes a pod's launcher when the controller moves a pod to its node ("assume")."""

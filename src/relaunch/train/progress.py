@@ -19,7 +19,8 @@ _addresses: tuple[str, str, float] | None = None
 """The routine and the urgent socket's addresses, and the report interval (from the env)."""
 _sent_at: float | None = None
 """When this process last sent a step (None: it has sent none)."""
-_pending: int | None = None
+_pending: tuple[int, float] | None = None
+"""A step held back by the interval, and when the script reported it."""
 """A step reported within the interval and not sent yet: it goes with the next phase report
 (so the controller knows the step a checkpoint is saved at) or when the process exits."""
 
@@ -73,10 +74,10 @@ def report_progress(step: int) -> None:
     now = time.monotonic()
     first = _sent_at is None
     if not first and now - (_sent_at or 0.0) < _targets()[2]:
-        _pending = step
+        _pending = (step, time.time())
         return
     _sent_at, _pending = now, None
-    _send(progress_datagram(_rank(), step), urgent=first)
+    _send(progress_datagram(_rank(), step, time.time()), urgent=first)
 
 
 def report_phase(phase: str) -> None:
@@ -92,9 +93,9 @@ def report_phase(phase: str) -> None:
 def _flush_pending(urgent: bool = False) -> None:
     global _pending, _sent_at
     if _pending is not None:
-        step, _pending = _pending, None
+        (step, at), _pending = _pending, None
         _sent_at = time.monotonic()
-        _send(progress_datagram(_rank(), step), urgent=urgent)
+        _send(progress_datagram(_rank(), step, at), urgent=urgent)
 
 
 def _rank() -> int:

@@ -17,6 +17,7 @@ from relaunch.cluster.local import free_port
 from relaunch.cluster.ray.discovery import CALL_TIMEOUT_S, NAMESPACE, RayNode, connect, discover
 from relaunch.cluster.ray.host import RemoteNodeHost
 from relaunch.protocol.layout import PodDir
+from relaunch.protocol.links import Cut, LinkFaultKind
 from relaunch.protocol.plans import LaunchPlan
 
 __all__ = ["RayCluster"]
@@ -205,3 +206,23 @@ class RayCluster:
 
     def free_port(self, node: str) -> int:
         return int(self._call(node, "free_port") or free_port())
+
+    @property
+    def networks(self) -> str:
+        return (
+            "nodes use the Ray nodes' own networks; a network fault is simulated (the agent "
+            "reports it), partition and degraded-link faults cannot fire"
+        )
+
+    def pod_environment(self, node: str) -> dict[str, str]:
+        return {}
+
+    def inject_link_fault(
+        self,
+        node: str,
+        kind: LinkFaultKind,
+        duration_s: float | None,
+        cut: Cut | None = None,
+        rate_mbit: float | None = None,
+    ) -> str | None:
+        return "the Ray engine does not own its nodes' links"

@@ -1,0 +1,439 @@
+"""Real networks on the embedded cluster (issue 32): each node a network namespace with a
+management link to the controller and a data link to its peers, and link faults that are real.
+
+The end-to-end tests need root and iproute2 (CI runs as root) and say so when they skip; the
+layout, the fault commands and the fault plan's checks are pure and run everywhere."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import yaml
+
+from relaunch.chaos import ChaosKind, parse_plan
+from relaunch.cluster.network import ClusterNetwork, Layout, _used_prefixes
+from relaunch.errors import FaultPlanError
+from relaunch.protocol.links import Cut, LinkFaultKind
+from relaunch.store import Store
+from tests.runtime import DDP_CLUSTER, ROOT, Cluster, Result
+
+# -- the layout and the fault commands (pure) ---------------------------------------------------
+
+
+def layout(nodes: int = 4) -> Layout:
+    return Layout("abcd1234", 101, 102, {f"node-{i}": i for i in range(nodes)})
+
+
+def test_every_node_has_a_management_and_a_data_address_the_controller_the_first() -> None:
+    net = layout()
+    assert net.controller_address == "10.101.0.1"
+    assert [net.mgmt_address(f"node-{i}") for i in range(4)] == [
+        "10.101.0.2", "10.101.0.3", "10.101.0.4", "10.101.0.5",
+    ]  # fmt: skip
+    assert net.data_address("node-3") == "10.102.0.5"
+    big = Layout("x", 101, 102, {"node-300": 300})
+    assert big.data_address("node-300") == "10.102.1.46"  # 302 = 1 * 256 + 46
+    assert net.namespace("node-2") == "rlabcd1234n2" and net.switch == "rlabcd1234sw"
+    assert len(net.controller_link) <= 15  # an interface name's limit
+
+
+def test_an_agent_probes_the_next_nodes_wrapping() -> None:
+    net = layout(5)
+    assert net.neighbours("node-0") == ["node-1", "node-2", "node-3"]
+    assert net.neighbours("node-3") == ["node-4", "node-0", "node-1"]
+    assert layout(2).neighbours("node-1") == ["node-0"]
+
+
+def test_the_management_prefix_avoids_networks_the_machine_routes() -> None:
+    table = (
+        "Iface\tDestination\tGateway\tFlags\tRefCnt\tUse\tMetric\tMask\tMTU\tWindow\tIRTT\n"
+        # 0.0.0.0/0 (default), 10.7.0.0/16, 10.64.0.0/12 (little-endian hex, as /proc shows it)
+        "eth0\t00000000\t010200C0\t0003\t0\t0\t0\t00000000\t0\t0\t0\n"
+        "eth0\t0000070A\t00000000\t0001\t0\t0\t0\t0000FFFF\t0\t0\t0\n"
+        "eth1\t0000400A\t00000000\t0001\t0\t0\t0\t0000F0FF\t0\t0\t0\n"
+    )
+    used = _used_prefixes(table)
+    assert 7 in used and set(range(64, 80)) <= used  # the /12 covers 10.64 to 10.79
+    assert 80 not in used and 8 not in used  # the default route does not count
+
+
+def test_each_link_fault_is_the_kernels_own_mechanism() -> None:
+    net = ClusterNetwork(Path("/nonexistent"), layout(3))
+
+    def commands(kind: LinkFaultKind, cut: Cut | None = None, undo: bool = False) -> list[str]:
+        steps = net.fault_commands("node-1", kind, cut, 2.0, undo)
+        return [f"{ns or 'root'}: {tool} {c}" for ns, tool, cs in steps for c in cs]
+
+    assert commands(LinkFaultKind.DOWN) == ["rlabcd1234sw: ip link set d1 down"]
+    assert commands(LinkFaultKind.DOWN, undo=True) == ["rlabcd1234sw: ip link set d1 up"]
+    assert commands(LinkFaultKind.PARTITION, Cut.CONTROLLER) == [
+        "rlabcd1234n1: ip route add blackhole 10.101.0.1/32",
+        "root: ip route add blackhole 10.101.0.3/32",
+    ]
+    peers = commands(LinkFaultKind.PARTITION, Cut.PEERS)
+    assert "rlabcd1234n1: ip route add blackhole 10.102.0.2/32" in peers
+    assert "rlabcd1234n1: ip route add blackhole 10.102.0.4/32" in peers
+    both = commands(LinkFaultKind.PARTITION, Cut.BOTH, undo=True)
+    assert "rlabcd1234n1: ip route del blackhole 10.101.0.1/32" in both
+    assert "rlabcd1234n1: ip route del blackhole 10.102.0.2/32" in both
+    degraded = commands(LinkFaultKind.DEGRADED)
+    assert degraded == [
+        "rlabcd1234n1: tc qdisc replace dev data0 root tbf rate 2mbit burst 32kbit latency 400ms",
+        "rlabcd1234sw: tc qdisc replace dev d1 root tbf rate 2mbit burst 32kbit latency 400ms",
+    ]
+
+
+# -- the fault plan's link faults -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("entry", "where", "says"),
+    [
+        ({"kind": "partition", "after_s": 1, "node": "node-1"}, "cut", "partition needs cut"),
+        (
+            {"kind": "partition", "after_s": 1, "node": "node-1", "cut": "everyone"},
+            "cut",
+            "'controller', 'peers', 'both'",
+        ),
+        ({"kind": "degraded-link", "at_step": 3, "pod": 1}, "rate_mbit", "needs rate_mbit"),
+        (
+            {"kind": "degraded-link", "at_step": 3, "pod": 1, "rate_mbit": 0},
+            "rate_mbit",
+            "above 0",
+        ),
+        (
+            {"kind": "network", "at_step": 3, "pod": 1, "cut": "peers"},
+            "cut",
+            "cut only for partition",
+        ),
+        (
+            {"kind": "hang", "at_step": 3, "pod": 1, "rate_mbit": 2},
+            "rate_mbit",
+            "rate_mbit only for degraded-link",
+        ),
+        (
+            {"kind": "partition", "at_step": 3, "pod": 1, "cut": "peers", "duration_s": -1},
+            "duration_s",
+            "",
+        ),
+    ],
+)
+def test_a_bad_link_fault_is_refused_naming_the_key(
+    entry: dict[str, Any], where: str, says: str
+) -> None:
+    with pytest.raises(FaultPlanError) as caught:
+        parse_plan({"faults": [entry]})
+    text = str(caught.value)
+    assert f"faults[0].{where}" in text and says in text, text
+
+
+def test_link_faults_say_what_they_do() -> None:
+    plan = parse_plan(
+        {
+            "faults": [
+                {"kind": "partition", "at_step": 5, "pod": 1, "cut": "peers", "duration_s": 15},
+                {"kind": "partition", "after_s": 2, "node": "node-2", "cut": "both"},
+                {"kind": "degraded-link", "at_step": 9, "pod": 0, "rate_mbit": 2.5},
+                {"kind": "network", "at_step": 7, "pod": 0, "duration_s": 10},
+            ]
+        }
+    )
+    assert [e.kind for e in plan] == [
+        ChaosKind.PARTITION, ChaosKind.PARTITION, ChaosKind.DEGRADED_LINK, ChaosKind.NETWORK,
+    ]  # fmt: skip
+    assert plan[0].cut is Cut.PEERS and plan[2].rate_mbit == 2.5
+    assert [e.describe() for e in plan] == [
+        "partition from its peers for 15 s on pod 1 at step 5",
+        "partition from all on node node-2 after 2 s",
+        "degraded link (2.5 Mbit/s) on pod 0 at step 9",
+        "network for 10 s on pod 0 at step 7",
+    ]
+
+
+# -- end to end: real namespaces (root) -------------------------------------------------------
+
+
+def _needs_namespaces() -> None:
+    why = ClusterNetwork.unavailable()
+    if why is not None:
+        pytest.skip(f"needs network namespaces: {why} (CI runs as root)")
+
+
+def _namespaces() -> set[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in listed.splitlines() if line.strip()}
+
+
+def _links() -> set[str]:
+    listed = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout
+    return {line.split()[0].split("@")[0] for line in listed.splitlines() if line.strip()}
+
+
+def assert_nothing_left(state: Path, timeout: float = 5.0) -> None:
+    """No namespace or link of the cluster of `state` is left (the kernel frees a namespace's
+    links a moment after its last process)."""
+    digest = Layout.read(state / "network.json")
+    assert digest is not None, "the cluster had no network"
+    ours = f"rl{digest.digest}"
+    deadline = time.monotonic() + timeout
+    while True:
+        left = {n for n in _namespaces() | _links() if n.startswith(ours)}
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert not left, f"left behind: {sorted(left)}"
+
+
+def test_each_node_is_a_network_host_and_its_links_go_with_the_cluster(tmp_path: Path) -> None:
+    _needs_namespaces()
+    opened = ClusterNetwork.open(tmp_path)
+    assert isinstance(opened, ClusterNetwork), opened
+    net = opened
+    try:
+        for node in ("node-0", "node-1", "node-2"):
+            net.ensure_node(node)
+        layout = net.layout
+
+        def reach(node: str, address: str) -> str:
+            import socket
+
+            def probe() -> str:
+                try:
+                    socket.create_connection((address, 9), timeout=1).close()
+                except ConnectionRefusedError:
+                    return "reached"  # a host answered: nobody listens on port 9
+                except OSError as error:
+                    return f"cut ({error.strerror})"
+                return "reached"
+
+            return net.in_namespace(node, probe)
+
+        assert reach("node-0", layout.controller_address) == "reached"
+        assert reach("node-0", layout.data_address("node-2")) == "reached"
+        net.apply("node-0", LinkFaultKind.PARTITION, Cut.PEERS)
+        assert reach("node-0", layout.data_address("node-2")).startswith("cut")
+        assert reach("node-2", layout.data_address("node-0")).startswith("cut")  # both ways
+        assert reach("node-0", layout.controller_address) == "reached"
+        assert reach("node-1", layout.data_address("node-2")) == "reached"
+        net.apply("node-0", LinkFaultKind.PARTITION, Cut.PEERS, undo=True)
+        assert reach("node-0", layout.data_address("node-2")) == "reached"
+        assert net.free_port("node-1") > 0
+    finally:
+        net.remove()
+    assert_nothing_left(tmp_path)
+
+
+DDP = ROOT / "examples" / "ddp" / "train_ddp.py"
+CLUSTER = {**DDP_CLUSTER, "adopt_grace_s": 4}
+"""4 nodes, heartbeats every 0.2 s, a node lost after 1.5 s of silence; a pod's lease (the
+adopt grace) of 4 s."""
+
+
+def ddp(out: Path, process: bool = False, steps: int = 150) -> dict[str, Any]:
+    """The DDP example, 2 pods of 1 rank, hang window 4 s."""
+    name = "process-job.yaml" if process else "job.yaml"
+    job = yaml.safe_load((ROOT / "examples" / "ddp" / name).read_text())
+    job["spec"]["procs_per_pod"] = 1
+    recovery = " --process-recovery" if process else ""
+    job["spec"]["command"] = f"python {DDP}{recovery} --steps {steps} --ckpt-every 10 --out {out}"
+    return job
+
+
+def run(cluster: Cluster, job: dict[str, Any], faults: list[dict[str, Any]]) -> Result:
+    result = cluster.run(job, faults, CLUSTER, timeout=240, startup_s=60)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def unbroken(tmp_path_factory: pytest.TempPathFactory) -> str:
+    _needs_namespaces()
+    tmp = tmp_path_factory.mktemp("networks-unbroken")
+    result = run(Cluster(tmp), ddp(tmp / "hash.txt"), [])
+    assert result.report["recoveries"] == []
+    return (tmp / "hash.txt").read_text().strip()
+
+
+def test_r12_a_10_s_link_flap_and_a_partition_from_the_peers_are_ridden_out(
+    cluster: Cluster, unbroken: str
+) -> None:
+    """The node's data link really goes down for 10 s (its carrier), then the node is cut from
+    its peers for 8 s (blackhole routes): gloo's connections wait, the agent sees both and says
+    so at once (no hang, though the 4 s hang window passes), and once they are back each is
+    recorded as R-12 asks, not handled. No process restarts; the model is bit for bit the
+    fault-free run's."""
+    out = cluster.dir / "hash.txt"
+    faults = [
+        {"kind": "network", "at_step": 30, "pod": 1, "duration_s": 10},
+        {"kind": "partition", "at_step": 70, "pod": 1, "cut": "peers", "duration_s": 8},
+    ]
+    result = run(cluster, ddp(out), faults)
+    records = result.report["recoveries"]
+    assert [(r["action"], r["fault"]["kind"]) for r in records] == [
+        ("ignore", "network"), ("ignore", "network"),
+    ], records  # fmt: skip
+    flap, cut = (r["fault"] for r in records)
+    assert 9 <= flap["duration_s"] <= 13 and flap["detail"] == "carrier lost"
+    assert 7 <= cut["duration_s"] <= 11 and "peers do not answer" in cut["detail"]
+    assert result.report["restarts_used"] == 0
+    assert "relaunch: attempt 2" not in result.logs()
+    assert out.read_text().strip() == unbroken
+    assert_nothing_left(cluster.state)
+
+
+def run_with(
+    cluster: Cluster,
+    job: dict[str, Any],
+    faults: list[dict[str, Any]],
+    blip_s: float | None = None,
+    nodes: dict[str, Any] | None = None,
+    during: Any = None,
+) -> Result:
+    """`relaunch run` of `job` on the test cluster, R-12's window set to `blip_s` (a fault
+    table file); `during(proc)` runs while it does."""
+    extra: tuple[str, ...] = ()
+    if blip_s is not None:
+        table = cluster.write("table.yaml", {"escalation": {"network_blip_seconds": blip_s}})
+        extra = ("--fault-table", str(table))
+    args = cluster.command(job, faults, nodes or CLUSTER, extra=extra, startup_s=60)
+    proc = subprocess.Popen(
+        args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        if during is not None:
+            during(proc)
+        stdout, stderr = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    result = cluster.result(proc.returncode, stdout, stderr)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def unbroken_process(tmp_path_factory: pytest.TempPathFactory) -> str:
+    _needs_namespaces()
+    tmp = tmp_path_factory.mktemp("networks-unbroken-process")
+    result = run(Cluster(tmp), ddp(tmp / "hash.txt", process=True), [])
+    assert result.report["recoveries"] == []
+    return (tmp / "hash.txt").read_text().strip()
+
+
+def test_r12_r30_a_link_lost_past_the_blip_window_is_retried_by_the_sdk_once_it_is_back(
+    cluster: Cluster, unbroken_process: str
+) -> None:
+    """The data link down for 8 s, R-12's window 3 s (the 60 s loss of the bench, in seconds):
+    a network fault at 3 s, decided process-retry (R-30): every rank forms the group anew once
+    the link is back and runs the interrupted step again. No process restarts; the retry is
+    proved only by a step done after it began (not by a report of an earlier step held back
+    meanwhile); bit-identical."""
+    out = cluster.dir / "hash.txt"
+    faults = [{"kind": "network", "at_step": 30, "pod": 1, "duration_s": 8}]
+    result = run_with(cluster, ddp(out, process=True), faults, blip_s=3)
+    (record,) = result.report["recoveries"]
+    assert (record["action"], record["outcome"]) == ("process-retry", "succeeded")
+    assert record["fault"]["duration_s"] is None  # decided while still down
+    assert record["mttr_s"] >= 7.5  # proved once the link was back, not before
+    logs = result.logs()
+    assert logs.count("--- relaunch: attempt") == 2  # one start a rank, no restart
+    assert logs.count("rejoin at step") == 2
+    assert out.read_text().strip() == unbroken_process
+
+
+def test_r12_r20_r23_a_link_that_stays_down_fails_its_heal_and_the_pod_moves(
+    cluster: Cluster, unbroken: str
+) -> None:
+    """Without the SDK's keeper: the data link down for 30 s, R-12's window 3 s. In-place
+    recovery asks the agent to heal the link, which it cannot (the link is still down): the
+    recovery fails and the pod moves off the node (R-23). Bit-identical."""
+    out = cluster.dir / "hash.txt"
+    faults = [{"kind": "network", "at_step": 30, "pod": 1, "duration_s": 30}]
+    result = run_with(cluster, ddp(out), faults, blip_s=3)
+    records = result.report["recoveries"]
+    assert [(r["action"], r["outcome"]) for r in records] == [
+        ("in-place", "failed"), ("pod-reschedule", "succeeded"),
+    ]  # fmt: skip
+    assert records[1]["isolated_nodes"] == ["node-1"]
+    assert "the link is still down" in "\n".join(
+        text for _, text in Store(cluster.state / "relaunch.db").events(result.report["id"])
+    )
+    assert out.read_text().strip() == unbroken
+    assert_nothing_left(cluster.state)
+
+
+class Incarnations:
+    """When each generation of pod 1's rank was seen running (sampled every 20 ms)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, list[float]] = {}
+        self.stop = threading.Event()
+
+    def watch(self, proc: subprocess.Popen[str]) -> None:
+        while proc.poll() is None and not self.stop.is_set():
+            now = time.time()
+            for process in psutil.process_iter(["cmdline"]):
+                try:
+                    if "train_ddp.py" not in " ".join(process.info["cmdline"] or []):
+                        continue
+                    env = process.environ()
+                except psutil.Error:
+                    continue
+                if env.get("RELAUNCH_POD") != "1":
+                    continue
+                span = self.seen.setdefault(env.get("RELAUNCH_GENERATION", "?"), [now, now])
+                span[1] = now
+            time.sleep(0.02)
+
+
+@pytest.mark.parametrize("cut", ["controller", "both"])
+def test_r14_a_node_cut_off_from_the_controller_stops_its_pod_before_the_replacement_starts(
+    cluster: Cluster, unbroken: str, cut: str
+) -> None:
+    """The node of pod 1 cut off from the controller (its management link; `both`: its data
+    link too) but running: it falls silent, is lost, and its pod is moved. Its launcher hears
+    nothing for its lease (4 s) and stops its rank; the replacement starts only after that lease
+    and the grace: the two incarnations of rank 1 never run at the same time, and the job ends
+    bit-identical."""
+    out = cluster.dir / "hash.txt"
+    faults = [{"kind": "partition", "at_step": 30, "pod": 1, "cut": cut, "duration_s": 60}]
+    seen = Incarnations()
+    result = run_with(cluster, ddp(out), faults, during=seen.watch)
+    records = result.report["recoveries"]
+    assert [(r["action"], r["fault"]["kind"]) for r in records] == [
+        ("pod-reschedule", "node-lost")
+    ], records
+    assert records[0]["fault"]["detail"].startswith("silent")
+    old, new = seen.seen["1"], seen.seen["2"]
+    assert old[1] < new[0], f"the old incarnation ran until {old[1]}, the new one from {new[0]}"
+    events = [text for _, text in Store(cluster.state / "relaunch.db").events(result.report["id"])]
+    assert any("is silent, not known dead" in e for e in events), events
+    old_launcher = (cluster.state / "jobs" / "1" / "pods" / "pod-1-g1" / "launcher.log").read_text()
+    assert "no word from the controller" in old_launcher
+    assert out.read_text().strip() == unbroken
+    assert_nothing_left(cluster.state)
+
+
+def test_a_degraded_link_is_found_slow_and_its_pod_moved(cluster: Cluster) -> None:
+    """pod 1's node's data link limited to 1 Mbit/s: every rank waits on the network alike, so
+    busy shares cannot tell; its agent's probes can (they queue behind the ranks' traffic on
+    that link only). Found slow within the slow window (4 s here), the pod moves to a standby
+    node (SubHealthFault with pod-level rescheduling on)."""
+    out = cluster.dir / "hash.txt"
+    faults = [{"kind": "degraded-link", "at_step": 30, "pod": 1, "rate_mbit": 1}]
+    job = ddp(out, steps=400)
+    result = run_with(cluster, job, faults, nodes={**CLUSTER, "slow_window_s": 4})
+    records = result.report["recoveries"]
+    assert [(r["action"], r["fault"]["kind"], r["fault"]["pod"]) for r in records] == [
+        ("pod-reschedule", "slow", 1)
+    ], records
+    assert "data link is slow" in records[0]["fault"]["detail"]
+    assert records[0]["isolated_nodes"] == ["node-1"]
+    assert out.read_text().strip()  # it finished (bit-identity after a move: test_ddp_exactly_once)
