@@ -175,15 +175,21 @@ def _links() -> set[str]:
     return {line.split()[0].split("@")[0] for line in listed.splitlines() if line.strip()}
 
 
+def _routes(prefix: int) -> set[str]:
+    listed = subprocess.run(["ip", "route", "show"], capture_output=True, text=True).stdout
+    return {line.strip() for line in listed.splitlines() if f"10.{prefix}." in line}
+
+
 def assert_nothing_left(state: Path, timeout: float = 5.0) -> None:
-    """No namespace or link of the cluster of `state` is left (the kernel frees a namespace's
-    links a moment after its last process)."""
-    digest = Layout.read(state / "network.json")
-    assert digest is not None, "the cluster had no network"
-    ours = f"rl{digest.digest}"
+    """No namespace, link or route of the cluster of `state` is left (the kernel frees a
+    namespace's links a moment after its last process)."""
+    layout = Layout.read(state / "network.json")
+    assert layout is not None, "the cluster had no network"
+    ours = f"rl{layout.digest}"
     deadline = time.monotonic() + timeout
     while True:
         left = {n for n in _namespaces() | _links() if n.startswith(ours)}
+        left |= _routes(layout.mgmt)
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.1)

@@ -361,11 +361,19 @@ class ClusterNetwork:
 
     def remove(self) -> None:
         """Delete every namespace of the cluster: its links go with them (a node's namespace
-        lives on while a process still runs in it, and goes when the last one exits)."""
+        lives on while a process still runs in it, and goes when the last one exits), and the
+        root namespace's routes a partition left (a blackhole route belongs to no link)."""
         with self._locked():
             names = [self.layout.namespace(n) for n in self.layout.nodes]
             names.append(self.layout.switch)
             _delete(names)
+            self._forget_partitions()
+
+    def _forget_partitions(self) -> None:
+        layout = self.layout
+        routes = [f"route del blackhole {layout.mgmt_address(n)}/32" for n in layout.nodes]
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            _ip(None, routes, check=False)
 
     def step_out(self, node: str) -> None:
         """`node`'s agent, about to exit: its namespace is deleted, and the switch's with the
@@ -376,6 +384,7 @@ class ClusterNetwork:
             left = [n for n in layout.nodes if _namespace_exists(layout.namespace(n))]
             if not left:
                 _delete([layout.switch])
+                self._forget_partitions()
 
     # -- faults -----------------------------------------------------------------------------
 
