@@ -64,7 +64,17 @@ def test_quick_bench_writes_json_markdown_and_chart(tmp_path: Path) -> None:
     bin_dir = _installed_from_wheel(tmp_path)
     out = tmp_path / "bench"
     done = subprocess.run(
-        [str(bin_dir / "relaunch"), "bench", "--quick", "--out", str(out)],
+        # every section but the link faults on real networks: their shortest fault lasts 10 s
+        # a system, too long for the suite; `relaunch bench --only network` measures them
+        [
+            str(bin_dir / "relaunch"),
+            "bench",
+            "--quick",
+            "--out",
+            str(out),
+            "--only",
+            "mttr,hang,scale,sizes,overhead,checkpoint,reliability,slow",
+        ],
         capture_output=True,
         text=True,
         timeout=600,

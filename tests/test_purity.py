@@ -44,6 +44,8 @@ IMPURE_MODULES = {
     "rich",
 }
 RELAUNCH_ALLOWED = {
+    "relaunch.protocol.operator",  # R-29's settings, parsed alike by the spec and the SDK
+    "relaunch.protocol.links",  # the link faults a fault plan names
     "relaunch.errors",
     "relaunch.validation",
     "relaunch.spec",

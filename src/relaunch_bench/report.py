@@ -61,6 +61,11 @@ SLOW_COLUMNS = {
     "factor": "slowdown factor", "window_s": "slow_window_s", "runs": "runs",
     "detected": "detected", "median_detect_s": "median detection s",
 }  # fmt: skip
+NETWORK_COLUMNS = {
+    "fault": "link fault (pod 1's node)", "system": "system", "lost_s": "time lost s",
+    "redone_steps": "steps redone", "restarts": "restarts", "what": "what happened",
+    "note": "note",
+}  # fmt: skip
 SECTIONS = (
     ("scale", "Scale (light workload, 2 processes per pod)", SCALE_COLUMNS),
     ("sizes", "MTTR by job size (DDP, 2 pods)", SIZE_COLUMNS),
@@ -72,6 +77,7 @@ SECTIONS = (
     ),
     ("reliability", "Restart reliability", RELIABILITY_COLUMNS),
     ("slow", "Slow pod detection (DDP, 2 pods, record only)", SLOW_COLUMNS),
+    ("network", "Link faults on real networks (DDP, 2 pods x 1 rank)", NETWORK_COLUMNS),
 )
 
 

@@ -16,12 +16,15 @@ from relaunch_bench import report, torchrun
 from relaunch_bench.checkpoint import checkpoint_rows
 from relaunch_bench.jobs import Progress
 from relaunch_bench.mttr import SIZES, Row, hang_rows, mttr_rows, ratios, size_rows
+from relaunch_bench.network import network_rows
 from relaunch_bench.overhead import overhead_rows
 from relaunch_bench.reliability import RELIABILITY_LEVELS, reliability_rows
 from relaunch_bench.scale import scale_rows
 from relaunch_bench.slow import FACTORS, slow_rows
 
-SECTIONS = ("mttr", "hang", "scale", "sizes", "overhead", "checkpoint", "reliability", "slow")
+SECTIONS = (
+    "mttr", "hang", "scale", "sizes", "overhead", "checkpoint", "reliability", "slow", "network",
+)  # fmt: skip
 
 
 @dataclass
@@ -72,6 +75,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         "checkpoint": [],
         "reliability": [],
         "slow": [],
+        "network": [],
         **measured,
         "seconds": round(time.time() - started, 1),
     }
@@ -113,6 +117,8 @@ def _sections(
         )
     if "slow" in sections:
         measured["slow"] = slow_rows((3.0,) if quick else FACTORS, 1 if quick else 2, say)
+    if "network" in sections:
+        measured["network"] = network_rows(quick, say)
     return measured
 
 

@@ -163,6 +163,18 @@ def _levels(r: RecoverySettings) -> Table:
     levels.add_column("budget / setting")
     on, off = "[green]on[/]", "[dim]off[/]"
     process = ", ".join(s.value for s in r.recover_strategies) if r.process_level else ""
+    retry = r.operator_retry
+    levels.add_row(
+        "operator level (R-29)",
+        on if retry is not None else off,
+        (
+            f"{retry.max_count} re-issue(s), the first {retry.hold_s:g} s after the failure, "
+            f"{retry.interval_s:g} s apart; only for collectives the SDK's keeper issues "
+            "(DDP's buckets, keeper.all_reduce): a script without it never gets this level"
+        )
+        if retry is not None
+        else "HCCL_OP_RETRY_ENABLE with L1:1 in spec.env turns it on (with process-level recovery)",
+    )
     levels.add_row(
         "process level (R-30..R-36)",
         on if r.process_level else (f"[yellow]{r.process_recovery.value}[/]"),
@@ -222,6 +234,10 @@ def _example_faults(job: JobSpec) -> list[tuple[str, Fault]]:
             Fault(FaultKind.CHIP, 0.0, node=node, chip=0, code="80E3A201"),
         ),
         ("node lost", Fault(FaultKind.NODE_LOST, 0.0, node=node)),
+        (
+            "a collective fails (its link)",
+            Fault(FaultKind.COLLECTIVE, 0.0, pod=last, rank=rank, step=1, collective=0),
+        ),
         ("network link down 60 s", Fault(FaultKind.NETWORK, 0.0, node=node, duration_s=60.0)),
         ("job hangs", Fault(FaultKind.HANG, 0.0)),
     ]

@@ -17,7 +17,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, ClassVar
 
 from relaunch.controller import commands
-from relaunch.faults import FaultKind
+from relaunch.controller.active import OperatorState
+from relaunch.faults import Fault, FaultKind
 from relaunch.policy import Action, Decision
 from relaunch.store import JobStatus, NodeState, PodRow
 
@@ -48,6 +49,14 @@ class LevelAction:
 
     def ready_to_start(self, active: ActiveRecovery) -> bool:
         return True
+
+    def tick(self, c: Controller, active: ActiveRecovery, now: float) -> None:
+        """What the level does as time passes (each pass), beyond its deadlines."""
+
+    def absorbs(self, c: Controller, active: ActiveRecovery, fault: Fault, now: float) -> bool:
+        """Whether a new fault is this recovery's own business (not a new decision): it is
+        then recorded as collateral of the recovery's fault."""
+        return False
 
     def worked(
         self,
@@ -93,14 +102,15 @@ class Exit(HandOver):
 
 class ProcessRetry(LevelAction):
     """R-30: every rank rolls the step back and runs it again: in the same group for a chip's
-    memory error; for a network fault, whose link broke the group's connections, in a group
-    formed anew by the same ranks (each waits in the new store until the link is back)."""
+    memory error; for a network fault or a failed collective, whose link broke the group's
+    connections, in a group formed anew by the same ranks (each waits in the new store until the
+    link is back)."""
 
     action = Action.PROCESS_RETRY
 
     def begin(self, c: Controller, d: Decision, active: ActiveRecovery, attempt: int) -> None:
         active.after_step = c.progress.step or 0
-        if active.fault.kind is FaultKind.NETWORK:
+        if active.fault.kind in (FaultKind.NETWORK, FaultKind.COLLECTIVE):
             c.membership.publish(reform=True)
         else:
             c.membership.publish(retry=True)
@@ -123,6 +133,74 @@ class ProcessRetry(LevelAction):
         link that was down), and proves nothing."""
         late = reported_at is not None and reported_at < active.started_at
         return step is not None and step > (active.after_step or 0) and not late
+
+
+class OperatorRetry(LevelAction):
+    """R-29: the failed collective is issued again, nothing restarts. The first re-issue may go
+    `hold_s` after the failure, the next ones `interval_s` apart, `max_count` in all; each goes
+    only while every node of the job has its data link up (a re-issue while a link is down
+    would fail: it is skipped, and counts). A re-issue is an order in a new generation of the
+    membership: the ranks form a group anew on its store and issue again, from the failed
+    collective on, all they had issued since. Another failure of the collective is this
+    recovery's (the next re-issue); progress past the step proves it; spent, it fails and the
+    fault goes down the ladder (process-retry, R-30)."""
+
+    action = Action.OPERATOR_RETRY
+
+    def begin(self, c: Controller, d: Decision, active: ActiveRecovery, attempt: int) -> None:
+        retry = c.recovery.operator_retry
+        fault = active.fault
+        assert retry is not None and fault.step is not None and fault.collective is not None
+        active.after_step = c.progress.step or 0
+        active.operator = OperatorState(
+            fault.step, fault.collective, fault.at + retry.hold_s, retry.max_count
+        )
+
+    def tick(self, c: Controller, active: ActiveRecovery, now: float) -> None:
+        op, retry = active.operator, c.recovery.operator_retry
+        if op is None or retry is None:
+            return
+        if op.order is not None:
+            if now - op.ordered_at > max(c.hang_s, 10.0):
+                c.recoveries.failed(
+                    f"no step completed within {now - op.ordered_at:.0f} s of issuing collective "
+                    f"{op.collective} of step {op.step} again"
+                )
+            return
+        if now < op.next_at:
+            return
+        if op.left <= 0:
+            c.recoveries.failed(
+                f"collective {op.collective} of step {op.step} could not be issued again within "
+                f"{retry.max_count} attempt(s) (HCCL_OP_RETRY_PARAMS)"
+            )
+            return
+        attempt = retry.max_count - op.left + 1
+        op.left -= 1
+        down = commands.links_down(c)
+        if down:
+            c.event(
+                f"operator retry {attempt} of {retry.max_count} not issued: the data link of "
+                f"{', '.join(down)} is still down"
+            )
+            op.next_at = now + retry.interval_s
+            return
+        op.order = c.membership.publish(operator=(op.step, op.collective, attempt))
+        op.ordered_at = now
+
+    def absorbs(self, c: Controller, active: ActiveRecovery, fault: Fault, now: float) -> bool:
+        op, retry = active.operator, c.recovery.operator_retry
+        if fault.kind is not FaultKind.COLLECTIVE or op is None or retry is None:
+            return False
+        assert fault.step is not None and fault.collective is not None
+        if (fault.step, fault.collective) < (op.step, op.collective):
+            op.step, op.collective = fault.step, fault.collective  # an earlier one failed too
+        if op.order is not None:  # the re-issue failed: the next one, an interval later
+            op.order = None
+            op.next_at = max(now, op.ordered_at + retry.interval_s)
+        return True
+
+    worked = ProcessRetry.worked
 
 
 class ProcessInPlace(LevelAction):
@@ -290,7 +368,7 @@ def new_attempt(c: Controller, now: float) -> None:
 ACTIONS: dict[Action, LevelAction] = {
     level.action: level
     for level in (
-        Ignore(), Fail(), HandOver(), Exit(), ProcessRetry(), ProcessInPlace(),
+        Ignore(), Fail(), HandOver(), Exit(), OperatorRetry(), ProcessRetry(), ProcessInPlace(),
         ProcessReschedule(), ScaleIn(), InPlace(), HangRestart(), PodReschedule(),
         JobReschedule(), IsolatedJobReschedule(),
     )

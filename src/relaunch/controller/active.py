@@ -8,7 +8,7 @@ from typing import Final
 from relaunch.faults import Fault
 from relaunch.policy import Action
 
-__all__ = ["HEAL_TIMEOUT_S", "ActiveRecovery", "HealRequest"]
+__all__ = ["HEAL_TIMEOUT_S", "ActiveRecovery", "HealRequest", "OperatorState"]
 
 HEAL_TIMEOUT_S: Final = 5.0
 """An agent that has not answered a heal request by then has not healed its chip."""
@@ -21,6 +21,20 @@ class HealRequest:
     deadline: float
     ok: bool | None = None
     """None until the agent answers."""
+
+
+@dataclass
+class OperatorState:
+    """R-29 under way: where the collectives failed, when the next re-issue may go, how many
+    are left, and the one out now (its generation and when it went)."""
+
+    step: int
+    collective: int
+    next_at: float
+    left: int
+    order: int | None = None
+    """The generation of the order out now (None: none)."""
+    ordered_at: float = 0.0
 
 
 @dataclass
@@ -42,3 +56,5 @@ class ActiveRecovery:
     wait_s: float | None = None
     """R-32: how long the replacement processes have to make progress (the decision's
     wait-reschedule-timeout); past it the recovery failed and its fault goes down the ladder."""
+    operator: OperatorState | None = None
+    """R-29: the re-issues of a failed collective."""

@@ -128,6 +128,14 @@ def faulty_ranks(c: Controller, fault: Fault) -> tuple[int, ...]:
     return ()
 
 
+def links_down(c: Controller) -> list[str]:
+    """The nodes of the job whose data link their agent says is down now."""
+    used = {p.row.node for p in c.pods.values()}
+    return sorted(
+        name for name, agent in c.agents.items() if name in used and agent.link_down_since
+    )
+
+
 def restart_ranks(c: Controller, ranks: tuple[int, ...]) -> None:
     """Stop (at once) and start again only these ranks, in their pod's container."""
     if not ranks:

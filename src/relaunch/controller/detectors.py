@@ -16,7 +16,7 @@ from relaunch.controller.peers import AgentLink, LauncherLink, Rank
 from relaunch.controller.pods import Pod, PodPhase
 from relaunch.faults import Fault, FaultKind
 from relaunch.protocol.datagrams import SdkPhase
-from relaunch.protocol.messages import Exited, Heartbeat
+from relaunch.protocol.messages import CollectiveFailed, Exited, Heartbeat
 from relaunch.store import NodeRow, NodeState
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "Detected",
     "InjectedAt",
     "chip_faults",
+    "collective_fault",
     "exit_fault",
     "hang_due",
     "hang_fault",
@@ -95,6 +96,30 @@ def chip_faults(beat: Heartbeat, pod: int | None, injected_at: InjectedAt) -> li
         )
         found.append(Detected(fault, f"{beat.node}:{link.seq}"))
     return found
+
+
+def collective_fault(
+    link: LauncherLink, message: CollectiveFailed, links_down: list[str]
+) -> Detected:
+    """A collective the SDK issued failed on its transport (R-29). The rank that says so may be
+    the healthy end of the link: the node blamed is the one whose data link is down now, if
+    one is. Every rank whose collective failed says so: one fault per collective and
+    generation."""
+    node = links_down[0] if len(links_down) == 1 else None
+    fault = Fault(
+        FaultKind.COLLECTIVE,
+        message.at,
+        node=node,
+        pod=link.pod if node is None or node == link.node else None,
+        rank=message.rank,
+        step=message.step,
+        collective=message.collective,
+        detail=message.why,
+    )
+    source = (
+        f"collective:{message.attempt}:{message.generation}:{message.step}:{message.collective}"
+    )
+    return Detected(fault, source)
 
 
 @dataclass(frozen=True)

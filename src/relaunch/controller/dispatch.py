@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from relaunch.controller import stacks
-from relaunch.controller.detectors import chip_faults, exit_fault, rank_active
+from relaunch.controller import commands, stacks
+from relaunch.controller.detectors import chip_faults, collective_fault, exit_fault, rank_active
 from relaunch.controller.peers import AgentLink, LauncherLink, Peer, Rank
 from relaunch.controller.pods import PodPhase
 from relaunch.protocol.datagrams import SdkPhase
 from relaunch.protocol.messages import (
     AgentHello,
+    CollectiveFailed,
     Exited,
     Healed,
     Heartbeat,
@@ -105,6 +106,11 @@ def _from_launcher(c: Controller, link: LauncherLink, message: Message) -> None:
                 observed.usage = (now, float(cpu), int(io))
         case Stacks():
             stacks.received(c, link, message)
+        case CollectiveFailed():
+            if message.attempt == c.job.attempt:
+                found = collective_fault(link, message, commands.links_down(c))
+                c.recoveries.fault(found.fault, found.source)
+                c.hurry()
         case Stopped():
             pod = c.pods.get(link.pod)
             if pod is not None and pod.link is link:

@@ -39,20 +39,24 @@ class MembershipPublisher:
         retry: bool = False,
         parked: set[int] | None = None,
         reform: bool = False,
-    ) -> None:
+        operator: tuple[int, int, int] | None = None,
+    ) -> int:
         """The next generation of the group: a new store port unless it is an online retry,
         which keeps the group. Parked pods' ranks are left out and the others are numbered
         densely (elastic training). `reform`: the same ranks form the group anew, on a new
-        store, and run the interrupted step again (a network fault broke its connections)."""
+        store, and run the interrupted step again (a network fault broke its connections).
+        `operator`: an order to issue a failed collective again (R-29: step, collective,
+        attempt), on a new store; the keeper's own group is not this generation's. Returns the
+        generation published (0: none, process-level recovery is off)."""
         c = self.c
         if not c.recovery.process_level:
-            return
+            return 0
         previous = self.current()
         if parked is None:
-            parked = self.parked() if (joiners or retry) else set()
+            parked = self.parked() if (joiners or retry or reform or operator) else set()
         if retry and previous is not None:
             port = previous.port
-        elif previous is None or not (joiners or parked or reform):
+        elif previous is None or not (joiners or parked or reform or operator):
             port = c.job.master_port
         else:
             port = commands.master_port(c)
@@ -69,13 +73,16 @@ class MembershipPublisher:
             pods={p.idx: p.generation for p in active},
             parked=tuple(sorted(parked)),
             procs_per_pod=c.spec.procs_per_pod,
+            operator=operator,
         )
         c.update_job(membership=_stored(membership))
         for pod in c.pods.values():
             if pod.link is not None:
                 pod.link.peer.send(MembershipUpdate(membership))
         what = (
-            "online retry"
+            f"issue collective {operator[1]} of step {operator[0]} again (attempt {operator[2]})"
+            if operator is not None
+            else "online retry"
             if retry
             else f"replacements {sorted(joiners)}"
             if joiners
@@ -88,6 +95,7 @@ class MembershipPublisher:
         c.event(
             f"process group generation {membership.generation}: {what}, world size {len(members)}"
         )
+        return membership.generation
 
     def scale_out(self, now: float) -> None:
         """Elastic training: a parked pod goes back into the group as soon as a Ready node with

@@ -73,6 +73,14 @@ class RecoveryDriver:
             return
         now = c.clock.now()
         active = self.active
+        if active is not None and action_for(active.action).absorbs(c, active, fault, now):
+            # the recovery's own business (a re-issued collective failed again): recorded only
+            if (
+                c.store.add_fault(c.job_id, fault, now, source, collateral_of=active.fault_id)
+                is not None
+            ):
+                c.event(f"{active.action.value}: {fault.describe()}")
+            return
         fallback = None
         if active is not None:
             fallback = on_new_fault(
@@ -323,6 +331,9 @@ class RecoveryDriver:
         active = self.active
         if active is None:
             return
+        action_for(active.action).tick(self.c, active, now)
+        if self.active is not active:
+            return  # it failed meanwhile
         heal = active.heal
         if heal is not None and heal.ok is None and now > heal.deadline:
             self.failed(f"the agent of {heal.node} did not answer the heal in {HEAL_TIMEOUT_S:g} s")

@@ -79,6 +79,20 @@ def assess(
             Cause.ENVIRONMENT,
             "relaunch's controller was away longer than the adopt grace: the pods ended themselves",
         )
+    if kind is FaultKind.COLLECTIVE:
+        if fault.node is None:  # no link was seen down: nothing to blame but the job
+            return _plain(
+                fault, Cause.SOFTWARE, "a collective failed with no link fault seen on any node"
+            )
+        return Assessment(
+            fault,
+            Cause.ENVIRONMENT,
+            None,
+            True,
+            False,
+            False,
+            f"a collective failed while the data link of {fault.node} was down",
+        )
     if kind is FaultKind.NETWORK:
         if is_network_blip(fault, rules):
             return _plain(

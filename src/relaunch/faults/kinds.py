@@ -22,6 +22,10 @@ class FaultKind(StrEnum):
     SLOW = "slow"
     """A pod persistently slower than its peers (MindCluster's SubHealthFault): the job runs
     at its pace."""
+    COLLECTIVE = "collective"
+    """A collective the training SDK issued failed on its transport (its link went down, or it
+    outlived its timeout): R-29's trigger, reported by the rank, with the step and the place of
+    the collective in it."""
     CONTROLLER_OUTAGE = "controller-outage"
     """relaunch's own controller was away longer than the adopt grace, so the pods ended
     themselves: not the job's fault, and not the user's to pay for."""
@@ -83,6 +87,10 @@ class Fault:
     detail: str = ""
     error: ErrorReport | None = None
     """A failed rank's own account of its failure, where it left one."""
+    step: int | None = None
+    """A collective fault: the step it failed in..."""
+    collective: int | None = None
+    """... and its place in that step (0: the step's first collective)."""
 
     def __post_init__(self) -> None:
         needs: dict[FaultKind, tuple[str, ...]] = {
@@ -91,6 +99,7 @@ class Fault:
             FaultKind.NETWORK: ("node",),
             FaultKind.MEMORY_UCE: ("node",),
             FaultKind.SLOW: ("node", "pod"),
+            FaultKind.COLLECTIVE: ("rank", "step", "collective"),
         }
         missing = [name for name in needs.get(self.kind, ()) if getattr(self, name) is None]
         if missing:
@@ -127,6 +136,8 @@ class Fault:
             where.append(f"signal {self.signal}")
         if self.duration_s is not None:
             where.append(f"{self.duration_s:g} s")
+        if self.collective is not None:
+            where.append(f"collective {self.collective} of step {self.step}")
         return " ".join(parts) + (f" ({', '.join(where)})" if where else "")
 
 

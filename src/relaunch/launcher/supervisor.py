@@ -71,12 +71,13 @@ from relaunch.launcher.processes import (
 )
 from relaunch.launcher.spares import SparePool
 from relaunch.launcher.stacks import capture
-from relaunch.protocol.datagrams import parse_datagram
+from relaunch.protocol.datagrams import CollectiveFailure, parse_datagram
 from relaunch.protocol.environment import Env
 from relaunch.protocol.layout import PodDir
 from relaunch.protocol.messages import (
     Assume,
     CaptureStacks,
+    CollectiveFailed,
     Exited,
     Injected,
     InjectProcessFault,
@@ -265,6 +266,12 @@ class Launcher:
         worker = self.workers.get(rank)
         attempt = worker.attempt if worker else self.attempt
         now = time.time()
+        if isinstance(value, CollectiveFailure):  # to the controller at once
+            failed = CollectiveFailed(
+                rank, attempt, value.step, value.collective, value.generation, value.why, now
+            )
+            self.send(failed, urgent=True)
+            return False
         with self.lock:
             if isinstance(value, str):
                 self.phases.append(RankPhase(rank, attempt, value, now))

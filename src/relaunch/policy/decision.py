@@ -18,6 +18,7 @@ class Action(StrEnum):
     """
 
     IGNORE = "ignore"
+    OPERATOR_RETRY = "operator-retry"
     PROCESS_RETRY = "process-retry"
     PROCESS_IN_PLACE = "process-in-place"
     PROCESS_RESCHEDULE = "process-reschedule"
@@ -52,6 +53,7 @@ class Action(StrEnum):
 
 _PROCESS_LEVEL = frozenset(
     {
+        Action.OPERATOR_RETRY,
         Action.PROCESS_RETRY,
         Action.PROCESS_IN_PLACE,
         Action.PROCESS_RESCHEDULE,

@@ -8,6 +8,7 @@ one of three ways: it does not apply to this fault (None), it would apply but so
 how every degradation of RECOVERY_RULES.md falls out of one ordering:
 
     ignore
+    operator-retry                                                            (R-29)
     process-retry > process-in-place > process-reschedule > scale-in > dump > exit   (R-36)
     hang-restart | in-place                                                   (R-24, R-20)
     pod-reschedule                                                            (R-23)

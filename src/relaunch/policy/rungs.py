@@ -188,9 +188,31 @@ def _process_rung(
     return wrap
 
 
+def _operator_retry(c: Context) -> Answer:
+    """R-29: a collective the SDK issued failed on its transport; with operator-level online
+    recovery on (HCCL_OP_RETRY_ENABLE), the same collective is issued again once the links are
+    back, in a group formed anew, nothing restarts and no step is recomputed. Only the SDK's
+    collectives report such a fault: a script without them never reaches this rung."""
+    if c.fault.kind is not FaultKind.COLLECTIVE:
+        return None
+    retry = c.settings.operator_retry
+    if retry is None:
+        return Blocked("operator-level online recovery is off (HCCL_OP_RETRY_ENABLE, R-29)")
+    if not c.settings.process_level:
+        return Blocked("operator-level online recovery needs process-level recovery (R-29)")
+    # not gated by R-37: nothing is rolled back, and a rank still saving joins the re-issue
+    # when it reaches the collective
+    return Proposal(
+        f"issue the failed collective again once the links are back, up to {retry.max_count} "
+        f"time(s), {retry.hold_s:g} s after the failure then every {retry.interval_s:g} s; "
+        "nothing restarts (R-29)",
+        pods=tuple(p.index for p in c.cluster.pods),
+    )
+
+
 @_process_rung(RecoverStrategy.RETRY)
 def _process_retry(c: Context) -> Answer:
-    if c.fault.kind not in (FaultKind.MEMORY_UCE, FaultKind.NETWORK):
+    if c.fault.kind not in (FaultKind.MEMORY_UCE, FaultKind.NETWORK, FaultKind.COLLECTIVE):
         return None
     return Proposal(
         f"{c.fault.kind.value} fault: roll the step back and run it again on every rank (R-30)",
@@ -425,6 +447,7 @@ def _job_reschedule(c: Context) -> Answer:
 
 RUNGS: tuple[tuple[Action, Callable[[Context], Answer]], ...] = (
     (Action.IGNORE, _ignore),
+    (Action.OPERATOR_RETRY, _operator_retry),
     (Action.PROCESS_RETRY, _process_retry),
     (Action.PROCESS_IN_PLACE, _process_in_place),
     (Action.PROCESS_RESCHEDULE, _process_reschedule),

@@ -1,13 +1,24 @@
 """The training SDK's datagrams to its pod's launcher: "RANK STEP AT" (progress: the step, and
 when the script reported it, which can be well before the datagram goes: a report held back by
-the interval waits for the next) or "RANK @PHASE" (what the rank is doing, for R-37). Kept apart from the wire messages and free of dataclasses:
+the interval waits for the next), "RANK @PHASE" (what the rank is doing, for R-37) or
+"RANK !STEP COLLECTIVE GENERATION WHY" (a collective failed on its transport, R-29). Kept apart from the wire messages and free of dataclasses:
 every training process imports it, and its start is on the path of every recovery."""
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, NamedTuple
 
-__all__ = ["SdkPhase", "parse_datagram", "phase_datagram", "progress_datagram"]
+__all__ = [
+    "CollectiveFailure",
+    "SdkPhase",
+    "collective_failure_datagram",
+    "parse_datagram",
+    "phase_datagram",
+    "progress_datagram",
+]
+
+DATAGRAM_MAX: Final = 256
+"""The longest datagram the launcher reads."""
 
 
 class SdkPhase:
@@ -28,13 +39,34 @@ def phase_datagram(rank: int, phase: str) -> bytes:
     return f"{rank} @{phase}".encode()
 
 
-def parse_datagram(data: bytes) -> tuple[int, int | str, float | None] | None:
-    """(rank, step, when it was reported) or (rank, phase, None); None for anything else."""
+class CollectiveFailure(NamedTuple):
+    step: int
+    collective: int
+    generation: int
+    why: str
+
+
+def collective_failure_datagram(
+    rank: int, step: int, collective: int, generation: int, why: str
+) -> bytes:
+    head = f"{rank} !{step} {collective} {generation} ".encode()
+    return head + why.encode("utf-8", "replace")[: DATAGRAM_MAX - len(head)]
+
+
+def parse_datagram(
+    data: bytes,
+) -> tuple[int, int | str | CollectiveFailure, float | None] | None:
+    """(rank, step, when it was reported), (rank, phase, None) or (rank, a collective's failure,
+    None); None for anything else."""
     try:
-        rank_text, value, *rest = data.decode().split()
+        rank_text, value, *rest = data.decode(errors="replace").split(maxsplit=4)
         rank = int(rank_text)
         if value.startswith("@"):
             return rank, value[1:], None
+        if value.startswith("!"):
+            collective, generation = int(rest[0]), int(rest[1])
+            why = rest[2] if len(rest) > 2 else ""
+            return rank, CollectiveFailure(int(value[1:]), collective, generation, why), None
         return rank, int(value), float(rest[0]) if rest else None
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, IndexError):
         return None

@@ -6,7 +6,7 @@ line on the wire is `{"t": KIND, ...fields}`). Who sends what:
     agent -> controller      AgentHello, Heartbeat, Healed, Injected
     controller -> agent      InjectChipFault, InjectNetworkFault, Heal, Shutdown
     launcher -> controller   LauncherHello, Started, Output, ProgressBatch, Exited, Stopped,
-                             Usage, Injected, Stacks
+                             Usage, Injected, Stacks, CollectiveFailed
     controller -> launcher   Start, Stop, Shutdown, InjectProcessFault, MembershipUpdate, Assume,
                              CaptureStacks, Lease
 
@@ -30,6 +30,7 @@ __all__ = [
     "Assume",
     "CaptureStacks",
     "ChipReport",
+    "CollectiveFailed",
     "Exited",
     "Heal",
     "Healed",
@@ -343,6 +344,21 @@ class Assume(Message):
 
 
 @dataclass(frozen=True)
+class CollectiveFailed(Message):
+    """A collective the training SDK issued failed on its transport (R-29): which, in which
+    generation of the group, and why. Every rank whose collective failed says so."""
+
+    KIND = "collective-failed"
+    rank: int
+    attempt: int
+    step: int
+    collective: int
+    generation: int
+    why: str
+    at: float
+
+
+@dataclass(frozen=True)
 class Lease(Message):
     """The controller still hears the pod: its lease runs on (R-14). A launcher that hears
     nothing from its controller for the plan's `lease_s` takes its pod for abandoned and stops
@@ -358,6 +374,7 @@ _KINDS: Final[dict[str, type[Message]]] = {
         AgentHello, Heartbeat, Healed, InjectChipFault, InjectNetworkFault, Heal, Injected,
         Shutdown, LauncherHello, Started, Output, ProgressBatch, Exited, Stopped, Usage, Start,
         Stop, InjectProcessFault, MembershipUpdate, Assume, CaptureStacks, Stacks, Lease,
+        CollectiveFailed,
     )
 }  # fmt: skip
 

@@ -80,6 +80,11 @@ class Membership:
     parked: tuple[int, ...] = ()
     """Pods left out by an elastic scale-in, until a node takes them back."""
     procs_per_pod: int = 1
+    operator: tuple[int, int, int] | None = None
+    """R-29, an order to issue a failed collective again: (step, collective, attempt). The same
+    ranks form a group anew on this generation's store and issue again, from that collective
+    on, every collective they had issued since; nothing is rolled back. Not a generation of the
+    keeper's own group."""
 
     def to_json(self) -> str:
         return json.dumps(to_data(self))

@@ -12,10 +12,12 @@ from typing import Any, Final
 from pydantic_core import PydanticCustomError
 
 from relaunch.errors import MISSING, Problem
-from relaunch.spec.readers import text_ok
+from relaunch.spec.readers import op_retry_enable, op_retry_params, text_ok
 from relaunch.spec.sections import Annotations, File, Labels
 from relaunch.spec.vocabulary import (
     ENV_HANG_DETECT_TIME,
+    ENV_OP_RETRY_ENABLE,
+    ENV_OP_RETRY_PARAMS,
     ENV_TERMINATION_GRACE,
     FAULT_RETRY_TIMES,
     FAULT_SCHEDULING,
@@ -27,6 +29,7 @@ from relaunch.spec.vocabulary import (
     JOB_UNCONDITIONAL_RETRY,
     POD_RESCHEDULING,
     POD_RETRY_NUM,
+    PROCESS_RECOVER_ENABLE,
     RECOVER_POLICY_PATH,
     RECOVER_STRATEGY,
     FaultScheduling,
@@ -247,6 +250,8 @@ def _environment_settings(j: _Job) -> list[Problem]:
     for name, reader in (
         (ENV_HANG_DETECT_TIME, _HANG_MINUTES),
         (ENV_TERMINATION_GRACE, _TEARDOWN_SECONDS),
+        (ENV_OP_RETRY_ENABLE, op_retry_enable),
+        (ENV_OP_RETRY_PARAMS, op_retry_params),
     ):
         if name not in env:
             continue
@@ -258,6 +263,30 @@ def _environment_settings(j: _Job) -> list[Problem]:
     return problems
 
 
+def _operator_retry_needs_process_level(j: _Job) -> list[Problem]:
+    """R-29 is carried out by the SDK's keeper (it re-forms the group and issues the collective
+    again), which only process-level recovery runs; and it falls back to process-retry (R-30)."""
+    env = j.parsed.spec.env
+    try:
+        on = op_retry_enable(env.get(ENV_OP_RETRY_ENABLE, "L1:0"))
+    except PydanticCustomError:
+        return []  # said by _environment_settings
+    labels = j.parsed.metadata.labels
+    strategies = j.parsed.metadata.annotations.recover_strategy
+    process = labels.process_recover_enable
+    if not on or (strategies and process in (None, ProcessRecoverEnable.ON)):
+        return []
+    return [
+        Problem(
+            f"spec.env.{ENV_OP_RETRY_ENABLE}",
+            env[ENV_OP_RETRY_ENABLE],
+            "operator-level online recovery (R-29) only with process-level recovery: a "
+            f"{RECOVER_STRATEGY} annotation (and {PROCESS_RECOVER_ENABLE} not off); relaunch's "
+            "SDK keeper issues the failed collective again, and falls back to process-retry",
+        )
+    ]
+
+
 CROSS_RULES: Final[tuple[Callable[[_Job], list[Problem]], ...]] = (
     _r01_needs_job_retry_num,
     _scheduling_off_but_rescheduling_asked,
@@ -265,6 +294,7 @@ CROSS_RULES: Final[tuple[Callable[[_Job], list[Problem]], ...]] = (
     _labels_need_rescheduling,
     _pod_path_needs_pod_level,
     _environment_settings,
+    _operator_retry_needs_process_level,
 )
 """Rules across keys, in the order their problems are listed."""
 

@@ -8,6 +8,7 @@ from typing import Any, Final
 from pydantic import ValidationError
 
 from relaunch.errors import Problem, SpecError
+from relaunch.protocol.operator import from_environment
 from relaunch.spec.checks import cross_checks, string_map_problems, unknown_fault_tolerance_keys
 from relaunch.spec.sections import Annotations, File, Labels, Workload
 from relaunch.spec.settings import JobSpec, RecoverySettings
@@ -123,6 +124,7 @@ def recovery_settings(ann: Annotations, lab: Labels, work: Workload) -> Recovery
         max_restarts=work.max_restarts or MAX_RESTARTS_UNSET,
         monitor_interval_s=work.monitor_interval,
         framework=lab.framework,
+        operator_retry=from_environment(work.env),
     )
 
 

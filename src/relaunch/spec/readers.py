@@ -9,16 +9,20 @@ import re
 from collections.abc import Mapping
 from typing import Any, Final
 
+from relaunch.protocol.operator import OperatorRetry, parse_enable, parse_params
 from relaunch.spec.vocabulary import RecoverStrategy
 from relaunch.validation import reject
 
 __all__ = [
     "MAX_TEXT",
+    "OperatorRetry",
     "command",
     "env",
     "job_name",
     "long_text",
     "on_off",
+    "op_retry_enable",
+    "op_retry_params",
     "path",
     "short_text",
     "strategies",
@@ -125,3 +129,24 @@ def job_name(value: Any) -> str:
         "a name of lowercase letters, digits and '-', starting and ending with a letter or "
         "digit, at most 63 characters"
     )
+
+
+def op_retry_enable(value: Any) -> bool:
+    """HCCL_OP_RETRY_ENABLE: whether operator retry is on between servers (L1)."""
+    on = parse_enable(value) if isinstance(value, str) else None
+    if on is None:
+        raise reject(
+            "layers and 0 or 1, like 'L0:0, L1:1, L2:1' (L1, between servers, turns it on)"
+        )
+    return on
+
+
+def op_retry_params(value: Any) -> OperatorRetry:
+    """HCCL_OP_RETRY_PARAMS: re-issues allowed, the hold before the first, the interval."""
+    params = parse_params(value) if isinstance(value, str) else None
+    if params is None:
+        raise reject(
+            "'MaxCnt:N, HoldTime:MS, IntervalTime:MS' (each optional): MaxCnt 1 to 10 re-issues, "
+            "HoldTime and IntervalTime 0 to 60000 milliseconds"
+        )
+    return params

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from relaunch.protocol.operator import OperatorRetry
 from relaunch.spec.vocabulary import (
     FaultScheduling,
     Framework,
@@ -55,6 +56,9 @@ class RecoverySettings:
     max_restarts: int
     monitor_interval_s: float
     framework: Framework
+    operator_retry: OperatorRetry | None = None
+    """R-29, operator-level online recovery: on (HCCL_OP_RETRY_ENABLE with L1:1 in the job's
+    environment), with its HCCL_OP_RETRY_PARAMS; None: off."""
 
     @property
     def unconditional(self) -> bool:

@@ -6,6 +6,8 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Final
 
+from relaunch.protocol.operator import OP_RETRY_ENABLE, OP_RETRY_PARAMS
+
 __all__ = [
     "ENV_HANG_DETECT_TIME",
     "ENV_TERMINATION_GRACE",
@@ -68,6 +70,9 @@ FRAMEWORK: Final = "framework"
 
 ENV_HANG_DETECT_TIME: Final = "MA_HANG_DETECT_TIME"
 ENV_TERMINATION_GRACE: Final = "MA_FAILOVER_TERMINATION_GRACE_PERIOD_SECONDS"
+ENV_OP_RETRY_ENABLE: Final = OP_RETRY_ENABLE
+"""MindCluster's switch of operator-level online recovery (R-29): relaunch.protocol.operator."""
+ENV_OP_RETRY_PARAMS: Final = OP_RETRY_PARAMS
 
 FAULT_TOLERANCE_KEYS: Final = (JOB_RETRY_NUM, JOB_UNCONDITIONAL_RETRY, HANG_RETRY, POD_RETRY_NUM)
 

@@ -52,8 +52,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from relaunch.protocol.environment import Env
+from relaunch.protocol.operator import OperatorRetry
 from relaunch.protocol.plans import Membership, read_membership
 from relaunch.train import overlap
+from relaunch.train.collectives import RetryableCollectives, settings_from_env
 from relaunch.train.distributed import rng_state, set_rng_state, settle_ddp_buckets
 from relaunch.train.progress import SdkPhase, report_phase
 
@@ -92,6 +94,7 @@ class ProcessGroupKeeper:
         snapshot: bool = True,
         ddp_options: dict[str, Any] | None = None,
         elastic_every: int | None = None,
+        operator_retry: bool | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -126,6 +129,20 @@ class ProcessGroupKeeper:
         self._closing = threading.Event()
         self.recoveries: list[dict[str, Any]] = []
         """One entry per recovery this process took part in (kind, generation, step, seconds)."""
+        self.ops: RetryableCollectives | None = None
+        """R-29: the keeper's collectives (DDP's buckets, its commit, `all_reduce`), issued
+        again after a transport fault; on when the job turns operator retry on
+        (HCCL_OP_RETRY_ENABLE with L1:1) and process-level recovery runs (`operator_retry`
+        forces it on or off)."""
+        settings = settings_from_env()
+        wanted = settings is not None if operator_retry is None else operator_retry
+        if wanted and self.membership_path is not None and not self.nccl:
+            self.ops = RetryableCollectives(
+                self.membership_path,
+                self.original_rank,
+                settings or OperatorRetry(),
+                self.collective_timeout_s,
+            )
 
     # -- identity -------------------------------------------------------------------------------
 
@@ -170,6 +187,8 @@ class ProcessGroupKeeper:
         assert self.membership_path is not None
         while time.time() < deadline:
             found = read_membership(self.membership_path)
+            if found is not None and found.operator is not None:
+                found = None  # an order to issue a collective again: not the keeper's group
             if found is not None and found.generation > newer_than:
                 if found.pods and self.pod is not None:
                     current = found.pods.get(self.pod)
@@ -227,7 +246,13 @@ class ProcessGroupKeeper:
             if not self._in_step:
                 continue
             found = read_membership(self.membership_path)
-            if found is not None and found.generation > self.generation and not found.retry:
+            if (
+                found is not None
+                and found.generation > self.generation
+                and not found.retry
+                and found.operator is None
+                and found.generation > (self.ops.generation if self.ops else 0)
+            ):
                 self._abort()
 
     def _form(self, m: Membership | None) -> None:
@@ -254,6 +279,8 @@ class ProcessGroupKeeper:
             dist.init_process_group(
                 self.backend, store=store, rank=rank, world_size=m.world_size, timeout=timeout
             )
+            if self.ops is not None:
+                self.ops.formed(m, store)
 
     def _device(self) -> torch.device:
         """Where the group's own tensors live: NCCL reduces only tensors on this rank's GPU."""
@@ -263,6 +290,11 @@ class ProcessGroupKeeper:
 
     def _wrap(self) -> None:
         self.module = DistributedDataParallel(self.model, **self.ddp_options)
+        if self.ops is not None:
+            ops = self.ops
+            # a lambda: DDP refuses a hook whose annotations are not its own types, and this
+            # module's are strings (postponed evaluation)
+            self.module.register_comm_hook(None, lambda state, bucket: ops.ddp_hook(state, bucket))
 
     def _drop_group(self) -> None:
         if dist.is_initialized():
@@ -316,6 +348,8 @@ class ProcessGroupKeeper:
         self._settle()
 
     def _settle(self) -> None:
+        if self.ops is not None:
+            self.ops.begin_step(self.completed)  # its collectives: the same place on every rank
         if self.sample and isinstance(self.module, DistributedDataParallel):
             settle_ddp_buckets(self.module, *self.sample)
 
@@ -327,9 +361,14 @@ class ProcessGroupKeeper:
         if self.membership is None:
             return
         latest = self._latest()
-        seen = latest.generation if latest is not None else self.generation
+        seen = self.generation
+        if latest is not None and latest.operator is None:
+            seen = latest.generation
         flag = torch.tensor([seen], dtype=torch.int64, device=self._device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True).wait()
+        if self.ops is not None:
+            self.ops.all_reduce(flag, dist.ReduceOp.MAX)
+        else:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True).wait()
         if self._aborted:  # NCCL: an aborted collective may complete with anything in `flag`
             raise RuntimeError("the process group was aborted during the step")
         if int(flag.item()) > self.generation:
@@ -368,6 +407,8 @@ class ProcessGroupKeeper:
         self._mark_boundary()
         while step <= last:
             snapshot = self._take_snapshot()
+            if self.ops is not None:
+                self.ops.begin_step(step)
             self._in_step = True
             try:
                 result = train_step(step)
@@ -393,6 +434,15 @@ class ProcessGroupKeeper:
             if after is not None:
                 after(step, result)
             step += 1
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any = None) -> None:
+        """`dist.all_reduce(tensor, op)` in the keeper's group, inside a step (`train_step`):
+        with operator retry on, issued again after a transport fault instead of failing the
+        step (R-29)."""
+        if self.ops is not None:
+            self.ops.all_reduce(tensor, op)
+        else:
+            dist.all_reduce(tensor, op=op if op is not None else dist.ReduceOp.SUM)
 
     def _take_snapshot(self) -> dict[str, Any] | None:
         if not self.recovery_enabled:

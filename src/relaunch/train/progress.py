@@ -9,10 +9,22 @@ import socket
 import time
 from dataclasses import dataclass
 
-from relaunch.protocol.datagrams import SdkPhase, phase_datagram, progress_datagram
+from relaunch.protocol.datagrams import (
+    SdkPhase,
+    collective_failure_datagram,
+    phase_datagram,
+    progress_datagram,
+)
 from relaunch.protocol.environment import Env
 
-__all__ = ["JobEnv", "SdkPhase", "env", "report_phase", "report_progress"]
+__all__ = [
+    "JobEnv",
+    "SdkPhase",
+    "env",
+    "report_collective_failure",
+    "report_phase",
+    "report_progress",
+]
 
 _socket: socket.socket | None = None
 _addresses: tuple[str, str, float] | None = None
@@ -87,6 +99,13 @@ def report_phase(phase: str) -> None:
     goes first: the phase is about that step."""
     _flush_pending(urgent=True)
     _send(phase_datagram(_rank(), phase), urgent=True)
+
+
+def report_collective_failure(step: int, collective: int, generation: int, why: str) -> None:
+    """Tell relaunch that a collective failed on its transport (R-29): collective `collective`
+    of step `step`, in generation `generation` of the group. A step not sent yet goes first."""
+    _flush_pending(urgent=True)
+    _send(collective_failure_datagram(_rank(), step, collective, generation, why), urgent=True)
 
 
 @atexit.register

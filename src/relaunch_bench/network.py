@@ -1,0 +1,235 @@
+"""Link faults on real networks: what each costs the DDP job under relaunch, and the same script
+under torchrun with its two agents in the same kind of namespaces and the same fault, side by
+side in one run (root and iproute2 needed: otherwise the section says so and measures nothing).
+
+torchrun has no notion of a link: its ranks wait in gloo until the collective's timeout (the
+script's 60 s), then fail, and it restarts them all. relaunch's agents see the link (R-12, R-14,
+a degraded link as a slow pod). Each fault hits pod 1's node at step FAULT_STEP of a 2 x 1 rank
+job; each run is compared with a fault-free run of the same system:
+
+- *time lost*: the run's wall time less the fault-free run's;
+- *steps redone*: steps rank 0 completed twice (its timeline);
+- *restarts*: how many times rank 0 started again;
+- *what happened*: relaunch's records, or torchrun's restarts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from relaunch.cluster.local import kill_tree
+from relaunch.cluster.network import DATA_IF, ClusterNetwork, enter_namespace
+from relaunch.protocol.links import Cut, LinkFaultKind
+from relaunch_bench import timeline
+from relaunch_bench.jobs import DDP, FAULT_STEP, Progress, cluster, run_job
+from relaunch_bench.mttr import PROCESS_ANNOTATIONS, PROCESS_LABELS
+
+STEPS = 300
+FAULTS: dict[str, dict[str, Any]] = {
+    "flap 10 s": {"kind": "network", "duration_s": 10},
+    "loss 60 s": {"kind": "network", "duration_s": 60},
+    "cut from peers 15 s": {"kind": "partition", "cut": "peers", "duration_s": 15},
+    "cut from controller 60 s": {"kind": "partition", "cut": "controller", "duration_s": 60},
+    "cut from both 60 s": {"kind": "partition", "cut": "both", "duration_s": 60},
+    "degraded to 1 Mbit/s": {"kind": "degraded-link", "rate_mbit": 1},
+}
+QUICK = ("flap 10 s",)
+NODES = cluster(4, 2) | {"adopt_grace_s": 10, "slow_window_s": 10}
+
+
+def _job(process: bool, timeline_path: Path) -> dict[str, Any]:
+    annotations = {
+        "fault-tolerance/job-retry-num": "8",
+        "fault-tolerance/job-unconditional-retry": "true",
+        "fault-tolerance/hang-retry": "true",
+        "fault-tolerance/pod-retry-num": "3",
+    }
+    labels = {"fault-scheduling": "grace", "grace-over-time": "3", "pod-rescheduling": "on"}
+    command = f"python {DDP} --steps {STEPS} --ckpt-every 5 --timeline {timeline_path}"
+    if process:
+        annotations |= PROCESS_ANNOTATIONS
+        labels |= PROCESS_LABELS
+        command = f"python {DDP} --process-recovery --steps {STEPS} --ckpt-every 5"
+    return {
+        "kind": "job",
+        "metadata": {"name": "bench-network", "annotations": annotations, "labels": labels},
+        "spec": {
+            "replicas": 2,
+            "procs_per_pod": 1,
+            "chips_per_pod": 2,
+            "command": command,
+            "hang_detect_seconds": 4,
+            "monitor_interval": 0.1,
+        },
+    }
+
+
+def _steps(path: Path) -> tuple[int | None, int | None]:
+    """(steps redone, restarts) from rank 0's timeline (None: no timeline)."""
+    events = timeline.read(path)
+    if not events:
+        return None, None
+    steps = [s for e, s, _ in events if e == "step"]
+    starts = sum(1 for e, _, _ in events if e == "start")
+    return len(steps) - len(set(steps)), max(0, starts - 1)
+
+
+def relaunch_once(name: str | None, tmp: Path, process: bool) -> dict[str, Any]:
+    """One `relaunch run` of the job, with the fault `name` (None: fault-free)."""
+    path = tmp / "timeline.txt"
+    faults = [] if name is None else [{**FAULTS[name], "at_step": FAULT_STEP, "pod": 1}]
+    began = time.time()
+    report, _ = run_job(tmp, _job(process, path), faults, NODES, timeout=600)
+    wall = time.time() - began
+    if report is None:
+        return {"ok": False, "wall_s": round(wall, 2), "note": "the run failed"}
+    redone, restarts = _steps(path)
+    if process:
+        logs = "\n".join(p.read_text() for p in (tmp / "state" / "jobs").glob("*/pods/*/logs/*"))
+        restarts = max(0, logs.count("--- relaunch: attempt") - 2)
+    return {
+        "ok": True,
+        "wall_s": round(wall, 2),
+        "redone": redone,
+        "restarts": restarts,
+        "what": ", ".join(f"{r['action']} ({r['outcome']})" for r in report["recoveries"])
+        or "nothing recorded",
+    }
+
+
+def torchrun_once(name: str | None, tmp: Path) -> dict[str, Any]:
+    """The same script under torchrun, each agent in a node namespace of a network made here,
+    the same fault on node-1 (None: fault-free)."""
+    opened = ClusterNetwork.open(tmp / "state")
+    if isinstance(opened, str):
+        return {"ok": False, "note": opened}
+    network = opened
+    agents: list[subprocess.Popen[bytes]] = []
+    try:
+        for node in ("node-0", "node-1", "node-2"):
+            network.ensure_node(node)
+        master = network.layout.data_address("node-0")
+        port = network.free_port("node-0")
+        path = tmp / "timeline.txt"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": DATA_IF,
+               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # fmt: skip
+        began = time.time()
+        for index, node in enumerate(("node-0", "node-1")):
+            fd = network.open_namespace(node)
+            log = open(tmp / f"torchrun-{index}.log", "wb")  # noqa: SIM115 (closed with the run)
+            args = [
+                sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                f"{master}:{port}", "--rdzv-id", "bench", "--max-restarts", "3",
+                "--monitor-interval", "0.1", str(DDP), "--steps", str(STEPS), "--ckpt-every", "5",
+                "--ckpt-dir", str(tmp / "ckpt"), "--timeline", str(path),
+            ]  # fmt: skip
+            agents.append(_in_namespace(args, fd, log, env, tmp))
+            os.close(fd)
+        if name is not None:
+            _fault_at_step(network, FAULTS[name], path, agents)
+        ok = all(agent.wait(timeout=600) == 0 for agent in agents)
+        wall = time.time() - began
+        redone, restarts = _steps(path)
+        return {
+            "ok": ok,
+            "wall_s": round(wall, 2),
+            "redone": redone,
+            "restarts": restarts,
+            "what": f"{restarts} restart(s) of every rank" if restarts else "rode it out",
+        }
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "note": "torchrun did not finish in 600 s"}
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                kill_tree(agent.pid)
+        network.remove()
+
+
+def _in_namespace(
+    args: list[str], fd: int, log: Any, env: dict[str, str], cwd: Path
+) -> subprocess.Popen[bytes]:
+    def enter() -> None:
+        enter_namespace(fd)
+
+    return subprocess.Popen(
+        args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True,
+        preexec_fn=enter,
+    )  # fmt: skip
+
+
+def _fault_at_step(
+    network: ClusterNetwork, fault: dict[str, Any], path: Path, agents: list[Any]
+) -> None:
+    """Apply `fault` to node-1 once rank 0 passed FAULT_STEP; undo it after its duration."""
+    deadline = time.time() + 120
+    while time.time() < deadline and all(a.poll() is None for a in agents):
+        if any(e == "step" and s >= FAULT_STEP for e, s, _ in timeline.read(path)):
+            break
+        time.sleep(0.05)
+    kind = {
+        "network": LinkFaultKind.DOWN,
+        "partition": LinkFaultKind.PARTITION,
+        "degraded-link": LinkFaultKind.DEGRADED,
+    }[fault["kind"]]
+    cut = Cut(fault["cut"]) if "cut" in fault else None
+    network.apply("node-1", kind, cut, fault.get("rate_mbit"))
+    duration = fault.get("duration_s")
+    if duration is not None:
+
+        def undo() -> None:
+            with contextlib.suppress(OSError):
+                network.apply("node-1", kind, cut, fault.get("rate_mbit"), undo=True)
+
+        threading.Timer(duration, undo).start()
+
+
+def network_rows(quick: bool, say: Progress) -> list[dict[str, Any]]:
+    """Every fault under relaunch (with and without the SDK's keeper) and under torchrun."""
+    why = ClusterNetwork.unavailable()
+    if why is not None:
+        say(f"network: skipped: {why}")
+        return [{"fault": "-", "system": "-", "note": f"not measured: {why}"}]
+    names = QUICK if quick else tuple(FAULTS)
+    systems = [("relaunch", False), ("relaunch, SDK keeper", True), ("torchrun", None)]
+    rows: list[dict[str, Any]] = []
+    for system, process in systems:
+        with tempfile.TemporaryDirectory(prefix="relaunch-bench-") as tmp:
+            clean = _once(system, process, None, Path(tmp))
+        say(f"network: {system} fault-free: {clean}")
+        for name in names:
+            with tempfile.TemporaryDirectory(prefix="relaunch-bench-") as tmp:
+                measured = _once(system, process, name, Path(tmp))
+            lost = (
+                round(measured["wall_s"] - clean["wall_s"], 2)
+                if measured.get("ok") and clean.get("ok")
+                else None
+            )
+            row = {
+                "fault": name,
+                "system": system,
+                "lost_s": lost,
+                "redone_steps": measured.get("redone"),
+                "restarts": measured.get("restarts"),
+                "what": measured.get("what") or measured.get("note", "failed"),
+                "wall_s": measured.get("wall_s"),
+                "fault_free_wall_s": clean.get("wall_s"),
+            }
+            say(f"network: {system}, {name}: {row}")
+            rows.append(row)
+    return rows
+
+
+def _once(system: str, process: bool | None, name: str | None, tmp: Path) -> dict[str, Any]:
+    if process is None:
+        return torchrun_once(name, tmp)
+    return relaunch_once(name, tmp, process)
