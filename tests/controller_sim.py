@@ -227,15 +227,18 @@ class Sim:
         c.membership.publish()
         self.run(0.5)
 
+    links_down: set[str] = set()
+    """Nodes whose agents say their data link is down (`set` it per test: a new set)."""
+
     def tick(self, dt: float = TICK_S) -> None:
         """Time passes; agents beat; launchers answer; heals come back; one controller step."""
         self.clock.t += dt
         c = self.controller
         for node, peer in self.agents.items():
             if node not in self.silent and node not in self.engine.dead:
-                c.receive(
-                    peer, Heartbeat(node, self.clock.now(), tuple(self.chip_faults.get(node, ())))
-                )
+                chips = tuple(self.chip_faults.get(node, ()))
+                down = node in self.links_down
+                c.receive(peer, Heartbeat(node, self.clock.now(), chips, link_down=down))
         self._launch()
         self._answer()
         c.step()

@@ -653,3 +653,86 @@ def test_a_launcher_the_engine_could_not_start_is_started_again_not_fatal(
     sim.train(1)
     sim.tick()
     assert sim.controller.job.status is JobStatus.RUNNING
+
+
+# -- R-29: operator-level online recovery --------------------------------------------------------
+
+OP_ENV = {
+    "HCCL_OP_RETRY_ENABLE": "L1:1",
+    "HCCL_OP_RETRY_PARAMS": "MaxCnt:3, HoldTime:2000, IntervalTime:1000",
+}
+
+
+def collective_failed(sim: Sim, rank: int, step: int, index: int, generation: int) -> None:
+    from relaunch.protocol.messages import CollectiveFailed
+
+    c = sim.controller
+    pod = rank // c.spec.procs_per_pod
+    message = CollectiveFailed(
+        rank, c.job.attempt, step, index, generation, "Connection reset by peer", sim.clock.now()
+    )
+    c.receive(sim.link_peer(pod), message)
+
+
+def orders(sim: Sim) -> list[tuple[int, tuple[int, int, int]]]:
+    return [
+        (m.membership.generation, m.membership.operator)
+        for m in sim.link_peer(0).of(MembershipUpdate)
+        if m.membership.operator is not None
+    ]
+
+
+def test_r29_the_collective_is_issued_again_after_the_hold_once_the_link_is_back(
+    tmp_path: Path,
+) -> None:
+    """Two ranks say collective 1 of step 7 failed (one fault); the first re-issue is due 2 s
+    after it, but node-1's data link is still down: skipped. Once it is back the next goes out,
+    an order in a new generation naming the collective; a step past it settles the recovery.
+    Nothing is stopped or started meanwhile."""
+    sim = booted(tmp_path, PROCESS, labels=PROCESS_LABELS, env=OP_ENV)
+    c = sim.controller
+    sim.train(6)
+    sim.tick()
+    sim.links_down = {"node-1"}
+    sim.tick()
+    collective_failed(sim, 3, 7, 1, 1)
+    collective_failed(sim, 0, 7, 1, 1)
+    sim.tick()
+    assert sim.actions() == [("operator-retry", "running")]
+    assert len(c.store.faults(c.job_id)) == 1
+    sim.run(1.9)
+    assert orders(sim) == []  # the hold
+    sim.run(0.2)
+    assert orders(sim) == [] and any("still down" in e for e in sim.events)
+    sim.links_down = set()
+    sim.run(1.0)
+    assert orders(sim) == [(2, (7, 1, 2))]
+    assert not any(peer.of(Stop) for peer in sim.launchers.values())
+    sim.train(7)
+    sim.tick()
+    assert sim.actions() == [("operator-retry", "succeeded")]
+
+
+def test_r29_a_reissue_that_fails_is_followed_by_the_next_and_spent_goes_to_process_retry(
+    tmp_path: Path,
+) -> None:
+    """Every re-issue fails again (each failure recorded, not decided anew): after 3 (MaxCnt)
+    the operator retry failed, and the fault goes on to process-retry (R-30), which forms the
+    group anew."""
+    sim = booted(tmp_path, PROCESS, labels=PROCESS_LABELS, env=OP_ENV)
+    c = sim.controller
+    sim.train(6)
+    sim.tick()
+    collective_failed(sim, 0, 7, 0, 1)
+    sim.tick()
+    for attempt in (1, 2, 3):
+        sim.run(2.0 if attempt == 1 else 1.0)
+        generation, order = orders(sim)[-1]
+        assert order == (7, 0, attempt)
+        collective_failed(sim, 0, 7, 0, generation)
+        sim.tick()
+    sim.run(1.1)
+    assert sim.actions() == [("operator-retry", "failed"), ("process-retry", "running")]
+    latest = c.membership.current()
+    assert latest is not None and latest.operator is None and not latest.retry
+    assert len(c.store.faults(c.job_id)) == 1  # the re-issues' failures: collateral

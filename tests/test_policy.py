@@ -725,3 +725,44 @@ def test_a_fault_only_recorded_leaves_the_recovery_under_way_going() -> None:
     assert acted_on.consequence is Consequence.DECIDE_NEW
     finer = on_new_fault(Action.POD_RESCHEDULE, crash, frozenset(), crash, Action.JOB_RESCHEDULE)
     assert finer.consequence is Consequence.FALL_BACK
+
+
+# -- R-29: operator-level online recovery -------------------------------------------------------
+
+OP_ENV = {"HCCL_OP_RETRY_ENABLE": "L0:0, L1:1, L2:0", "HCCL_OP_RETRY_PARAMS": "MaxCnt:3"}
+
+
+def collective(node: str | None = "node-1") -> Fault:
+    return Fault(FaultKind.COLLECTIVE, 0.0, node=node, pod=1, rank=1, step=7, collective=2)
+
+
+def test_r29_a_failed_collective_is_issued_again_before_any_process_level_recovery() -> None:
+    s = process_settings("retry,recover-in-place,recover,dump,exit", env=OP_ENV)
+    assert s.operator_retry is not None and s.operator_retry.max_count == 3
+    ladder = actions(s, collective())
+    assert ladder[:2] == ["operator-retry", "process-retry"]
+    d = first(s, collective())
+    assert d.action is Action.OPERATOR_RETRY and not d.isolate_nodes
+    assert d.counters == (Counters(), Counters())  # nothing restarts
+
+
+def test_r29_without_operator_retry_a_failed_collective_starts_at_process_retry() -> None:
+    s = process_settings("retry,recover-in-place,recover,dump,exit")
+    assert actions(s, collective())[0] == "process-retry"
+
+
+def test_r29_is_not_held_back_by_a_save_in_progress_r37_holds_the_rest() -> None:
+    """Nothing is rolled back: a rank still saving joins the re-issue when it gets there."""
+    s = process_settings("retry,recover-in-place,recover,dump,exit", env=OP_ENV)
+    saving = cluster(checkpoint_saving=True)
+    assert first(s, collective(), saving).action is Action.OPERATOR_RETRY
+    assert "process-retry" not in actions(s, collective(), saving)[:2]
+
+
+def test_r29_a_collective_with_no_link_seen_down_is_the_jobs_fault_after_operator_retry() -> None:
+    """No node had its data link down: nothing to isolate; past the process levels, the job is
+    rebuilt as for a crash (unconditional retry), not a node moved."""
+    s = process_settings("retry,dump,exit", env=OP_ENV)
+    assert actions(s, collective(node=None)) == [
+        "operator-retry", "process-retry", "dump", "job-reschedule", "fail",
+    ]  # fmt: skip

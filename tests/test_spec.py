@@ -471,3 +471,53 @@ def test_a_nul_byte_or_an_empty_path_that_no_process_can_be_given_is_refused(
     spec: dict[str, Any], key: str
 ) -> None:
     assert key in problems(AUTO, **spec)
+
+
+# -- R-29's settings, in MindCluster's variables -------------------------------------------------
+
+PROCESS = {
+    "annotations": {"recover-strategy": "retry,dump,exit", "fault-tolerance/job-retry-num": "3"},
+    "labels": {"fault-scheduling": "grace"},
+}
+
+
+def test_r29_operator_retry_reads_mindclusters_variables_and_their_defaults() -> None:
+    on = {"HCCL_OP_RETRY_ENABLE": "L0:0, L1:1, L2:1"}
+    retry = settings(PROCESS["annotations"], PROCESS["labels"], env=on).operator_retry
+    assert retry is not None and (retry.max_count, retry.hold_s, retry.interval_s) == (1, 5.0, 1.0)
+    given = {**on, "HCCL_OP_RETRY_PARAMS": "MaxCnt:10, HoldTime:0, IntervalTime:60000"}
+    retry = settings(PROCESS["annotations"], PROCESS["labels"], env=given).operator_retry
+    assert retry is not None and (retry.max_count, retry.hold_s, retry.interval_s) == (10, 0, 60)
+    off = {"HCCL_OP_RETRY_ENABLE": "L0:1, L1:0"}  # within a server only: not between pods
+    assert settings(PROCESS["annotations"], PROCESS["labels"], env=off).operator_retry is None
+    assert settings(PROCESS["annotations"], PROCESS["labels"]).operator_retry is None
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("HCCL_OP_RETRY_ENABLE", "L1:2"),
+        ("HCCL_OP_RETRY_ENABLE", "L3:1"),
+        ("HCCL_OP_RETRY_ENABLE", "L1=1"),
+        ("HCCL_OP_RETRY_ENABLE", "L1:1, L1:0"),
+        ("HCCL_OP_RETRY_ENABLE", ""),
+        ("HCCL_OP_RETRY_PARAMS", "MaxCnt:0"),
+        ("HCCL_OP_RETRY_PARAMS", "MaxCnt:11"),
+        ("HCCL_OP_RETRY_PARAMS", "HoldTime:60001"),
+        ("HCCL_OP_RETRY_PARAMS", "IntervalTime:-1"),
+        ("HCCL_OP_RETRY_PARAMS", "MaxCnt:3.5"),
+        ("HCCL_OP_RETRY_PARAMS", "Retries:3"),
+        ("HCCL_OP_RETRY_PARAMS", "MaxCnt:3,MaxCnt:4"),
+        ("HCCL_OP_RETRY_PARAMS", "x" * 300),
+    ],
+)
+def test_r29_a_bad_operator_retry_setting_is_refused_naming_it(name: str, value: str) -> None:
+    env = {"HCCL_OP_RETRY_ENABLE": "L1:1", name: value}
+    found = problems(PROCESS["annotations"], PROCESS["labels"], env=env)
+    assert f"spec.env.{name}" in found, found
+
+
+def test_r29_operator_retry_without_process_level_recovery_is_refused() -> None:
+    found = problems({"fault-tolerance/job-retry-num": "3"}, env={"HCCL_OP_RETRY_ENABLE": "L1:1"})
+    assert "spec.env.HCCL_OP_RETRY_ENABLE" in found
+    assert "only with process-level recovery" in found["spec.env.HCCL_OP_RETRY_ENABLE"]

@@ -283,6 +283,9 @@ def process_level(args: argparse.Namespace) -> None:
 
     def after(step: int, loss: torch.Tensor) -> None:
         finished(args.where)
+        if args.timeline and job.rank == 0:  # one line a step: a step done twice shows twice
+            with open(args.timeline, "a") as timeline:
+                timeline.write(f"step {step} {time.time():.6f}\n")
         ckpt.completed_step = step
         report_progress(step)
         ckpt.maybe_save(step, state)

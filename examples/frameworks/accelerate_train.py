@@ -52,7 +52,9 @@ def main() -> None:
     )
     accelerator = Accelerator(cpu=True, project_config=config)
     set_seed(0)
-    model = nn.Sequential(nn.Linear(32, args.width), nn.ReLU(), nn.Dropout(0.1), nn.Linear(args.width, 1))
+    model = nn.Sequential(
+        nn.Linear(32, args.width), nn.ReLU(), nn.Dropout(0.1), nn.Linear(args.width, 1)
+    )
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     model, optimizer = accelerator.prepare(model, optimizer)
     counter = Counter()
