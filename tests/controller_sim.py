@@ -196,6 +196,8 @@ class Sim:
         self.agents: dict[str, FakePeer] = {}
         self.silent: set[str] = set()
         """Nodes whose agent no longer sends heartbeats."""
+        self.links_down: set[str] = set()
+        """Nodes whose agents say their data link is down."""
         self.launchers: dict[tuple[int, int], FakePeer] = {}
         """(pod, generation) -> the launcher that runs it."""
         self.answered: set[int] = set()
@@ -226,9 +228,6 @@ class Sim:
         )
         c.membership.publish()
         self.run(0.5)
-
-    links_down: set[str] = set()
-    """Nodes whose agents say their data link is down (`set` it per test: a new set)."""
 
     def tick(self, dt: float = TICK_S) -> None:
         """Time passes; agents beat; launchers answer; heals come back; one controller step."""

@@ -736,3 +736,33 @@ def test_r29_a_reissue_that_fails_is_followed_by_the_next_and_spent_goes_to_proc
     latest = c.membership.current()
     assert latest is not None and latest.operator is None and not latest.retry
     assert len(c.store.faults(c.job_id)) == 1  # the re-issues' failures: collateral
+
+
+def test_r29_a_collective_failing_under_another_recovery_is_its_collateral(tmp_path: Path) -> None:
+    """Rank 3 crashes; its peers' collectives fail too and say so: recorded as collateral of
+    the crash's process-in-place recovery, which goes on undisturbed."""
+    sim = booted(tmp_path, PROCESS, labels=PROCESS_LABELS, env=OP_ENV)
+    c = sim.controller
+    sim.train(6)
+    sim.tick()
+    sim.crash(3)
+    sim.tick()
+    assert sim.actions() == [("process-in-place", "running")]
+    collective_failed(sim, 0, 7, 0, 1)
+    sim.tick()
+    assert sim.actions() == [("process-in-place", "running")]
+    assert len(c.store.faults(c.job_id)) == 1
+
+
+def test_r29_a_crash_found_after_the_collective_it_broke_ends_the_operator_retry(
+    tmp_path: Path,
+) -> None:
+    sim = booted(tmp_path, PROCESS, labels=PROCESS_LABELS, env=OP_ENV)
+    sim.train(6)
+    sim.tick()
+    collective_failed(sim, 0, 7, 0, 1)
+    sim.tick()
+    assert sim.actions() == [("operator-retry", "running")]
+    sim.crash(3)
+    sim.tick()
+    assert sim.actions() == [("operator-retry", "failed"), ("process-in-place", "running")]

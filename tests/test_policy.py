@@ -766,3 +766,14 @@ def test_r29_a_collective_with_no_link_seen_down_is_the_jobs_fault_after_operato
     assert actions(s, collective(node=None)) == [
         "operator-retry", "process-retry", "dump", "job-reschedule", "fail",
     ]  # fmt: skip
+
+
+def test_r29_a_rank_that_died_under_an_operator_retry_is_decided_on_its_own() -> None:
+    """The collective failed because a rank crashed: issuing it again cannot help."""
+    from relaunch.policy.fallback import Consequence, on_new_fault
+
+    retry = on_new_fault(Action.OPERATOR_RETRY, collective(), frozenset(), crash(pod=1))
+    assert (
+        retry.consequence is Consequence.DECIDE_NEW
+        and retry.fault_to_decide.kind is FaultKind.PROCESS_EXIT
+    )

@@ -55,8 +55,9 @@ class LevelAction:
 
     def absorbs(self, c: Controller, active: ActiveRecovery, fault: Fault, now: float) -> bool:
         """Whether a new fault is this recovery's own business (not a new decision): it is
-        then recorded as collateral of the recovery's fault."""
-        return False
+        then recorded as collateral of the recovery's fault. A collective that failed while a
+        recovery runs failed because of it (its group is being torn down and formed anew)."""
+        return fault.kind is FaultKind.COLLECTIVE
 
     def worked(
         self,

@@ -50,6 +50,8 @@ def on_new_fault(
     alone, is IGNORE) leaves that recovery alone: a node no pod uses, lost while the job is
     rebuilt, says nothing about the rebuild.
 
+    An operator retry (R-29) followed by any fault it does not absorb (a rank that exited, a hang,
+    a lost node: what made the collective fail) is over, and the new fault decided on its own.
     A recovery finer than job level that is followed by a process exit or a hang failed in the
     way such recoveries fail (its restarted processes crashed, or its group never re-formed):
     its own fault falls back one level (R-20, R-23, R-36's multi-layer fallback). Any other new
@@ -57,6 +59,10 @@ def on_new_fault(
     own."""
     if new_action is Action.IGNORE:
         return NewFault(Consequence.ALONGSIDE, new, frozenset())
+    if active is Action.OPERATOR_RETRY:
+        # the collective failed because a rank died, hung or lost its node: issuing it again
+        # cannot help, and the new fault is the one to recover (R-29)
+        return NewFault(Consequence.DECIDE_NEW, new, frozenset())
     finer = active not in _JOB_LEVEL
     if finer and new.kind in (FaultKind.PROCESS_EXIT, FaultKind.HANG):
         return NewFault(Consequence.FALL_BACK, active_fault, active_tried | {active})
