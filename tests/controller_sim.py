@@ -25,6 +25,7 @@ from relaunch.protocol.messages import (
     Heartbeat,
     LauncherHello,
     Message,
+    ProcReport,
     Progress,
     ProgressBatch,
     Shutdown,
@@ -167,6 +168,7 @@ class Sim:
         plan: list[dict[str, Any]] | None = None,
         heal_delay_s: float = 0.0,
     ) -> None:
+        self.tmp, self.plan = tmp, plan
         self.clock = FakeClock()
         self.engine = FakeEngine()
         self.cluster = ClusterConfig.sized(
@@ -302,7 +304,7 @@ class Sim:
         for due, peer, request in list(self.pending_heals):
             if self.clock.now() >= due:
                 self.pending_heals.remove((due, peer, request))
-                node = peer.name.removeprefix("agent-")
+                node = peer.name.removeprefix("agent-").removesuffix("-again")
                 ok = all(f.heals for f in self.chip_faults.get(node, ()))
                 self.chip_faults[node] = [f for f in self.chip_faults.get(node, ()) if not f.heals]
                 c.receive(peer, Healed(request, node, ok))
@@ -313,6 +315,48 @@ class Sim:
         for peer in self.launchers.values():
             peer.closes_on_shutdown = True
         lifecycle.finish(self.controller, self.controller.job)
+
+    def restart_controller(self) -> None:
+        """The controller died (a test makes it stop where it likes) and `relaunch run --resume`
+        starts a new one on the same store: the agents and every pod's launcher connect to it
+        again, each launcher saying what its ranks are doing. The adoption window then runs."""
+        old = self.controller
+        spec = old.spec
+        self.controller = Controller(
+            self.store,
+            self.engine,  # type: ignore[arg-type]
+            self.tmp,
+            self.cluster,
+            self.job_id,
+            spec,
+            parse_plan(self.plan or []),
+            RunOptions(resume=True),
+            on_event=self.events.append,
+            clock=self.clock,
+        )
+        c = self.controller
+        lifecycle.resume(c, self.clock.now())
+        for node in list(self.agents):
+            if node in self.engine.dead:
+                continue
+            peer = FakePeer(f"agent-{node}-again", self.wire)
+            self.agents[node] = peer
+            c.receive(peer, AgentHello(node, 2))
+        for index, pod in old.pods.items():
+            link = pod.link
+            if link is None:
+                continue
+            procs = {
+                rank: ProcReport(r.attempt, 5000 + rank, r.running, r.code, progressed=True)
+                for rank, r in link.ranks.items()
+            }
+            peer = FakePeer(f"launcher-{index}-g{link.generation}-again", self.wire)
+            self.launchers[(index, link.generation)] = peer
+            hello = LauncherHello(
+                self.job_id, index, link.generation, 1000 + index, link.started_attempt,
+                pod.row.node, procs=procs,
+            )  # fmt: skip  # the attempt it last started, as a real launcher says
+            c.receive(peer, hello)
 
     # -- the job's side ----------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from relaunch.protocol.datagrams import parse_datagram
 from relaunch.train import (
     CheckpointManager,
     CheckpointWarning,
@@ -264,8 +265,11 @@ def test_report_progress_sends_rank_and_step_to_the_launcher(
     monkeypatch.setenv("RANK", "5")
     monkeypatch.setattr(progress, "_addresses", None)
     monkeypatch.setattr(progress, "_sent_at", None)
+    before = time.time()
     report_progress(12)
-    assert receiver.recv(64) == b"5 12"
+    parsed = parse_datagram(receiver.recv(64))
+    assert parsed is not None and parsed[:2] == (5, 12)
+    assert parsed[2] is not None and before <= parsed[2] <= time.time()  # when it was reported
     receiver.close()
 
 
@@ -289,13 +293,15 @@ def test_report_progress_sends_the_first_step_and_phases_at_once_and_steps_at_mo
     monkeypatch.setattr(progress, "_addresses", None)
     monkeypatch.setattr(progress, "_sent_at", None)
 
-    def received(kind: str) -> list[bytes]:
+    def received(kind: str, whole: bool = False) -> list[bytes]:
+        """The datagrams, without the time a step was reported unless `whole`."""
         out = []
         while True:
             try:
-                out.append(sockets[kind].recv(64))
+                data = sockets[kind].recv(64)
             except BlockingIOError:
                 return out
+            out.append(data if whole else b" ".join(data.split()[:2]))
 
     monkeypatch.setattr(progress, "_pending", None)
     report_progress(1)
@@ -306,10 +312,15 @@ def test_report_progress_sends_the_first_step_and_phases_at_once_and_steps_at_mo
     assert received("routine") == []
     monkeypatch.setattr(progress, "_sent_at", (progress._sent_at or 0.0) - 0.3)
     report_progress(3)
+    reported = time.time()
     report_progress(4)  # held back, sent when the process exits
     assert received("routine") == [b"2 3"]
+    time.sleep(0.05)
     progress._flush_pending()
-    assert received("routine") == [b"2 4"]
+    [late] = received("routine", whole=True)
+    parsed = parse_datagram(late)
+    assert parsed is not None and parsed[:2] == (2, 4)
+    assert parsed[2] is not None and parsed[2] < reported + 0.05  # when reported, not sent
     assert received("urgent") == []
     for sock in sockets.values():
         sock.close()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -45,7 +46,18 @@ QUICK = ("flap 10 s",)
 NODES = cluster(4, 2) | {"adopt_grace_s": 10, "slow_window_s": 10}
 
 
-def _job(process: bool, timeline_path: Path) -> dict[str, Any]:
+OPERATOR_ENV = {
+    "HCCL_OP_RETRY_ENABLE": "L0:0, L1:1, L2:0",
+    "HCCL_OP_RETRY_PARAMS": "MaxCnt:10, HoldTime:2000, IntervalTime:1000",
+    "RELAUNCH_COLLECTIVE_TIMEOUT": "3",
+}
+"""Operator-level online recovery (R-29): re-issues from 2 s after a failure, every second, ten at
+most; a collective waits 3 s for its peers."""
+
+
+def _job(
+    process: bool, timeline_path: Path, operator: bool = False, step_s: float = 0.02
+) -> dict[str, Any]:
     annotations = {
         "fault-tolerance/job-retry-num": "8",
         "fault-tolerance/job-unconditional-retry": "true",
@@ -53,11 +65,14 @@ def _job(process: bool, timeline_path: Path) -> dict[str, Any]:
         "fault-tolerance/pod-retry-num": "3",
     }
     labels = {"fault-scheduling": "grace", "grace-over-time": "3", "pod-rescheduling": "on"}
-    command = f"python {DDP} --steps {STEPS} --ckpt-every 5 --timeline {timeline_path}"
+    command = (
+        f"python {DDP} --steps {STEPS} --ckpt-every 5 --timeline {timeline_path} "
+        f"--step-seconds {step_s}"
+    )
     if process:
         annotations |= PROCESS_ANNOTATIONS
         labels |= PROCESS_LABELS
-        command = f"python {DDP} --process-recovery --steps {STEPS} --ckpt-every 5"
+        command = command.replace(f"python {DDP}", f"python {DDP} --process-recovery")
     return {
         "kind": "job",
         "metadata": {"name": "bench-network", "annotations": annotations, "labels": labels},
@@ -68,6 +83,7 @@ def _job(process: bool, timeline_path: Path) -> dict[str, Any]:
             "command": command,
             "hang_detect_seconds": 4,
             "monitor_interval": 0.1,
+            "env": OPERATOR_ENV if operator else {},
         },
     }
 
@@ -82,27 +98,61 @@ def _steps(path: Path) -> tuple[int | None, int | None]:
     return len(steps) - len(set(steps)), max(0, starts - 1)
 
 
-def relaunch_once(name: str | None, tmp: Path, process: bool) -> dict[str, Any]:
+def relaunch_once(
+    name: str | None, tmp: Path, process: bool, operator: bool = False
+) -> dict[str, Any]:
     """One `relaunch run` of the job, with the fault `name` (None: fault-free)."""
     path = tmp / "timeline.txt"
     faults = [] if name is None else [{**FAULTS[name], "at_step": FAULT_STEP, "pod": 1}]
     began = time.time()
-    report, _ = run_job(tmp, _job(process, path), faults, NODES, timeout=600)
+    report, seen = run_job(
+        tmp, _job(process, path, operator), faults, NODES, timeout=600, during=_incarnations
+    )
     wall = time.time() - began
     if report is None:
         return {"ok": False, "wall_s": round(wall, 2), "note": "the run failed"}
     redone, restarts = _steps(path)
-    if process:
+    if process:  # rank 0 does not restart: count every rank's starts
         logs = "\n".join(p.read_text() for p in (tmp / "state" / "jobs").glob("*/pods/*/logs/*"))
         restarts = max(0, logs.count("--- relaunch: attempt") - 2)
+    generations = sorted(seen)
+    overlap = None
+    if len(generations) > 1:  # the old pod 1 still ran when its replacement had started
+        old, new = seen[generations[0]], seen[generations[1]]
+        overlap = round(old[1] - new[0], 3)
+    records = report["recoveries"]
     return {
         "ok": True,
         "wall_s": round(wall, 2),
         "redone": redone,
         "restarts": restarts,
+        "overlap_s": overlap,
+        "mttr_s": next((r["mttr_s"] for r in records if r.get("mttr_s") is not None), None),
         "what": ", ".join(f"{r['action']} ({r['outcome']})" for r in report["recoveries"])
         or "nothing recorded",
     }
+
+
+def _incarnations(proc: subprocess.Popen[bytes], state: Path) -> dict[str, Any]:
+    """When each generation of pod 1's rank was seen running (every 20 ms), while the run
+    lasts: R-14 wants the old one gone before the new one starts."""
+    import psutil
+
+    seen: dict[str, list[float]] = {}
+    while proc.poll() is None:
+        now = time.time()
+        for process in psutil.process_iter(["cmdline"]):
+            try:
+                if str(DDP) not in " ".join(process.info["cmdline"] or []):
+                    continue
+                env = process.environ()
+            except psutil.Error:
+                continue
+            if env.get("RELAUNCH_POD") == "1" and str(state) in env.get("RELAUNCH_WORKDIR", ""):
+                span = seen.setdefault(env.get("RELAUNCH_GENERATION", "?"), [now, now])
+                span[1] = now
+        time.sleep(0.02)
+    return seen
 
 
 def torchrun_once(name: str | None, tmp: Path) -> dict[str, Any]:
@@ -200,15 +250,20 @@ def network_rows(quick: bool, say: Progress) -> list[dict[str, Any]]:
         say(f"network: skipped: {why}")
         return [{"fault": "-", "system": "-", "note": f"not measured: {why}"}]
     names = QUICK if quick else tuple(FAULTS)
-    systems = [("relaunch", False), ("relaunch, SDK keeper", True), ("torchrun", None)]
+    systems = [
+        ("relaunch", "plain"),
+        ("relaunch, SDK keeper", "keeper"),
+        ("relaunch, operator retry", "operator"),
+        ("torchrun", "torchrun"),
+    ]
     rows: list[dict[str, Any]] = []
-    for system, process in systems:
+    for system, variant in systems:
         with tempfile.TemporaryDirectory(prefix="relaunch-bench-") as tmp:
-            clean = _once(system, process, None, Path(tmp))
+            clean = _once(system, variant, None, Path(tmp))
         say(f"network: {system} fault-free: {clean}")
         for name in names:
             with tempfile.TemporaryDirectory(prefix="relaunch-bench-") as tmp:
-                measured = _once(system, process, name, Path(tmp))
+                measured = _once(system, variant, name, Path(tmp))
             lost = (
                 round(measured["wall_s"] - clean["wall_s"], 2)
                 if measured.get("ok") and clean.get("ok")
@@ -220,16 +275,49 @@ def network_rows(quick: bool, say: Progress) -> list[dict[str, Any]]:
                 "lost_s": lost,
                 "redone_steps": measured.get("redone"),
                 "restarts": measured.get("restarts"),
+                "mttr_s": measured.get("mttr_s"),
+                "overlap_s": measured.get("overlap_s"),
                 "what": measured.get("what") or measured.get("note", "failed"),
                 "wall_s": measured.get("wall_s"),
                 "fault_free_wall_s": clean.get("wall_s"),
             }
             say(f"network: {system}, {name}: {row}")
             rows.append(row)
+    rows.append(keeping_cost(1 if quick else 3, say))
     return rows
 
 
-def _once(system: str, process: bool | None, name: str | None, tmp: Path) -> dict[str, Any]:
-    if process is None:
+def _once(system: str, variant: str, name: str | None, tmp: Path) -> dict[str, Any]:
+    if variant == "torchrun":
         return torchrun_once(name, tmp)
-    return relaunch_once(name, tmp, process)
+    return relaunch_once(name, tmp, variant != "plain", variant == "operator")
+
+
+def keeping_cost(pairs: int, say: Progress) -> dict[str, Any]:
+    """R-29's fault-free cost: the keeper's training loop with operator retry on (every
+    collective's input copied, waited for in the hook) and off, steps back to back (no sleep),
+    alternated in `pairs` pairs; milliseconds a step, from rank 0's timeline."""
+    samples: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(pairs):
+        for operator in (False, True):
+            with tempfile.TemporaryDirectory(prefix="relaunch-bench-") as tmp:
+                path = Path(tmp) / "timeline.txt"
+                job = _job(True, path, operator, step_s=0.0)
+                report, _ = run_job(Path(tmp), job, [], NODES, timeout=600)
+                times = [t for e, _, t in timeline.read(path) if e == "step"]
+            if report is not None and len(times) > 50:
+                # the steady part: the first steps warm up
+                per_step = (times[-1] - times[50]) / (len(times) - 51) * 1000
+                samples[operator].append(round(per_step, 3))
+            say(f"network: keeping inputs {'on' if operator else 'off'}: {samples[operator]}")
+    off = statistics.median(samples[False]) if samples[False] else None
+    on = statistics.median(samples[True]) if samples[True] else None
+    return {
+        "fault": "none (fault-free)",
+        "system": "relaunch, operator retry",
+        "ms_per_step_off": off,
+        "ms_per_step_on": on,
+        "cost_ratio": round(on / off, 3) if on and off else None,
+        "samples_off": samples[False],
+        "samples_on": samples[True],
+    }

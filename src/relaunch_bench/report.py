@@ -63,8 +63,10 @@ SLOW_COLUMNS = {
 }  # fmt: skip
 NETWORK_COLUMNS = {
     "fault": "link fault (pod 1's node)", "system": "system", "lost_s": "time lost s",
-    "redone_steps": "steps redone", "restarts": "restarts", "what": "what happened",
-    "note": "note",
+    "redone_steps": "steps redone", "restarts": "restarts", "mttr_s": "relaunch's MTTR s",
+    "overlap_s": "incarnations overlap s", "what": "what happened",
+    "ms_per_step_off": "ms / step, inputs not kept", "ms_per_step_on": "ms / step, kept",
+    "cost_ratio": "kept / not", "note": "note",
 }  # fmt: skip
 SECTIONS = (
     ("scale", "Scale (light workload, 2 processes per pod)", SCALE_COLUMNS),

@@ -1,12 +1,16 @@
 """What each recovery level does, one small class per level, in a registry keyed by the policy's
 `Action`. Adding a level is adding a class here and a rung in policy.ladder.
 
-Each level says three things:
+Each level says four things:
 
 - `change`: the desired state it sets, inside its record's transaction (nodes isolated, pods'
   counters, nodes and generations, the job's attempt and status). The controller's reconcile then
   converges the running pods to it;
-- `begin`: what it sends once its record is stored (memberships, restarts, a heal request);
+- `plan`: what it will need (the ranks it restarts, the step it waits past), stored with its
+  record (controller.active), so that a resumed controller carries it on;
+- `begin`: what it sends once its record is stored (memberships, restarts, a heal request),
+  skipping what the observed state shows done already: a controller killed before it sent all
+  runs it again on resume;
 - `worked`: which sign of progress proves it worked.
 
 `ready_to_start` lets a level hold the start of the new processes (in-place waits for its heal).
@@ -43,8 +47,12 @@ class LevelAction:
         if self.new_attempt:
             new_attempt(c, now)
 
-    def begin(self, c: Controller, d: Decision, active: ActiveRecovery, attempt: int) -> None:
-        if self.new_attempt and c.recovery.process_level:
+    def plan(self, c: Controller, d: Decision, active: ActiveRecovery) -> None:
+        """Fill in what the recovery needs from its decision (no side effect)."""
+        active.pods = d.pods
+
+    def begin(self, c: Controller, active: ActiveRecovery) -> None:
+        if self.new_attempt and c.recovery.process_level and not published(c, active):
             c.membership.publish()  # every process starts again: a fresh group
 
     def ready_to_start(self, active: ActiveRecovery) -> bool:
@@ -109,13 +117,16 @@ class ProcessRetry(LevelAction):
 
     action = Action.PROCESS_RETRY
 
-    def begin(self, c: Controller, d: Decision, active: ActiveRecovery, attempt: int) -> None:
+    def plan(self, c: Controller, d: Decision, active: ActiveRecovery) -> None:
         active.after_step = c.progress.step or 0
-        if active.fault.kind in (FaultKind.NETWORK, FaultKind.COLLECTIVE):
-            c.membership.publish(reform=True)
-        else:
-            c.membership.publish(retry=True)
-        if active.fault.chip is not None:
+
+    def begin(self, c: Controller, active: ActiveRecovery) -> None:
+        if not published(c, active):
+            if active.fault.kind in (FaultKind.NETWORK, FaultKind.COLLECTIVE):
+                c.membership.publish(reform=True)
+            else:
+                c.membership.publish(retry=True)
+        if active.fault.chip is not None and active.heal is None:
             # the chip's error is repaired while the step runs again: left faulty, its node
             # would count as faulty for every later decision (R-31's rank-0 rule); a chip that
             # cannot heal fails the retry, and the ladder goes on down
@@ -148,7 +159,7 @@ class OperatorRetry(LevelAction):
 
     action = Action.OPERATOR_RETRY
 
-    def begin(self, c: Controller, d: Decision, active: ActiveRecovery, attempt: int) -> None:
+    def plan(self, c: Controller, d: Decision, active: ActiveRecovery) -> None:
         retry = c.recovery.operator_retry
         fault = active.fault
         assert retry is not None and fault.step is not None and fault.collective is not None
@@ -156,6 +167,9 @@ class OperatorRetry(LevelAction):
         active.operator = OperatorState(
             fault.step, fault.collective, fault.at + retry.hold_s, retry.max_count
         )
+
+    def begin(self, c: Controller, active: ActiveRecovery) -> None:
+        """Nothing at once: its re-issues go as time passes (`tick`)."""
 
     def tick(self, c: Controller, active: ActiveRecovery, now: float) -> None:
         op, retry = active.operator, c.recovery.operator_retry
@@ -188,6 +202,7 @@ class OperatorRetry(LevelAction):
             return
         op.order = c.membership.publish(operator=(op.step, op.collective, attempt))
         op.ordered_at = now
+        c.recoveries.enter(active, active.phase)  # a resumed controller counts it
 
     def absorbs(self, c: Controller, active: ActiveRecovery, fault: Fault, now: float) -> bool:
         op, retry = active.operator, c.recovery.operator_retry
@@ -209,9 +224,12 @@ class ProcessInPlace(LevelAction):
 
     action = Action.PROCESS_IN_PLACE
 
-    def begin(self, c: Controller, d: Decision, active: ActiveRecovery, attempt: int) -> None:
+    def plan(self, c: Controller, d: Decision, active: ActiveRecovery) -> None:
         active.ranks = commands.faulty_ranks(c, active.fault)
-        c.membership.publish(joiners=active.ranks)
+
+    def begin(self, c: Controller, active: ActiveRecovery) -> None:
+        if not published(c, active):
+            c.membership.publish(joiners=active.ranks)
         commands.restart_ranks(c, active.ranks)
 
     def worked(
@@ -235,9 +253,13 @@ class ProcessReschedule(LevelAction):
         move_pods(c, d, moved=set(d.pods))
         c.update_job(status=JobStatus.RECOVERING)
 
-    def begin(self, c: Controller, d: Decision, active: ActiveRecovery, attempt: int) -> None:
+    def plan(self, c: Controller, d: Decision, active: ActiveRecovery) -> None:
+        active.pods = d.pods
         active.ranks = tuple(r for pod in d.pods for r in c.ranks_of(pod))
-        c.membership.publish(joiners=active.ranks)
+
+    def begin(self, c: Controller, active: ActiveRecovery) -> None:
+        if not published(c, active):
+            c.membership.publish(joiners=active.ranks)
 
     worked = ProcessInPlace.worked
 
@@ -252,10 +274,14 @@ class ScaleIn(LevelAction):
         move_pods(c, d, moved=set())
         c.update_job(status=JobStatus.RECOVERING)
 
-    def begin(self, c: Controller, d: Decision, active: ActiveRecovery, attempt: int) -> None:
+    def plan(self, c: Controller, d: Decision, active: ActiveRecovery) -> None:
+        active.pods = d.pods
         active.after_step = c.progress.step or 0
-        commands.park(c, d.pods)
-        c.membership.publish(parked=c.membership.parked() | set(d.pods))
+
+    def begin(self, c: Controller, active: ActiveRecovery) -> None:
+        commands.park(c, active.pods)
+        if not published(c, active):
+            c.membership.publish(parked=c.membership.parked() | set(active.pods))
 
     worked = ProcessRetry.worked
 
@@ -268,9 +294,10 @@ class InPlace(LevelAction):
     action = Action.IN_PLACE
     new_attempt = True
 
-    def begin(self, c: Controller, d: Decision, active: ActiveRecovery, attempt: int) -> None:
-        super().begin(c, d, active, attempt)
-        commands.request_heal(c, active)
+    def begin(self, c: Controller, active: ActiveRecovery) -> None:
+        super().begin(c, active)
+        if active.heal is None or active.heal.ok is None:  # again after a resume: a new request
+            commands.request_heal(c, active)
 
     def ready_to_start(self, active: ActiveRecovery) -> bool:
         return active.heal is None or active.heal.ok is True
@@ -311,6 +338,13 @@ class IsolatedJobReschedule(JobReschedule):
     """R-22: the faulty node is isolated, then the whole job is rebuilt on healthy nodes."""
 
     action = Action.ISOLATED_JOB_RESCHEDULE
+
+
+def published(c: Controller, active: ActiveRecovery) -> bool:
+    """The recovery published its membership already (a controller killed after it did, before
+    it stored that it had: nothing else publishes while a recovery runs)."""
+    current = c.membership.current()
+    return current is not None and current.generation > active.base_generation
 
 
 # -- the desired-state changes the levels share -------------------------------------------------

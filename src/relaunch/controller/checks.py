@@ -220,9 +220,6 @@ def done(c: Controller, now: float) -> None:
         return
     active = c.recoveries.active
     if active is not None:
-        c.recoveries.active = None
-        c.store.settle_record(
-            active.record_id, Outcome.SUCCEEDED, resumed_at=now, fault_at=active.fault.at
-        )
+        c.recoveries.settle(active, Outcome.SUCCEEDED, now)
     c.update_job(status=JobStatus.SUCCEEDED, reason="every rank exited 0", ended_at=now)
     c.event(f"job {c.spec.name} succeeded")

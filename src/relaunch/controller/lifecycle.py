@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Final
 
-from relaunch.controller.active import ActiveRecovery
+from relaunch.controller.active import ActiveRecovery, RecoveryPhase
 from relaunch.controller.clock import TICK_S
 from relaunch.controller.commands import master_port, slow_window_unusable, stop_grace
 from relaunch.controller.listener import Listener
@@ -109,6 +109,9 @@ def adopted(c: Controller, now: float) -> None:
     once the launcher grace has passed); a recovery under way launches its pods itself. Away longer than the adopt grace, pods and agents end themselves: the missing agents
     are started again and, if pods are missing, the job is rebuilt at job level, recorded as
     relaunch's own outage (no restart budget spent)."""
+    active = c.recoveries.active
+    if active is not None and active.phase is RecoveryPhase.WAITING:
+        c.recoveries.carry_on(active)  # what the killed controller had not sent yet
     parked = c.membership.parked()
     missing = [p for p in c.pods.values() if not p.connected and p.index not in parked]
     grace = c.cluster.adopt_grace_s
@@ -147,16 +150,21 @@ def adopted(c: Controller, now: float) -> None:
 
 
 def _resume_active(c: Controller) -> None:
+    """The recovery a killed controller left under way, as it stored it (controller.active):
+    one still WAITING sends what it had not sent once the adoption window is over."""
     for record in reversed(c.store.records(c.job_id)):
         if record.outcome is Outcome.RUNNING:
-            c.recoveries.active = ActiveRecovery(
+            active = ActiveRecovery(
                 record.id,
                 record.fault,
                 record.fault_id,
                 record.action,
                 frozenset(record.tried),
                 record.started_at,
+                phase=RecoveryPhase(record.phase),
             )
+            active.restore(record.state)
+            c.recoveries.active = active
         break
 
 

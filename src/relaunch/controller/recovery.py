@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from relaunch import failpoints
 from relaunch.controller import commands
 from relaunch.controller.actions import action_for
-from relaunch.controller.active import HEAL_TIMEOUT_S, ActiveRecovery
+from relaunch.controller.active import HEAL_TIMEOUT_S, ActiveRecovery, RecoveryPhase
 from relaunch.diagnosis import Group, is_collateral, root_cause
 from relaunch.faults import Fault, FaultKind
 from relaunch.policy import Action, Decision, decide
@@ -95,7 +95,7 @@ class RecoveryDriver:
                 self.group, self.members = Group(fault_id, fault, attempt), [fault]
             waiting, tried = fault_id, frozenset[Action]()
             if active is not None and fallback is not None and not alongside:
-                c.store.settle_record(active.record_id, Outcome.FAILED)
+                self.settle(active, Outcome.FAILED)
                 if fallback.consequence is Consequence.FALL_BACK:
                     waiting, tried = active.fault_id, fallback.tried
             c.store.add_pending(c.job_id, waiting, sorted(tried))
@@ -141,9 +141,8 @@ class RecoveryDriver:
             return
         c = self.c
         with c.store.transaction():
-            c.store.settle_record(active.record_id, Outcome.FAILED)
+            self.settle(active, Outcome.FAILED)
             c.store.add_pending(c.job_id, active.fault_id, sorted(active.tried | {active.action}))
-        self.active = None
         c.event(f"{active.action.value}: {why}")
         self.waiting = True
         c.hurry()
@@ -179,8 +178,7 @@ class RecoveryDriver:
                 ).consequence
                 is not Consequence.ALONGSIDE
             ):
-                c.store.settle_record(active.record_id, Outcome.FAILED)
-                self.active = None
+                self.settle(active, Outcome.FAILED)
             self._climb(fault, fault_id, tried, now)
 
     def _action_alone(self, fault: Fault, now: float) -> Action:
@@ -235,16 +233,31 @@ class RecoveryDriver:
         tried: frozenset[Action],
         now: float,
     ) -> None:
+        """Store the record with its plan (WAITING), then send what its level sends (RUNNING)."""
         c = self.c
         level = action_for(decision.action)
-        attempt = c.job.attempt
-        record_id = self.record(decision, fault_id, tried, now, Outcome.RUNNING)
-        failpoints.reach("decision-stored")
         active = ActiveRecovery(
-            record_id, fault, fault_id, decision.action, tried, now, wait_s=decision.wait_s
+            0, fault, fault_id, decision.action, tried, now, wait_s=decision.wait_s
         )
+        current = c.membership.current()
+        active.base_generation = current.generation if current is not None else 0
+        level.plan(c, decision, active)
+        active.record_id = self.record(decision, fault_id, tried, now, Outcome.RUNNING, active)
+        failpoints.reach("decision-stored")
         self.active = active
-        level.begin(c, decision, active, attempt)
+        self.carry_on(active)
+
+    def carry_on(self, active: ActiveRecovery) -> None:
+        """WAITING -> RUNNING: the level sends what it must (what a killed controller did not
+        send, on resume), and the recovery's state is stored with its new phase."""
+        action_for(active.action).begin(self.c, active)
+        if self.active is active:  # a heal nobody can answer fails it at once
+            self.enter(active, RecoveryPhase.RUNNING)
+
+    def enter(self, active: ActiveRecovery, phase: RecoveryPhase) -> None:
+        """The one place a recovery moves between phases (and its state is stored)."""
+        active.phase = phase
+        self.c.store.set_recovery_state(active.record_id, phase.value, active.to_state())
 
     def record(
         self,
@@ -253,10 +266,12 @@ class RecoveryDriver:
         tried: frozenset[Action],
         now: float,
         outcome: Outcome,
+        active: ActiveRecovery | None = None,
         still_waiting: frozenset[Action] | None = None,
     ) -> int:
-        """Store a record, the desired-state change its action makes, and whether its fault
-        still waits for a decision (`still_waiting`: the actions tried by then), together."""
+        """Store a record, the desired-state change its action makes, whether its fault still
+        waits for a decision (`still_waiting`: the actions tried by then) and, for a recovery
+        that runs, its plan (WAITING), together."""
         c = self.c
         budgets = decision.budgets_left
         with c.store.transaction():
@@ -272,6 +287,16 @@ class RecoveryDriver:
                 outcome,
             )
             action_for(decision.action).change(c, decision, now)
+            if active is not None:
+                c.store.set_recovery_state(
+                    record_id, RecoveryPhase.WAITING.value, active.to_state()
+                )
+            else:  # final (ignore, fail) or handed over (dump, exit): done at once
+                phase = RecoveryPhase.HANDED_OVER if decision.action.hands_over else None
+                phase = phase or (
+                    RecoveryPhase.FAILED if outcome is Outcome.FAILED else RecoveryPhase.SUCCEEDED
+                )
+                c.store.set_recovery_state(record_id, phase.value, {})
             if still_waiting is None:
                 c.store.drop_pending(c.job_id, fault_id)
             else:
@@ -302,10 +327,7 @@ class RecoveryDriver:
         if active is None:
             return
         c = self.c
-        self.active = None
-        c.store.settle_record(
-            active.record_id, Outcome.SUCCEEDED, resumed_at=now, fault_at=active.fault.at
-        )
+        self.settle(active, Outcome.SUCCEEDED, now)
         c.update_job(status=JobStatus.RUNNING)
         c.hang_stop = False
         c.event(
@@ -313,6 +335,19 @@ class RecoveryDriver:
             "after the fault"
         )
         failpoints.reach("recovered")
+
+    def settle(
+        self, active: ActiveRecovery, outcome: Outcome, resumed_at: float | None = None
+    ) -> None:
+        """RUNNING -> SUCCEEDED or FAILED: its record settled (the MTTR, when progress resumed),
+        and no longer the recovery under way."""
+        self.c.store.settle_record(
+            active.record_id, outcome, resumed_at=resumed_at, fault_at=active.fault.at
+        )
+        phase = RecoveryPhase.SUCCEEDED if outcome is Outcome.SUCCEEDED else RecoveryPhase.FAILED
+        self.enter(active, phase)
+        if self.active is active:
+            self.active = None
 
     def healed(self, request: int, ok: bool) -> None:
         heal = self.active.heal if self.active is not None else None

@@ -72,6 +72,8 @@ MIGRATIONS = (
     ("faults", "collateral_of", "INTEGER"),
     ("faults", "evidence", "TEXT"),
     ("jobs", "left_behind", "INTEGER"),
+    ("recoveries", "phase", "TEXT NOT NULL DEFAULT 'running'"),
+    ("recoveries", "state", "TEXT NOT NULL DEFAULT '{}'"),
 )
 
 

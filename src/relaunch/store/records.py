@@ -124,6 +124,13 @@ class RecordTable(PodTable):
             (outcome.value, resumed_at, mttr, record_id),
         )
 
+    def set_recovery_state(self, record_id: int, phase: str, state: Mapping[str, Any]) -> None:
+        """Where a recovery under way is, and what a resumed controller needs to carry it on."""
+        self._execute(
+            "UPDATE recoveries SET phase = ?, state = ? WHERE id = ?",
+            (phase, json.dumps(state), record_id),
+        )
+
     def records(self, job_id: int) -> list[RecordRow]:
         rows = self._all(
             "SELECT r.*, f.fault AS fault_json, f.at AS fault_at, f.detected_at AS detected_at, "
@@ -155,6 +162,8 @@ class RecordTable(PodTable):
                 outcome=Outcome(r["outcome"]),
                 others=tuple(collateral.get(r["fault_id"], ())),
                 evidence=json.loads(r["evidence"]) if r["evidence"] else None,
+                phase=r["phase"],
+                state=json.loads(r["state"]),
             )
             for r in rows
         ]

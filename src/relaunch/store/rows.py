@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -141,6 +141,10 @@ class RecordRow:
     detected: ranks that failed because of the same cause."""
     evidence: dict[str, Any] | None = None
     """What diagnosis found when the fault was detected: a hang's stacks and culprit."""
+    phase: str = "running"
+    """Where the recovery is (controller.active.RecoveryPhase)."""
+    state: dict[str, Any] = field(default_factory=dict)
+    """What a resumed controller needs to carry the recovery on (controller.active)."""
 
     @property
     def root_cause(self) -> Fault:
