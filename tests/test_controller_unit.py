@@ -9,11 +9,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from relaunch.controller.fencing import FENCE_MARGIN_S
 from relaunch.policy import Action
 from relaunch.protocol.messages import (
     CaptureStacks,
     Exited,
     Heal,
+    Lease,
     MembershipUpdate,
     ProgressBatch,
     Shutdown,
@@ -766,3 +770,47 @@ def test_r29_a_crash_found_after_the_collective_it_broke_ends_the_operator_retry
     sim.crash(3)
     sim.tick()
     assert sim.actions() == [("operator-retry", "failed"), ("process-in-place", "running")]
+
+
+# -- R-14: fencing a silent node ------------------------------------------------------------------
+
+
+def test_r14_a_silent_nodes_replacements_wait_for_the_last_lease_its_launchers_can_have_heard(
+    tmp_path: Path,
+) -> None:
+    """Node 1 falls silent (cut off, maybe running). The controller renews leases until it finds
+    the node lost, then sends that node none: its launcher cannot have heard anything after the
+    last one, so its rank is surely stopped a lease, its grace and a margin after it. The
+    replacement starts then, not earlier; the bound does not depend on when the cut really
+    happened (before: the last heartbeat, or the moment a partition was asked for, which on a
+    busy machine came seconds before the helper applied it: the two incarnations overlapped)."""
+    sim = booted(tmp_path, AUTO)
+    sim.train(5)
+    sim.tick()
+    sim.silent.add("node-1")
+    last_lease = 0.0
+    seen = 0
+
+    def leases_to_node_1() -> int:
+        return sum(1 for n, m in sim.wire if n == "launcher-1-g1" and isinstance(m, Lease))
+
+    while not sim.records():
+        sim.tick()
+        if leases_to_node_1() > seen:
+            seen, last_lease = leases_to_node_1(), sim.clock.now()
+    [record] = sim.records()
+    assert record.fault.kind.value == "node-lost" and record.fault.detail.startswith("silent")
+    active = sim.controller.recoveries.active
+    assert active is not None and active.fence_until is not None
+    cluster, grace = sim.cluster, sim.controller.recovery.termination_grace_s
+    assert last_lease > record.fault.at + cluster.heartbeat_interval_s  # leases went on after
+    expected = last_lease + cluster.lease_s + min(grace, cluster.lease_s) + FENCE_MARGIN_S
+    assert active.fence_until == pytest.approx(expected, abs=0.06)
+    assert record.state["fence_until"] == active.fence_until  # stored with the plan
+    replaced_at = None
+    while sim.clock.now() < expected + 2:
+        sim.tick()
+        if replaced_at is None and any(p == 1 and g == 2 for p, g, _ in sim.engine.pods_started()):
+            replaced_at = sim.clock.now()
+    assert replaced_at is not None and replaced_at >= active.fence_until
+    assert leases_to_node_1() == seen  # none after the loss: the node is fenced

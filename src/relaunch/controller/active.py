@@ -93,6 +93,8 @@ class ActiveRecovery:
     """The pods its decision moves or parks."""
     base_generation: int = 0
     """The membership generation before it: a newer one is this recovery's, published."""
+    fence_until: float | None = None
+    """R-14: its new launchers start no earlier (it replaces a silent node's pods)."""
     phase: RecoveryPhase = RecoveryPhase.WAITING
 
     def to_state(self) -> dict[str, Any]:
@@ -104,6 +106,7 @@ class ActiveRecovery:
             "operator": asdict(self.operator) if self.operator is not None else None,
             "pods": list(self.pods),
             "base_generation": self.base_generation,
+            "fence_until": self.fence_until,
         }
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -117,3 +120,4 @@ class ActiveRecovery:
         self.operator = OperatorState(**operator) if operator else None
         self.pods = tuple(state.get("pods", ()))
         self.base_generation = int(state.get("base_generation", 0))
+        self.fence_until = state.get("fence_until")

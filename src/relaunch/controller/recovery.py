@@ -241,6 +241,7 @@ class RecoveryDriver:
         )
         current = c.membership.current()
         active.base_generation = current.generation if current is not None else 0
+        active.fence_until = c.leases.fence_until(fault)
         level.plan(c, decision, active)
         active.record_id = self.record(decision, fault_id, tried, now, Outcome.RUNNING, active)
         failpoints.reach("decision-stored")
