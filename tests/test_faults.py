@@ -9,6 +9,7 @@ import pytest
 from relaunch.errors import FaultTableError
 from relaunch.faults import (
     DEFAULT_TABLE,
+    LAUNCHER_DIED,
     Cause,
     EscalationRules,
     Fault,
@@ -16,10 +17,12 @@ from relaunch.faults import (
     FaultCodeTable,
     FaultKind,
     HandlingLevel,
+    RescheduleReason,
     Severity,
     assess,
     parse_fault_table,
     release_due,
+    reschedule_reason,
 )
 from relaunch.files import load_fault_table
 from tests.builders import (
@@ -322,3 +325,32 @@ def test_r13_multi_chip_faults_do_not_count_towards_escalation() -> None:
     earlier = [chip(MAJOR, at=0.0), chip(MAJOR, at=1000.0), chip(MAJOR, node="node-0", at=1010.0)]
     found = assess(chip(MAJOR, at=5000.0), earlier, DEFAULT_TABLE, RULES)
     assert found.cause is Cause.ENVIRONMENT and not found.escalated
+
+
+# -- R-43: the reason of a reschedule record -------------------------------------------------------
+
+
+REASONS = [
+    (Fault(FaultKind.PROCESS_EXIT, 1.0, pod=1, rank=3, exit_code=1), "process-exception"),
+    (Fault(FaultKind.HANG, 1.0, pod=1, rank=3), "process-exception"),
+    (Fault(FaultKind.COLLECTIVE, 1.0, pod=1, rank=3, step=7, collective=0), "process-exception"),
+    (Fault(FaultKind.PROCESS_EXIT, 1.0, node="node-1", pod=1, signal=9, detail=LAUNCHER_DIED),
+     "pod-failed"),
+    (Fault(FaultKind.CONTROLLER_OUTAGE, 1.0), "pod-failed"),
+    (Fault(FaultKind.CHIP, 1.0, node="node-1", chip=0, code="80E18005"), "CardUnhealthy"),
+    (Fault(FaultKind.MEMORY_UCE, 1.0, node="node-1", chip=0), "CardUnhealthy"),
+    (Fault(FaultKind.NODE_LOST, 1.0, node="node-1"), "NodeUnhealthy"),
+    (Fault(FaultKind.NETWORK, 1.0, node="node-1", duration_s=30.0), "NodeUnhealthy"),
+    (Fault(FaultKind.SLOW, 1.0, node="node-1", pod=1), "NodeUnhealthy"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fault, reason", REASONS)  # fmt: skip
+def test_r43_each_fault_kind_has_mindclusters_reschedule_reason(fault: Fault, reason: str) -> None:
+    assert reschedule_reason(fault).value == reason
+
+
+def test_r43_every_fault_kind_has_a_reason() -> None:
+    """A new kind of fault must say how MindCluster's records name it."""
+    assert {fault.kind for fault, _ in REASONS} == set(FaultKind)
+    assert {reason for _, reason in REASONS} == {r.value for r in RescheduleReason}

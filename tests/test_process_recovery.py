@@ -4,7 +4,9 @@ bit-identical to a fault-free run."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -80,6 +82,42 @@ def assert_kept(found: dict[int, list[dict[str, Any]]], ranks: list[int]) -> Non
     for rank in ranks:
         assert len(found[rank]) == 1, (rank, found[rank])
         assert found[rank][0]["how"] == "resume" and found[rank][0]["proc_start_cnt"] == 1
+
+
+KILLED_ONCE_DECIDED = [
+    ("process-in-place", [{"kind": "process-exit", "at_step": 40, "pod": 0, "rank": 1}]),
+    ("process-retry", [{"kind": "memory-uce", "at_step": 40, "pod": 0, "code": "80E01801"}]),
+    ("process-reschedule", [{"kind": "node-down", "at_step": 40, "pod": 1}]),
+]
+
+
+@pytest.mark.parametrize(
+    "level, faults", KILLED_ONCE_DECIDED, ids=[level for level, _ in KILLED_ONCE_DECIDED]
+)
+def test_r30_r31_r32_a_controller_killed_once_the_decision_is_stored_carries_the_level_on(
+    cluster: Cluster, unbroken: str, level: str, faults: list[dict[str, Any]]
+) -> None:
+    """The controller dies (SIGKILL, at the `decision-stored` failpoint) after it stored the
+    process-level recovery and before it sent anything; `relaunch run --resume` carries the stored
+    recovery on: exactly one record, of the level decided, no job restart spent, and the job ends
+    bit-identical. Before: process-in-place ended as three records and a job restart,
+    process-reschedule as a pod-reschedule, process-retry `succeeded` with no rank retried."""
+    out = cluster.dir / "hash.txt"
+    killed = subprocess.run(
+        cluster.command(process_job(out), faults, CLUSTER, startup_s=60),
+        env={**os.environ, "RELAUNCH_FAILPOINT": "decision-stored"},
+        capture_output=True, text=True, timeout=300, cwd=ROOT, check=False,
+    )  # fmt: skip
+    assert killed.returncode == -signal.SIGKILL, killed.stdout[-3000:] + killed.stderr[-3000:]
+    result = cluster.resume(timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    records = result.report["recoveries"]
+    assert [(r["action"], r["outcome"]) for r in records] == [(level, "succeeded")], records
+    assert result.report["restarts_used"] == 0
+    if level == "process-retry":
+        retried = re.findall(r"rank (\d): retry at step (\d+)", result.logs())
+        assert sorted(int(r) for r, _ in retried) == [0, 1, 2, 3]
+    assert out.read_text().strip() == unbroken
 
 
 def test_r30_memory_uce_is_retried_online_by_every_rank(cluster: Cluster, unbroken: str) -> None:

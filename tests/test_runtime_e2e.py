@@ -214,6 +214,12 @@ def test_r23_only_the_lost_pod_moves_and_healthy_pods_keep_their_container(
     assert result.report["pod_restarts_used"] == 1 and result.report["restarts_used"] == 0
     seen = set(start_counters(result.logs()))
     assert {(0, 1, 2), (1, 1, 2), (2, 2, 1), (3, 2, 1)} <= seen
+    reschedules = result.report["reschedules"]  # as MindCluster keeps them
+    assert reschedules["total"] == 1
+    [entry] = reschedules["records"]
+    assert entry["action"] == "pod-reschedule" and entry["at"] is not None
+    assert entry["pods"] == [{"reason": "NodeUnhealthy", "pod": "e2e-pod-1", "node": "node-1",
+                              "rank": None}]  # fmt: skip
 
 
 def test_r23_no_standby_node_falls_back_to_job_level(cluster: Cluster) -> None:

@@ -8,12 +8,19 @@ from typing import Any
 from relaunch.chaos import parse_plan
 from relaunch.diagnosis import Goodput, Recovery, failure_time, goodput
 from relaunch.errors import InputError
-from relaunch.faults import FaultKind
+from relaunch.faults import FaultKind, reschedule_reason
 from relaunch.policy import Action, Budget
 from relaunch.spec import parse_job
-from relaunch.store import JobRow, NodeRow, Store
+from relaunch.store import JobRow, NodeRow, RecordRow, Store
 
-__all__ = ["budgets_left", "build_report", "job_goodput", "node_view", "plan_view"]
+__all__ = [
+    "budgets_left",
+    "build_report",
+    "job_goodput",
+    "node_view",
+    "plan_view",
+    "reschedule_records",
+]
 
 
 def budgets_left(store: Store, job: JobRow) -> dict[str, int]:
@@ -63,9 +70,49 @@ def build_report(store: Store, job_id: int, now: float | None = None) -> dict[st
             for p in pods
         ],
         "recoveries": [r.to_json() for r in records],
+        "reschedules": reschedule_records(job.name, records),
         "fault_plan": plan_view(store, job),
         "goodput": job_goodput(store, job, now).to_json(),
     }
+
+
+RESCHEDULES = frozenset(
+    {
+        Action.JOB_RESCHEDULE,
+        Action.ISOLATED_JOB_RESCHEDULE,
+        Action.POD_RESCHEDULE,
+        Action.PROCESS_RESCHEDULE,
+    }
+)
+"""The levels that put pods (or processes) on other nodes or in new containers."""
+
+
+def reschedule_records(job: str, records: list[RecordRow]) -> dict[str, Any]:
+    """R-43, MindCluster's reschedule records: the total, and each reschedule's time and, for
+    each pod its fault was on, the reason, the pod's name, its node and the rank."""
+    entries = []
+    for r in records:
+        if r.action not in RESCHEDULES:
+            continue
+        fault = r.root_cause
+        pods = (fault.pod,) if fault.pod is not None else r.pods
+        entries.append(
+            {
+                "at": r.started_at,
+                "action": r.action.value,
+                "outcome": r.outcome.value,
+                "pods": [
+                    {
+                        "reason": reschedule_reason(fault).value,
+                        "pod": f"{job}-pod-{pod}",
+                        "node": fault.node,
+                        "rank": fault.rank,
+                    }
+                    for pod in pods
+                ],
+            }
+        )
+    return {"total": len(entries), "records": entries}
 
 
 def job_goodput(store: Store, job: JobRow, now: float) -> Goodput:

@@ -14,7 +14,7 @@ from typing import Final
 from relaunch.controller.fencing import SILENT_NODE
 from relaunch.controller.peers import AgentLink, LauncherLink, Rank
 from relaunch.controller.pods import Pod, PodPhase
-from relaunch.faults import Fault, FaultKind
+from relaunch.faults import LAUNCHER_DIED, Fault, FaultKind
 from relaunch.protocol.datagrams import SdkPhase
 from relaunch.protocol.messages import CollectiveFailed, Exited, Heartbeat
 from relaunch.store import NodeRow, NodeState
@@ -193,7 +193,7 @@ def launcher_faults(
             node=pod.row.node,
             pod=pod.index,
             signal=9,
-            detail="launcher died",
+            detail=LAUNCHER_DIED,
         )
         found.append(
             (pod, Detected(fault, f"launcher:{pod.index}:{pod.row.generation}:{pod.since:.3f}"))

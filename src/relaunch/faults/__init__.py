@@ -11,9 +11,11 @@ from relaunch.faults.codes import (
 from relaunch.faults.default_codes import DEFAULT_TABLE
 from relaunch.faults.escalation import EscalationRules, release_due
 from relaunch.faults.kinds import ErrorReport, Fault, FaultKind, Severity, normalize_code
+from relaunch.faults.reasons import LAUNCHER_DIED, RescheduleReason, reschedule_reason
 
 __all__ = [
     "DEFAULT_TABLE",
+    "LAUNCHER_DIED",
     "Assessment",
     "Cause",
     "ErrorReport",
@@ -24,9 +26,11 @@ __all__ = [
     "FaultKind",
     "FaultTableFile",
     "HandlingLevel",
+    "RescheduleReason",
     "Severity",
     "assess",
     "normalize_code",
     "parse_fault_table",
     "release_due",
+    "reschedule_reason",
 ]
