@@ -30,6 +30,7 @@ from relaunch.cluster.config import ClusterConfig
 from relaunch.cluster.local import LocalCluster
 from relaunch.controller import Controller, RunOptions
 from relaunch.errors import InputError
+from relaunch.protocol.layout import StateDir
 from relaunch.service import create_pods, stored_job, table_from
 from relaunch.spec import JobSpec
 from relaunch.store import JobRow, JobStatus, Store
@@ -192,7 +193,7 @@ def run_queue(directory: Path, log: Callable[[str], None]) -> int:
     """The runner's loop: resume what a dead runner left, then run pending jobs in order.
 
     Returns how many jobs it ran. The caller holds the lock."""
-    store = Store(directory / "relaunch.db")
+    store = Store(StateDir(directory).db)
     ran = 0
     while True:
         jobs = store.jobs()
@@ -246,7 +247,7 @@ class RunnerState:
 
 def ensure_runner(directory: Path) -> RunnerState:
     """Start a detached runner if jobs wait and nobody holds the lock."""
-    store = Store(directory / "relaunch.db")
+    store = Store(StateDir(directory).db)
     try:
         waiting = any(not j.status.ended for j in store.jobs())
     finally:

@@ -14,6 +14,7 @@ import psutil
 
 from relaunch.cluster.config import ClusterConfig
 from relaunch.cluster.local import LocalCluster
+from relaunch.protocol.layout import StateDir
 from relaunch.store import Outcome, Store
 from relaunch_bench.jobs import Progress, cluster, light_job, run_job
 
@@ -192,7 +193,7 @@ def _cpu_over(run: subprocess.Popen[bytes], state: Path, window_s: float) -> dic
 def _crash_under_load(run: subprocess.Popen[bytes], state: Path) -> dict[str, Any]:
     """A crash appended to the running job's plan: its detection latency and MTTR from relaunch's
     record; then the job is asked to stop."""
-    store = Store(state / "relaunch.db")
+    store = Store(StateDir(state).db)
     measured: dict[str, Any] = {}
     try:
         (job_row,) = store.jobs()

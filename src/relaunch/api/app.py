@@ -23,6 +23,7 @@ from relaunch.api.guard import Guard
 from relaunch.api.metrics import StoreCollector
 from relaunch.api.routes import jobs, nodes, site
 from relaunch.api.views import job_view
+from relaunch.protocol.layout import StateDir
 from relaunch.store import Store
 
 __all__ = ["ServerSettings", "create_app", "job_view", "load_or_create_token"]
@@ -47,7 +48,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         description="Training jobs that survive faults: the ModelArts training-job API shape, "
         "fault-recovery records, nodes and metrics.",
     )
-    store = Store(settings.state_dir / "relaunch.db")
+    store = Store(StateDir(settings.state_dir).db)
     registry = CollectorRegistry(auto_describe=True)
     registry.register(StoreCollector(store))
     app.state.store, app.state.settings, app.state.registry = store, settings, registry

@@ -16,6 +16,7 @@ from relaunch import __version__
 from relaunch.api import TOKEN_FILE
 from relaunch.errors import InputError
 from relaunch.protocol.environment import Env
+from relaunch.protocol.layout import StateDir
 from relaunch.store import JobRow, Store
 
 if TYPE_CHECKING:
@@ -134,7 +135,7 @@ def state_dir_of(path: Path | None) -> Path:
 
 
 def open_store(state_dir: Path | None) -> Store:
-    return Store(state_dir_of(state_dir) / "relaunch.db")
+    return Store(StateDir(state_dir_of(state_dir)).db)
 
 
 def job_or_exit(store: Store, ref: str) -> JobRow:

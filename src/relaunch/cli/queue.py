@@ -28,6 +28,7 @@ from relaunch.cli.common import (
 )
 from relaunch.errors import InputError
 from relaunch.files import read_document
+from relaunch.protocol.layout import StateDir
 from relaunch.store import Store
 
 
@@ -57,7 +58,7 @@ def submit(
             out.print(f"job {view['metadata']['name']} submitted (id {view['metadata']['id']})")
             return
         directory = state_dir_of(state_dir)
-        store = Store(directory / "relaunch.db")
+        store = Store(StateDir(directory).db)
         submission = service.Submission(
             raw=raw,
             source=str(job_file),

@@ -53,6 +53,7 @@ from relaunch.cli.summary import print_summary
 from relaunch.controller import Controller, RunOptions
 from relaunch.errors import MISSING, InputError, Problem, RelaunchError
 from relaunch.files import read_document
+from relaunch.protocol.layout import StateDir
 from relaunch.report import build_report
 from relaunch.spec import parse_job
 from relaunch.store import JobRow, JobStatus, Store
@@ -153,7 +154,7 @@ def run(
     trial: Any = None
     try:
         table, rules = service.table_from(fault_table)
-        store = Store(directory / "relaunch.db")
+        store = Store(StateDir(directory).db)
         document = launch_document(ctx, job_file, launch)
         if resume:
             if document is not None:

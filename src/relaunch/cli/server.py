@@ -24,6 +24,7 @@ from relaunch.cli.engines import engine_name, ray_cluster
 from relaunch.cluster.config import ClusterConfig, parse_cluster
 from relaunch.errors import InputError
 from relaunch.files import read_document
+from relaunch.protocol.layout import StateDir
 from relaunch.store import Store
 
 
@@ -89,7 +90,7 @@ def _start(
     from relaunch.api.app import ServerSettings, load_or_create_token  # FastAPI: only here
     from relaunch.api.server import serve
 
-    store = Store(directory / "relaunch.db")
+    store = Store(StateDir(directory).db)
     store.ensure_nodes([(n.name, n.chips) for n in cluster.nodes])
     store.close()
     token, created = load_or_create_token(directory)

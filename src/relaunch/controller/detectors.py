@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from relaunch.controller.fencing import SILENT_NODE
 from relaunch.controller.peers import AgentLink, LauncherLink, Rank
@@ -17,7 +17,10 @@ from relaunch.controller.pods import Pod, PodPhase
 from relaunch.faults import LAUNCHER_DIED, Fault, FaultKind
 from relaunch.protocol.datagrams import SdkPhase
 from relaunch.protocol.messages import CollectiveFailed, Exited, Heartbeat
-from relaunch.store import NodeRow, NodeState
+from relaunch.states import NodeState
+
+if TYPE_CHECKING:
+    from relaunch.store import NodeRow
 
 __all__ = [
     "ACTIVE_CPU_SHARE",

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Final
 
 from relaunch.faults import Fault, FaultKind
 from relaunch.protocol.messages import Lease
-from relaunch.store import NodeState
+from relaunch.states import NodeState
 
 if TYPE_CHECKING:
     from relaunch.controller.core import Controller

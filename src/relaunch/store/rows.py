@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from enum import StrEnum
 from typing import Any
 
 from relaunch.diagnosis import failure_time, root_cause
 from relaunch.diagnosis.errors import capped
 from relaunch.faults import Cause, ErrorReport, Fault, FaultKind, Severity
 from relaunch.policy import Action, Budget, Counters
+from relaunch.states import JobStatus, NodeState, Outcome
 
 __all__ = [
     "JobRow",
@@ -24,37 +24,6 @@ __all__ = [
     "fault_to_json",
     "fault_view",
 ]
-
-
-class NodeState(StrEnum):
-    READY = "Ready"
-    FAULTY = "Faulty"
-    ISOLATED = "Isolated"
-    LOST = "Lost"
-
-
-class JobStatus(StrEnum):
-    PENDING = "Pending"
-    RUNNING = "Running"
-    RECOVERING = "Recovering"
-    SUCCEEDED = "Succeeded"
-    FAILED = "Failed"
-    STOPPED = "Stopped"
-
-    @property
-    def active(self) -> bool:
-        """A controller owns the job (or owned it and died: the job waits to be resumed)."""
-        return self in (JobStatus.RUNNING, JobStatus.RECOVERING)
-
-    @property
-    def ended(self) -> bool:
-        return self in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED)
-
-
-class Outcome(StrEnum):
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,40 @@
+"""The states of the domain's things: a node, a job, a recovery's outcome. Pure values (no I/O):
+the store keeps them, and the pure parts (detectors, policy, diagnosis) read them without
+importing the store."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+__all__ = ["JobStatus", "NodeState", "Outcome"]
+
+
+class NodeState(StrEnum):
+    READY = "Ready"
+    FAULTY = "Faulty"
+    ISOLATED = "Isolated"
+    LOST = "Lost"
+
+
+class JobStatus(StrEnum):
+    PENDING = "Pending"
+    RUNNING = "Running"
+    RECOVERING = "Recovering"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    STOPPED = "Stopped"
+
+    @property
+    def active(self) -> bool:
+        """A controller owns the job (or owned it and died: the job waits to be resumed)."""
+        return self in (JobStatus.RUNNING, JobStatus.RECOVERING)
+
+    @property
+    def ended(self) -> bool:
+        return self in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED)
+
+
+class Outcome(StrEnum):
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
