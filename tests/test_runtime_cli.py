@@ -63,3 +63,17 @@ def test_a_cordoned_node_gets_no_pod(tmp_path: Path) -> None:
     assert second.returncode == 0, second.stdout
     assert [p["node"] for p in second.report["pods"]] == ["node-1", "node-2"]
     assert not wait_gone(cluster.state, 5)
+
+
+
+def test_a_job_the_cluster_has_no_room_for_is_a_one_line_error(tmp_path: Path) -> None:
+    """Three of four nodes cordoned: the job's two pods do not fit. A user-facing failure
+    (relaunch.errors.NoRoom, exit 2, one line), not a traceback."""
+    cluster = Cluster(tmp_path)
+    assert cluster.run(toy_job(AUTO, steps=3)).returncode == 0
+    for node in ("node-0", "node-1", "node-2"):
+        assert relaunch(cluster.state, "cordon", node).returncode == 0
+    result = cluster.run(toy_job(AUTO, steps=3))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    assert "needs 2 pod(s) with 2 chip(s) each; the cluster has room for 1" in result.stderr

@@ -105,6 +105,19 @@ class StoreFull(RelaunchError):
         )
 
 
+class StateDirBusy(RelaunchError):
+    """Another `relaunch run` or runner holds the state directory's lock."""
+
+
+class NoRoom(RelaunchError):
+    """The cluster has no room for a job's pods on its Ready nodes."""
+
+
+class EngineError(RelaunchError):
+    """The engine cannot be used: a Ray cluster that cannot be reached or has no live node, a
+    trial cluster that did not start, a network namespace without root."""
+
+
 class StoreError(RelaunchError):
     """The state directory's database cannot be used (not a database, damaged, unreadable)."""
 

@@ -29,7 +29,7 @@ from relaunch.cluster import Engine
 from relaunch.cluster.config import ClusterConfig
 from relaunch.cluster.local import LocalCluster
 from relaunch.controller import Controller, RunOptions
-from relaunch.errors import InputError
+from relaunch.errors import RelaunchError, StateDirBusy
 from relaunch.protocol.layout import StateDir
 from relaunch.service import create_pods, stored_job, table_from
 from relaunch.spec import JobSpec
@@ -50,7 +50,7 @@ __all__ = [
 
 
 def lock(directory: Path, role: str = "run") -> IO[str]:
-    """The state directory's run lock; RuntimeError if another run or runner holds it. The
+    """The state directory's run lock; StateDirBusy if another run or runner holds it. The
     holder writes its pid and role ("run": a foreground `relaunch run`; "runner": the queue's
     runner) into the lock file, so that others can say who has it."""
     handle = open(directory / "run.lock", "a+")  # noqa: SIM115
@@ -60,7 +60,7 @@ def lock(directory: Path, role: str = "run") -> IO[str]:
         handle.close()
         holder = lock_holder(directory)
         who = f" (pid {holder[0]}, {holder[1]})" if holder else ""
-        raise RuntimeError(
+        raise StateDirBusy(
             f"another `relaunch run` or runner{who} is using {directory}; wait for it or pass "
             "another --state-dir"
         ) from None
@@ -216,7 +216,7 @@ def run_queue(directory: Path, log: Callable[[str], None]) -> int:
 
         try:
             status = run_job(store, directory, job_id, resume=resume, on_event=event)
-        except (InputError, RuntimeError) as error:
+        except RelaunchError as error:
             could_not_start(store, job_id, error)
             log(f"job {job_id} could not start: {error}")
             continue
@@ -260,7 +260,7 @@ def ensure_runner(directory: Path) -> RunnerState:
         return RunnerState(running=known)  # started a moment ago and not holding the lock yet
     try:
         lock(directory, role="probe").close()  # free now; the runner takes it
-    except RuntimeError:
+    except StateDirBusy:
         holder = lock_holder(directory)
         if holder is not None and holder[1] == "run":
             return RunnerState(foreground=holder[0])

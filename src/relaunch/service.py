@@ -16,7 +16,7 @@ from typing import Any
 
 from relaunch.chaos import check_plan, parse_plan
 from relaunch.cluster.config import ClusterConfig, parse_cluster
-from relaunch.errors import FaultPlanError, Problem, RelaunchError, SpecError
+from relaunch.errors import FaultPlanError, NoRoom, Problem, RelaunchError, SpecError
 from relaunch.faults import DEFAULT_TABLE, EscalationRules, FaultCodeTable
 from relaunch.files import load_fault_table
 from relaunch.policy.placement import NodeCapacity, initial_placement, slots
@@ -170,7 +170,7 @@ def create_pods(store: Store, directory: Path, job_id: int, spec: JobSpec) -> li
     places = initial_placement(nodes, spec.replicas, spec.chips_per_pod)
     if places is None:
         room = len(slots([n for n in nodes if n.schedulable], spec.chips_per_pod, False))
-        raise RuntimeError(
+        raise NoRoom(
             f"job {spec.name} needs {spec.replicas} pod(s) with {spec.chips_per_pod} chip(s) each; "
             f"the cluster has room for {room} on Ready nodes (see `relaunch nodes`)"
         )

@@ -8,6 +8,7 @@ import typer
 
 from relaunch.cli.common import EXIT_INVALID, err, out
 from relaunch.cluster.config import parse_cluster
+from relaunch.errors import EngineError
 
 __all__ = ["engine_name", "ray_cluster", "ray_module", "stop_trial"]
 
@@ -56,7 +57,7 @@ def ray_cluster(
     found = ray_engine.discover(select)
     if not found:
         stop_trial(trial)
-        raise RuntimeError(
+        raise EngineError(
             f"the Ray cluster at {address} has no live node"
             + (f" carrying {select!r}" if select else "")
             + "; see `relaunch nodes --engine ray --address ...`"

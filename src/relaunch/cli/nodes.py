@@ -26,6 +26,7 @@ from relaunch.cli.common import (
     remote,
 )
 from relaunch.cli.engines import engine_name, ray_module
+from relaunch.errors import EngineError
 from relaunch.report import node_view
 
 
@@ -72,7 +73,7 @@ def _ray_nodes_table(address: str, select: str | None, state_dir: Path | None) -
     ray_engine = ray_module()
     try:
         ray_engine.connect(address)
-    except RuntimeError as error:
+    except EngineError as error:
         err.print(f"[bold red]error:[/] {error}", highlight=False)
         raise typer.Exit(EXIT_INVALID) from None
     known = {n.name: n for n in open_store(state_dir).nodes()}

@@ -26,7 +26,7 @@ from relaunch.cli.common import (
     remote,
     state_dir_of,
 )
-from relaunch.errors import InputError
+from relaunch.errors import InputError, StateDirBusy
 from relaunch.files import read_document
 from relaunch.protocol.layout import StateDir
 from relaunch.store import Store
@@ -114,7 +114,7 @@ def runner_command(state_dir: StateDirOption = None) -> None:
     directory = state_dir_of(state_dir)
     try:
         held = runner.lock(directory, role="runner")
-    except RuntimeError:
+    except StateDirBusy:
         return  # another run or runner has it; it takes the queue
     try:
         runner.run_queue(

@@ -51,7 +51,7 @@ from relaunch.cli.launch import (
 )
 from relaunch.cli.summary import print_summary
 from relaunch.controller import Controller, RunOptions
-from relaunch.errors import MISSING, InputError, Problem, RelaunchError
+from relaunch.errors import MISSING, InputError, Problem, RelaunchError, StateDirBusy
 from relaunch.files import read_document
 from relaunch.protocol.layout import StateDir
 from relaunch.report import build_report
@@ -148,7 +148,7 @@ def run(
     directory = state_dir_of(state_dir)
     try:
         held = runner.lock(directory)
-    except RuntimeError as error:
+    except StateDirBusy as error:
         err.print(f"[bold red]error:[/] {error}", highlight=False)
         raise typer.Exit(EXIT_INVALID) from None
     trial: Any = None
@@ -169,7 +169,7 @@ def run(
             job_id, trial = _submit(
                 store, directory, request, cluster_raw, engine, address, ray_select
             )
-    except (InputError, RuntimeError) as error:
+    except RelaunchError as error:
         held.close()
         stop_trial(trial)
         if isinstance(error, InputError):
@@ -323,7 +323,7 @@ def _execute(
             on_start=on_start,
             remove_node=trial.remove_node if trial is not None else None,
         )
-    except (InputError, RuntimeError) as error:
+    except RelaunchError as error:
         runner.could_not_start(store, job_id, error)
         err.print(f"[bold red]error:[/] {error}", highlight=False)
         raise typer.Exit(EXIT_INVALID) from None

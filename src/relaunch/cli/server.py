@@ -22,7 +22,7 @@ from relaunch.cli.common import (
 )
 from relaunch.cli.engines import engine_name, ray_cluster
 from relaunch.cluster.config import ClusterConfig, parse_cluster
-from relaunch.errors import InputError
+from relaunch.errors import InputError, RelaunchError
 from relaunch.files import read_document
 from relaunch.protocol.layout import StateDir
 from relaunch.store import Store
@@ -68,7 +68,7 @@ def server(
         cluster = parse_cluster(cluster_raw, source=str(cluster_file or "cluster settings"))
     except InputError as error:
         raise fail_input(error) from None
-    except RuntimeError as error:
+    except RelaunchError as error:
         err.print(f"[bold red]error:[/] {error}", highlight=False)
         raise typer.Exit(EXIT_INVALID) from None
     announce = f"; {len(cluster.nodes)} node(s); state in {directory}"

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 import psutil
 import ray
 
+from relaunch.errors import EngineError
+
 __all__ = [
     "CALL_TIMEOUT_S",
     "CHIPS_RESOURCE",
@@ -107,7 +109,7 @@ def connect(address: str) -> None:
             include_dashboard=False,
         )
     except (ConnectionError, RuntimeError, ValueError) as error:
-        raise RuntimeError(
+        raise EngineError(
             f"cannot reach the Ray cluster at {address}: {error}. Check the address "
             "(`ray status --address ...`), or leave --address out to start a local trial cluster"
         ) from None

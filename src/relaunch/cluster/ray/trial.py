@@ -27,6 +27,7 @@ from relaunch.cluster.ray.discovery import (
     connect,
     discover,
 )
+from relaunch.errors import EngineError
 
 __all__ = ["LoopbackNamespace", "TrialCluster", "serve"]
 
@@ -101,7 +102,7 @@ class TrialCluster:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.procs["head"].poll() is not None:
-                raise RuntimeError(f"the Ray head did not start; see {self.log}")
+                raise EngineError(f"the Ray head did not start; see {self.log}")
             try:
                 socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
                 break
@@ -124,10 +125,10 @@ class TrialCluster:
             proc = self.procs.get(name)
             if proc is None or proc.poll() is not None:
                 self.stop()
-                raise RuntimeError(f"Ray node {name} exited at start; see {self.log}")
+                raise EngineError(f"Ray node {name} exited at start; see {self.log}")
             time.sleep(0.2)
         self.stop()
-        raise RuntimeError(f"Ray node {name} did not join in time; see {self.log}")
+        raise EngineError(f"Ray node {name} did not join in time; see {self.log}")
 
     def remove_node(self, name: str) -> None:
         proc = self.procs.pop(name, None)
@@ -231,7 +232,7 @@ class LoopbackNamespace:
 
     def create(self) -> LoopbackNamespace:
         if os.geteuid() != 0 or shutil.which("ip") is None:
-            raise RuntimeError("a network namespace needs root and iproute2 (`ip`)")
+            raise EngineError("a network namespace needs root and iproute2 (`ip`)")
         self.etc.mkdir(parents=True, exist_ok=True)
         names = f"localhost {socket.gethostname()}"
         (self.etc / "hosts").write_text(
