@@ -65,7 +65,6 @@ def test_a_cordoned_node_gets_no_pod(tmp_path: Path) -> None:
     assert not wait_gone(cluster.state, 5)
 
 
-
 def test_a_job_the_cluster_has_no_room_for_is_a_one_line_error(tmp_path: Path) -> None:
     """Three of four nodes cordoned: the job's two pods do not fit. A user-facing failure
     (relaunch.errors.NoRoom, exit 2, one line), not a traceback."""
