@@ -335,6 +335,7 @@ class Sim:
             clock=self.clock,
         )
         c = self.controller
+        self.pending_heals = []  # answers on the dead controller's connections are lost
         lifecycle.resume(c, self.clock.now())
         for node in list(self.agents):
             if node in self.engine.dead:

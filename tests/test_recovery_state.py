@@ -188,6 +188,31 @@ def test_an_in_place_recovery_killed_before_its_heal_asks_for_it_on_resume(
     assert sim.actions() == [("in-place", "succeeded")]
 
 
+def test_an_in_place_recovery_resumed_while_its_heal_is_unanswered_asks_again(
+    tmp_path: Path, kill_at: list[str]
+) -> None:
+    """Killed once RUNNING (its heal asked, its processes being stopped): the agent's answer went
+    to the dead controller. The resumed one asks again (a new request), and the recovery
+    succeeds. Before: it waited for an answer that could not come, failed at the heal's
+    deadline, and the job was rebuilt at job level."""
+    sim = booted(tmp_path, UNCONDITIONAL, heal=1.0)
+    sim.train(5)
+    sim.tick()
+    kill_at.append("stopping")
+    sim.chip_fault("node-1", 0, "80E18005", heals=True)
+    die_in(sim)
+    [record] = sim.records()
+    assert record.phase == "running" and record.state["heal"]["ok"] is None
+    asked = record.state["heal"]["request"]
+    sim.restart_controller()
+    sim.run(4.0)
+    [again] = sim.agents["node-1"].of(Heal)
+    assert again.request > asked
+    sim.train(6)
+    sim.tick()
+    assert sim.actions() == [("in-place", "succeeded")]
+
+
 def test_an_operator_retry_resumed_keeps_its_schedule_and_its_attempts(tmp_path: Path) -> None:
     """Resumed after its first re-issue went out: the attempts left and the order out are the
     stored ones; the re-issue's failure leads to the second attempt, not the first again."""

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Final
 
 from relaunch.controller.active import ActiveRecovery, RecoveryPhase
 from relaunch.controller.clock import TICK_S
-from relaunch.controller.commands import master_port, slow_window_unusable, stop_grace
+from relaunch.controller.commands import master_port, request_heal, slow_window_unusable, stop_grace
 from relaunch.controller.listener import Listener
 from relaunch.faults import Fault, FaultKind
 from relaunch.protocol.messages import Shutdown
@@ -112,6 +112,9 @@ def adopted(c: Controller, now: float) -> None:
     active = c.recoveries.active
     if active is not None and active.phase is RecoveryPhase.WAITING:
         c.recoveries.carry_on(active)  # what the killed controller had not sent yet
+    elif active is not None and active.heal is not None and active.heal.ok is None:
+        # the agent answered the killed controller's heal request (or will): ask again here
+        request_heal(c, active)
     parked = c.membership.parked()
     missing = [p for p in c.pods.values() if not p.connected and p.index not in parked]
     grace = c.cluster.adopt_grace_s
@@ -151,7 +154,8 @@ def adopted(c: Controller, now: float) -> None:
 
 def _resume_active(c: Controller) -> None:
     """The recovery a killed controller left under way, as it stored it (controller.active):
-    one still WAITING sends what it had not sent once the adoption window is over."""
+    one still WAITING sends what it had not sent once the adoption window is over; one RUNNING
+    asks again for what the killed controller asked and never heard the answer of."""
     for record in reversed(c.store.records(c.job_id)):
         if record.outcome is Outcome.RUNNING:
             active = ActiveRecovery(
@@ -164,6 +168,8 @@ def _resume_active(c: Controller) -> None:
                 phase=RecoveryPhase(record.phase),
             )
             active.restore(record.state)
+            if active.heal is not None:  # its requests go on from the stored one's number
+                c.heal_requests = max(c.heal_requests, active.heal.request)
             c.recoveries.active = active
         break
 
