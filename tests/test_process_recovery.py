@@ -85,17 +85,19 @@ def assert_kept(found: dict[int, list[dict[str, Any]]], ranks: list[int]) -> Non
 
 
 KILLED_ONCE_DECIDED = [
-    ("process-in-place", [{"kind": "process-exit", "at_step": 40, "pod": 0, "rank": 1}]),
-    ("process-retry", [{"kind": "memory-uce", "at_step": 40, "pod": 0, "code": "80E01801"}]),
-    ("process-reschedule", [{"kind": "node-down", "at_step": 40, "pod": 1}]),
-]
+    ("process-in-place", [{"kind": "process-exit", "at_step": 40, "pod": 0, "rank": 1}], ""),
+    # a memory UCE stops no rank here: slow steps keep the job running past the resume
+    ("process-retry", [{"kind": "memory-uce", "at_step": 40, "pod": 0, "code": "80E01801"}],
+     "--step-seconds 0.1"),
+    ("process-reschedule", [{"kind": "node-down", "at_step": 40, "pod": 1}], ""),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    "level, faults", KILLED_ONCE_DECIDED, ids=[level for level, _ in KILLED_ONCE_DECIDED]
+    "level, faults, extra", KILLED_ONCE_DECIDED, ids=[level for level, *_ in KILLED_ONCE_DECIDED]
 )
 def test_r30_r31_r32_a_controller_killed_once_the_decision_is_stored_carries_the_level_on(
-    cluster: Cluster, unbroken: str, level: str, faults: list[dict[str, Any]]
+    cluster: Cluster, unbroken: str, level: str, faults: list[dict[str, Any]], extra: str
 ) -> None:
     """The controller dies (SIGKILL, at the `decision-stored` failpoint) after it stored the
     process-level recovery and before it sent anything; `relaunch run --resume` carries the stored
@@ -104,7 +106,7 @@ def test_r30_r31_r32_a_controller_killed_once_the_decision_is_stored_carries_the
     process-reschedule as a pod-reschedule, process-retry `succeeded` with no rank retried."""
     out = cluster.dir / "hash.txt"
     killed = subprocess.run(
-        cluster.command(process_job(out), faults, CLUSTER, startup_s=60),
+        cluster.command(process_job(out, extra=extra), faults, CLUSTER, startup_s=60),
         env={**os.environ, "RELAUNCH_FAILPOINT": "decision-stored"},
         capture_output=True, text=True, timeout=300, cwd=ROOT, check=False,
     )  # fmt: skip

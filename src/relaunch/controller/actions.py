@@ -122,6 +122,9 @@ class ProcessRetry(LevelAction):
 
     def begin(self, c: Controller, active: ActiveRecovery) -> None:
         if not published(c, active):
+            # the step to get past is the newest heard when the ranks are told (later than the
+            # fault's for a controller resumed meanwhile: the ranks may have gone on)
+            active.after_step = max(active.after_step or 0, c.progress.step or 0)
             if active.fault.kind in (FaultKind.NETWORK, FaultKind.COLLECTIVE):
                 c.membership.publish(reform=True)
             else:

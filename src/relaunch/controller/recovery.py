@@ -314,10 +314,11 @@ class RecoveryDriver:
         step: int | None,
         reported_at: float | None = None,
     ) -> None:
-        """A sign of progress: if it proves the active recovery worked, settle it."""
+        """A sign of progress: if it proves the active recovery worked, settle it. Nothing proves
+        a recovery still WAITING (resumed, it has not sent what it must yet)."""
         active = self.active
         c = self.c
-        if active is None or attempt != c.job.attempt:
+        if active is None or attempt != c.job.attempt or active.phase is not RecoveryPhase.RUNNING:
             return
         if not action_for(active.action).worked(active, rank, started_at, step, reported_at):
             return
