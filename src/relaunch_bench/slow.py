@@ -15,13 +15,15 @@ WINDOW_S = 5.0
 """The bench's `slow_window_s` (the default is 60 s): detection takes about 1.5 windows."""
 
 
-def slow_rows(factors: tuple[float, ...], repeats: int, say: Progress) -> list[dict[str, Any]]:
+def slow_rows(
+    factors: tuple[float, ...], repeats: int, say: Progress, steps: int = 400
+) -> list[dict[str, Any]]:
     rows = []
     for factor in factors:
         delays: list[float] = []
         missed = 0
         for _ in range(repeats):
-            delay = _detection_s(factor)
+            delay = _detection_s(factor, steps)
             if delay is None:
                 missed += 1
             else:
@@ -39,10 +41,10 @@ def slow_rows(factors: tuple[float, ...], repeats: int, say: Progress) -> list[d
     return rows
 
 
-def _detection_s(factor: float) -> float | None:
+def _detection_s(factor: float, steps: int) -> float | None:
     """One run: from the `slow` entry's injection to the slow fault's detection (None: not
-    detected before the job ended)."""
-    steps = 400
+    detected before the job ended). The job runs `steps` steps, slowed from step 20 on: enough
+    for about 1.5 windows at the slowed pace."""
     job = {
         "kind": "job",
         "metadata": {

@@ -116,7 +116,9 @@ def _sections(
             with_torchrun=not quick and "job-reschedule" in chosen,
         )
     if "slow" in sections:
-        measured["slow"] = slow_rows((3.0,) if quick else FACTORS, 1 if quick else 2, say)
+        measured["slow"] = (
+            slow_rows((3.0,), 1, say, steps=200) if quick else slow_rows(FACTORS, 2, say)
+        )
     if "network" in sections:
         measured["network"] = network_rows(quick, say)
     return measured
