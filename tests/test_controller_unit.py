@@ -597,12 +597,36 @@ def test_r37_only_ranks_that_live_on_hold_process_level_recovery_back(tmp_path: 
 def test_r37_a_surviving_rank_that_saves_still_holds_process_level_recovery_back(
     tmp_path: Path,
 ) -> None:
+    """The ranks that live on save for longer than the hang window (2 s here): the lost node's
+    fault waits that long for the save (R-37's hold), then goes to the next level down."""
     sim = booted(tmp_path, PROCESS, labels=PROCESS_LABELS)
     _phase(sim, 0, "checkpoint")
     sim.tick()
     sim.engine.dead.add("node-1")
     sim.tick()
+    assert sim.actions() == []  # held: the save may end in time
+    sim.tick(1.0)
+    assert sim.actions() == []
+    sim.tick(1.5)
     assert sim.actions() == [("pod-reschedule", "running")]
+
+
+def test_r37_a_fault_found_during_a_save_waits_for_the_save_and_stays_at_process_level(
+    tmp_path: Path,
+) -> None:
+    """Before: a node lost at the step a checkpoint was taken was rebuilt at pod level (or the
+    job failed where no pod could move: CI, elastic scale-in). The survivors' save ends within
+    the hang window, and process-level rescheduling runs."""
+    sim = booted(tmp_path, PROCESS, labels=PROCESS_LABELS)
+    _phase(sim, 0, "checkpoint")
+    sim.tick()
+    sim.engine.dead.add("node-1")
+    sim.tick()
+    sim.tick(0.5)
+    assert sim.actions() == []
+    _phase(sim, 0, "training")
+    sim.tick(0.25)  # a held decision looks again within 0.2 s
+    assert sim.actions() == [("process-reschedule", "running")]
 
 
 def test_a_rank_that_failed_while_no_controller_heard_it_is_a_fault_at_adoption(

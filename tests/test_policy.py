@@ -666,6 +666,32 @@ def test_r37_a_fault_during_a_checkpoint_save_goes_to_the_next_level() -> None:
     assert first(s, uce(), cluster()).action is Action.PROCESS_RETRY
 
 
+def test_r37_a_fault_found_during_a_save_waits_for_it_at_most_the_hang_window() -> None:
+    from relaunch.policy.fallback import SAVE_HOLD_MAX_S, decide_after
+
+    s = process_settings("retry,recover-in-place,recover,dump,exit", hang_detect_seconds=4)
+    fresh = [(uce(at=10.0), frozenset[Action]())]
+
+    def hold(
+        now: float,
+        saving: bool = True,
+        with_settings: RecoverySettings = s,
+        waiting: list[tuple[Fault, frozenset[Action]]] = fresh,
+    ) -> float | None:
+        return decide_after(with_settings, waiting, 0.0, 0, 2, now, saving=saving)
+
+    assert hold(10.0) == pytest.approx(10.2)  # looks again soon: the save may end any moment
+    assert hold(13.9) == pytest.approx(14.0)  # never past the hang window after the fault
+    assert hold(14.0) is None  # then R-37 sends it down
+    assert hold(10.0, saving=False) is None  # the save ended: decided now
+    falling_back = [(uce(at=10.0), frozenset({Action.PROCESS_RETRY}))]
+    assert hold(10.0, waiting=falling_back) is None  # a fault falling back is not held again
+    no_process = settings(MODELARTS_ALL, hang_detect_seconds=4)
+    assert hold(10.0, with_settings=no_process) is None  # nothing finer to wait for
+    long_window = process_settings("retry", hang_detect_seconds=1800)
+    assert hold(10.0 + SAVE_HOLD_MAX_S, with_settings=long_window) is None  # capped
+
+
 # -- a slow pod (SubHealthFault, issue 18) ---------------------------------------------------------
 
 

@@ -324,12 +324,13 @@ def events(result: Result) -> list[str]:
 def test_r37_a_fault_while_a_checkpoint_is_saved_goes_to_the_next_level(
     cluster: Cluster, unbroken: str
 ) -> None:
-    """The ranks report that they are saving (the SDK's CheckpointManager); a memory UCE then
-    is not retried online (R-30) but goes down to in-place recovery (R-37), and the job still
-    ends bit-identical."""
+    """The ranks report that they are saving (the SDK's CheckpointManager), for longer than
+    the hang window (4 s) the fault waits for a save to end; a memory UCE then is not retried
+    online (R-30) but goes down to in-place recovery (R-37), and the job still ends
+    bit-identical."""
     out = cluster.dir / "hash.txt"
     faults = [{"kind": "memory-uce", "at_step": 40, "pod": 0, "code": "80E01801", "heals": True}]
-    job = process_job(out, ckpt_every=40, extra="--slow-save-at 40 --slow-save-s 4")
+    job = process_job(out, ckpt_every=40, extra="--slow-save-at 40 --slow-save-s 7")
     result = run(cluster, job, faults)
     assert result.actions == ["in-place"]
     decided = [e for e in events(result) if e.startswith("decision: in-place")]

@@ -179,6 +179,11 @@ def torchrun_once(name: str | None, tmp: Path) -> dict[str, Any]:
                 sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
                 "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
                 f"{master}:{port}", "--rdzv-id", "bench", "--max-restarts", "3",
+                # its endpoint is node-0's data address, which torchrun does not take for its
+                # own host name: say which agent serves the rendezvous store, and what address
+                # each agent has (its workers' MASTER_ADDR; every namespace is "localhost")
+                "--rdzv-conf", f"is_host={1 if index == 0 else 0}",
+                "--local-addr", network.layout.data_address(node),
                 "--monitor-interval", "0.1", str(DDP), "--steps", str(STEPS), "--ckpt-every", "5",
                 "--ckpt-dir", str(tmp / "ckpt"), "--timeline", str(path),
             ]  # fmt: skip

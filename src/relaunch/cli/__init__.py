@@ -7,7 +7,7 @@ import importlib
 import sqlite3
 import sys
 
-from relaunch.cli.common import EXIT_INVALID, app, err
+from relaunch.cli.common import EXIT_INVALID, app, err, say_error
 from relaunch.errors import StoreError, StoreFull
 
 __all__ = ["app", "main"]
@@ -24,7 +24,7 @@ def main() -> None:
     try:
         app()
     except StoreFull as error:
-        err.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
+        say_error(error)
         sys.exit(EXIT_DISK_FULL)
     except OSError as error:
         if error.errno not in (errno.ENOSPC, errno.EDQUOT):
@@ -37,7 +37,7 @@ def main() -> None:
         )
         sys.exit(EXIT_DISK_FULL)
     except StoreError as error:
-        err.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
+        say_error(error)
         sys.exit(EXIT_INVALID)
     except sqlite3.OperationalError as error:
         err.print(

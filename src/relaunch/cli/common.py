@@ -79,6 +79,12 @@ def _root(
     """Keep distributed training jobs alive through faults."""
 
 
+def say_error(error: object) -> None:
+    """One error, on stderr, on one line however narrow the terminal (its text is not markup)."""
+    err.print("[bold red]error:[/] ", end="", highlight=False)
+    err.print(str(error), markup=False, highlight=False, soft_wrap=True)
+
+
 def fail_input(error: InputError) -> typer.Exit:
     err.print(
         f"[bold red]error:[/] {error.source}: invalid {error.what}", highlight=False, soft_wrap=True
@@ -189,7 +195,7 @@ def remote(call: Callable[[], Any]) -> Any:
     try:
         return call()
     except ClientError as error:
-        err.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
+        say_error(error)
         for problem in error.problems:
             err.print(f"  - {problem}", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(EXIT_INVALID) from None

@@ -24,6 +24,7 @@ from relaunch.cli.common import (
     open_store,
     out,
     remote,
+    say_error,
 )
 from relaunch.cli.engines import engine_name, ray_module
 from relaunch.errors import EngineError
@@ -74,7 +75,7 @@ def _ray_nodes_table(address: str, select: str | None, state_dir: Path | None) -
     try:
         ray_engine.connect(address)
     except EngineError as error:
-        err.print(f"[bold red]error:[/] {error}", highlight=False)
+        say_error(error)
         raise typer.Exit(EXIT_INVALID) from None
     known = {n.name: n for n in open_store(state_dir).nodes()}
     view = Table(show_edge=False)

@@ -18,12 +18,12 @@ from relaunch.cli.common import (
     TokenOption,
     app,
     client_for,
-    err,
     fail_input,
     job_or_exit,
     open_store,
     out,
     remote,
+    say_error,
     state_dir_of,
 )
 from relaunch.errors import InputError, StateDirBusy
@@ -103,7 +103,7 @@ def stop(
     try:
         status = service.stop_job(store, row, "stopped with `relaunch stop`", time.time())
     except service.Ended as error:
-        err.print(f"[bold red]error:[/] {error}", highlight=False)
+        say_error(error)
         raise typer.Exit(EXIT_INVALID) from None
     out.print(f"job {row.name}: stop requested ({status.value})")
 

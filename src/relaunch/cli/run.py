@@ -26,6 +26,7 @@ from relaunch.cli.common import (
     err,
     fail_input,
     out,
+    say_error,
     state_dir_of,
     visible,
 )
@@ -149,7 +150,7 @@ def run(
     try:
         held = runner.lock(directory)
     except StateDirBusy as error:
-        err.print(f"[bold red]error:[/] {error}", highlight=False)
+        say_error(error)
         raise typer.Exit(EXIT_INVALID) from None
     trial: Any = None
     try:
@@ -174,7 +175,7 @@ def run(
         stop_trial(trial)
         if isinstance(error, InputError):
             raise fail_input(error) from None
-        err.print(f"[bold red]error:[/] {error}", highlight=False)
+        say_error(error)
         raise typer.Exit(EXIT_INVALID) from None
     options = RunOptions(startup_s=startup_s, table=table, rules=rules)
     try:
@@ -325,7 +326,7 @@ def _execute(
         )
     except RelaunchError as error:
         runner.could_not_start(store, job_id, error)
-        err.print(f"[bold red]error:[/] {error}", highlight=False)
+        say_error(error)
         raise typer.Exit(EXIT_INVALID) from None
     finally:
         for sig, handler in previous.items():

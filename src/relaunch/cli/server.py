@@ -18,6 +18,7 @@ from relaunch.cli.common import (
     err,
     fail_input,
     out,
+    say_error,
     state_dir_of,
 )
 from relaunch.cli.engines import engine_name, ray_cluster
@@ -69,7 +70,7 @@ def server(
     except InputError as error:
         raise fail_input(error) from None
     except RelaunchError as error:
-        err.print(f"[bold red]error:[/] {error}", highlight=False)
+        say_error(error)
         raise typer.Exit(EXIT_INVALID) from None
     announce = f"; {len(cluster.nodes)} node(s); state in {directory}"
     _start(directory, cluster, cluster_raw, engine_spec, host, port, lock_reads, paused, announce)

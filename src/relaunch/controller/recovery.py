@@ -163,6 +163,8 @@ class RecoveryDriver:
             len(c.failed_pods()),
             len(c.pods),
             now,
+            saving=bool(waiting)
+            and commands.cluster_view(c, waiting[0][1]).checkpoint_saving,
         )
         if hold is not None:
             self.hold_until = hold

@@ -13,10 +13,23 @@ from relaunch.faults import Fault, FaultKind
 from relaunch.policy.decision import Action
 from relaunch.spec import RecoverySettings
 
-__all__ = ["FAILED_AT_START_S", "Consequence", "NewFault", "decide_after", "on_new_fault"]
+__all__ = [
+    "FAILED_AT_START_S",
+    "SAVE_HOLD_MAX_S",
+    "SAVE_HOLD_POLL_S",
+    "Consequence",
+    "NewFault",
+    "decide_after",
+    "on_new_fault",
+]
 
 FAILED_AT_START_S: Final = 5.0
 """R-41: pods that fail within this long of an attempt's start "fail at start"."""
+
+SAVE_HOLD_MAX_S: Final = 60.0
+"""R-37's hold: a fault found while ranks that live on save a checkpoint waits for the save to end at most the job's hang window, and never longer than this."""
+SAVE_HOLD_POLL_S: Final = 0.2
+"""How soon a held decision looks again whether the save has ended."""
 
 _JOB_LEVEL: Final = (Action.ISOLATED_JOB_RESCHEDULE, Action.JOB_RESCHEDULE)
 
@@ -76,16 +89,30 @@ def decide_after(
     pods_failed: int,
     pods: int,
     now: float,
+    saving: bool = False,
 ) -> float | None:
     """When the waiting faults may be decided: None for now, or a later time.
+
+    R-37 ("process-level recovery is not possible while a checkpoint is being saved or the group
+    is being built; a fault then goes to the next level down"): `saving` says ranks that live on
+    are saving a checkpoint. A fault no level has been tried for yet, in a job with process-level
+    recovery, waits for the save to end (a rank's own save never needs the peer that failed), at
+    most the hang window (capped at SAVE_HOLD_MAX_S) after the fault; then R-37 sends it down. A
+    node lost at the step a checkpoint is taken is then recovered at process level, not by
+    rebuilding pods, or failing the job where no pod can move. A group being built is not
+    waited for: with a peer gone it never completes.
 
     R-41 ("every pod of a job fails within a few seconds of each other at start: failed, not
     rescheduled") can only be known once every pod has failed. A job whose policy reads it
     (fault-retry-times without job-unconditional-retry) has a first exit in the start window
     decided when every pod has failed, or when the window has passed."""
+    waiting = list(waiting)
+    if saving and settings.process_level and waiting and not any(t for _, t in waiting):
+        hold_ends = min(f.at for f, _ in waiting) + min(settings.hang_detect_s, SAVE_HOLD_MAX_S)
+        if now < hold_ends:
+            return min(hold_ends, now + SAVE_HOLD_POLL_S)
     if settings.fault_retry_times == 0 or settings.unconditional_retry:
         return None
-    waiting = list(waiting)
     if not waiting or any(f.kind is not FaultKind.PROCESS_EXIT or t for f, t in waiting):
         return None
     window_ends = attempt_started_at + FAILED_AT_START_S
