@@ -64,8 +64,10 @@ def test_quick_bench_writes_json_markdown_and_chart(tmp_path: Path) -> None:
     bin_dir = _installed_from_wheel(tmp_path)
     out = tmp_path / "bench"
     done = subprocess.run(
-        # every section but the link faults on real networks: their shortest fault lasts 10 s
-        # a system, too long for the suite; `relaunch bench --only network` measures them
+        # the sections that make the chart, the ratios and the report's every kind of table;
+        # `make bench` runs the others (hang, scale, sizes, slow, network): they repeat jobs the
+        # suite already runs end to end (tests/test_hang_detection.py, test_diagnosis.py,
+        # test_networks.py) and took 100 s of the suite's 25 minutes
         [
             str(bin_dir / "relaunch"),
             "bench",
@@ -73,7 +75,7 @@ def test_quick_bench_writes_json_markdown_and_chart(tmp_path: Path) -> None:
             "--out",
             str(out),
             "--only",
-            "mttr,hang,scale,sizes,overhead,checkpoint,reliability,slow",
+            "mttr,overhead,checkpoint,reliability",
         ],
         capture_output=True,
         text=True,
@@ -94,11 +96,6 @@ def test_quick_bench_writes_json_markdown_and_chart(tmp_path: Path) -> None:
     }
     assert all(r["failures"] == 0 for r in rows if r["system"] == "relaunch")
     assert "ddp/job-reschedule" in result["ratios"]
-    relaunch_hangs = [h for h in result["hang"] if h["system"] == "relaunch"]
-    assert sorted(h["script"] for h in relaunch_hangs) == ["exits on SIGTERM", "ignores SIGTERM"]
-    assert all(h["detected"] and h["detect_s"] is not None for h in relaunch_hangs)
-    [torchrun_hang] = [h for h in result["hang"] if h["system"] == "torchrun"]
-    assert set(torchrun_hang) >= {"detected", "detect_s", "mttr_s", "note"}
     # where a DDP restart's time goes, for both systems
     phased = {
         r["system"]: r["phases"]
@@ -110,13 +107,6 @@ def test_quick_bench_writes_json_markdown_and_chart(tmp_path: Path) -> None:
             "detect", "stop_spawn", "import", "rendezvous", "model", "load", "first_step"
         }  # fmt: skip
     assert phased["relaunch"]["detect"] > 0
-    scale = result["scale"]
-    assert {r["level"] for r in scale} == {"job-reschedule", "pod-reschedule", "in-place"}
-    assert all(r["failures"] == 0 and r["median_s"] is not None for r in scale)
-    sizes = {(r["system"], r["level"]): r for r in result["sizes"]}
-    assert set(sizes) == {("torchrun", "job-reschedule"), ("relaunch", "process-in-place")}
-    assert all(r["processes"] == 2 and r["failures"] == 0 for r in sizes.values())
-    assert sizes["relaunch", "process-in-place"]["vs_torchrun"] is not None
     (overhead,) = result["overhead"]
     assert overhead["ok"] and overhead["workers_seen"] >= overhead["processes"]
     assert overhead["controller_cpu_s"] > 0 and overhead["relaunch_ms_per_proc_s"] > 0
@@ -130,14 +120,11 @@ def test_quick_bench_writes_json_markdown_and_chart(tmp_path: Path) -> None:
     assert reliability["torchrun"]["injected"] == 1
     assert set(reliability["torchrun"]) == set(reliability["relaunch"])
     assert 0 < reliability["relaunch"]["ettr"] < 1
-    (slow,) = result["slow"]
-    assert slow["factor"] == 3.0 and slow["detected"] == 1 and slow["median_detect_s"] > 0
     markdown = (out / "bench.md").read_text()
     assert markdown.startswith("| system |")
     for title in (
-        "Where the time goes", "Scale", "MTTR by job size", "Controller overhead", "Checkpoints",
-        "Save stalls in a training loop",
-        "Restart", "Slow pod detection",
+        "Where the time goes", "Controller overhead", "Checkpoints",
+        "Save stalls in a training loop", "Restart",
     ):  # fmt: skip
         assert title in markdown
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -176,8 +163,10 @@ def test_bench_refuses_unknown_levels_sections_and_devices(tmp_path: Path) -> No
 
 
 def test_the_bench_faults_land_between_checkpoints_and_the_save_rows_on_one() -> None:
-    """At a checkpoint step R-37 passes over process-level recovery: a process-level row whose
-    fault fell there measured the level below (the process-reschedule row was a pod-reschedule)."""
+    """A fault at a checkpoint step waits for the save (R-37's hold): a process-level row whose
+    fault fell there measured the save's time too (before the hold: the level below). The
+    `@save` row puts it there on purpose, its save shorter than the DDP rows' hang window so the
+    row's own level handles it."""
     import re
 
     from relaunch_bench import mttr
@@ -189,7 +178,10 @@ def test_the_bench_faults_land_between_checkpoints_and_the_save_rows_on_one() ->
             every = int(re.search(r"--ckpt-every (\d+)", command)[1])  # type: ignore[index]
             assert FAULT_STEP % every != 0, (level, workload, command)
             assert SAVE_FAULT_STEP % every == 0
-    assert mttr.HANDLED_BY["process-reschedule@save"] == "pod-reschedule"
+    assert "process-reschedule@save" not in mttr.HANDLED_BY
+    assert mttr.SAVE_HELD_S < mttr._job("ddp", "process-reschedule@save", None)["spec"][
+        "hang_detect_seconds"
+    ]
     held = mttr._job("ddp", "process-reschedule@save", None)["spec"]["command"]
     assert f"--slow-save-at {SAVE_FAULT_STEP}" in held
     for level in mttr.PROCESS_LEVELS:  # every process level runs with process recovery on

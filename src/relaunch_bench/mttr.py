@@ -60,16 +60,19 @@ LEVELS: dict[str, tuple[dict[str, str], dict[str, Any]]] = {
         {"kind": "process-exit", "pod": 1, "rank": 3, "exit_code": 1},
     ),
     "process-reschedule+spare": (RETRY, {"kind": "node-down", "pod": 1}),
-    # The same node lost while the ranks save a checkpoint: R-37 hands it to pod level.
+    # The same node lost while the ranks save a checkpoint: the fault waits for the save
+    # (R-37's hold, at most the hang window), then process level moves the lost ranks.
     "process-reschedule@save": (RETRY, {"kind": "node-down", "pod": 1}),
 }
 DURING_SAVE = "@save"
 """A level whose fault lands on a checkpoint step (SAVE_FAULT_STEP), during the save: that
 save is held SAVE_HELD_S longer (a large model's), so that the surviving ranks are surely still
-saving when the fault is decided."""
+saving when the fault is found: it waits for the save, shorter than the DDP rows' 4 s hang
+window, and is then handled by the row's own level."""
 SAVE_HELD_S = 3
-HANDLED_BY = {"process-reschedule@save": "pod-reschedule"}
-"""The level that must handle a row's fault when it is not the row's own (R-37)."""
+HANDLED_BY: dict[str, str] = {}
+"""The level that must handle a row's fault when it is not the row's own (none now: before
+R-37's hold, a fault during a save was handed to pod-reschedule)."""
 WARM_SPARE = "+spare"
 """A level measured with warm spares: spec.warm_spares set to the processes of a pod, kept in
 each pod and, in a standby launcher, on each schedulable node."""

@@ -53,10 +53,20 @@ OPERATOR_ENV = {
 }
 """Operator-level online recovery (R-29): re-issues from 2 s after a failure, every second, ten at
 most; a collective waits 3 s for its peers."""
+SPENT_OPERATOR_ENV = OPERATOR_ENV | {
+    "HCCL_OP_RETRY_PARAMS": "MaxCnt:2, HoldTime:1000, IntervalTime:1000"
+}
+"""Operator retry that a 10 s flap outlasts (two re-issues, 1 and 2 s after the failure): the
+fault goes on to process-retry (R-29, R-30), the flap's cost at that level."""
 
 
 def _job(
-    process: bool, timeline_path: Path, operator: bool = False, step_s: float = 0.02
+    process: bool,
+    timeline_path: Path,
+    operator: bool = False,
+    step_s: float = 0.02,
+    collective_timeout_s: float | None = None,
+    spent: bool = False,
 ) -> dict[str, Any]:
     annotations = {
         "fault-tolerance/job-retry-num": "8",
@@ -69,10 +79,15 @@ def _job(
         f"python {DDP} --steps {STEPS} --ckpt-every 5 --timeline {timeline_path} "
         f"--step-seconds {step_s}"
     )
+    env: dict[str, str] = {}
+    if operator:
+        env = dict(SPENT_OPERATOR_ENV if spent else OPERATOR_ENV)
     if process:
         annotations |= PROCESS_ANNOTATIONS
         labels |= PROCESS_LABELS
         command = command.replace(f"python {DDP}", f"python {DDP} --process-recovery")
+    elif collective_timeout_s is not None:  # the plain script's gloo group gives up then
+        command += f" --collective-timeout {collective_timeout_s:g}"
     return {
         "kind": "job",
         "metadata": {"name": "bench-network", "annotations": annotations, "labels": labels},
@@ -83,7 +98,7 @@ def _job(
             "command": command,
             "hang_detect_seconds": 4,
             "monitor_interval": 0.1,
-            "env": OPERATOR_ENV if operator else {},
+            "env": env,
         },
     }
 
@@ -99,15 +114,19 @@ def _steps(path: Path) -> tuple[int | None, int | None]:
 
 
 def relaunch_once(
-    name: str | None, tmp: Path, process: bool, operator: bool = False
+    name: str | None,
+    tmp: Path,
+    process: bool,
+    operator: bool = False,
+    collective_timeout_s: float | None = None,
+    spent: bool = False,
 ) -> dict[str, Any]:
     """One `relaunch run` of the job, with the fault `name` (None: fault-free)."""
     path = tmp / "timeline.txt"
     faults = [] if name is None else [{**FAULTS[name], "at_step": FAULT_STEP, "pod": 1}]
     began = time.time()
-    report, seen = run_job(
-        tmp, _job(process, path, operator), faults, NODES, timeout=600, during=_incarnations
-    )
+    job = _job(process, path, operator, collective_timeout_s=collective_timeout_s, spent=spent)
+    report, seen = run_job(tmp, job, faults, NODES, timeout=600, during=_incarnations)
     wall = time.time() - began
     if report is None:
         return {"ok": False, "wall_s": round(wall, 2), "note": "the run failed"}
@@ -191,15 +210,18 @@ def torchrun_once(name: str | None, tmp: Path) -> dict[str, Any]:
             os.close(fd)
         if name is not None:
             _fault_at_step(network, FAULTS[name], path, agents)
-        ok = all(agent.wait(timeout=600) == 0 for agent in agents)
+        codes = [agent.wait(timeout=600) for agent in agents]
         wall = time.time() - began
         redone, restarts = _steps(path)
+        what = f"{restarts} restart(s) of every rank" if restarts else "rode it out"
+        if any(codes):
+            what = f"failed: the agents exited {codes} ({what} before)"
         return {
-            "ok": ok,
+            "ok": not any(codes),
             "wall_s": round(wall, 2),
             "redone": redone,
             "restarts": restarts,
-            "what": f"{restarts} restart(s) of every rank" if restarts else "rode it out",
+            "what": what,
         }
     except subprocess.TimeoutExpired:
         return {"ok": False, "note": "torchrun did not finish in 600 s"}
@@ -254,48 +276,71 @@ def network_rows(quick: bool, say: Progress) -> list[dict[str, Any]]:
     if why is not None:
         say(f"network: skipped: {why}")
         return [{"fault": "-", "system": "-", "note": f"not measured: {why}"}]
-    names = QUICK if quick else tuple(FAULTS)
-    systems = [
-        ("relaunch", "plain"),
-        ("relaunch, SDK keeper", "keeper"),
-        ("relaunch, operator retry", "operator"),
-        ("torchrun", "torchrun"),
-    ]
     rows: list[dict[str, Any]] = []
-    for system, variant in systems:
-        with tempfile.TemporaryDirectory(prefix="relaunch-bench-") as tmp:
-            clean = _once(system, variant, None, Path(tmp))
-        say(f"network: {system} fault-free: {clean}")
-        for name in names:
-            with tempfile.TemporaryDirectory(prefix="relaunch-bench-") as tmp:
-                measured = _once(system, variant, name, Path(tmp))
-            lost = (
-                round(measured["wall_s"] - clean["wall_s"], 2)
-                if measured.get("ok") and clean.get("ok")
-                else None
-            )
-            row = {
-                "fault": name,
-                "system": system,
-                "lost_s": lost,
-                "redone_steps": measured.get("redone"),
-                "restarts": measured.get("restarts"),
-                "mttr_s": measured.get("mttr_s"),
-                "overlap_s": measured.get("overlap_s"),
-                "what": measured.get("what") or measured.get("note", "failed"),
-                "wall_s": measured.get("wall_s"),
-                "fault_free_wall_s": clean.get("wall_s"),
-            }
-            say(f"network: {system}, {name}: {row}")
-            rows.append(row)
+    for system, variant in SYSTEMS:
+        names = QUICK if quick or variant in FLAP_ONLY else tuple(FAULTS)
+        rows += fault_rows(system, variant, names, say)
     rows.append(keeping_cost(1 if quick else 3, say))
+    return rows
+
+
+SYSTEMS = (
+    ("relaunch", "plain"),
+    ("relaunch, SDK keeper", "keeper"),
+    ("relaunch, operator retry", "operator"),
+    ("relaunch, process retry (operator retry spent)", "retry"),
+    ("relaunch, plain script, 3 s gloo timeout", "restart"),
+    ("torchrun", "torchrun"),
+)
+"""Who meets each fault. `retry` and `restart` meet the flap only, the flap's cost at each level
+of the ladder beside operator retry's: `retry` is operator retry that the flap outlasts
+(SPENT_OPERATOR_ENV: the fault goes on to process-retry); `restart` the plain script whose gloo
+group gives up after COLLECTIVE_GIVE_UP_S as operator retry's collectives do (the rank fails,
+the job is rebuilt, R-21)."""
+FLAP_ONLY = ("retry", "restart")
+COLLECTIVE_GIVE_UP_S = 3.0
+
+
+def fault_rows(
+    system: str, variant: str, names: tuple[str, ...], say: Progress
+) -> list[dict[str, Any]]:
+    """One system's fault-free run, then each fault in `names`: a row each."""
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="relaunch-bench-") as tmp:
+        clean = _once(system, variant, None, Path(tmp))
+    say(f"network: {system} fault-free: {clean}")
+    for name in names:
+        with tempfile.TemporaryDirectory(prefix="relaunch-bench-") as tmp:
+            measured = _once(system, variant, name, Path(tmp))
+        lost = (
+            round(measured["wall_s"] - clean["wall_s"], 2)
+            if measured.get("ok") and clean.get("ok")
+            else None
+        )
+        row = {
+            "fault": name,
+            "system": system,
+            "lost_s": lost,
+            "redone_steps": measured.get("redone"),
+            "restarts": measured.get("restarts"),
+            "mttr_s": measured.get("mttr_s"),
+            "overlap_s": measured.get("overlap_s"),
+            "what": measured.get("what") or measured.get("note", "failed"),
+            "wall_s": measured.get("wall_s"),
+            "fault_free_wall_s": clean.get("wall_s"),
+        }
+        say(f"network: {system}, {name}: {row}")
+        rows.append(row)
     return rows
 
 
 def _once(system: str, variant: str, name: str | None, tmp: Path) -> dict[str, Any]:
     if variant == "torchrun":
         return torchrun_once(name, tmp)
-    return relaunch_once(name, tmp, variant != "plain", variant == "operator")
+    give_up = COLLECTIVE_GIVE_UP_S if variant == "restart" else None
+    process = variant not in ("plain", "restart")
+    operator = variant in ("operator", "retry")
+    return relaunch_once(name, tmp, process, operator, give_up, spent=variant == "retry")
 
 
 def keeping_cost(pairs: int, say: Progress) -> dict[str, Any]:
