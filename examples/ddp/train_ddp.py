@@ -111,6 +111,12 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="where rank 0 writes the final parameter hash")
     parser.add_argument("--step-seconds", type=float, default=0.02)
     parser.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=60.0,
+        help="seconds gloo waits in a collective before the rank fails (a plain script's link)",
+    )
+    parser.add_argument(
         "--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL on NVIDIA GPUs"
     )
     parser.add_argument(
@@ -180,7 +186,8 @@ def main() -> None:
     mark("launched", 0, LAUNCHED)
     mark("imported", 0)
     dist.init_process_group(
-        "nccl" if args.where.type == "cuda" else "gloo", timeout=timedelta(seconds=60)
+        "nccl" if args.where.type == "cuda" else "gloo",
+        timeout=timedelta(seconds=args.collective_timeout),
     )
     mark("group", 0)
     model, optimizer, ckpt, state = build(args, job.rank)
