@@ -163,8 +163,7 @@ class RecoveryDriver:
             len(c.failed_pods()),
             len(c.pods),
             now,
-            saving=bool(waiting)
-            and commands.cluster_view(c, waiting[0][1]).checkpoint_saving,
+            saving=bool(waiting) and commands.cluster_view(c, waiting[0][1]).checkpoint_saving,
         )
         if hold is not None:
             self.hold_until = hold
