@@ -178,7 +178,8 @@ def test_the_bench_faults_land_between_checkpoints_and_the_save_rows_on_one() ->
             every = int(re.search(r"--ckpt-every (\d+)", command)[1])  # type: ignore[index]
             assert FAULT_STEP % every != 0, (level, workload, command)
             assert SAVE_FAULT_STEP % every == 0
-    assert "process-reschedule@save" not in mttr.HANDLED_BY
+    assert mttr.handled_by("process-reschedule@save") == "process-reschedule"
+    assert mttr.handled_by("process-in-place+spare") == "process-in-place"
     held_job = mttr._job("ddp", "process-reschedule@save", None)
     assert held_job["spec"]["hang_detect_seconds"] > mttr.SAVE_HELD_S
     held = mttr._job("ddp", "process-reschedule@save", None)["spec"]["command"]

@@ -70,12 +70,18 @@ save is held SAVE_HELD_S longer (a large model's), so that the surviving ranks a
 saving when the fault is found: it waits for the save, shorter than the DDP rows' 4 s hang
 window, and is then handled by the row's own level."""
 SAVE_HELD_S = 3
-HANDLED_BY: dict[str, str] = {}
-"""The level that must handle a row's fault when it is not the row's own (none now: before
-R-37's hold, a fault during a save was handed to pod-reschedule)."""
 WARM_SPARE = "+spare"
 """A level measured with warm spares: spec.warm_spares set to the processes of a pod, kept in
 each pod and, in a standby launcher, on each schedulable node."""
+
+
+def handled_by(level: str) -> str:
+    """The action whose record a row measures: its own level, whether warm spares are kept or
+    the fault lands in a save (which it now waits for, R-37's hold; before the hold, the `@save`
+    row's fault went to pod-reschedule)."""
+    return level.removesuffix(WARM_SPARE).removesuffix(DURING_SAVE)
+
+
 JOB_LEVELS = (
     "job-reschedule",
     "in-place",
@@ -183,7 +189,7 @@ def relaunch_once(
     nodes = CLUSTER if procs <= 2 else cluster(4, procs)
     job = _job(workload, level, path, procs=procs, device=device)
     report, _ = run_job(tmp, job, faults, nodes, timeout=300)
-    record = only_record(report, HANDLED_BY.get(level, level.removesuffix(WARM_SPARE)))
+    record = only_record(report, handled_by(level))
     if record is None:
         shown = (
             [(r["action"], r["outcome"]) for r in report["recoveries"]]
