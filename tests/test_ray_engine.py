@@ -451,6 +451,7 @@ def test_helpers_that_leave_the_process_group_end_with_their_pod_on_ray(
 ) -> None:
     """The pods on a Ray node are cgroups too: a rank's setsid helpers end with a job-level
     restart and with the job, and the report counts nothing left behind."""
+    from relaunch.containers import cluster_root
     from tests.test_containers import _cgroups_or_skip, helpers_job, kill_helpers, live_helpers
 
     _cgroups_or_skip(cluster.state)
@@ -467,5 +468,7 @@ def test_helpers_that_leave_the_process_group_end_with_their_pod_on_ray(
         assert len(list(marks.glob("helper-*[0-9]"))) == 16
         assert live_helpers(marks) == []
         assert result.report["left_behind"] == 0
+        root = cluster_root(cluster.state)
+        assert root is not None and not root.path.exists(), "the cluster's cgroup was left"
     finally:
         kill_helpers(marks)

@@ -87,7 +87,11 @@ class NodeHost:
         self.children.clear()
         if self.cgroups is None:
             return None
-        return self.cgroups.node(self.node).end()
+        left = self.cgroups.node(self.node).end()
+        # the cluster's own cgroup goes with its last node (the others' hosts end theirs at the
+        # same time: whichever finds it empty removes it)
+        self.cgroups.root.remove()
+        return left
 
     def free_port(self) -> int:
         return free_port("0.0.0.0")
