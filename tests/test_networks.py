@@ -376,9 +376,12 @@ def test_r12_r20_r23_a_link_that_stays_down_fails_its_heal_and_the_pod_moves(
 
 
 class Incarnations:
-    """When each generation of pod 1's rank was seen running (sampled every 20 ms)."""
+    """When each generation of pod 1's rank of the cluster in `state` was seen running (sampled
+    every 20 ms). Only this cluster's: a test beside it (another pytest worker, a bench) may run
+    the same script as pod 1, generation 1 too."""
 
-    def __init__(self) -> None:
+    def __init__(self, state: Path) -> None:
+        self.state = str(state)
         self.seen: dict[str, list[float]] = {}
         self.stop = threading.Event()
 
@@ -392,7 +395,9 @@ class Incarnations:
                     env = process.environ()
                 except psutil.Error:
                     continue
-                if env.get("RELAUNCH_POD") != "1":
+                if env.get("RELAUNCH_POD") != "1" or self.state not in env.get(
+                    "RELAUNCH_WORKDIR", ""
+                ):
                     continue
                 span = self.seen.setdefault(env.get("RELAUNCH_GENERATION", "?"), [now, now])
                 span[1] = now
@@ -410,7 +415,7 @@ def test_r14_a_node_cut_off_from_the_controller_stops_its_pod_before_the_replace
     bit-identical."""
     out = cluster.dir / "hash.txt"
     faults = [{"kind": "partition", "at_step": 30, "pod": 1, "cut": cut, "duration_s": 60}]
-    seen = Incarnations()
+    seen = Incarnations(cluster.state)
     result = run_with(cluster, ddp(out), faults, during=seen.watch)
     records = result.report["recoveries"]
     assert [(r["action"], r["fault"]["kind"]) for r in records] == [

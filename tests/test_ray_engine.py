@@ -323,9 +323,10 @@ def _family(pid: int) -> list[psutil.Process]:
     return [root, *root.children(recursive=True)]
 
 
-def _generation_one_of_pod_one() -> list[psutil.Process]:
-    """Processes of pod 1's first container: its launcher and its ranks."""
-    found = []
+def _generation_one_of_pod_one(state: Path) -> list[psutil.Process]:
+    """Processes of pod 1's first container of the cluster in `state`: its launcher and its
+    ranks (not another cluster's, which a test beside this one may run)."""
+    mark, found = str(state), []
     for process in psutil.process_iter(["cmdline", "status"]):
         if process.info["status"] == psutil.STATUS_ZOMBIE:
             continue
@@ -335,7 +336,8 @@ def _generation_one_of_pod_one() -> list[psutil.Process]:
         except psutil.Error:
             continue
         rank = env.get("RELAUNCH_POD") == "1" and env.get("RELAUNCH_GENERATION") == "1"
-        if "pod-1-g1" in cmdline or rank:
+        ours = mark in cmdline or mark in env.get("RELAUNCH_WORKDIR", "")
+        if ours and ("pod-1-g1" in cmdline or rank):
             found.append(process)
     return found
 
@@ -364,7 +366,7 @@ def test_a_hung_node_declared_dead_is_fenced_when_it_comes_back(
             if store is not None and store.jobs() and (store.jobs()[0].last_step or 0) >= 10:
                 break
             time.sleep(0.1)
-        assert store is not None and _generation_one_of_pod_one()
+        assert store is not None and _generation_one_of_pod_one(cluster.state)
         stopped = _family(whole.status()["pids"]["node-1"])
         for process in stopped:
             process.suspend()
@@ -375,15 +377,19 @@ def test_a_hung_node_declared_dead_is_fenced_when_it_comes_back(
                 break
             time.sleep(0.1)
         assert pods[1].node == "node-2", "the pod did not move off the hung node"
-        assert _generation_one_of_pod_one(), "the old pod should still exist while stopped"
+        assert _generation_one_of_pod_one(cluster.state), (
+            "the old pod should still exist while stopped"
+        )
     finally:
         for process in stopped:
             with contextlib.suppress(psutil.Error):
                 process.resume()
     gone_by = time.time() + 15
-    while _generation_one_of_pod_one() and time.time() < gone_by:
+    while _generation_one_of_pod_one(cluster.state) and time.time() < gone_by:
         time.sleep(0.1)
-    assert not _generation_one_of_pod_one(), "the old generation outlived its node's return"
+    assert not _generation_one_of_pod_one(cluster.state), (
+        "the old generation outlived its node's return"
+    )
     output, _ = run.communicate(timeout=120)
     result = cluster.result(run.returncode, output)
     assert result.returncode == 0, output
