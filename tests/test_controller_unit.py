@@ -741,6 +741,31 @@ def test_r29_the_collective_is_issued_again_after_the_hold_once_the_link_is_back
     assert sim.actions() == [("operator-retry", "succeeded")]
 
 
+def test_r29_two_ranks_failures_of_different_collectives_heard_in_one_pass_are_one_recovery(
+    tmp_path: Path,
+) -> None:
+    """Rank 0 got past collective 0 of step 7 and failed in collective 1; rank 3 failed in
+    collective 0. Both say so before the controller decides (a busy machine delays its loop):
+    one operator retry, the other fault its collateral (before: two decisions, the first
+    settled failed), and the re-issue starts from the earlier collective."""
+    sim = booted(tmp_path, PROCESS, labels=PROCESS_LABELS, env=OP_ENV)
+    c = sim.controller
+    sim.train(6)
+    sim.tick()
+    collective_failed(sim, 0, 7, 1, 1)
+    collective_failed(sim, 3, 7, 0, 1)
+    sim.tick()
+    assert sim.actions() == [("operator-retry", "running")]
+    assert len(c.store.faults(c.job_id)) == 1
+    assert [len(v) for v in c.store.collateral(c.job_id).values()] == [1]
+    assert c.store.pending(c.job_id) == []
+    sim.run(2.1)
+    assert orders(sim) == [(2, (7, 0, 1))]
+    sim.train(7)
+    sim.tick()
+    assert sim.actions() == [("operator-retry", "succeeded")]
+
+
 def test_r29_a_reissue_that_fails_is_followed_by_the_next_and_spent_goes_to_process_retry(
     tmp_path: Path,
 ) -> None:

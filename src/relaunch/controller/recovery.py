@@ -173,6 +173,14 @@ class RecoveryDriver:
             if c.job.status.ended:
                 return
             active = self.active
+            if active is not None and action_for(active.action).absorbs(c, active, fault, now):
+                # stored before the recovery decided just now began: its business all the same
+                # (two ranks' failures of one collective, heard in one pass)
+                with c.store.transaction():
+                    c.store.make_collateral(c.job_id, fault_id, active.fault_id)
+                    self.enter(active, active.phase)
+                c.event(f"{active.action.value}: {fault.describe()}")
+                continue
             if active is not None and (  # a newer fault outranks a recovery under way
                 on_new_fault(
                     active.action, active.fault, active.tried, fault, self._action_alone(fault, now)

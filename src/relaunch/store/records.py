@@ -44,6 +44,16 @@ class RecordTable(PodTable):
         )
         return None if row is None else int(row["id"])
 
+    def make_collateral(self, job_id: int, fault_id: int, of: int) -> None:
+        """A fault that waited for a decision is `of`'s collateral after all (the recovery of
+        `of`, decided first, answers it): it waits no more."""
+        with self.transaction():
+            self._execute(
+                "UPDATE faults SET collateral_of = ? WHERE job_id = ? AND id = ?",
+                (of, job_id, fault_id),
+            )
+            self.drop_pending(job_id, fault_id)
+
     def has_fault_from(self, job_id: int, source_prefix: str) -> bool:
         """Whether a fault whose source starts with `source_prefix` was stored for the job."""
         escaped = source_prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
