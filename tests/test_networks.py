@@ -7,6 +7,7 @@ layout, the fault commands and the fault plan's checks are pure and run everywhe
 from __future__ import annotations
 
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -232,6 +233,32 @@ def test_each_node_is_a_network_host_and_its_links_go_with_the_cluster(tmp_path:
         assert net.free_port("node-1") > 0
     finally:
         net.remove()
+    assert_nothing_left(tmp_path)
+
+
+def test_a_fault_that_comes_after_its_cluster_was_removed_leaves_no_route(tmp_path: Path) -> None:
+    """A fault plan's helper that applies its cut after `relaunch run` removed the cluster's
+    network (the run ended meanwhile) changes nothing: before, the cut's blackhole route in the
+    machine's own namespace outlived the cluster, a route nobody would remove again."""
+    _needs_namespaces()
+    opened = ClusterNetwork.open(tmp_path)
+    assert isinstance(opened, ClusterNetwork), opened
+    net = opened
+    try:
+        net.ensure_node("node-0")
+        net.ensure_node("node-1")
+    finally:
+        net.remove()
+    late = ClusterNetwork.existing(tmp_path)  # as the helper finds it: from network.json
+    assert late is not None
+    assert late.apply("node-1", LinkFaultKind.PARTITION, Cut.BOTH) is False
+    assert not [r for r in _routes(late.layout.mgmt) if r.startswith("blackhole")]
+    done = subprocess.run(
+        [sys.executable, "-m", "relaunch.cluster.network", "--state-dir", str(tmp_path),
+         "--node", "node-1", "--kind", "partition", "--cut", "controller"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0 and "network is gone" in done.stdout, done
     assert_nothing_left(tmp_path)
 
 

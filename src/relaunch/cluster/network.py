@@ -438,15 +438,22 @@ class ClusterNetwork:
         cut: Cut | None = None,
         rate_mbit: float | None = None,
         undo: bool = False,
-    ) -> None:
-        for namespace, tool, commands in self.fault_commands(node, kind, cut, rate_mbit, undo):
-            if namespace is not None and not _namespace_exists(namespace):
-                continue  # a node that went meanwhile has no link to cut or mend
-            try:
-                _ip(namespace, commands, tool)
-            except OSError:
-                if not undo:
-                    raise  # undoing: what is already gone stays gone (-force goes on)
+    ) -> bool:
+        """Apply (or undo) a fault; False if the cluster's network is gone (removed before a
+        late fault came): then nothing is done, not even in the root namespace, whose
+        blackhole routes nobody would remove again."""
+        with self._locked():
+            if not undo and not _namespace_exists(self.layout.switch):
+                return False
+            for namespace, tool, commands in self.fault_commands(node, kind, cut, rate_mbit, undo):
+                if namespace is not None and not _namespace_exists(namespace):
+                    continue  # a node that went meanwhile has no link to cut or mend
+                try:
+                    _ip(namespace, commands, tool)
+                except OSError:
+                    if not undo:
+                        raise  # undoing: what is already gone stays gone (-force goes on)
+        return True
 
 
 def _delete(names: list[str]) -> None:
@@ -470,7 +477,9 @@ def main(argv: list[str] | None = None) -> None:
     if network is None or args.node not in network.layout.nodes:
         sys.exit(f"no network for node {args.node} in {args.state_dir}")
     kind, cut = LinkFaultKind(args.kind), Cut(args.cut) if args.cut else None
-    network.apply(args.node, kind, cut, args.rate_mbit)
+    if not network.apply(args.node, kind, cut, args.rate_mbit):
+        print(f"{time.time():.6f} the cluster's network is gone: no {kind.value}", flush=True)
+        return
     print(f"{time.time():.6f} applied {kind.value} on {args.node}", flush=True)
     if args.duration is None:
         return
