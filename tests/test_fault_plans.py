@@ -120,6 +120,9 @@ def test_plan_local_rank_is_within_the_pod_and_rank_is_global() -> None:
         ({"kind": "slow", "after_s": 1, "pod": 0, "rank": 0}, "rank"),
         ({"kind": "slow", "after_s": 1, "node": "node-0"}, "pod"),
         ({"kind": "hang", "after_s": 1, "pod": 0, "factor": 3}, "factor"),
+        ({"kind": "hang", "at_step": 1, "pod": 0, "while_saving": "yes"}, "while_saving"),
+        ({"kind": "hang", "at_step": 1, "pod": 0, "while_saving": 1}, "while_saving"),
+        ({"kind": "hang", "at_step": 1, "pod": 0, "while_saving": None}, "while_saving"),
     ],
 )
 def test_plan_key_that_means_nothing_or_is_out_of_bounds_is_refused(
@@ -127,6 +130,23 @@ def test_plan_key_that_means_nothing_or_is_out_of_bounds_is_refused(
 ) -> None:
     found = problems([entry])
     assert f"faults[0].{key}" in found, found
+
+
+def test_plan_while_saving_waits_for_its_step_and_a_save() -> None:
+    """`while_saving`: due only once its step is reached and a rank says it saves; an entry
+    without it does not care what the ranks do."""
+    entry, plain = parse_plan(
+        [
+            {"kind": "memory-uce", "at_step": 40, "pod": 0, "while_saving": True},
+            {"kind": "memory-uce", "at_step": 40, "pod": 0},
+        ]
+    )
+    assert entry.while_saving and not plain.while_saving
+    assert not entry.due(40, 9.0, saving=False)
+    assert not entry.due(39, 9.0, saving=True)
+    assert entry.due(40, 9.0, saving=True) and entry.due(41, 9.0, saving=True)
+    assert plain.due(40, 9.0, saving=False) and plain.due(40, 9.0, saving=True)
+    assert "at step 40 while a checkpoint is saved" in entry.describe()
 
 
 # -- as a user runs it ------------------------------------------------------------------------------

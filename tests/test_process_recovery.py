@@ -329,7 +329,9 @@ def test_r37_a_fault_while_a_checkpoint_is_saved_goes_to_the_next_level(
     online (R-30) but goes down to in-place recovery (R-37), and the job still ends
     bit-identical."""
     out = cluster.dir / "hash.txt"
-    faults = [{"kind": "memory-uce", "at_step": 40, "pod": 0, "code": "80E01801", "heals": True}]
+    faults = [
+        {"kind": "memory-uce", "at_step": 40, "while_saving": True, "pod": 0, "code": "80E01801"}
+    ]  # while_saving: step 40's report may reach the controller well before the save begins
     job = process_job(out, ckpt_every=40, extra="--slow-save-at 40 --slow-save-s 7")
     result = run(cluster, job, faults)
     assert result.actions == ["in-place"]

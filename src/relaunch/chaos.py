@@ -138,6 +138,7 @@ class _Entry(BaseModel):
     factor: Annotated[float, v(_factor)] = 3.0
     cut: Annotated[Cut | None, v(choice(Cut))] = None
     rate_mbit: Annotated[float | None, v(_rate)] = None
+    while_saving: Annotated[bool, v(boolean)] = False
 
 
 class _Plan(BaseModel):
@@ -171,12 +172,17 @@ class ChaosEntry:
     """`partition`: what the node is cut off from."""
     rate_mbit: float | None = None
     """`degraded-link`: the data link's rate."""
+    while_saving: bool = False
+    """Fires only while a rank says it saves a checkpoint (its step reached too): a fault in a
+    save (R-37), whatever the machine's load does to when the save begins."""
 
     @property
     def targets_process(self) -> bool:
         return self.kind in _PROCESS_KINDS
 
-    def due(self, step: int | None, attempt_elapsed_s: float) -> bool:
+    def due(self, step: int | None, attempt_elapsed_s: float, saving: bool = False) -> bool:
+        if self.while_saving and not saving:
+            return False
         if self.at_step is not None:
             return step is not None and step >= self.at_step
         return self.after_s is not None and attempt_elapsed_s >= self.after_s
@@ -193,6 +199,8 @@ class ChaosEntry:
         trigger = (
             f"at step {self.at_step}" if self.at_step is not None else f"after {self.after_s:g} s"
         )
+        if self.while_saving:
+            trigger += " while a checkpoint is saved"
         target = f"pod {self.pod}" if self.pod is not None else f"node {self.node}"
         if self.rank is not None:
             target += f" rank {self.rank}"
@@ -286,6 +294,7 @@ def _entry(index: int, e: _Entry) -> ChaosEntry:
         factor=e.factor,
         cut=e.cut,
         rate_mbit=e.rate_mbit,
+        while_saving=e.while_saving,
     )
 
 

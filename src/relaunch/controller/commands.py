@@ -59,6 +59,17 @@ def master_port(c: Controller) -> int:
     return c.engine.free_port(c.pods[0].row.node)
 
 
+def checkpoint_saving(c: Controller) -> bool:
+    """Whether a running rank of the current attempt says it saves a checkpoint now."""
+    return any(
+        r.phase == SdkPhase.CHECKPOINT
+        for p in c.pods.values()
+        if p.link is not None
+        for r in p.link.ranks.values()
+        if r.attempt == c.job.attempt and r.running
+    )
+
+
 def cluster_view(c: Controller, fault: Fault) -> ClusterView:
     """The facts a decision depends on, as observed now (R-31, R-37, R-41, placement)."""
     used = {p.row.node for p in c.pods.values()}

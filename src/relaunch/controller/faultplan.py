@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from relaunch import failpoints
 from relaunch.chaos import LINK_KINDS, ChaosEntry, ChaosKind, parse_plan
+from relaunch.controller import commands
 from relaunch.protocol.links import Cut, LinkFaultKind
 from relaunch.protocol.messages import (
     InjectChipFault,
@@ -70,8 +71,9 @@ class FaultPlanRunner:
             return
         elapsed = now - (c.job.attempt_started_at or now)
         self._warn_silent(done, elapsed)
+        saving = commands.checkpoint_saving(c)
         for entry in self.plan:
-            if entry.index in done or not entry.due(c.progress.step, elapsed):
+            if entry.index in done or not entry.due(c.progress.step, elapsed, saving):
                 continue
             failpoints.reach("fault-plan-due")
             target = self._target(entry)
@@ -220,6 +222,11 @@ class FaultPlanRunner:
 
     def _why_unfired(self, entry: ChaosEntry, job: JobRow, elapsed: float) -> str:
         step = self.c.progress.step
+        if entry.while_saving and entry.due(step, elapsed, saving=True):
+            return (
+                f"the job ended ({job.status.value}) with no checkpoint saved once the entry "
+                "was due (while_saving: the SDK's CheckpointManager says when it saves)"
+            )
         if entry.due(step, elapsed):
             return (
                 f"the job ended ({job.status.value}) while the entry waited for an earlier fault "
