@@ -52,7 +52,10 @@ class RecordTable(PodTable):
                 "UPDATE faults SET collateral_of = ? WHERE job_id = ? AND id = ?",
                 (of, job_id, fault_id),
             )
-            self.drop_pending(job_id, fault_id)
+            self._execute(
+                "DELETE FROM pending_decisions WHERE job_id = ? AND fault_id = ?",
+                (job_id, fault_id),
+            )
 
     def has_fault_from(self, job_id: int, source_prefix: str) -> bool:
         """Whether a fault whose source starts with `source_prefix` was stored for the job."""
