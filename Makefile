@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint typecheck unit clean
+.PHONY: run test lint typecheck unit clean peers
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
@@ -43,5 +43,16 @@ unit: $(STAMP) $(CHROMIUM)
 # Sets up and runs everything CI runs: lint, types, tests.
 test: lint typecheck unit
 
+# The specialists `relaunch bench --only peers` measures beside relaunch, each in a virtual
+# environment of its own under .peers/ (their pins conflict), with the torch CPU wheel.
+PEERS := .peers
+TORCH := torch==2.13.0
+peers: $(PEERS)/torchft/.installed
+
+$(PEERS)/torchft/.installed:
+	$(PYTHON) -m venv $(PEERS)/torchft
+	$(PEERS)/torchft/bin/python -m pip install --quiet $(TORCH) numpy torchft==0.2.0
+	@touch $@
+
 clean:
-	rm -rf $(VENV) .relaunch .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(PEERS) .relaunch .pytest_cache .mypy_cache .ruff_cache

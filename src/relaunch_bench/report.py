@@ -68,7 +68,14 @@ NETWORK_COLUMNS = {
     "ms_per_step_off": "ms / step, inputs not kept", "ms_per_step_on": "ms / step, kept",
     "cost_ratio": "kept / not", "note": "note",
 }  # fmt: skip
+PEER_COLUMNS = {
+    "fault": "fault (rank 1)", "system": "system", "repeats": "repeats", "failures": "failed",
+    "stall_s": "stall s (to the next step)", "rejoin_s": "rejoin s (the struck rank steps)",
+    "lost_steps": "lost steps", "ranks_restarted": "ranks restarted", "detected": "detected",
+    "note": "note",
+}  # fmt: skip
 SECTIONS = (
+    ("peers", "Side by side with the specialists (2 ranks, the DDP example's job)", PEER_COLUMNS),
     ("scale", "Scale (light workload, 2 processes per pod)", SCALE_COLUMNS),
     ("sizes", "MTTR by job size (DDP, 2 pods)", SIZE_COLUMNS),
     ("checkpoint", "Checkpoints against the raw disk", CHECKPOINT_COLUMNS),
@@ -118,6 +125,12 @@ def markdown(result: dict[str, Any]) -> str:
     for key, title, columns in SECTIONS:
         if result.get(key):
             lines += ["", f"{title}:", "", *table(result[key], columns)]
+        if key == "peers" and result.get("peer_ratios"):
+            lines.append("")
+            lines.append(
+                "relaunch / the best peer (stall): "
+                + ", ".join(f"{k} {v}" for k, v in result["peer_ratios"].items())
+            )
     if result.get("overhead"):
         lines += ["", "Controller overhead:", "", *table(result["overhead"], OVERHEAD_COLUMNS)]
     return "\n".join(lines) + "\n"

@@ -18,12 +18,14 @@ from relaunch_bench.jobs import Progress
 from relaunch_bench.mttr import SIZES, Row, hang_rows, mttr_rows, ratios, size_rows
 from relaunch_bench.network import network_rows
 from relaunch_bench.overhead import overhead_rows
+from relaunch_bench.peers import peer_ratios, peer_rows
 from relaunch_bench.reliability import RELIABILITY_LEVELS, reliability_rows
 from relaunch_bench.scale import scale_rows
 from relaunch_bench.slow import FACTORS, slow_rows
 
 SECTIONS = (
-    "mttr", "hang", "scale", "sizes", "overhead", "checkpoint", "reliability", "slow", "network",
+    "mttr", "hang", "peers", "scale", "sizes", "overhead", "checkpoint", "reliability", "slow",
+    "network",
 )  # fmt: skip
 
 
@@ -67,6 +69,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         "device": options.device,
         "torchrun_env": torchrun.ENV,
         "mttr": [asdict(r) for r in rows],
+        "peers": [],
         "hang": hangs,
         "ratios": ratios(rows),
         "scale": [],
@@ -77,6 +80,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         "slow": [],
         "network": [],
         **measured,
+        "peer_ratios": peer_ratios(measured.get("peers", [])),
         "seconds": round(time.time() - started, 1),
     }
     (options.out / "bench.json").write_text(json.dumps(result, indent=2))
@@ -91,6 +95,8 @@ def _sections(
     """Scale, overhead, checkpoint and reliability, those of them chosen (--quick: small)."""
     quick = options.quick
     measured: dict[str, Any] = {}
+    if "peers" in sections:
+        measured["peers"] = peer_rows(1 if quick else min(3, repeats), say)
     if "scale" in sections:
         sizes = [2] if quick else [2, 4, 8, 16, 64]
         measured["scale"] = scale_rows(sizes, 1 if quick else min(3, repeats), say, options.levels)

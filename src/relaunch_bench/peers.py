@@ -1,0 +1,280 @@
+"""The specialists side by side (`relaunch bench --only peers`): the same faults on the same
+model, data and step time, each peer in its own virtual environment (`make peers`, under
+`.peers/` or $RELAUNCH_PEERS_DIR) and written in its own idiom, beside relaunch's best level for
+each fault, all in one run.
+
+Per peer and fault: the stall (fault to the first step any rank commits after it), the rejoin
+(fault to the first step of the rank that was struck, or of its replacement), steps lost, how
+many ranks restarted, and whether the fault was detected at all. A peer that cannot take a
+fault says why instead of a number.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from relaunch.cluster.local import free_port, kill_tree
+from relaunch_bench.jobs import FAULT_STEP, Progress, _script
+from relaunch_bench.mttr import relaunch_once
+
+PEERS_ENV = "RELAUNCH_PEERS_DIR"
+PEER_VERSIONS = {"torchft": "torchft==0.2.0"}
+"""Each peer's pinned release, as `make peers` installs it (beside torch==2.13.0)."""
+FAULTS = ("crash", "hang", "lost-node")
+TORCHFT_HEARTBEAT_MS = 1000
+"""The lighthouse's heartbeat timeout: torchft's tuned setting (its default is 5000 ms)."""
+STEPS = 300
+"""Steps of a peer's run: the fault at FAULT_STEP and time enough after it for a replacement
+to rejoin (at about 0.025 s a step)."""
+RELAUNCH_LEVELS = {
+    "crash": "process-in-place+spare",
+    "hang": "hang-restart",
+    "lost-node": "process-reschedule+spare",
+}
+"""relaunch's best level for each fault, measured beside the peers in the same run."""
+TORCHFT_DDP = _script("torchft_ddp.py")
+"""examples/peers/torchft_ddp.py: train_ddp.py's job in torchft's idiom."""
+
+
+@dataclass
+class PeerRow:
+    """One system and fault: medians of its samples, or why there are none."""
+
+    system: str
+    fault: str
+    repeats: int = 0
+    failures: int = 0
+    stall_s: float | None = None
+    rejoin_s: float | None = None
+    lost_steps: float | None = None
+    ranks_restarted: int | None = None
+    detected: bool | None = None
+    note: str = ""
+    samples: list[float] = field(default_factory=list)
+
+
+@dataclass
+class PeerSample:
+    ok: bool
+    stall_s: float | None = None
+    rejoin_s: float | None = None
+    lost_steps: int | None = None
+    ranks_restarted: int | None = None
+    detected: bool | None = None
+    note: str = ""
+
+
+def peers_dir() -> Path:
+    return Path(os.environ.get(PEERS_ENV) or Path.cwd() / ".peers")
+
+
+def peer_python(peer: str) -> Path | str:
+    """The peer's interpreter, or why there is none."""
+    python = peers_dir() / peer / "bin" / "python"
+    if not python.exists():
+        return f"{peer} is not installed: `make peers` installs {PEER_VERSIONS[peer]} in {python.parent.parent}"
+    return python
+
+
+# -- torchft -------------------------------------------------------------------------------------
+
+Events = list[tuple[str, int, float, int]]
+
+
+def _events(path: Path) -> Events:
+    found = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 4:
+                found.append((parts[0], int(parts[1]), float(parts[2]), int(parts[3])))
+    return found
+
+
+def torchft_once(python: Path, fault: str, tmp: Path) -> PeerSample:
+    """Two replica groups of one rank, each under `torchrun --max-restarts 3` (how torchft's
+    docs run one), and a lighthouse with min_replicas 1; replica 1 is struck at FAULT_STEP:
+    `crash` exits 1 (its torchrun starts it again and it takes the model from replica 0 as it
+    joins), `hang` SIGSTOPs it (its heartbeats stop: the lighthouse drops it), `lost-node`
+    SIGKILLs its torchrun and rank (nothing starts it again: torchft has no scheduler)."""
+    bin_dir = python.parent
+    path = tmp / "timeline.txt"
+    lighthouse_port, procs = free_port(), []
+    logs = []
+
+    def spawn(args: list[str], env: dict[str, str], name: str) -> subprocess.Popen[bytes]:
+        log = open(tmp / f"{name}.log", "w")  # noqa: SIM115
+        logs.append(log)
+        proc = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp, start_new_session=True
+        )
+        procs.append(proc)
+        return proc
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("RELAUNCH_", "VIRTUAL_ENV"))}
+    base["PATH"] = f"{bin_dir}:{base.get('PATH', '')}"
+    try:
+        spawn(
+            [str(bin_dir / "torchft_lighthouse"), "--min_replicas", "1", "--quorum_tick_ms", "100",
+             "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", str(TORCHFT_HEARTBEAT_MS),
+             "--bind", f"[::]:{lighthouse_port}"],
+            base, "lighthouse",
+        )  # fmt: skip
+        strike = {"crash": "--crash-at-step", "hang": "--hang-at-step"}.get(fault)
+        replicas = []
+        for replica in (0, 1):
+            env = {
+                **base,
+                "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{lighthouse_port}",
+                "REPLICA_GROUP_ID": str(replica),
+                "PYTHONUNBUFFERED": "1",
+            }
+            args = [
+                str(bin_dir / "torchrun"), "--nnodes", "1", "--nproc-per-node", "1",
+                "--max-restarts", "3", "--monitor-interval", "0.1",
+                "--master-port", str(free_port()),
+                str(TORCHFT_DDP), "--steps", str(STEPS), "--timeline", str(path),
+            ]  # fmt: skip
+            if strike is not None:
+                args += [strike, str(FAULT_STEP)]
+            replicas.append(spawn(args, env, f"replica-{replica}"))
+        fault_at = None
+        deadline = time.time() + 180
+        while time.time() < deadline and replicas[0].poll() is None:
+            events = _events(path)
+            reached = any(e == "step" and s >= FAULT_STEP - 1 for e, s, _, r in events if r == 1)
+            if fault == "lost-node" and fault_at is None and reached:
+                fault_at = time.time()
+                kill_tree(replicas[1].pid)
+            time.sleep(0.05)
+        events = _events(path)
+    finally:
+        for proc in procs:
+            kill_tree(proc.pid)
+            proc.wait()
+        for log in logs:
+            log.close()
+    return _torchft_sample(events, fault, fault_at)
+
+
+def _torchft_sample(events: Events, fault: str, killed_at: float | None) -> PeerSample:
+    struck = next(((s, t) for e, s, t, r in events if e in ("crash", "hang") and r == 1), None)
+    fault_at = struck[1] if struck is not None else killed_at
+    if fault_at is None:
+        return PeerSample(False, note="the fault never struck")
+    before = max((s for e, s, t, _ in events if e == "step" and t < fault_at), default=0)
+    survivor = next((t for e, _, t, r in events if e == "step" and r == 0 and t > fault_at), None)
+    if survivor is None:
+        return PeerSample(False, note="replica 0 made no step after the fault")
+    relaunched = next(
+        (t for e, _, t, r in events if e == "launched" and r == 1 and t > fault_at), None
+    )
+    rejoin = (
+        next((t for e, _, t, r in events if e == "step" and r == 1 and t > relaunched), None)
+        if relaunched is not None
+        else None
+    )
+    first_after = next(s for e, s, t, r in events if e == "step" and r == 0 and t > fault_at)
+    return PeerSample(
+        True,
+        stall_s=round(survivor - fault_at, 3),
+        rejoin_s=round(rejoin - fault_at, 3) if rejoin is not None else None,
+        lost_steps=max(0, before + 1 - first_after),
+        ranks_restarted=1 if relaunched is not None else 0,
+        detected=True,
+        note="" if rejoin is not None else "the struck replica never came back",
+    )
+
+
+# -- relaunch ------------------------------------------------------------------------------------
+
+
+def relaunch_sample(fault: str, tmp: Path) -> PeerSample:
+    """relaunch's best level for `fault` on train_ddp.py, 2 pods of 1 rank."""
+    sample = relaunch_once("ddp", RELAUNCH_LEVELS[fault], tmp, procs=1)
+    if not sample.ok or sample.mttr_s is None:
+        return PeerSample(False, note=sample.note)
+    return PeerSample(
+        True,
+        stall_s=sample.mttr_s,
+        rejoin_s=sample.mttr_s,  # the job steps again only with every rank back
+        lost_steps=sample.lost_steps,
+        ranks_restarted=1,
+        detected=True,
+    )
+
+
+# -- the table ---------------------------------------------------------------------------------
+
+
+def _row(system: str, fault: str, samples: list[PeerSample]) -> PeerRow:
+    good = [s for s in samples if s.ok and s.stall_s is not None]
+    notes = sorted({s.note for s in samples if s.note})
+
+    def med(values: list[float]) -> float | None:
+        return round(statistics.median(values), 3) if values else None
+
+    return PeerRow(
+        system=system,
+        fault=fault,
+        repeats=len(samples),
+        failures=len(samples) - len(good),
+        stall_s=med([s.stall_s for s in good if s.stall_s is not None]),
+        rejoin_s=med([s.rejoin_s for s in good if s.rejoin_s is not None]),
+        lost_steps=med([float(s.lost_steps) for s in good if s.lost_steps is not None]),
+        ranks_restarted=max((s.ranks_restarted or 0 for s in good), default=None),
+        detected=all(s.detected for s in good) if good else None,
+        note="; ".join(notes),
+        samples=[s.stall_s for s in good if s.stall_s is not None],
+    )
+
+
+def peer_rows(
+    repeats: int, say: Progress, faults: tuple[str, ...] = FAULTS, relaunch: bool = True
+) -> list[dict[str, Any]]:
+    """Every peer and relaunch (unless `relaunch` is False) on each fault, `repeats` times
+    each, in one run."""
+    rows: list[PeerRow] = []
+    for fault in faults:
+        systems: list[tuple[str, Any]] = []
+        if relaunch:
+            systems.append(("relaunch " + RELAUNCH_LEVELS[fault], None))
+        systems.append(("torchft (1 s heartbeat)", peer_python("torchft")))
+        for system, python in systems:
+            if isinstance(python, str):
+                rows.append(PeerRow(system, fault, note=python))
+                say(f"{system} {fault}: {python}")
+                continue
+            samples = []
+            for i in range(repeats):
+                with tempfile.TemporaryDirectory(prefix="relaunch-bench-") as tmp:
+                    if python is None:
+                        sample = relaunch_sample(fault, Path(tmp))
+                    else:
+                        sample = torchft_once(python, fault, Path(tmp))
+                samples.append(sample)
+                shown = f"stall {sample.stall_s} s" if sample.ok else f"failed ({sample.note})"
+                say(f"{system} {fault} #{i + 1}: {shown}")
+            rows.append(_row(system, fault, samples))
+    return [asdict(r) for r in rows]
+
+
+def peer_ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """relaunch's stall over the best peer's, per fault (where both were measured)."""
+    found = {}
+    for fault in FAULTS:
+        here = [r for r in rows if r["fault"] == fault]
+        ours = [r["stall_s"] for r in here if r["system"].startswith("relaunch")]
+        theirs = [
+            r["stall_s"] for r in here if not r["system"].startswith("relaunch") and r["stall_s"]
+        ]
+        if ours and ours[0] is not None and theirs:
+            found[fault] = round(ours[0] / min(theirs), 2)
+    return found

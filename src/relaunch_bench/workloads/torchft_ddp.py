@@ -1,0 +1,1 @@
+../../../examples/peers/torchft_ddp.py

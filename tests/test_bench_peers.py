@@ -1,0 +1,94 @@
+"""The peers section of the bench: what is read off a peer's timeline, and what a missing peer
+says. (The peers themselves run in `relaunch bench --only peers`, in virtual environments of
+their own that `make peers` makes: minutes of installs, not a test's business.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from relaunch_bench import report
+from relaunch_bench.jobs import FAULT_STEP
+from relaunch_bench.peers import (
+    PEERS_ENV,
+    _row,
+    _torchft_sample,
+    peer_python,
+    peer_ratios,
+    peer_rows,
+)
+
+F = FAULT_STEP
+
+
+def steps(replica: int, first: int, last: int, start: float, every: float = 0.025):
+    return [("step", s, start + (s - first) * every, replica) for s in range(first, last + 1)]
+
+
+def test_a_torchft_crash_reads_the_survivors_stall_and_the_replacements_rejoin() -> None:
+    """Replica 1 exits at the fault step; replica 0 commits again 1.05 s later (the lighthouse
+    dropped it); replica 1's new process steps 4 s after the fault."""
+    events = [
+        *steps(0, 1, F - 1, 100.0),
+        *steps(1, 1, F - 1, 100.0),
+        ("crash", F, 101.0, 1),
+        *steps(0, F, F + 100, 102.05),
+        ("launched", 0, 101.3, 1),
+        *steps(1, F + 90, F + 100, 105.0),
+    ]
+    sample = _torchft_sample(events, "crash", None)
+    assert sample.ok and sample.stall_s == pytest.approx(1.05)
+    assert sample.rejoin_s == pytest.approx(4.0)
+    assert sample.lost_steps == 0 and sample.ranks_restarted == 1 and sample.detected
+
+
+def test_a_torchft_replica_killed_with_its_node_never_comes_back() -> None:
+    """A lost node: the harness kills replica 1's torchrun at `killed_at`; nothing restarts it."""
+    events = [*steps(0, 1, F - 1, 100.0), *steps(0, F, F + 50, 101.5)]
+    sample = _torchft_sample(events, "lost-node", 100.6)
+    assert sample.ok and sample.stall_s == pytest.approx(0.9)
+    assert sample.rejoin_s is None and sample.ranks_restarted == 0
+    assert "never came back" in sample.note
+
+
+def test_a_torchft_fault_that_never_struck_or_a_survivor_that_stopped_is_no_number() -> None:
+    assert not _torchft_sample(steps(0, 1, 40, 100.0), "crash", None).ok
+    stuck = [*steps(0, 1, F - 1, 100.0), ("hang", F, 101.0, 1)]
+    sample = _torchft_sample(stuck, "hang", None)
+    assert not sample.ok and "no step after the fault" in sample.note
+    row = _row("torchft", "hang", [sample])
+    assert row.failures == 1 and row.stall_s is None and "no step" in row.note
+
+
+def test_a_peer_not_installed_is_a_row_that_says_how_to_install_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(PEERS_ENV, str(tmp_path))
+    why = peer_python("torchft")
+    assert isinstance(why, str) and "make peers" in why and "torchft==0.2.0" in why
+    said: list[str] = []
+    rows = [r for r in peer_rows(1, said.append, faults=("crash",), relaunch=False)]
+    assert [(r["system"], r["fault"], r["stall_s"]) for r in rows] == [
+        ("torchft (1 s heartbeat)", "crash", None)
+    ]
+    assert "make peers" in rows[0]["note"] and said
+    markdown = report.markdown(
+        {"mttr": [], "hang": [], "ratios": {}, "peers": rows, "overhead": []}
+    )
+    assert "Side by side with the specialists" in markdown and "make peers" in markdown
+
+
+def test_each_faults_ratio_is_relaunch_over_the_best_peer_measured() -> None:
+    rows = [
+        {"fault": "crash", "system": "relaunch process-in-place+spare", "stall_s": 0.5},
+        {"fault": "crash", "system": "torchft (1 s heartbeat)", "stall_s": 1.0},
+        {"fault": "crash", "system": "torchrun", "stall_s": 4.0},
+        {"fault": "hang", "system": "relaunch hang-restart", "stall_s": 5.0},
+        {"fault": "hang", "system": "torchft (1 s heartbeat)", "stall_s": None},
+    ]
+    assert peer_ratios(rows) == {"crash": 0.5}
+    markdown = report.markdown(
+        {"mttr": [], "hang": [], "ratios": {}, "peers": rows, "peer_ratios": {"crash": 0.5}}
+    )
+    assert "relaunch / the best peer (stall): crash 0.5" in markdown
