@@ -47,11 +47,17 @@ test: lint typecheck unit
 # environment of its own under .peers/ (their pins conflict), with the torch CPU wheel.
 PEERS := .peers
 TORCH := torch==2.13.0
-peers: $(PEERS)/torchft/.installed
+peers: $(PEERS)/torchft/.installed $(PEERS)/nvrx/.installed
 
 $(PEERS)/torchft/.installed:
 	$(PYTHON) -m venv $(PEERS)/torchft
 	$(PEERS)/torchft/bin/python -m pip install --quiet $(TORCH) numpy torchft==0.2.0
+	@touch $@
+
+# 0.4.1: the newest release whose wheel runs on glibc 2.36 (0.5 and later need 2.39)
+$(PEERS)/nvrx/.installed:
+	$(PYTHON) -m venv $(PEERS)/nvrx
+	$(PEERS)/nvrx/bin/python -m pip install --quiet $(TORCH) numpy nvidia-resiliency-ext==0.4.1
 	@touch $@
 
 clean:

@@ -12,6 +12,7 @@ from relaunch_bench import report
 from relaunch_bench.jobs import FAULT_STEP
 from relaunch_bench.peers import (
     PEERS_ENV,
+    _launcher_sample,
     _row,
     _torchft_sample,
     peer_python,
@@ -70,9 +71,10 @@ def test_a_peer_not_installed_is_a_row_that_says_how_to_install_it(
     said: list[str] = []
     rows = [r for r in peer_rows(1, said.append, faults=("crash",), relaunch=False)]
     assert [(r["system"], r["fault"], r["stall_s"]) for r in rows] == [
-        ("torchft (1 s heartbeat)", "crash", None)
+        ("torchft (1 s heartbeat)", "crash", None),
+        ("NVRx ft_launcher (4 s heartbeat)", "crash", None),
     ]
-    assert "make peers" in rows[0]["note"] and said
+    assert all("make peers" in r["note"] for r in rows) and len(said) == 2
     markdown = report.markdown(
         {"mttr": [], "hang": [], "ratios": {}, "peers": rows, "overhead": []}
     )
@@ -92,3 +94,19 @@ def test_each_faults_ratio_is_relaunch_over_the_best_peer_measured() -> None:
         {"mttr": [], "hang": [], "ratios": {}, "peers": rows, "peer_ratios": {"crash": 0.5}}
     )
     assert "relaunch / the best peer (stall): crash 0.5" in markdown
+
+
+def test_a_launcher_that_restarts_every_rank_is_read_off_rank_0s_timeline(tmp_path: Path) -> None:
+    """Rank 1 crashes at the fault step; every rank restarts from the checkpoint of step 20 and
+    steps again 4.5 s later: 1 step redone, both ranks restarted."""
+    lines = [f"step {s} {100 + s * 0.025:.3f}" for s in range(1, F)]
+    lines += [f"crash {F} 101.0", "launched 0 102.0", "start 20 105.0"]
+    lines += [f"step {s} {105.5 + (s - 21) * 0.025:.3f}" for s in range(21, 40)]
+    path = tmp_path / "timeline.txt"
+    path.write_text("\n".join(lines) + "\n")
+    sample = _launcher_sample(path, "crash", finished=True)
+    assert sample.ok and sample.stall_s == pytest.approx(4.5)
+    assert sample.lost_steps == F - 1 - 20 and sample.ranks_restarted == 2
+    path.write_text("\n".join(lines[: F + 1]) + "\n")  # restarted, never stepped again
+    failed = _launcher_sample(path, "crash", finished=False)
+    assert not failed.ok and "did not finish" in failed.note

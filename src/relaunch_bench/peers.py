@@ -21,11 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from relaunch.cluster.local import free_port, kill_tree
+from relaunch_bench import timeline
 from relaunch_bench.jobs import FAULT_STEP, Progress, _script
 from relaunch_bench.mttr import relaunch_once
 
 PEERS_ENV = "RELAUNCH_PEERS_DIR"
-PEER_VERSIONS = {"torchft": "torchft==0.2.0"}
+PEER_VERSIONS = {"torchft": "torchft==0.2.0", "nvrx": "nvidia-resiliency-ext==0.4.1"}
 """Each peer's pinned release, as `make peers` installs it (beside torch==2.13.0)."""
 FAULTS = ("crash", "hang", "lost-node")
 TORCHFT_HEARTBEAT_MS = 1000
@@ -41,6 +42,12 @@ RELAUNCH_LEVELS = {
 """relaunch's best level for each fault, measured beside the peers in the same run."""
 TORCHFT_DDP = _script("torchft_ddp.py")
 """examples/peers/torchft_ddp.py: train_ddp.py's job in torchft's idiom."""
+PLAIN_DDP = _script("plain_ddp.py")
+"""examples/peers/plain_ddp.py: train_ddp.py's job as a plain script, for the launchers that
+restart every rank (NVRx's ft_launcher, DLRover's dlrover-run)."""
+NVRX_HEARTBEAT_S = 4.0
+"""ft_launcher's rank heartbeat timeout: a hang is a rank silent this long (relaunch's DDP rows
+use a 4 s hang window)."""
 
 
 @dataclass
@@ -193,6 +200,86 @@ def _torchft_sample(events: Events, fault: str, killed_at: float | None) -> Peer
     )
 
 
+# -- the launchers that restart every rank -----------------------------------------------------
+
+
+def nvrx_once(python: Path, fault: str, tmp: Path) -> PeerSample:
+    """Two `ft_launcher` agents (NVRx's torchrun, c10d rendezvous) of one rank each, the NIC
+    monitor off (no NIC on a CPU machine), heartbeats from every step; rank 1 crashes or is
+    SIGSTOPped at FAULT_STEP. A crash restarts every rank; a hang is a rank whose heartbeats
+    stop for NVRX_HEARTBEAT_S, and restarts every rank too."""
+    if fault == "lost-node":
+        return PeerSample(
+            False,
+            note="a lost agent is replaced only by a scheduler starting a new one (SLURM, "
+            "Kubernetes): ft_launcher alone waits for it",
+        )
+    bin_dir, path, port = python.parent, tmp / "timeline.txt", free_port()
+    strike = "--crash-at-step" if fault == "crash" else "--hang-at-step"
+    agents, logs = [], []
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RELAUNCH_", "VIRTUAL_ENV"))}
+    env.update({"PATH": f"{bin_dir}:{env.get('PATH', '')}", "PYTHONUNBUFFERED": "1"})
+    try:
+        for node in range(2):
+            args = [
+                str(bin_dir / "ft_launcher"), "--nnodes", "2", "--nproc-per-node", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                "--rdzv-id", "bench", "--max-restarts", "3", "--monitor-interval", "0.1",
+                "--ft-enable-nic-monitor", "false",
+                "--ft-initial-rank-heartbeat-timeout", "60",
+                "--ft-rank-heartbeat-timeout", str(NVRX_HEARTBEAT_S),
+                str(PLAIN_DDP), "--nvrx", "--steps", "60", "--ckpt-dir", str(tmp / "ckpt"),
+                "--timeline", str(path), strike, str(FAULT_STEP),
+            ]  # fmt: skip
+            log = open(tmp / f"agent-{node}.log", "w")  # noqa: SIM115
+            logs.append(log)
+            agents.append(
+                subprocess.Popen(
+                    args,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    cwd=tmp,
+                    start_new_session=True,
+                )
+            )
+        deadline = time.time() + 240
+        while time.time() < deadline and any(a.poll() is None for a in agents):
+            time.sleep(0.1)
+        finished = all(a.poll() == 0 for a in agents)
+    finally:
+        for agent in agents:
+            kill_tree(agent.pid)
+            agent.wait()
+        for log in logs:
+            log.close()
+    return _launcher_sample(path, fault, finished)
+
+
+def _launcher_sample(path: Path, fault: str, finished: bool) -> PeerSample:
+    """A launcher that restarts every rank, read off rank 0's timeline: the stall is the fault
+    to the first step after it (of the restarted ranks)."""
+    events = timeline.read(path)
+    struck = next(((s, t) for e, s, t in events if e in ("crash", "hang")), None)
+    if struck is None:
+        return PeerSample(False, note="the fault never struck")
+    after = [(e, s, t) for e, s, t in events if t > struck[1]]
+    first = next(((s, t) for e, s, t in after if e == "step"), None)
+    resumed = next((s for e, s, _ in after if e == "start"), None)
+    if first is None or resumed is None:
+        why = "no step after the fault" + ("" if finished else " (the job did not finish)")
+        return PeerSample(False, detected=resumed is not None, note=why)
+    before = max((s for e, s, t in events if e == "step" and t < struck[1]), default=0)
+    return PeerSample(
+        True,
+        stall_s=round(first[1] - struck[1], 3),
+        rejoin_s=round(first[1] - struck[1], 3),
+        lost_steps=max(0, before - resumed),
+        ranks_restarted=2,
+        detected=True,
+    )
+
+
 # -- relaunch ------------------------------------------------------------------------------------
 
 
@@ -247,6 +334,9 @@ def peer_rows(
         if relaunch:
             systems.append(("relaunch " + RELAUNCH_LEVELS[fault], None))
         systems.append(("torchft (1 s heartbeat)", peer_python("torchft")))
+        systems.append(
+            (f"NVRx ft_launcher ({NVRX_HEARTBEAT_S:g} s heartbeat)", peer_python("nvrx"))
+        )
         for system, python in systems:
             if isinstance(python, str):
                 rows.append(PeerRow(system, fault, note=python))
@@ -257,8 +347,10 @@ def peer_rows(
                 with tempfile.TemporaryDirectory(prefix="relaunch-bench-") as tmp:
                     if python is None:
                         sample = relaunch_sample(fault, Path(tmp))
-                    else:
+                    elif system.startswith("torchft"):
                         sample = torchft_once(python, fault, Path(tmp))
+                    else:
+                        sample = nvrx_once(python, fault, Path(tmp))
                 samples.append(sample)
                 shown = f"stall {sample.stall_s} s" if sample.ok else f"failed ({sample.note})"
                 say(f"{system} {fault} #{i + 1}: {shown}")

@@ -1,0 +1,1 @@
+../../../examples/peers/plain_ddp.py
