@@ -47,7 +47,7 @@ test: lint typecheck unit
 # environment of its own under .peers/ (their pins conflict), with the torch CPU wheel.
 PEERS := .peers
 TORCH := torch==2.13.0
-peers: $(PEERS)/torchft/.installed $(PEERS)/nvrx/.installed
+peers: $(PEERS)/torchft/.installed $(PEERS)/nvrx/.installed $(PEERS)/dlrover/.installed
 
 $(PEERS)/torchft/.installed:
 	$(PYTHON) -m venv $(PEERS)/torchft
@@ -58,6 +58,16 @@ $(PEERS)/torchft/.installed:
 $(PEERS)/nvrx/.installed:
 	$(PYTHON) -m venv $(PEERS)/nvrx
 	$(PEERS)/nvrx/bin/python -m pip install --quiet $(TORCH) numpy nvidia-resiliency-ext==0.4.1
+	@touch $@
+
+# DLRover 0.6.1 calls torch's SubprocessHandler without the numa_options argument torch 2.13
+# added: `dlrover-run --standalone` fails at start until its one call passes None for it.
+$(PEERS)/dlrover/.installed:
+	$(PYTHON) -m venv $(PEERS)/dlrover
+	$(PEERS)/dlrover/bin/python -m pip install --quiet $(TORCH) numpy 'dlrover[k8s,torch]==0.6.1' 'protobuf<5'
+	sed -i 's/SubprocessHandler(cmd, args, {}, "", "", 0)$$/SubprocessHandler(cmd, args, {}, "", "", 0, None)/' \
+	  $(PEERS)/dlrover/lib/python3.*/site-packages/dlrover/trainer/torch/elastic_run.py
+	grep -q '"", 0, None)' $(PEERS)/dlrover/lib/python3.*/site-packages/dlrover/trainer/torch/elastic_run.py
 	@touch $@
 
 clean:

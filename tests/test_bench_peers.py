@@ -73,8 +73,9 @@ def test_a_peer_not_installed_is_a_row_that_says_how_to_install_it(
     assert [(r["system"], r["fault"], r["stall_s"]) for r in rows] == [
         ("torchft (1 s heartbeat)", "crash", None),
         ("NVRx ft_launcher (4 s heartbeat)", "crash", None),
+        ("DLRover dlrover-run --standalone", "crash", None),
     ]
-    assert all("make peers" in r["note"] for r in rows) and len(said) == 2
+    assert all("make peers" in r["note"] for r in rows) and len(said) == 3
     markdown = report.markdown(
         {"mttr": [], "hang": [], "ratios": {}, "peers": rows, "overhead": []}
     )

@@ -26,7 +26,11 @@ from relaunch_bench.jobs import FAULT_STEP, Progress, _script
 from relaunch_bench.mttr import relaunch_once
 
 PEERS_ENV = "RELAUNCH_PEERS_DIR"
-PEER_VERSIONS = {"torchft": "torchft==0.2.0", "nvrx": "nvidia-resiliency-ext==0.4.1"}
+PEER_VERSIONS = {
+    "torchft": "torchft==0.2.0",
+    "nvrx": "nvidia-resiliency-ext==0.4.1",
+    "dlrover": "dlrover[k8s,torch]==0.6.1",
+}
 """Each peer's pinned release, as `make peers` installs it (beside torch==2.13.0)."""
 FAULTS = ("crash", "hang", "lost-node")
 TORCHFT_HEARTBEAT_MS = 1000
@@ -256,6 +260,41 @@ def nvrx_once(python: Path, fault: str, tmp: Path) -> PeerSample:
     return _launcher_sample(path, fault, finished)
 
 
+def dlrover_once(python: Path, fault: str, tmp: Path) -> PeerSample:
+    """`dlrover-run --standalone` (its one-machine mode: one agent, here of both ranks; its
+    multi-node mode needs its master on Kubernetes), the plain script; rank 1 crashes or is
+    SIGSTOPped at FAULT_STEP. Standalone DLRover has no hang detection of its own: a hang
+    ends with gloo's collective timeout (60 s, the script's default), then every rank restarts."""
+    if fault == "lost-node":
+        return PeerSample(
+            False,
+            note="standalone mode is one node: a lost node is the whole job (its master on "
+            "Kubernetes replaces nodes)",
+        )
+    bin_dir, path = python.parent, tmp / "timeline.txt"
+    strike = "--crash-at-step" if fault == "crash" else "--hang-at-step"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RELAUNCH_", "VIRTUAL_ENV"))}
+    env.update({"PATH": f"{bin_dir}:{env.get('PATH', '')}", "PYTHONUNBUFFERED": "1"})
+    args = [
+        str(bin_dir / "dlrover-run"), "--standalone", "--nproc_per_node", "2",
+        "--max_restarts", "3", "--monitor_interval", "0.1",
+        str(PLAIN_DDP), "--steps", "60", "--ckpt-dir", str(tmp / "ckpt"),
+        "--timeline", str(path), strike, str(FAULT_STEP),
+    ]  # fmt: skip
+    with open(tmp / "dlrover.log", "w") as log:
+        agent = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp, start_new_session=True
+        )
+        try:
+            finished = agent.wait(timeout=240) == 0
+        except subprocess.TimeoutExpired:
+            finished = False
+        finally:
+            kill_tree(agent.pid)
+            agent.wait()
+    return _launcher_sample(path, fault, finished)
+
+
 def _launcher_sample(path: Path, fault: str, finished: bool) -> PeerSample:
     """A launcher that restarts every rank, read off rank 0's timeline: the stall is the fault
     to the first step after it (of the restarted ranks)."""
@@ -337,6 +376,7 @@ def peer_rows(
         systems.append(
             (f"NVRx ft_launcher ({NVRX_HEARTBEAT_S:g} s heartbeat)", peer_python("nvrx"))
         )
+        systems.append(("DLRover dlrover-run --standalone", peer_python("dlrover")))
         for system, python in systems:
             if isinstance(python, str):
                 rows.append(PeerRow(system, fault, note=python))
@@ -349,8 +389,10 @@ def peer_rows(
                         sample = relaunch_sample(fault, Path(tmp))
                     elif system.startswith("torchft"):
                         sample = torchft_once(python, fault, Path(tmp))
-                    else:
+                    elif system.startswith("NVRx"):
                         sample = nvrx_once(python, fault, Path(tmp))
+                    else:
+                        sample = dlrover_once(python, fault, Path(tmp))
                 samples.append(sample)
                 shown = f"stall {sample.stall_s} s" if sample.ok else f"failed ({sample.note})"
                 say(f"{system} {fault} #{i + 1}: {shown}")
