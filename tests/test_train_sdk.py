@@ -3,6 +3,7 @@ reentrancy helpers, progress reports, the job environment."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -271,6 +272,58 @@ def test_report_progress_sends_rank_and_step_to_the_launcher(
     assert parsed is not None and parsed[:2] == (5, 12)
     assert parsed[2] is not None and before <= parsed[2] <= time.time()  # when it was reported
     receiver.close()
+
+
+def test_a_phase_waits_for_room_in_a_full_launcher_queue_and_a_routine_step_does_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A launcher starved by a busy machine leaves its queue full (10 datagrams by default): a
+    phase (R-37 depends on it) waits until the launcher reads, a routine step is dropped."""
+    import threading
+
+    import relaunch.train.progress as progress
+
+    sockets = {}
+    for kind in ("routine", "urgent"):
+        sockets[kind] = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sockets[kind].bind(f"\0relaunch-test-full-{kind}-{os.getpid()}")
+        sockets[kind].setblocking(False)
+    monkeypatch.setenv("RELAUNCH_PROGRESS_SOCKET", f"@relaunch-test-full-routine-{os.getpid()}")
+    monkeypatch.setenv("RELAUNCH_URGENT_SOCKET", f"@relaunch-test-full-urgent-{os.getpid()}")
+    monkeypatch.setenv("RELAUNCH_PROGRESS_EVERY_S", "0")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(progress, "_addresses", None)
+    monkeypatch.setattr(progress, "_sent_at", 0.0)
+    monkeypatch.setattr(progress, "_socket", None)
+    filler = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    filler.setblocking(False)
+    for kind in ("routine", "urgent"):
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                filler.sendto(b"x", f"\0relaunch-test-full-{kind}-{os.getpid()}")
+
+    def drain(sock: socket.socket) -> list[bytes]:
+        out = []
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                out.append(sock.recv(256))
+        return out
+
+    started = time.monotonic()
+    report_progress(7)  # routine, queue full: dropped at once
+    assert time.monotonic() - started < 0.4  # not the urgent wait (0.5 s)
+    reader = threading.Timer(0.1, lambda: drained.extend(drain(sockets["urgent"])))
+    drained: list[bytes] = []
+    reader.start()
+    progress.report_phase(progress.SdkPhase.CHECKPOINT)  # waits for the reader to make room
+    reader.join()
+    drained += drain(sockets["urgent"])
+    phases = [parse_datagram(d) for d in drained if d != b"x"]
+    assert [p[:2] for p in phases if p is not None] == [(1, progress.SdkPhase.CHECKPOINT)]
+    assert all(parse_datagram(d) is None for d in drain(sockets["routine"]))
+    filler.close()
+    for sock in sockets.values():
+        sock.close()
 
 
 def test_report_progress_sends_the_first_step_and_phases_at_once_and_steps_at_most_every_interval(

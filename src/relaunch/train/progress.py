@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import atexit
-import contextlib
 import os
 import socket
 import time
 from dataclasses import dataclass
+from typing import Final
 
 from relaunch.protocol.datagrams import (
     SdkPhase,
@@ -76,6 +76,13 @@ def env() -> JobEnv:
         proc_start_cnt=number(Env.PROC_START_CNT, 1),
         attempt=number(Env.ATTEMPT, 1),
     )
+
+
+URGENT_WAIT_S: Final = 0.5
+"""How long an urgent datagram (a phase, a collective's failure, a first step) waits for room in
+a launcher's full queue (the kernel keeps 10 unread datagrams a socket by default): dropped, a
+save's phase let a process-level recovery run during the save (R-37). A routine step is dropped
+at once: the next one says more."""
 
 
 def report_progress(step: int) -> None:
@@ -150,6 +157,15 @@ def _send(datagram: bytes, urgent: bool) -> None:
         return
     if _socket is None:
         _socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        _socket.setblocking(False)  # a slow launcher drops a report, never stalls training
-    with contextlib.suppress(OSError):
-        _socket.sendto(datagram, target)
+        _socket.setblocking(False)  # a slow launcher drops a routine report, never stalls training
+    deadline = time.monotonic() + (URGENT_WAIT_S if urgent else 0.0)
+    while True:
+        try:
+            _socket.sendto(datagram, target)
+            return
+        except BlockingIOError:  # the launcher's queue is full (a busy machine starved it)
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.005)
+        except OSError:
+            return
