@@ -64,6 +64,7 @@ class PeerRow:
     failures: int = 0
     stall_s: float | None = None
     rejoin_s: float | None = None
+    detect_s: float | None = None
     lost_steps: float | None = None
     ranks_restarted: int | None = None
     detected: bool | None = None
@@ -80,6 +81,8 @@ class PeerSample:
     ranks_restarted: int | None = None
     detected: bool | None = None
     note: str = ""
+    detect_s: float | None = None
+    """Fault to its detection, where the system says when it detected it (relaunch's record)."""
 
 
 def peers_dir() -> Path:
@@ -334,6 +337,7 @@ def relaunch_sample(fault: str, tmp: Path) -> PeerSample:
         lost_steps=sample.lost_steps,
         ranks_restarted=1,
         detected=True,
+        detect_s=sample.detect_s,
     )
 
 
@@ -354,6 +358,7 @@ def _row(system: str, fault: str, samples: list[PeerSample]) -> PeerRow:
         failures=len(samples) - len(good),
         stall_s=med([s.stall_s for s in good if s.stall_s is not None]),
         rejoin_s=med([s.rejoin_s for s in good if s.rejoin_s is not None]),
+        detect_s=med([s.detect_s for s in good if s.detect_s is not None]),
         lost_steps=med([float(s.lost_steps) for s in good if s.lost_steps is not None]),
         ranks_restarted=max((s.ranks_restarted or 0 for s in good), default=None),
         detected=all(s.detected for s in good) if good else None,

@@ -71,6 +71,7 @@ NETWORK_COLUMNS = {
 PEER_COLUMNS = {
     "fault": "fault (rank 1)", "system": "system", "repeats": "repeats", "failures": "failed",
     "stall_s": "stall s (to the next step)", "rejoin_s": "rejoin s (the struck rank steps)",
+    "detect_s": "detect s",
     "lost_steps": "lost steps", "ranks_restarted": "ranks restarted", "detected": "detected",
     "note": "note",
 }  # fmt: skip
