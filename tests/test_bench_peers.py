@@ -83,18 +83,27 @@ def test_a_peer_not_installed_is_a_row_that_says_how_to_install_it(
 
 
 def test_each_faults_ratio_is_relaunch_over_the_best_peer_measured() -> None:
+    """A crash twice: one rank replaced against torchft's survivor, every rank restarted
+    against the best launcher that restarts every rank; a fault a peer could not take (no
+    number) is no ratio."""
     rows = [
-        {"fault": "crash", "system": "relaunch process-in-place+spare", "stall_s": 0.5},
+        {"fault": "crash", "system": "relaunch process-in-place+spare", "stall_s": 0.2},
+        {"fault": "crash", "system": "relaunch job-reschedule+spare", "stall_s": 0.8},
+        {"fault": "crash", "system": "torchrun (c10d)", "stall_s": 4.0},
         {"fault": "crash", "system": "torchft (1 s heartbeat)", "stall_s": 1.0},
-        {"fault": "crash", "system": "torchrun", "stall_s": 4.0},
+        {"fault": "crash", "system": "NVRx ft_launcher (4 s heartbeat)", "stall_s": 4.2},
+        {"fault": "crash", "system": "DLRover dlrover-run --standalone", "stall_s": 3.2},
         {"fault": "hang", "system": "relaunch hang-restart", "stall_s": 5.0},
         {"fault": "hang", "system": "torchft (1 s heartbeat)", "stall_s": None},
     ]
-    assert peer_ratios(rows) == {"crash": 0.5}
+    assert peer_ratios(rows) == {
+        "crash, one rank (process-in-place+spare / torchft)": 0.2,
+        "crash, every rank (job-reschedule+spare / best of torchrun, NVRx, DLRover)": 0.25,
+    }
     markdown = report.markdown(
-        {"mttr": [], "hang": [], "ratios": {}, "peers": rows, "peer_ratios": {"crash": 0.5}}
+        {"mttr": [], "hang": [], "ratios": {}, "peers": rows, "peer_ratios": peer_ratios(rows)}
     )
-    assert "relaunch / the best peer (stall): crash 0.5" in markdown
+    assert "relaunch / the best peer (stall): crash, one rank" in markdown
 
 
 def test_a_launcher_that_restarts_every_rank_is_read_off_rank_0s_timeline(tmp_path: Path) -> None:

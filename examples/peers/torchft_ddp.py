@@ -84,10 +84,12 @@ def main() -> None:
     fault_here = first_start and replica == args.fault_replica
     while manager.current_step() < args.steps:
         step = manager.current_step() + 1  # the step this pass tries to commit
-        if fault_here and step == args.crash_at_step:
+        # `>=`: a replica that joins the quorum late heals to the others' step and may never
+        # try the fault's step itself
+        if fault_here and args.crash_at_step is not None and step >= args.crash_at_step:
             mark("crash", step)
             os._exit(1)
-        if fault_here and step == args.hang_at_step:
+        if fault_here and args.hang_at_step is not None and step >= args.hang_at_step:
             mark("hang", step)
             os.kill(os.getpid(), signal.SIGSTOP)
         x, y = batch(step, replica)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from relaunch.cluster.local import free_port, kill_tree
-from relaunch_bench import timeline
+from relaunch_bench import timeline, torchrun
 from relaunch_bench.jobs import FAULT_STEP, Progress, _script
 from relaunch_bench.mttr import relaunch_once
 
@@ -35,15 +35,19 @@ PEER_VERSIONS = {
 FAULTS = ("crash", "hang", "lost-node")
 TORCHFT_HEARTBEAT_MS = 1000
 """The lighthouse's heartbeat timeout: torchft's tuned setting (its default is 5000 ms)."""
-STEPS = 300
+STEPS = 400
 """Steps of a peer's run: the fault at FAULT_STEP and time enough after it for a replacement
 to rejoin (at about 0.025 s a step)."""
 RELAUNCH_LEVELS = {
-    "crash": "process-in-place+spare",
-    "hang": "hang-restart",
-    "lost-node": "process-reschedule+spare",
+    "crash": ("process-in-place+spare", "job-reschedule+spare"),
+    "hang": ("hang-restart",),
+    "lost-node": ("process-reschedule+spare",),
 }
-"""relaunch's best level for each fault, measured beside the peers in the same run."""
+"""relaunch's best levels for each fault, measured beside the peers in the same run: for a
+crash, replacing one rank (process level, against torchft's survivor) and restarting every rank
+(job level, against the launchers that restart every rank)."""
+RESTART_ALL = ("torchrun", "NVRx", "DLRover")
+"""The peers that restart every rank on a crash: relaunch's job level is measured against them."""
 TORCHFT_DDP = _script("torchft_ddp.py")
 """examples/peers/torchft_ddp.py: train_ddp.py's job in torchft's idiom."""
 PLAIN_DDP = _script("plain_ddp.py")
@@ -325,9 +329,9 @@ def _launcher_sample(path: Path, fault: str, finished: bool) -> PeerSample:
 # -- relaunch ------------------------------------------------------------------------------------
 
 
-def relaunch_sample(fault: str, tmp: Path) -> PeerSample:
-    """relaunch's best level for `fault` on train_ddp.py, 2 pods of 1 rank."""
-    sample = relaunch_once("ddp", RELAUNCH_LEVELS[fault], tmp, procs=1)
+def relaunch_sample(level: str, tmp: Path) -> PeerSample:
+    """relaunch at `level` on train_ddp.py, 2 pods of 1 rank."""
+    sample = relaunch_once("ddp", level, tmp, procs=1)
     if not sample.ok or sample.mttr_s is None:
         return PeerSample(False, note=sample.note)
     return PeerSample(
@@ -335,9 +339,24 @@ def relaunch_sample(fault: str, tmp: Path) -> PeerSample:
         stall_s=sample.mttr_s,
         rejoin_s=sample.mttr_s,  # the job steps again only with every rank back
         lost_steps=sample.lost_steps,
-        ranks_restarted=1,
+        ranks_restarted=2 if level.startswith("job") else 1,
         detected=True,
         detect_s=sample.detect_s,
+    )
+
+
+def torchrun_sample(tmp: Path) -> PeerSample:
+    """torchrun (c10d rendezvous, --max-restarts 3) on train_ddp.py, 2 agents of 1 rank."""
+    sample = torchrun.crash_once(tmp, procs=1)
+    if not sample.ok or sample.mttr_s is None:
+        return PeerSample(False, note=sample.note)
+    return PeerSample(
+        True,
+        stall_s=sample.mttr_s,
+        rejoin_s=sample.mttr_s,
+        lost_steps=sample.lost_steps,
+        ranks_restarted=2,
+        detected=True,
     )
 
 
@@ -376,22 +395,28 @@ def peer_rows(
     for fault in faults:
         systems: list[tuple[str, Any]] = []
         if relaunch:
-            systems.append(("relaunch " + RELAUNCH_LEVELS[fault], None))
+            systems += [(f"relaunch {level}", level) for level in RELAUNCH_LEVELS[fault]]
+            if fault == "crash":
+                systems.append(("torchrun (c10d)", "torchrun"))
         systems.append(("torchft (1 s heartbeat)", peer_python("torchft")))
         systems.append(
             (f"NVRx ft_launcher ({NVRX_HEARTBEAT_S:g} s heartbeat)", peer_python("nvrx"))
         )
         systems.append(("DLRover dlrover-run --standalone", peer_python("dlrover")))
         for system, python in systems:
-            if isinstance(python, str):
+            if isinstance(python, str) and system.startswith(("relaunch", "torchrun")):
+                pass  # measured here, from this venv
+            elif isinstance(python, str):
                 rows.append(PeerRow(system, fault, note=python))
                 say(f"{system} {fault}: {python}")
                 continue
             samples = []
             for i in range(repeats):
                 with tempfile.TemporaryDirectory(prefix="relaunch-bench-") as tmp:
-                    if python is None:
-                        sample = relaunch_sample(fault, Path(tmp))
+                    if system.startswith("relaunch"):
+                        sample = relaunch_sample(python, Path(tmp))
+                    elif system.startswith("torchrun"):
+                        sample = torchrun_sample(Path(tmp))
                     elif system.startswith("torchft"):
                         sample = torchft_once(python, fault, Path(tmp))
                     elif system.startswith("NVRx"):
@@ -406,14 +431,34 @@ def peer_rows(
 
 
 def peer_ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """relaunch's stall over the best peer's, per fault (where both were measured)."""
-    found = {}
-    for fault in FAULTS:
-        here = [r for r in rows if r["fault"] == fault]
-        ours = [r["stall_s"] for r in here if r["system"].startswith("relaunch")]
-        theirs = [
-            r["stall_s"] for r in here if not r["system"].startswith("relaunch") and r["stall_s"]
+    """relaunch's stall over the best peer's, per fault (where both were measured): a crash
+    twice, one rank replaced against torchft's survivor and every rank restarted against the
+    launchers that restart every rank."""
+
+    def stall(fault: str, prefixes: tuple[str, ...]) -> float | None:
+        found = [
+            r["stall_s"]
+            for r in rows
+            if r["fault"] == fault and r["system"].startswith(prefixes) and r["stall_s"]
         ]
-        if ours and ours[0] is not None and theirs:
-            found[fault] = round(ours[0] / min(theirs), 2)
-    return found
+        return min(found) if found else None
+
+    pairs = {
+        "crash, one rank (process-in-place+spare / torchft)": (
+            stall("crash", ("relaunch process-in-place",)),
+            stall("crash", ("torchft",)),
+        ),
+        "crash, every rank (job-reschedule+spare / best of torchrun, NVRx, DLRover)": (
+            stall("crash", ("relaunch job-reschedule",)),
+            stall("crash", RESTART_ALL),
+        ),
+        "hang (hang-restart / best peer)": (
+            stall("hang", ("relaunch",)),
+            stall("hang", ("torchft", *RESTART_ALL)),
+        ),
+        "lost node (process-reschedule+spare / best peer)": (
+            stall("lost-node", ("relaunch",)),
+            stall("lost-node", ("torchft", *RESTART_ALL)),
+        ),
+    }
+    return {k: round(a / b, 2) for k, (a, b) in pairs.items() if a is not None and b}
