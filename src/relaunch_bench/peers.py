@@ -375,14 +375,14 @@ def _row(system: str, fault: str, samples: list[PeerSample]) -> PeerRow:
         fault=fault,
         repeats=len(samples),
         failures=len(samples) - len(good),
-        stall_s=med([s.stall_s for s in good if s.stall_s is not None]),
+        stall_s=med([s.stall_s for s in good if s.stall_s is not None]),  # rounded by med
         rejoin_s=med([s.rejoin_s for s in good if s.rejoin_s is not None]),
         detect_s=med([s.detect_s for s in good if s.detect_s is not None]),
         lost_steps=med([float(s.lost_steps) for s in good if s.lost_steps is not None]),
         ranks_restarted=max((s.ranks_restarted or 0 for s in good), default=None),
         detected=all(s.detected for s in good) if good else None,
         note="; ".join(notes),
-        samples=[s.stall_s for s in good if s.stall_s is not None],
+        samples=[round(s.stall_s, 3) for s in good if s.stall_s is not None],
     )
 
 
