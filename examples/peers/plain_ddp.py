@@ -22,15 +22,9 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from peer_job import batch, model_and_optimizer  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
-
-
-def batch(step: int, rank: int, size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(step * 1000 + rank)
-    x = torch.randn(size, 16, generator=generator)
-    y = x[:, :4].sum(dim=1, keepdim=True) - x[:, 4:8].prod(dim=1, keepdim=True)
-    return x, y
 
 
 def main() -> None:
@@ -65,9 +59,7 @@ def main() -> None:
     mark("imported", 0)
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.collective_timeout))
     mark("group", 0)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    model, optimizer = model_and_optimizer()
     ddp = DistributedDataParallel(model)
     mark("ddp", 0)
     ckpt = Path(args.ckpt_dir)

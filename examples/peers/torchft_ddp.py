@@ -26,16 +26,9 @@ import signal  # noqa: E402
 from datetime import timedelta  # noqa: E402
 
 import torch  # noqa: E402
+from peer_job import batch, model_and_optimizer  # noqa: E402
 from torch import nn  # noqa: E402
 from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo  # noqa: E402
-
-
-def batch(step: int, replica: int, size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """train_ddp.py's data: step s of replica r depends on s and r only."""
-    generator = torch.Generator().manual_seed(step * 1000 + replica)
-    x = torch.randn(size, 16, generator=generator)
-    y = x[:, :4].sum(dim=1, keepdim=True) - x[:, 4:8].prod(dim=1, keepdim=True)
-    return x, y
 
 
 def main() -> None:
@@ -59,9 +52,7 @@ def main() -> None:
 
     mark("launched", 0, LAUNCHED)
     mark("imported", 0)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
-    inner = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    model, inner = model_and_optimizer()
 
     def state_dict() -> dict[str, object]:
         return {"model": model.state_dict(), "optim": inner.state_dict()}

@@ -101,6 +101,22 @@ def peer_python(peer: str) -> Path | str:
     return python
 
 
+def _peer_env(bin_dir: Path) -> dict[str, str]:
+    """This environment for a peer's processes: its venv first on PATH, nothing of relaunch's."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RELAUNCH_", "VIRTUAL_ENV"))}
+    env.update({"PATH": f"{bin_dir}:{env.get('PATH', '')}", "PYTHONUNBUFFERED": "1"})
+    return env
+
+
+def _end(procs: list[subprocess.Popen[bytes]], logs: list[Any]) -> None:
+    """Kill every process a run started (their whole trees) and close their logs."""
+    for proc in procs:
+        kill_tree(proc.pid)
+        proc.wait()
+    for log in logs:
+        log.close()
+
+
 # -- torchft -------------------------------------------------------------------------------------
 
 Events = list[tuple[str, int, float, int]]
@@ -136,8 +152,7 @@ def torchft_once(python: Path, fault: str, tmp: Path) -> PeerSample:
         procs.append(proc)
         return proc
 
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("RELAUNCH_", "VIRTUAL_ENV"))}
-    base["PATH"] = f"{bin_dir}:{base.get('PATH', '')}"
+    base = _peer_env(bin_dir)
     try:
         spawn(
             [str(bin_dir / "torchft_lighthouse"), "--min_replicas", "1", "--quorum_tick_ms", "100",
@@ -152,7 +167,6 @@ def torchft_once(python: Path, fault: str, tmp: Path) -> PeerSample:
                 **base,
                 "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{lighthouse_port}",
                 "REPLICA_GROUP_ID": str(replica),
-                "PYTHONUNBUFFERED": "1",
             }
             args = [
                 str(bin_dir / "torchrun"), "--nnodes", "1", "--nproc-per-node", "1",
@@ -174,11 +188,7 @@ def torchft_once(python: Path, fault: str, tmp: Path) -> PeerSample:
             time.sleep(0.05)
         events = _events(path)
     finally:
-        for proc in procs:
-            kill_tree(proc.pid)
-            proc.wait()
-        for log in logs:
-            log.close()
+        _end(procs, logs)
     return _torchft_sample(events, fault, fault_at)
 
 
@@ -228,8 +238,7 @@ def nvrx_once(python: Path, fault: str, tmp: Path) -> PeerSample:
     bin_dir, path, port = python.parent, tmp / "timeline.txt", free_port()
     strike = "--crash-at-step" if fault == "crash" else "--hang-at-step"
     agents, logs = [], []
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RELAUNCH_", "VIRTUAL_ENV"))}
-    env.update({"PATH": f"{bin_dir}:{env.get('PATH', '')}", "PYTHONUNBUFFERED": "1"})
+    env = _peer_env(bin_dir)
     try:
         for node in range(2):
             args = [
@@ -259,11 +268,7 @@ def nvrx_once(python: Path, fault: str, tmp: Path) -> PeerSample:
             time.sleep(0.1)
         finished = all(a.poll() == 0 for a in agents)
     finally:
-        for agent in agents:
-            kill_tree(agent.pid)
-            agent.wait()
-        for log in logs:
-            log.close()
+        _end(agents, logs)
     return _launcher_sample(path, fault, finished)
 
 
@@ -280,8 +285,7 @@ def dlrover_once(python: Path, fault: str, tmp: Path) -> PeerSample:
         )
     bin_dir, path = python.parent, tmp / "timeline.txt"
     strike = "--crash-at-step" if fault == "crash" else "--hang-at-step"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RELAUNCH_", "VIRTUAL_ENV"))}
-    env.update({"PATH": f"{bin_dir}:{env.get('PATH', '')}", "PYTHONUNBUFFERED": "1"})
+    env = _peer_env(bin_dir)
     args = [
         str(bin_dir / "dlrover-run"), "--standalone", "--nproc_per_node", "2",
         "--max_restarts", "3", "--monitor_interval", "0.1",
@@ -375,7 +379,7 @@ def _row(system: str, fault: str, samples: list[PeerSample]) -> PeerRow:
         fault=fault,
         repeats=len(samples),
         failures=len(samples) - len(good),
-        stall_s=med([s.stall_s for s in good if s.stall_s is not None]),  # rounded by med
+        stall_s=med([s.stall_s for s in good if s.stall_s is not None]),
         rejoin_s=med([s.rejoin_s for s in good if s.rejoin_s is not None]),
         detect_s=med([s.detect_s for s in good if s.detect_s is not None]),
         lost_steps=med([float(s.lost_steps) for s in good if s.lost_steps is not None]),

@@ -1,0 +1,1 @@
+../../../examples/peers/peer_job.py
