@@ -38,7 +38,7 @@ $(CHROMIUM):
 	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends chromium >/dev/null
 
 unit: $(STAMP) $(CHROMIUM)
-	$(BIN)/pytest -q -n 2 --dist loadfile
+	$(BIN)/pytest -q
 
 # Sets up and runs everything CI runs: lint, types, tests.
 test: lint typecheck unit
