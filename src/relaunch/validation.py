@@ -76,6 +76,24 @@ def seconds(lo_exclusive: float, hi: float) -> Callable[[Any], float]:
     return read
 
 
+def seconds_or_off(hi: float) -> Callable[[Any], float]:
+    """A reader of a setting that 0 turns off: 0, or a number of seconds above 0, at most `hi`."""
+    some = seconds(0, hi)
+    allowed = f"0 (off) or a number of seconds > 0 and <= {hi:g}"
+
+    def read(value: Any) -> float:
+        if not isinstance(value, bool) and isinstance(value, int | float) and value == 0:
+            return 0.0
+        if isinstance(value, str) and value.strip() in ("0", "0.0"):
+            return 0.0
+        try:
+            return some(value)
+        except ValueError:
+            raise reject(allowed) from None
+
+    return read
+
+
 BOOL_ALLOWED = 'true or false (a boolean or the string "true" / "false")'
 
 

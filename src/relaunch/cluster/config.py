@@ -8,7 +8,7 @@ A cluster file is YAML or JSON::
     heartbeat_timeout_s: 3   # a node whose agent is silent this long is Lost
     adopt_grace_s: 30        # pods keep running this long without a controller
     root_cause_window_s: 5   # ranks failing this close to a fault are its collateral
-    stack_capture_s: 5       # on a hang, how long to wait for every rank's stack
+    stack_capture_s: 5       # on a hang, how long to wait for every rank's stack (0: no capture)
     slow_window_s: 60        # a pod busy much more than its peers over this long is slow (0: off)
     slow_margin: 0.3         # ... by at least this share of the window
     pod_lease_s: 30          # a pod that hears nothing from the controller this long stops
@@ -26,7 +26,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from relaunch.errors import InputError, Problem
-from relaunch.validation import integer, problems_from, reject, seconds, v
+from relaunch.validation import integer, problems_from, reject, seconds, seconds_or_off, v
 
 __all__ = ["ClusterConfig", "NodeSpec", "parse_cluster"]
 
@@ -65,8 +65,8 @@ class _ClusterFile(BaseModel):
     heartbeat_timeout_s: Annotated[float, v(seconds(0, 600))] = 3.0
     adopt_grace_s: Annotated[float, v(seconds(0, 86400))] = 30.0
     root_cause_window_s: Annotated[float, v(seconds(0, 600))] = 5.0
-    stack_capture_s: Annotated[float, v(seconds(0, 120))] = 5.0
-    slow_window_s: Annotated[float, v(seconds(0, 86400))] = 60.0
+    stack_capture_s: Annotated[float, v(seconds_or_off(120))] = 5.0
+    slow_window_s: Annotated[float, v(seconds_or_off(86400))] = 60.0
     slow_margin: Annotated[float, v(_share)] = 0.3
     pod_lease_s: Annotated[float | None, v(seconds(0.1, 86400))] = None
 
