@@ -273,10 +273,8 @@ class Sim:
                 self.answered.add(key)
                 if isinstance(message, Start):
                     ranks = message.ranks or tuple(range(pod * ppp, pod * ppp + ppp))
-                    for rank in ranks:
-                        c.receive(
-                            peer, Started(rank, message.attempt, 5000 + rank, self.clock.now())
-                        )
+                    pids = {rank: 5000 + rank for rank in ranks}
+                    c.receive(peer, Started(message.attempt, self.clock.now(), pids))
                 elif isinstance(message, CaptureStacks) and pod not in self.mute_stacks:
                     link = c.pods[pod].link
                     running = [r for r, o in (link.ranks.items() if link else []) if o.running]
@@ -287,13 +285,12 @@ class Sim:
                     c.receive(peer, None)
                 elif isinstance(message, Stop):
                     link = c.pods[pod].link
-                    for rank, observed in link.ranks.items() if link else []:
-                        if observed.running and (message.ranks is None or rank in message.ranks):
-                            c.receive(
-                                peer,
-                                Exited(rank, observed.attempt, None, 15, True, self.clock.now()),
-                            )
-                    c.receive(peer, Stopped(c.job.attempt, self.clock.now()))
+                    ended = {
+                        rank: (observed.attempt, None, 15)
+                        for rank, observed in (link.ranks.items() if link else [])
+                        if observed.running and (message.ranks is None or rank in message.ranks)
+                    }
+                    c.receive(peer, Stopped(c.job.attempt, self.clock.now(), exited=ended))
         for peer in self.agents.values():
             for message in peer.sent:
                 if isinstance(message, Heal) and id(message) not in self.answered:
@@ -392,9 +389,7 @@ class Sim:
     def crash(self, rank: int, code: int = 1) -> None:
         c = self.controller
         pod = rank // c.spec.procs_per_pod
-        c.receive(
-            self.link_peer(pod), Exited(rank, c.job.attempt, code, None, False, self.clock.now())
-        )
+        c.receive(self.link_peer(pod), Exited(rank, c.job.attempt, code, None, self.clock.now()))
 
     def chip_fault(self, node: str, chip: int, code: str, heals: bool = True) -> None:
         self.seq += 1

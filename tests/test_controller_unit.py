@@ -486,7 +486,7 @@ def test_exits_after_a_job_level_decision_are_its_collateral_not_new_faults(
     for rank in (0, 3):
         pod = rank // c.spec.procs_per_pod
         c.receive(sim.link_peer(pod) if c.pods[pod].link else sim.launchers[(pod, 1)],
-                  Exited(rank, old, 1, None, False, sim.clock.now()))  # fmt: skip
+                  Exited(rank, old, 1, None, sim.clock.now()))  # fmt: skip
     sim.tick()
     (record,) = sim.records()
     assert record.action is Action.JOB_RESCHEDULE

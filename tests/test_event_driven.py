@@ -217,7 +217,7 @@ def test_a_quiet_listener_sleeps_through_routine_messages_and_wakes_for_its_door
         assert peer.send(first_step, urgent=True)  # a launcher's first step of an attempt
         assert listener.wait_quietly(5.0)
         assert [m for _, m in _poll_until(listener, 1)] == [first_step]
-        exited = messages.Exited(0, 1, 1, None, False, 3.0)
+        exited = messages.Exited(0, 1, 1, None, 3.0)
         assert not exited.ROUTINE and peer.send(exited)
         assert listener.wait_quietly(5.0)
         assert [m for _, m in _poll_until(listener, 1)] == [exited]
@@ -248,7 +248,7 @@ def test_without_a_doorbell_the_controller_reads_every_tick_and_peers_ring_into_
         peer = Connection.connect(*listener.address)
         peer._doorbell = taken  # rings a port that is not the controller's: no one answers
         try:
-            exited = messages.Exited(0, 1, 1, None, False, 3.0)
+            exited = messages.Exited(0, 1, 1, None, 3.0)
             assert peer.send(exited) and peer.send(exited)
             assert [m for _, m in _poll_until(listener, 2)] == [exited, exited]
         finally:

@@ -143,8 +143,10 @@ def run_job(
     on_output: Callable[[int, int, str], None] | None = None,
     on_tick: Callable[[], None] | None = None,
     on_start: Callable[[Controller], None] | None = None,
+    engine: Engine | None = None,
 ) -> JobStatus:
-    """Run (or resume) a stored job to its end with the lock held by the caller."""
+    """Run (or resume) a stored job to its end with the lock held by the caller, on the engine it
+    was submitted to (`engine`: on this one instead; the bench's simulated cluster)."""
     row = store.job(job_id)
     job, cluster, plan = _stored(store, job_id)
     store.ensure_nodes([(n.name, n.chips) for n in cluster.nodes])
@@ -156,7 +158,7 @@ def run_job(
         create_pods(store, directory, job_id, job)
     controller = Controller(
         store,
-        make_engine(row.spec.get("engine"), directory, cluster, remove_node),
+        engine or make_engine(row.spec.get("engine"), directory, cluster, remove_node),
         directory,
         cluster,
         job_id,

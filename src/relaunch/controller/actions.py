@@ -354,6 +354,8 @@ def published(c: Controller, active: ActiveRecovery) -> bool:
 
 
 def isolate(c: Controller, d: Decision, now: float) -> None:
+    if not d.isolate_nodes:
+        return
     for node in d.isolate_nodes:
         row = c.node(node)
         if row is None:
@@ -366,7 +368,7 @@ def isolate(c: Controller, d: Decision, now: float) -> None:
             c.store.set_node_state(
                 node, NodeState.LOST, f"lost and isolated: {d.assessment.fault.describe()}"
             )
-    c.refresh_nodes()
+        c.refresh_node(node)
 
 
 def move_pods(c: Controller, d: Decision, moved: set[int]) -> None:
@@ -381,17 +383,17 @@ def move_pods(c: Controller, d: Decision, moved: set[int]) -> None:
             if row.idx in moved
             else row.workdir
         )
-        c.put_pod(
-            PodRow(
-                row.job_id,
-                row.idx,
-                places.get(row.idx, row.node),
-                generation,
-                counters.schedule_cnt,
-                counters.proc_start_cnt,
-                workdir,
-            )
+        wanted = PodRow(
+            row.job_id,
+            row.idx,
+            places.get(row.idx, row.node),
+            generation,
+            counters.schedule_cnt,
+            counters.proc_start_cnt,
+            workdir,
         )
+        if wanted != row:  # a process-level recovery touches one pod of thousands
+            c.put_pod(wanted)
 
 
 def new_attempt(c: Controller, now: float) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from relaunch.controller import lifecycle, stacks
-from relaunch.controller.detectors import hang_fault, launcher_faults, lost_nodes
+from relaunch.controller.detectors import hang_look, launcher_faults, lost_nodes
 from relaunch.controller.pods import Pod, PodPhase
 from relaunch.diagnosis import MIN_LOOKS, slow_links, slow_pods
 from relaunch.faults import Fault, FaultKind
@@ -69,7 +69,7 @@ def heartbeats(c: Controller, now: float) -> None:
     )
     for lost in found:
         c.store.set_node_state(lost.node, NodeState.LOST, lost.why)
-        c.refresh_nodes()
+        c.refresh_node(lost.node)
         c.agents.pop(lost.node, None)
         c.event(f"node {lost.node} lost: {lost.why} (last heartbeat {lost.silent_s:.1f} s ago)")
         c.recoveries.fault(lost.detected.fault, lost.detected.source)
@@ -104,17 +104,25 @@ def hangs(c: Controller, now: float) -> None:
         return  # a scale-out: the group waits for the joining ranks to start
     active = c.recoveries.active
     waiting = active is not None and active.action.process_level
+    exempt = active.ranks if waiting and active is not None else None
+    network = network_waited_until(c)
+    key = (c.job.attempt, exempt, network, c.hang_s, c.startup_s)
+    seen_up_to = min(now, c.caught_up_at)  # silent up to when everything sent was read
+    if not c.hang_watch.must_look(seen_up_to, key):
+        return
     links = [p.link for p in c.pods.values() if p.link is not None]
-    found = hang_fault(
+    look = hang_look(
         links,
         c.job.attempt,
-        min(now, c.caught_up_at),  # silent up to when everything sent was read
+        seen_up_to,
         c.hang_s,
         c.startup_s,
-        lambda rank: waiting and active is not None and rank not in active.ranks,
+        lambda rank: exempt is not None and rank not in exempt,
         c.fault_plan.injected_at,
-        network_waited_until(c),
+        network,
     )
+    c.hang_watch.looked(look, key)
+    found = look.found
     if found is None:
         return
     for link in links:
@@ -204,19 +212,18 @@ def done(c: Controller, now: float) -> None:
     if c.recoveries.waiting or c.job.status.ended:
         return  # a stored fault waits for its decision: the job is not done before it
     parked = c.membership.parked()
-    pods = [p for p in c.pods.values() if p.index not in parked]
-    if any(p.link is None for p in pods):
-        return
-    ranks = [
-        r
-        for p in pods
-        if p.link is not None
-        for r in p.link.ranks.values()
-        if r.attempt == c.job.attempt
-    ]
-    if len(ranks) != len(pods) * c.spec.procs_per_pod:
-        return
-    if not all(not r.running and r.code == 0 for r in ranks):
+    attempt, ended = c.job.attempt, 0
+    for pod in c.pods.values():
+        if pod.index in parked:
+            continue
+        if pod.link is None:
+            return
+        for rank in pod.link.ranks.values():  # a job that trains stops at its first rank
+            if rank.attempt == attempt:
+                if rank.running or rank.code != 0:
+                    return
+                ended += 1
+    if ended != (len(c.pods) - len(parked)) * c.spec.procs_per_pod:
         return
     active = c.recoveries.active
     if active is not None:

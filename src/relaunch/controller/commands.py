@@ -78,20 +78,13 @@ def cluster_view(c: Controller, fault: Fault) -> ClusterView:
         for n in c.nodes.values()
         if n.schedulable and n.name not in used and n.chips >= c.spec.chips_per_pod
     )
-    attempt = c.job.attempt
-    failed = c.failed_pods()
+    failed, phases_of = _ranks_now(c)
     faulty = faulty_pods(c, fault) | failed
     # R-37 asks whether ranks that live on are saving or building their group: a rank on a lost
     # node is gone whatever it was doing (and its last phase may never have reached the
     # controller: a starved launcher forwards it late, then its node went)
     gone = failed | {p.index for p in c.pods.values() if _node_lost(c, p.row.node)}
-    phases = {
-        r.phase
-        for p in c.pods.values()
-        if p.link is not None and p.index not in gone
-        for r in p.link.ranks.values()
-        if r.attempt == attempt and r.running
-    }
+    phases = {phase for pod, seen in phases_of.items() if pod not in gone for phase in seen}
     started = c.job.attempt_started_at or fault.at
     from relaunch.policy.fallback import FAILED_AT_START_S
 
@@ -108,6 +101,34 @@ def cluster_view(c: Controller, fault: Fault) -> ClusterView:
         ),
         slots=rebuild_slots(capacities(c), c.spec.chips_per_pod),
     )
+
+
+def failed_and_saving(c: Controller) -> tuple[int, bool]:
+    """How many pods have a rank that failed, and whether a rank that lives on saves a
+    checkpoint (R-37, R-41: what the policy's hold asks), in one look at every rank."""
+    failed, phases = _ranks_now(c)
+    gone = failed | {p.index for p in c.pods.values() if _node_lost(c, p.row.node)}
+    saving = any(SdkPhase.CHECKPOINT in seen for pod, seen in phases.items() if pod not in gone)
+    return len(failed), saving
+
+
+def _ranks_now(c: Controller) -> tuple[set[int], dict[int, set[str]]]:
+    """In one look at every rank of the current attempt: the pods with a rank that failed, and
+    the SDK phases of each pod's running ranks."""
+    attempt = c.job.attempt
+    failed: set[int] = set()
+    phases: dict[int, set[str]] = {}
+    for pod in c.pods.values():
+        if pod.link is None:
+            continue
+        for rank in pod.link.ranks.values():
+            if rank.attempt != attempt:
+                continue
+            if rank.running:
+                phases.setdefault(pod.index, set()).add(rank.phase)
+            elif rank.code or rank.signal:
+                failed.add(pod.index)
+    return failed, phases
 
 
 def _node_lost(c: Controller, name: str) -> bool:

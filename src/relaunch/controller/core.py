@@ -60,6 +60,11 @@ DRAIN_ROUNDS: Final = 20
 """Reads of every ready connection per step at most, before the checks run anyway."""
 DUE_MARGIN_S: Final = 0.001
 """A deadline's pass runs this much after it (the detectors count silence strictly longer)."""
+PASS_PER_POD_S: Final = 25e-6
+"""While something is under way, passes come TICK_S apart, or this much a pod when that is
+longer (0.1 s at 4,096 pods): a pass looks at every pod and node (a few microseconds each), and
+so takes a bounded share of a core however large the job. What a message asks for (an exit, a
+stop done, a hello) still hurries a pass at once."""
 SEEN_EVERY_S: Final = 0.5
 """How often the controller writes that it is alive (a resume tells how long it was away)."""
 
@@ -131,6 +136,8 @@ class Controller:
         self.refresh_nodes()
         self.pods: dict[int, Pod] = {p.idx: Pod(p) for p in store.pods(job_id)}
         self.agents: dict[str, AgentLink] = {}
+        self.links: dict[int, LauncherLink] = {}
+        """Each connected launcher's link, by its peer's identity (`linked`)."""
         self.progress = TrainingProgress(self.job.last_step, self.job.last_step is not None)
         self.adopt_until = 0.0
         """Until then, agents and launchers are being (re-)adopted: no node is declared lost."""
@@ -149,9 +156,13 @@ class Controller:
         self.capture: Capture | None = None
         """A hang's stacks being captured before it is decided (controller.stacks)."""
         self.capture_requests = 0
+        self.hang_watch = detectors.HangWatch()
+        """When the hang detector looks at the ranks again (checks.hangs)."""
         self.slow_since: dict[int, float] = {}
         """Pods that looked slow at every check since then (checks.slow)."""
         self.slow_checked_at = 0.0
+        self.tick_s = max(TICK_S, PASS_PER_POD_S * len(self.pods))
+        """How far apart passes come while something is under way (PASS_PER_POD_S)."""
         self.recoveries = RecoveryDriver(self)
         self.membership = MembershipPublisher(self)
         self.fault_plan = FaultPlanRunner(self, plan)
@@ -180,7 +191,7 @@ class Controller:
             self.hurry()
         if now < self.next_pass:
             return
-        self.next_pass = now + TICK_S
+        self.next_pass = now + self.tick_s
         self.pass_(now)
         if self.next_pass == 0.0:  # hurried during the pass: another one at once
             self.steady_since = None
@@ -222,13 +233,8 @@ class Controller:
         silence = detectors.heartbeat_due(
             self.nodes.values(), self.agents, self.cluster.heartbeat_timeout_s, now
         )
-        hang = detectors.hang_due(
-            [p.link for p in self.pods.values() if p.link is not None],
-            self.job.attempt,
-            self.hang_s,
-            self.startup_s,
-            checks.network_waited_until(self),
-        )
+        watch = self.hang_watch  # looked at this pass (see checks.hangs)
+        hang = watch.due if watch.fresh else now
         due += [at + DUE_MARGIN_S for at in (silence, hang) if at is not None]
         due.append(self.leases.next_renewal())
         if self.cluster.slow_window_s > 0:
@@ -346,6 +352,12 @@ class Controller:
     def refresh_nodes(self) -> None:
         self.nodes = {n.name: n for n in self.store.nodes()}
 
+    def refresh_node(self, name: str) -> None:
+        """One node's row read again (its state changed): not every node's, of thousands."""
+        row = self.store.node(name)
+        if row is not None:
+            self.nodes[name] = row
+
     def node(self, name: str) -> NodeRow | None:
         return self.nodes.get(name)
 
@@ -355,20 +367,13 @@ class Controller:
 
     def launcher_of(self, peer: Peer, leaving: bool = False) -> LauncherLink | None:
         """The pod launcher on `peer`; `leaving`: the one a pod is tearing down."""
-        return next(
-            (
-                link
-                for p in self.pods.values()
-                if (link := p.leaving if leaving else p.link) is not None and link.peer is peer
-            ),
-            None,
-        )
+        link = self.links.get(id(peer))
+        pod = self.pods.get(link.pod) if link is not None else None
+        if pod is None or (pod.leaving if leaving else pod.link) is not link:
+            return None
+        return link
 
-    def failed_pods(self) -> set[int]:
-        attempt = self.job.attempt
-        return {
-            p.index
-            for p in self.pods.values()
-            if p.link is not None
-            and any(r.attempt == attempt and r.failed for r in p.link.ranks.values())
-        }
+    def linked(self, link: LauncherLink) -> None:
+        """`link` is what its peer's messages are about from now on (a hello, a standby
+        launcher that became a pod's): found by `launcher_of` without a look at every pod."""
+        self.links[id(link.peer)] = link

@@ -25,12 +25,14 @@ if TYPE_CHECKING:
 __all__ = [
     "ACTIVE_CPU_SHARE",
     "Detected",
+    "HangLook",
+    "HangWatch",
     "InjectedAt",
     "chip_faults",
     "collective_fault",
     "exit_fault",
-    "hang_due",
     "hang_fault",
+    "hang_look",
     "heartbeat_due",
     "launcher_faults",
     "lost_nodes",
@@ -58,8 +60,6 @@ def exit_fault(
 ) -> Detected | None:
     """A rank exited non-zero (or by a signal) without being stopped (of any attempt: an exit of
     an attempt that ended may be the collateral of the fault that ended it)."""
-    if message.expected:
-        return None
     if message.code == 0 and not message.signal:
         return None
     fault = Fault(
@@ -219,23 +219,14 @@ def rank_active(rank: Rank, cpu: float, io: int, now: float) -> bool:
     return busy or io > io_then
 
 
-def hang_due(
-    links: Iterable[LauncherLink],
-    attempt: int,
-    hang_s: float,
-    startup_s: float,
-    network_waited_until: float = 0.0,
-) -> float | None:
-    """The earliest moment `hang_fault` could find a silent rank, as things stand: progress only
-    moves it later (None: no rank runs)."""
-    due = [
-        max(rank.last_activity, network_waited_until) + (hang_s if rank.progressed else startup_s)
-        for link in links
-        if not link.stopping
-        for rank in link.ranks.values()
-        if rank.running and rank.attempt == attempt
-    ]
-    return min(due) if due else None
+@dataclass(frozen=True)
+class HangLook:
+    """What one look at the ranks found: a hang, or when the next look could find one."""
+
+    found: Detected | None
+    due: float | None
+    """As things stand (no message since), the earliest moment a look could find a hang; None:
+    never (no rank runs), or at once (a hang was found: its ranks' silence starts again)."""
 
 
 def hang_fault(
@@ -248,6 +239,22 @@ def hang_fault(
     injected_at: InjectedAt,
     network_waited_until: float = 0.0,
 ) -> Detected | None:
+    """R-25: a rank of the current attempt silent for the hang window (see `hang_look`)."""
+    return hang_look(
+        links, attempt, now, hang_s, startup_s, exempt, injected_at, network_waited_until
+    ).found
+
+
+def hang_look(
+    links: Iterable[LauncherLink],
+    attempt: int,
+    now: float,
+    hang_s: float,
+    startup_s: float,
+    exempt: Callable[[int], bool],
+    injected_at: InjectedAt,
+    network_waited_until: float = 0.0,
+) -> HangLook:
     """R-25: a rank of the current attempt silent for the hang window (before its first sign of
     progress: the startup allowance). When several are silent (one stuck rank stalls its peers
     at the next collective), the one silent longest is reported. `exempt` ranks (healthy ranks
@@ -258,7 +265,6 @@ def hang_fault(
     down until `network_waited_until`: R-12's flap, ridden out) are not hung either: their
     silence counts from when the link was back."""
     silent: list[tuple[float, LauncherLink, int, float]] = []
-    saving = False
     current = [
         (link, index, rank)
         for link in links
@@ -267,22 +273,54 @@ def hang_fault(
         if rank.running and rank.attempt == attempt
     ]
     saved_at = max((rank.save_ended_at for _, _, rank in current), default=0.0)
+    save_counts = max(startup_s, hang_s)
+    save_due: float | None = None  # the first save that stops counting as progress
+    due: float | None = None
     for link, rank_index, rank in current:
         if exempt(rank_index):
             continue
-        if rank.phase == SdkPhase.CHECKPOINT and now - rank.phase_since <= max(startup_s, hang_s):
-            saving = True  # making progress, however slow the disk
+        if rank.phase == SdkPhase.CHECKPOINT and now - rank.phase_since <= save_counts:
+            ends = rank.phase_since + save_counts  # making progress, however slow the disk
+            save_due = ends if save_due is None else min(save_due, ends)
             continue
         window = hang_s if rank.progressed else startup_s
         # it waited for a peer's save, or for the network, until then
         since = max(rank.last_activity, saved_at, network_waited_until)
         if now - since > window:
             silent.append((since, link, rank_index, window))
-    if not silent or saving:  # the silent ones wait for the saving rank in a collective
-        return None
+        elif due is None or since + window < due:
+            due = since + window
+    if save_due is not None:  # the silent ones wait for the saving rank in a collective
+        return HangLook(None, save_due)
+    if not silent:
+        return HangLook(None, due)
     _, link, rank_index, window = min(silent, key=lambda item: item[0])
     at = injected_at(("hang", "job"), now - window)
     fault = Fault(
         FaultKind.HANG, at, pod=link.pod, rank=rank_index, detail=f"silent for {window:g} s"
     )
-    return Detected(fault, f"hang:{attempt}:{rank_index}:{now:.3f}")
+    return HangLook(Detected(fault, f"hang:{attempt}:{rank_index}:{now:.3f}"), None)
+
+
+@dataclass
+class HangWatch:
+    """When the hang detector must look at the ranks again, so that a job of thousands of ranks
+    is not scanned at every pass: the due time its last look gave, valid while the things the
+    look depended on stay as they were (`key`: the attempt, the recovery under way, the
+    network's wait). A message that could bring a hang earlier than the look said (a rank
+    started, a first step, a phase, a launcher's hello) makes it look at the next pass: routine
+    messages (steps of a rank that stepped before, usage, heartbeats) only push hangs later."""
+
+    due: float | None = None
+    key: object = None
+    fresh: bool = False
+
+    def stale(self) -> None:
+        """Something changed that a look depends on: the next pass looks."""
+        self.fresh = False
+
+    def must_look(self, now: float, key: object) -> bool:
+        return not self.fresh or key != self.key or (self.due is not None and now >= self.due)
+
+    def looked(self, look: HangLook, key: object) -> None:
+        self.due, self.key, self.fresh = look.due, key, look.found is None

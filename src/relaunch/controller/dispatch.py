@@ -41,6 +41,8 @@ HEARTBEAT_WRITTEN_EVERY_S = 5.0
 
 
 def dispatch(c: Controller, peer: Peer, message: Message | None) -> None:
+    if message is None or not message.ROUTINE:  # a start, an exit, a hello: the ranks change
+        c.hang_watch.stale()
     match message:
         case None:
             _closed(c, peer)
@@ -73,10 +75,12 @@ def dispatch(c: Controller, peer: Peer, message: Message | None) -> None:
 def _from_launcher(c: Controller, link: LauncherLink, message: Message) -> None:
     now = c.clock.now()
     match message:
-        case Started(rank=rank, attempt=attempt, at=at):
-            link.ranks[rank] = Rank(attempt, True, at, at)
+        case Started(attempt=attempt, at=at, pids=pids):
+            for rank in pids:
+                link.ranks[rank] = Rank(attempt, True, at, at)
+            link.ranks_changed()
         case Output(rank=rank, attempt=attempt, line=line):
-            _activity(link, rank, attempt, now)
+            _activity(c, link, rank, attempt, now)
             if c.on_output is not None:
                 c.on_output(link.pod, rank, line)
             if not c.progress.uses_sdk:
@@ -86,6 +90,8 @@ def _from_launcher(c: Controller, link: LauncherLink, message: Message) -> None:
                 observed = link.ranks.get(rank_index)
                 if observed is not None and observed.running:
                     observed.looked(now, busy_looks, looks, c.cluster.slow_window_s)
+            if phases:
+                c.hang_watch.stale()  # a save that begins or ends moves the hang window
             for phase in phases:
                 observed = link.ranks.get(phase.rank)
                 if observed is not None and observed.attempt == phase.attempt:
@@ -111,7 +117,9 @@ def _from_launcher(c: Controller, link: LauncherLink, message: Message) -> None:
                 found = collective_fault(link, message, commands.links_down(c))
                 c.recoveries.fault(found.fault, found.source)
                 c.hurry()
-        case Stopped():
+        case Stopped(exited=exited):
+            for rank, (attempt, code, signum) in exited.items():
+                _ended(link, rank, attempt, code, signum)
             pod = c.pods.get(link.pod)
             if pod is not None and pod.link is link:
                 pod.stopped(now)
@@ -120,9 +128,11 @@ def _from_launcher(c: Controller, link: LauncherLink, message: Message) -> None:
             c.hurry()  # the next attempt starts as soon as every pod has stopped
 
 
-def _activity(link: LauncherLink, rank: int, attempt: int, now: float) -> None:
+def _activity(c: Controller, link: LauncherLink, rank: int, attempt: int, now: float) -> None:
     observed = link.ranks.get(rank)
     if observed is not None and observed.attempt == attempt:
+        if not observed.progressed:  # its window is the hang window from now, not the startup's
+            c.hang_watch.stale()
         observed.last_activity = now
         observed.progressed = True
 
@@ -136,7 +146,7 @@ def _step(
     now: float,
     reported_at: float | None = None,
 ) -> None:
-    _activity(link, rank, attempt, now)
+    _activity(c, link, rank, attempt, now)
     progress = c.progress
     progress.uses_sdk = True
     c.membership.joined(rank)
@@ -161,13 +171,22 @@ def _progressed(
     c.recoveries.progressed(rank, started_at, attempt, step, reported_at)
 
 
-def _exited(c: Controller, link: LauncherLink, message: Exited) -> None:
-    observed = link.ranks.setdefault(message.rank, Rank(message.attempt))
+def _ended(
+    link: LauncherLink, rank: int, attempt: int, code: int | None, signum: int | None
+) -> Rank:
+    """A rank's process is gone (of `attempt`: its record is made if none was)."""
+    observed = link.ranks.setdefault(rank, Rank(attempt))
     observed.running = False
-    observed.code, observed.signal = message.code, message.signal
+    observed.code, observed.signal = code, signum
+    link.ranks_changed()
+    return observed
+
+
+def _exited(c: Controller, link: LauncherLink, message: Exited) -> None:
+    observed = _ended(link, message.rank, message.attempt, message.code, message.signal)
     pod = c.pods.get(link.pod)
     node = pod.row.node if pod is not None else link.node
-    if message.expected or (message.code == 0 and not message.signal):
+    if message.code == 0 and not message.signal:
         return
     started_at = observed.started_at if observed.attempt == message.attempt else 0.0
     if message.attempt != c.job.attempt:  # an attempt that ended: its fault's collateral, or old
@@ -198,10 +217,10 @@ def _chip_health(c: Controller, agent: AgentLink, beat: Heartbeat) -> None:
     row = c.node(beat.node)
     if beat.chips and row is not None and row.state is NodeState.READY:
         c.store.set_node_state(beat.node, NodeState.FAULTY, "chip fault reported")
-        c.refresh_nodes()
+        c.refresh_node(beat.node)
     elif not beat.chips and row is not None and row.state is NodeState.FAULTY:
         c.store.set_node_state(beat.node, NodeState.READY, "chips healthy")
-        c.refresh_nodes()
+        c.refresh_node(beat.node)
     if not beat.chips and beat.link is None:
         return
     pod = next((p.index for p in c.pods.values() if p.row.node == beat.node), None)
@@ -226,6 +245,7 @@ def _launcher_hello(c: Controller, peer: Peer, hello: LauncherHello) -> None:
         peer.send(Shutdown(0.0))
         return
     link = LauncherLink(peer, hello.pod, hello.generation, hello.pid, node=hello.node)
+    c.linked(link)
     now = c.clock.now()
     for rank, report in hello.procs.items():
         link.ranks[rank] = Rank(  # a rank that trained before a resume is not starting up
@@ -257,16 +277,21 @@ def _launcher_hello(c: Controller, peer: Peer, hello: LauncherHello) -> None:
             c.job_id, f"exit:{report.attempt}:{hello.generation}:{rank}:"
         ):
             code, signum = (None, -report.code) if report.code < 0 else (report.code, None)
-            _exited(c, link, Exited(rank, report.attempt, code, signum, False, now))
+            _exited(c, link, Exited(rank, report.attempt, code, signum, now))
 
 
 def _closed(c: Controller, peer: Peer) -> None:
-    now = c.clock.now()
-    for pod in c.pods.values():
-        if pod.leaving is not None and pod.leaving.peer is peer:
+    """A peer's connection closed: if it was a launcher, its pod lost it (or its teardown is
+    over), or its node's standby launcher is gone. Found by the peer, not by a look at every
+    pod: a job-level rescheduling closes thousands."""
+    link = c.links.pop(id(peer), None)
+    if link is None:
+        return  # an agent (its silence is the heartbeat's), or a launcher never linked
+    pod = c.pods.get(link.pod)
+    if pod is not None:
+        if pod.leaving is link:
             pod.leaving = None
-        if pod.link is not None and pod.link.peer is peer and pod.phase is not PodPhase.PARKED:
-            pod.lost(now)
-    for node, standby in list(c.reconciler.standby.items()):
-        if standby.peer is peer:
-            del c.reconciler.standby[node]
+        if pod.link is link and pod.phase is not PodPhase.PARKED:
+            pod.lost(c.clock.now())
+    if c.reconciler.standby.get(link.node) is link:
+        del c.reconciler.standby[link.node]

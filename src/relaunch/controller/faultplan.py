@@ -71,7 +71,10 @@ class FaultPlanRunner:
             return
         elapsed = now - (c.job.attempt_started_at or now)
         self._warn_silent(done, elapsed)
-        saving = commands.checkpoint_saving(c)
+        # whether a rank saves (a look at every rank) only where an entry waits for a save
+        saving = any(e.while_saving and e.index not in done for e in self.plan) and (
+            commands.checkpoint_saving(c)
+        )
         for entry in self.plan:
             if entry.index in done or not entry.due(c.progress.step, elapsed, saving):
                 continue

@@ -76,11 +76,12 @@ class LeaseKeeper:
         c = self.c
         links = [link for p in c.pods.values() for link in (p.link, p.leaving) if link is not None]
         links += list(c.reconciler.standby.values())
+        lease = Lease()  # one message for all, encoded once (protocol.wire)
         for link in links:
             node = c.node(link.node) if link.node else None
             if node is not None and node.state in (NodeState.LOST, NodeState.ISOLATED):
                 continue  # fenced: its launchers stop once their lease runs out
-            if not link.peer.closed and link.peer.send(Lease()) and link.node:
+            if not link.peer.closed and link.peer.send(lease) and link.node:
                 self.sent_to[link.node] = now
 
     def fence_until(self, fault: Fault) -> float | None:

@@ -61,24 +61,22 @@ class MembershipPublisher:
         else:
             port = commands.master_port(c)
         active = [p.row for p in c.pods.values() if p.index not in parked]
-        members = [r for pod in active for r in c.ranks_of(pod.idx)]
-        membership = Membership(
+        membership = Membership.of_pods(
+            {p.idx: p.generation for p in active},
+            c.spec.procs_per_pod,
             generation=(previous.generation if previous else 0) + 1,
             addr=c.engine.node_address(active[0].node) if active else "127.0.0.1",
             port=port,
-            world_size=len(members),
-            ranks={r: i for i, r in enumerate(members)},
             joiners=tuple(sorted(joiners)),
             retry=retry,
-            pods={p.idx: p.generation for p in active},
             parked=tuple(sorted(parked)),
-            procs_per_pod=c.spec.procs_per_pod,
             operator=operator,
         )
         c.update_job(membership=_stored(membership))
+        update = MembershipUpdate(membership)  # one message, encoded once (protocol.wire)
         for pod in c.pods.values():
             if pod.link is not None:
-                pod.link.peer.send(MembershipUpdate(membership))
+                pod.link.peer.send(update)
         what = (
             f"issue collective {operator[1]} of step {operator[0]} again (attempt {operator[2]})"
             if operator is not None
@@ -93,7 +91,7 @@ class MembershipPublisher:
         if parked:
             what += f"; pods {sorted(parked)} left out"
         c.event(
-            f"process group generation {membership.generation}: {what}, world size {len(members)}"
+            f"process group generation {membership.generation}: {what}, world size {membership.world_size}"
         )
         return membership.generation
 

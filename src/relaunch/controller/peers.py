@@ -82,9 +82,20 @@ class LauncherLink:
     """The attempt this launcher was last told to start."""
     stopping: bool = False
     ranks: dict[int, Rank] = field(default_factory=dict)
+    oldest: int | None = field(default=None, init=False, repr=False, compare=False)
+    """The oldest attempt of a running rank, as `ranks_changed` last left it (None: none)."""
+    oldest_known: bool = field(default=False, init=False, repr=False, compare=False)
+
+    def ranks_changed(self) -> None:
+        """A rank started or exited: the next `running_older_than` looks at the ranks again
+        (the reconciler asks it of every launcher at every pass; thousands of ranks)."""
+        self.oldest_known = False
 
     def running_older_than(self, attempt: int) -> bool:
-        return any(r.running and r.attempt < attempt for r in self.ranks.values())
+        if not self.oldest_known:
+            self.oldest = min((r.attempt for r in self.ranks.values() if r.running), default=None)
+            self.oldest_known = True
+        return self.oldest is not None and self.oldest < attempt
 
 
 @dataclass

@@ -133,9 +133,10 @@ class Reconciler:
         old = [p for p in pods if p.link is not None and p.link.running_older_than(attempt)]
         if old:
             stopping = [p for p in old if p.phase is not PodPhase.STOPPING]
+            stop = Stop(commands.stop_grace(c))  # one message for all, encoded once
             for pod in stopping:
                 assert pod.link is not None
-                pod.link.peer.send(Stop(commands.stop_grace(c)))
+                pod.link.peer.send(stop)
                 pod.stop_sent(c.clock.now())
             if stopping:
                 commands.said_stopping(c, len(stopping), "their containers stay")
@@ -166,6 +167,7 @@ class Reconciler:
         link = LauncherLink(
             standby.peer, pod.index, pod.row.generation, standby.pid, node=pod.row.node
         )
+        c.linked(link)
         pod.connect(link, now)
         current = c.membership.current()
         if c.recovery.process_level and current is not None:

@@ -156,14 +156,15 @@ class RecoveryDriver:
         if not self.waiting or now < max(c.adopt_until, self.hold_until):
             return
         waiting = c.store.pending(c.job_id)
+        failed, saving = commands.failed_and_saving(c)
         hold = decide_after(
             c.recovery,
             [(fault, tried) for _, fault, tried in waiting],
             c.job.attempt_started_at or now,
-            len(c.failed_pods()),
+            failed,
             len(c.pods),
             now,
-            saving=bool(waiting) and commands.cluster_view(c, waiting[0][1]).checkpoint_saving,
+            saving=bool(waiting) and saving,
         )
         if hold is not None:
             self.hold_until = hold
@@ -197,7 +198,7 @@ class RecoveryDriver:
         return decide(
             c.recovery,
             fault,
-            c.store.history(c.job_id),
+            c.store.history(c.job_id, pods=[p.row for p in c.pods.values()]),
             commands.cluster_view(c, fault),
             now,
             table=c.options.table,
@@ -209,7 +210,8 @@ class RecoveryDriver:
         with its desired-state change and what still waits, in one transaction."""
         c = self.c
         while True:
-            history = c.store.history(c.job_id, before_fault=fault_id)
+            pods = [p.row for p in c.pods.values()]
+            history = c.store.history(c.job_id, before_fault=fault_id, pods=pods)
             decision = decide(
                 c.recovery,
                 fault,

@@ -145,6 +145,8 @@ class Launcher:
         self.fenced = False
         """Abandoned because the lease ran out with the connection still open (R-14)."""
         self.running = True
+        self.ended_as_asked: dict[int, tuple[int, int | None, int | None]] = {}
+        """Ranks a stop ended (rank -> attempt, code, signal), told in its `Stopped`."""
         self.latest_progress: dict[int, Progress] = {}
         self.phases: list[RankPhase] = []
         self.progress_sent_at = 0.0
@@ -307,6 +309,7 @@ class Launcher:
     def start(self, attempt: int, env: dict[str, str], ranks: tuple[int, ...] | None) -> None:
         self.attempt = attempt
         self.last_env = env
+        pids = {}
         for local_rank in range(self.plan.procs_per_pod):
             rank = self.plan.first_rank + local_rank
             if ranks is not None and rank not in ranks:
@@ -316,8 +319,10 @@ class Launcher:
                 continue
             worker = self._start_rank(attempt, env, rank, local_rank)
             self.workers[rank] = worker
-            self.send(Started(rank, attempt, worker.proc.pid, time.time()))
+            pids[rank] = worker.proc.pid
             self._watch_exit(worker)
+        if pids:
+            self.send(Started(attempt, time.time(), pids))
         self.monitor()  # a command that could not be started has exited already
 
     def _watch_exit(self, worker: Worker) -> None:
@@ -499,13 +504,19 @@ class Launcher:
                 and worker.stop_asked_at is not None
                 and error.at < worker.stop_asked_at
             )
+            if worker.stopping and not failed_first:  # told in the stop's Stopped
+                self.ended_as_asked[worker.rank] = (
+                    worker.attempt,
+                    None if signum else code,
+                    signum,
+                )
+                continue
             self.send(
                 Exited(
                     rank=worker.rank,
                     attempt=worker.attempt,
                     code=None if signum else code,
                     signal=signum,
-                    expected=worker.stopping and not failed_first,
                     at=time.time(),
                     detail=worker.start_error or "",
                     error=error,
@@ -600,6 +611,11 @@ class Launcher:
             if cgroup is not None:  # and all the rank started, wherever it went
                 cgroup.kill()
         self.monitor()
+
+    def stop_ended(self) -> dict[int, tuple[int, int | None, int | None]]:
+        """The ranks the stop just carried out ended, for its `Stopped` (and forgotten)."""
+        ended, self.ended_as_asked = self.ended_as_asked, {}
+        return ended
 
     def inject(self, message: InjectProcessFault) -> None:
         """A fault plan's process fault; the controller hears back whether it fired, and why not."""
@@ -788,7 +804,7 @@ class Launcher:
                 self.start(attempt, env, ranks)
             case Stop(grace=grace, ranks=ranks):
                 self.stop(grace, ranks)
-                self.send(Stopped(self.attempt, time.time()))
+                self.send(Stopped(self.attempt, time.time(), exited=self.stop_ended()))
             case InjectProcessFault():
                 self.inject(message)
             case CaptureStacks(request=request, timeout_s=timeout_s):
@@ -810,5 +826,5 @@ class Launcher:
                 self.assume(plan)
             case Shutdown(grace=grace):
                 self.stop(grace)
-                self.send(Stopped(self.attempt, time.time(), final=True))
+                self.send(Stopped(self.attempt, time.time(), final=True, exited=self.stop_ended()))
                 self.running = False

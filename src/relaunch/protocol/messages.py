@@ -201,11 +201,14 @@ class LauncherHello(Message):
 
 @dataclass(frozen=True)
 class Started(Message):
+    """The ranks one Start started, with their pids, in one message (a pod of many ranks tells
+    its controller once, not once a rank: a restart of thousands of pods is thousands of
+    messages, not tens of thousands)."""
+
     KIND = "started"
-    rank: int
     attempt: int
-    pid: int
     at: float
+    pids: dict[int, int]
 
 
 @dataclass(frozen=True)
@@ -248,13 +251,14 @@ class ProgressBatch(Message):
 
 @dataclass(frozen=True)
 class Exited(Message):
+    """A rank exited that no Stop or Shutdown asked to (a failure, or the end of its work): the
+    ranks a stop ends are told in its `Stopped`."""
+
     KIND = "exited"
     rank: int
     attempt: int
     code: int | None
     signal: int | None
-    expected: bool
-    """The launcher stopped it (a stop or shutdown), so it is not a fault."""
     at: float
     detail: str = ""
     """Why the command could not be started, if it could not."""
@@ -264,10 +268,15 @@ class Exited(Message):
 
 @dataclass(frozen=True)
 class Stopped(Message):
+    """A Stop (or a Shutdown: `final`) was carried out."""
+
     KIND = "stopped"
     attempt: int
     at: float
     final: bool = False
+    exited: dict[int, tuple[int, int | None, int | None]] = field(default_factory=dict)
+    """The ranks the stop ended: rank -> (its attempt, exit code, signal). A rank that failed
+    before it was asked to stop is an `Exited` of its own (its failure is a fault)."""
 
 
 @dataclass(frozen=True)

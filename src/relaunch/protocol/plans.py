@@ -6,8 +6,10 @@ definition and one serialisation. Standard library only (the SDK reads the membe
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,20 +65,23 @@ class LaunchPlan:
 
 @dataclass(frozen=True)
 class Membership:
-    """One generation of a job's process group (process-level recovery, see train.group)."""
+    """One generation of a job's process group (process-level recovery, see train.group).
+
+    The same membership goes to every pod's launcher: it names the pods in the group as runs of
+    consecutive pods whose containers share a generation (`containers`), so that it stays a few
+    hundred bytes for thousands of pods; `pods` and `ranks` are derived from them."""
 
     generation: int
     addr: str
     port: int
     world_size: int
-    ranks: dict[int, int]
-    """Original rank (RANK at start) -> rank in this generation."""
+    containers: tuple[tuple[int, int, int], ...] = ()
+    """The pods in the group, in order, as runs: (first pod, how many, their container's
+    generation). Their ranks, numbered densely in that order, form the group."""
     joiners: tuple[int, ...] = ()
     """Original ranks that start from nothing in this generation and receive the state."""
     retry: bool = False
     """An online retry: same group, every rank runs the current step again."""
-    pods: dict[int, int] = field(default_factory=dict)
-    """Pod index -> the generation of its container: a process of an older container is stale."""
     parked: tuple[int, ...] = ()
     """Pods left out by an elastic scale-in, until a node takes them back."""
     procs_per_pod: int = 1
@@ -85,6 +90,40 @@ class Membership:
     ranks form a group anew on this generation's store and issue again, from that collective
     on, every collective they had issued since; nothing is rolled back. Not a generation of the
     keeper's own group."""
+
+    @classmethod
+    def of_pods(cls, pods: Mapping[int, int], procs_per_pod: int, **fields: Any) -> Membership:
+        """The membership of `pods` (pod index -> its container's generation, in group order)."""
+        runs: list[list[int]] = []
+        for pod, generation in pods.items():
+            last = runs[-1] if runs else None
+            if last is not None and last[0] + last[1] == pod and last[2] == generation:
+                last[1] += 1
+            else:
+                runs.append([pod, 1, generation])
+        return cls(
+            containers=tuple((first, count, gen) for first, count, gen in runs),
+            world_size=len(pods) * procs_per_pod,
+            procs_per_pod=procs_per_pod,
+            **fields,
+        )
+
+    @functools.cached_property
+    def pods(self) -> dict[int, int]:
+        """Pod index -> the generation of its container: a process of an older container is
+        stale."""
+        return {
+            pod: generation
+            for first, count, generation in self.containers
+            for pod in range(first, first + count)
+        }
+
+    @functools.cached_property
+    def ranks(self) -> dict[int, int]:
+        """Original rank (RANK at start) -> rank in this generation."""
+        ppp = self.procs_per_pod
+        members = (pod * ppp + local for pod in self.pods for local in range(ppp))
+        return {rank: i for i, rank in enumerate(members)}
 
     def to_json(self) -> str:
         return json.dumps(to_data(self))

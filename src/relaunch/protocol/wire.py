@@ -33,6 +33,20 @@ READ_AT_MOST: Final = 8 << 20
 """Bytes one `read_ready` takes from a peer at most, so that one peer cannot hold the reader."""
 
 
+_last_line: tuple[Message | None, bytes] = (None, b"")
+
+
+def _line(message: Message) -> bytes:
+    """The message as a line on the wire. The last one is kept: a message the controller sends
+    to every launcher (a membership, a lease) is one object, encoded once however many pods."""
+    global _last_line
+    last, line = _last_line  # one read of the pair: another thread may replace it meanwhile
+    if last is not message:
+        line = (encode(message) + "\n").encode()
+        _last_line = (message, line)
+    return line
+
+
 class Connection:
     """One peer's socket: thread-safe `send`, blocking iteration over received messages."""
 
@@ -60,7 +74,7 @@ class Connection:
         """False if the peer is gone; never raises for a closed connection. A connection to the
         controller rings its doorbell after a message that is `urgent` (by default: one that is
         not `Message.ROUTINE`)."""
-        data = (encode(message) + "\n").encode()
+        data = _line(message)
         with self._lock:
             if self.closed:
                 return False

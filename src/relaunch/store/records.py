@@ -10,7 +10,7 @@ from typing import Any
 from relaunch.faults import Cause, Fault
 from relaunch.policy import Action, Budget, Counters, Decision, JobHistory, RecoveryRecord
 from relaunch.store.database import Database
-from relaunch.store.rows import Outcome, RecordRow, fault_from_json, fault_to_json
+from relaunch.store.rows import Outcome, PodRow, RecordRow, fault_from_json, fault_to_json
 from relaunch.store.tables import PodTable
 
 __all__ = ["EventTable", "RecordTable"]
@@ -181,10 +181,13 @@ class RecordTable(PodTable):
             for r in rows
         ]
 
-    def history(self, job_id: int, before_fault: int | None = None) -> JobHistory:
+    def history(
+        self, job_id: int, before_fault: int | None = None, pods: Sequence[PodRow] | None = None
+    ) -> JobHistory:
         """The policy's view of the job's past, rebuilt from the records; `before_fault` leaves
-        out the fault being decided and any after it."""
-        pods = self.pods(job_id)
+        out the fault being decided and any after it. `pods`: the job's pods as the caller holds
+        them (the controller: thousands of rows it need not read again)."""
+        pods = self.pods(job_id) if pods is None else pods
         records = tuple(
             RecoveryRecord(
                 at=r.started_at,

@@ -29,23 +29,11 @@ class NodeTable(Database):
             )
 
     def nodes(self) -> list[NodeRow]:
-        rows = self._all("SELECT * FROM nodes ORDER BY position")
-        return [
-            NodeRow(
-                r["name"],
-                r["chips"],
-                NodeState(r["state"]),
-                r["isolated_at"],
-                r["reason"],
-                r["position"],
-                tuple(json.loads(r["chip_faults"])),
-                r["last_heartbeat"],
-            )
-            for r in rows
-        ]
+        return [_node(r) for r in self._all("SELECT * FROM nodes ORDER BY position")]
 
     def node(self, name: str) -> NodeRow | None:
-        return next((n for n in self.nodes() if n.name == name), None)
+        row = self._one("SELECT * FROM nodes WHERE name = ?", (name,))
+        return _node(row) if row is not None else None
 
     def set_node_state(
         self, name: str, state: NodeState, reason: str = "", at: float | None = None
@@ -209,3 +197,16 @@ class PodTable(Database):
                 pod.workdir,
             ),
         )
+
+
+def _node(r: sqlite3.Row) -> NodeRow:
+    return NodeRow(
+        r["name"],
+        r["chips"],
+        NodeState(r["state"]),
+        r["isolated_at"],
+        r["reason"],
+        r["position"],
+        tuple(json.loads(r["chip_faults"])),
+        r["last_heartbeat"],
+    )
