@@ -22,6 +22,20 @@ SCALE_COLUMNS = {
     "repeats": "repeats", "failures": "failed", "median_s": "median MTTR s", "min_s": "min",
     "max_s": "max", "detect_s": "detect s",
 }  # fmt: skip
+SIMULATION_COLUMNS = {
+    "level": "level", "pods": "pods", "ranks": "ranks", "action": "handled by",
+    "detected_to_last_command_s": "detection to last command s",
+    "fault_to_last_command_s": "fault to last command s", "commands": "commands sent",
+    "cpu_s": "controller CPU s", "store_writes": "SQLite writes",
+    "store_write_s": "SQLite write s", "store_write_max_ms": "slowest write ms",
+    "membership_publish_s": "membership publication s", "membership_bytes": "membership bytes",
+    "steady_messages_per_s": "steady messages / s",
+    "steady_cpu_per_message_us": "steady CPU / message us", "steady_cpu_share": "steady CPU share",
+}  # fmt: skip
+GROWTH_COLUMNS = {
+    "level": "level", "from_pods": "from pods", "to_pods": "to pods", "pods_ratio": "pods x",
+    "time_ratio": "time x", "largest_s": "at the largest s", "process_level": "process level",
+}  # fmt: skip
 SIZE_COLUMNS = {
     "processes": "processes", "system": "system", "level": "level", "repeats": "repeats",
     "failures": "failed", "median_s": "median MTTR s", "detect_s": "detect s",
@@ -78,6 +92,8 @@ PEER_COLUMNS = {
 SECTIONS = (
     ("peers", "Side by side with the specialists (2 ranks, the DDP example's job)", PEER_COLUMNS),
     ("scale", "Scale (light workload, 2 processes per pod)", SCALE_COLUMNS),
+    ("simulation", "Scale by simulation (the controller, simulated peers)", SIMULATION_COLUMNS),
+    ("simulation_growth", "How each level's controller time grows with the job", GROWTH_COLUMNS),
     ("sizes", "MTTR by job size (DDP, 2 pods)", SIZE_COLUMNS),
     ("checkpoint", "Checkpoints against the raw disk", CHECKPOINT_COLUMNS),
     (

@@ -21,11 +21,13 @@ from relaunch_bench.overhead import overhead_rows
 from relaunch_bench.peers import peer_ratios, peer_rows
 from relaunch_bench.reliability import RELIABILITY_LEVELS, reliability_rows
 from relaunch_bench.scale import scale_rows
+from relaunch_bench.simulation import SIM_LEVELS, growth, simulation_rows
+from relaunch_bench.simulation import SIZES as SIM_SIZES
 from relaunch_bench.slow import FACTORS, slow_rows
 
 SECTIONS = (
-    "mttr", "hang", "peers", "scale", "sizes", "overhead", "checkpoint", "reliability", "slow",
-    "network",
+    "mttr", "hang", "peers", "scale", "simulation", "sizes", "overhead", "checkpoint",
+    "reliability", "slow", "network",
 )  # fmt: skip
 
 
@@ -73,6 +75,8 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         "hang": hangs,
         "ratios": ratios(rows),
         "scale": [],
+        "simulation": [],
+        "simulation_growth": [],
         "sizes": [],
         "overhead": [],
         "checkpoint": [],
@@ -100,6 +104,10 @@ def _sections(
     if "scale" in sections:
         sizes = [2] if quick else [2, 4, 8, 16, 64]
         measured["scale"] = scale_rows(sizes, 1 if quick else min(3, repeats), say, options.levels)
+    if "simulation" in sections:
+        levels = tuple(lv for lv in options.levels if lv in SIM_LEVELS)
+        rows = simulation_rows((64,) if quick else SIM_SIZES, levels, say)
+        measured["simulation"], measured["simulation_growth"] = rows, growth(rows)
     if "sizes" in sections:
         levels = ("process-in-place",) if quick else options.levels
         measured["sizes"] = size_rows(

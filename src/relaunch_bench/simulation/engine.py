@@ -1,0 +1,131 @@
+"""The engine of a simulated cluster: what the controller asks of it goes to the simulated peers.
+
+`SimEngine` is an `Engine` (relaunch.cluster) whose nodes and pods are played by a few shard
+processes (simulation.peers): starting an agent or a pod's launcher, or losing a node, is a line
+written to the shard that plays that node. Nothing blocks: a shard reads its requests in its own
+loop, and a writer thread per shard feeds its pipe (a shard busy connecting hundreds of peers
+reads late; the controller never waits for it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import queue
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from pathlib import Path
+
+from relaunch.cluster.config import NodeSpec
+from relaunch.protocol.links import Cut, LinkFaultKind
+from relaunch.protocol.plans import LaunchPlan
+
+__all__ = ["SimEngine"]
+
+
+class SimEngine:
+    bind_host = "127.0.0.1"
+    left_behind: int | None = None
+    containers = "pods are simulated (no process runs a rank: bench simulation)"
+    networks = "nodes are simulated: every peer on the loopback"
+
+    def __init__(self, state_dir: Path, shards: int, step_s: float, steps: int) -> None:
+        self.origin = time.time()
+        self.shards: list[subprocess.Popen[bytes]] = []
+        self.requests: list[queue.Queue[bytes | None]] = []
+        self.writers: list[threading.Thread] = []
+        for _ in range(shards):
+            shard = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "relaunch_bench.simulation.peers",
+                    str(state_dir),
+                    str(step_s),
+                    str(steps),
+                    str(self.origin),
+                ],
+                stdin=subprocess.PIPE,
+            )
+            requests: queue.Queue[bytes | None] = queue.Queue()
+            writer = threading.Thread(target=_feed, args=(shard, requests), daemon=True)
+            writer.start()
+            self.shards.append(shard)
+            self.requests.append(requests)
+            self.writers.append(writer)
+        self.killed: dict[str, float] = {}
+        """Nodes lost by the fault plan, and when."""
+
+    def _tell(self, node: str, request: dict[str, object]) -> None:
+        shard = zlib.crc32(node.encode()) % len(self.shards)
+        self.requests[shard].put(json.dumps(request).encode() + b"\n")
+
+    def start_agent(self, node: NodeSpec, interval: float, grace: float, blip_s: float) -> int:
+        self._tell(
+            node.name, {"op": "agent", "node": node.name, "chips": node.chips, "interval": interval}
+        )
+        return 0
+
+    def start_pod(self, plan: LaunchPlan) -> int:
+        self._tell(plan.node, {"op": "pod", "plan": plan.to_json()})
+        return 0
+
+    def assumed(self, job: int, node: str, pod: int, generation: int) -> None:
+        pass  # no standby launchers in a simulation (no warm spares)
+
+    def kill_node(self, node: str) -> None:
+        self.killed[node] = time.time()
+        self._tell(node, {"op": "kill", "node": node})
+
+    def shutdown(self) -> None:
+        for requests in self.requests:
+            requests.put(b'{"op": "shutdown"}\n')
+            requests.put(None)
+        for writer in self.writers:
+            writer.join(timeout=10)
+        for shard in self.shards:
+            try:
+                shard.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                shard.kill()
+                shard.wait()
+
+    def lost_nodes(self) -> set[str]:
+        return set(self.killed)  # as the embedded cluster sees its agent processes end
+
+    def node_address(self, node: str) -> str:
+        return "127.0.0.1"
+
+    def free_port(self, node: str) -> int:
+        return 29500  # nothing listens: the simulated ranks form no group
+
+    def pod_environment(self, node: str) -> dict[str, str]:
+        return {}
+
+    def inject_link_fault(
+        self,
+        node: str,
+        kind: LinkFaultKind,
+        duration_s: float | None,
+        cut: Cut | None = None,
+        rate_mbit: float | None = None,
+    ) -> str | None:
+        return "the simulation has no links"
+
+
+def _feed(shard: subprocess.Popen[bytes], requests: queue.Queue[bytes | None]) -> None:
+    """The shard's requests, written in order as it reads them; None closes its input."""
+    pipe = shard.stdin
+    assert pipe is not None
+    while (request := requests.get()) is not None:
+        try:
+            pipe.write(request)
+            if requests.empty():
+                pipe.flush()
+        except OSError:
+            return
+    with contextlib.suppress(OSError):
+        pipe.close()

@@ -1,0 +1,98 @@
+"""A controller for thousands of pods: what it sends to every pod stays small, what it looks at
+each pass is not every rank each time, and the bench's simulation drives the real controller
+through real recoveries (the 4,096-pod figures are `relaunch bench --only simulation`'s)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from relaunch.controller.detectors import HangLook, HangWatch
+from relaunch.protocol.messages import MembershipUpdate, Started, Stopped, decode, encode
+from relaunch.protocol.plans import Membership
+from relaunch_bench import report
+from relaunch_bench.simulation import growth, simulated
+
+
+def test_a_membership_of_thousands_of_pods_is_a_few_hundred_bytes_to_every_launcher() -> None:
+    """4,096 pods of 8 ranks: the map of 32,768 ranks was 500 KB, sent to each of 4,096 pods
+    (2 GB per process-level recovery); as runs of pods it is the same membership in one line."""
+    pods = {pod: 1 for pod in range(4096)}
+    pods[17] = 2  # a pod rebuilt once (process-level rescheduling)
+    parked = {100, 101}  # scaled in
+    for pod in parked:
+        del pods[pod]
+    membership = Membership.of_pods(pods, 8, generation=5, addr="10.0.0.1", port=29500)
+    line = encode(MembershipUpdate(membership))
+    assert len(line) < 400, len(line)
+    got = decode(line)
+    assert isinstance(got, MembershipUpdate) and got.membership == membership
+    assert got.membership.pods == pods and got.membership.world_size == 4094 * 8
+    members = [pod * 8 + r for pod in sorted(pods) for r in range(8)]
+    assert got.membership.ranks == {rank: i for i, rank in enumerate(members)}
+    assert 100 * 8 not in got.membership.ranks and got.membership.ranks[102 * 8] == 100 * 8
+
+
+def test_a_start_and_a_stop_are_one_message_a_pod_whatever_its_ranks() -> None:
+    started = Started(3, 12.5, {8: 501, 9: 502})
+    stopped = Stopped(3, 13.0, exited={8: (3, None, 15), 9: (3, 0, None)})
+    assert decode(encode(started)) == started and decode(encode(stopped)) == stopped
+    assert decode(encode(Stopped(3, 13.0))) == Stopped(3, 13.0, exited={})
+
+
+def test_the_hang_detector_looks_when_due_and_whenever_what_it_looked_at_changed() -> None:
+    watch = HangWatch()
+    assert watch.must_look(100.0, "key"), "never looked"
+    watch.looked(HangLook(None, 160.0), "key")
+    assert not watch.must_look(159.9, "key"), "no rank can be silent for its window before"
+    assert watch.must_look(160.0, "key")
+    assert watch.must_look(100.0, "another recovery"), "what it exempted changed"
+    watch.stale()  # a rank started, a first step, a phase: a window may end sooner
+    assert watch.must_look(100.0, "key")
+    watch.looked(HangLook(None, None), "key")
+    assert not watch.must_look(1e12, "key"), "no rank runs: nothing to look at"
+
+
+@pytest.mark.parametrize(
+    ("level", "commands"),
+    [
+        ("process-in-place", {"membership": 16, "start": 1}),
+        ("job-reschedule", {"shutdown": 16, "start": 16}),
+    ],
+)
+def test_the_simulation_drives_the_real_controller_through_a_recovery(
+    level: str, commands: dict[str, int]
+) -> None:
+    """16 simulated pods of 2 ranks over the real wire: the level recovers, the commands it
+    sends are counted, and a process-level recovery writes a handful of rows, not one a pod."""
+    row = simulated(16, 2, level, lead_s=3.0, tail_s=3.0)
+    assert row.get("records") == [[level, "succeeded"]], row
+    assert row["status"] == "Succeeded" and row["ranks"] == 32
+    assert row["commands"] == commands
+    assert 0 < row["detected_to_last_command_s"] <= row["fault_to_last_command_s"] < 30
+    assert row["cpu_s"] > 0 and row["steady_messages_per_s"] > 0
+    if level == "process-in-place":
+        assert row["store_writes"] < 16, "a process-level recovery rewrote every pod's row"
+        assert 0 < row["membership_bytes"] < 400
+    table = report.markdown(
+        {"mttr": [], "hang": [], "ratios": {}, "simulation": [row], "simulation_growth": []}
+    )
+    assert f"| {level} | 16 | 32 |" in table
+    json.dumps(row)
+
+
+def test_growth_compares_the_smallest_and_the_largest_job_of_each_level() -> None:
+    rows = [
+        {"level": "job-reschedule", "pods": 64, "detected_to_last_command_s": 0.05},
+        {"level": "job-reschedule", "pods": 4096, "detected_to_last_command_s": 2.0},
+        {"level": "process-retry", "pods": 64, "detected_to_last_command_s": 0.02},
+        {"level": "process-retry", "pods": 4096, "detected_to_last_command_s": 0.1},
+        {"level": "in-place", "pods": 64, "error": "it failed"},
+    ]
+    found = {g["level"]: g for g in growth(rows)}
+    assert set(found) == {"job-reschedule", "process-retry"}
+    assert (
+        found["job-reschedule"]["pods_ratio"] == 64 and found["job-reschedule"]["time_ratio"] == 40
+    )
+    assert found["process-retry"]["process_level"] and found["process-retry"]["largest_s"] == 0.1
