@@ -202,7 +202,8 @@ class Sim:
         """Nodes whose agents say their data link is down."""
         self.launchers: dict[tuple[int, int], FakePeer] = {}
         """(pod, generation) -> the launcher that runs it."""
-        self.answered: set[int] = set()
+        self.answered: set[tuple[int, int]] = set()
+        """(peer, message) answered already, by identity: one message may go to many peers."""
         self.wire: list[tuple[str, Message]] = []
         """Every message the controller sent, to whom, in order."""
         self.heal_delay_s = heal_delay_s
@@ -267,7 +268,7 @@ class Sim:
         ppp = c.spec.procs_per_pod
         for (pod, _), peer in self.launchers.items():
             for message in list(peer.sent):
-                key = id(message)
+                key = (id(peer), id(message))
                 if key in self.answered:
                     continue
                 self.answered.add(key)
@@ -293,8 +294,8 @@ class Sim:
                     c.receive(peer, Stopped(c.job.attempt, self.clock.now(), exited=ended))
         for peer in self.agents.values():
             for message in peer.sent:
-                if isinstance(message, Heal) and id(message) not in self.answered:
-                    self.answered.add(id(message))
+                if isinstance(message, Heal) and (id(peer), id(message)) not in self.answered:
+                    self.answered.add((id(peer), id(message)))
                     self.pending_heals.append(
                         (self.clock.now() + self.heal_delay_s, peer, message.request)
                     )
