@@ -51,6 +51,23 @@ def test_r25_a_rank_saving_a_checkpoint_is_not_hung_nor_are_the_peers_that_wait_
     assert _hung(links, 110.0 + HANG_S + 0.5) == 0, "then both fell silent"
 
 
+def test_r25_a_rank_stopped_in_its_save_is_hung_after_the_hang_window() -> None:
+    """A rank SIGSTOPped while it said it saved a checkpoint (its launcher found it stopped) was
+    taken for saving for the whole startup allowance (120 s in the bench): its peers' SDK gave up
+    first (their collective's timeout, then the wait for a new group) and the job failed, its
+    saver's phase holding every process level back (R-37)."""
+    stopped = Rank(1, last_activity=100.0, progressed=True, phase=SdkPhase.CHECKPOINT)
+    stopped.phase_since, stopped.stopped_at = 100.0, 100.8
+    waiting = Rank(1, last_activity=100.0, progressed=True)
+    links = _links(waiting, stopped)
+    assert not stopped.saving
+    assert _hung(links, 100.0 + HANG_S - 0.5) is None
+    assert _hung(links, 100.0 + HANG_S + 0.5) is not None, "not before the startup allowance"
+    resumed = Rank(1, last_activity=100.0, progressed=True, phase=SdkPhase.CHECKPOINT)
+    resumed.phase_since, resumed.stopped_at = 100.0, 99.0  # stopped before this save began
+    assert resumed.saving and _hung(_links(waiting, resumed), 100.0 + 3 * HANG_S) is None
+
+
 def test_r25_io_counts_as_progress_for_a_job_that_reports_steps() -> None:
     """A rank writing a checkpoint does I/O and little CPU; before, I/O counted only for
     scripts that report no steps."""

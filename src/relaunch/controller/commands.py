@@ -62,7 +62,7 @@ def master_port(c: Controller) -> int:
 def checkpoint_saving(c: Controller) -> bool:
     """Whether a running rank of the current attempt says it saves a checkpoint now."""
     return any(
-        r.phase == SdkPhase.CHECKPOINT
+        r.saving
         for p in c.pods.values()
         if p.link is not None
         for r in p.link.ranks.values()
@@ -124,8 +124,9 @@ def _ranks_now(c: Controller) -> tuple[set[int], dict[int, set[str]]]:
         for rank in pod.link.ranks.values():
             if rank.attempt != attempt:
                 continue
-            if rank.running:
-                phases.setdefault(pod.index, set()).add(rank.phase)
+            if rank.running:  # a rank stopped in its save is not saving
+                phase = rank.phase if rank.saving or rank.phase != SdkPhase.CHECKPOINT else ""
+                phases.setdefault(pod.index, set()).add(phase)
             elif rank.code or rank.signal:
                 failed.add(pod.index)
     return failed, phases

@@ -15,7 +15,6 @@ from relaunch.controller.fencing import SILENT_NODE
 from relaunch.controller.peers import AgentLink, LauncherLink, Rank
 from relaunch.controller.pods import Pod, PodPhase
 from relaunch.faults import LAUNCHER_DIED, Fault, FaultKind
-from relaunch.protocol.datagrams import SdkPhase
 from relaunch.protocol.messages import CollectiveFailed, Exited, Heartbeat
 from relaunch.states import NodeState
 
@@ -279,7 +278,7 @@ def hang_look(
     for link, rank_index, rank in current:
         if exempt(rank_index):
             continue
-        if rank.phase == SdkPhase.CHECKPOINT and now - rank.phase_since <= save_counts:
+        if rank.saving and now - rank.phase_since <= save_counts:
             ends = rank.phase_since + save_counts  # making progress, however slow the disk
             save_due = ends if save_due is None else min(save_due, ends)
             continue

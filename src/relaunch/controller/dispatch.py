@@ -102,11 +102,14 @@ def _from_launcher(c: Controller, link: LauncherLink, message: Message) -> None:
                     observed.last_activity = now  # a phase is a sign of life
             for report in reports:
                 _step(c, link, report.rank, report.attempt, report.step, now, report.at)
-        case Usage(attempt=attempt, ranks=ranks, working=working):
+        case Usage(attempt=attempt, ranks=ranks, working=working, stopped=stopped):
             for rank_index, (cpu, io) in ranks.items():
                 observed = link.ranks.get(rank_index)
                 if observed is None or observed.attempt != attempt:
                     continue
+                if stopped.get(rank_index, 0):
+                    observed.stopped_at = now
+                    c.hang_watch.stale()  # a save it said it made no longer counts
                 if working.get(rank_index, 0) or rank_active(observed, cpu, io, now):
                     observed.last_activity = now
                 observed.usage = (now, float(cpu), int(io))

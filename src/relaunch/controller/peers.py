@@ -43,6 +43,8 @@ class Rank:
     """What the SDK says it is doing (R-37: saving a checkpoint, building its group)."""
     phase_since: float = 0.0
     """When it said so (a save counts as progress for a while: detectors.hang_fault)."""
+    stopped_at: float = 0.0
+    """When its launcher last found it stopped (SIGSTOP, a debugger)."""
     save_ended_at: float = 0.0
     """When its last checkpoint save ended: its peers, waiting for it meanwhile in a
     collective, are silent from then on, not from before the save."""
@@ -65,6 +67,12 @@ class Rank:
         _, busy, looks = self.busy[-1]
         seen = looks - then[2]
         return ((busy - then[1]) / seen, seen) if seen > 0 else None
+
+    @property
+    def saving(self) -> bool:
+        """It said it saves a checkpoint, and was not found stopped since (a rank stopped in
+        its save saves nothing: its silence is a hang's, R-25)."""
+        return self.phase == SdkPhase.CHECKPOINT and self.stopped_at < self.phase_since
 
     @property
     def failed(self) -> bool:

@@ -21,6 +21,7 @@ from relaunch.diagnosis.errors import TAIL_LINES
 
 __all__ = [
     "BUSY_STATES",
+    "STOPPED_STATES",
     "WORKING_STATES",
     "NotStarted",
     "RankLog",
@@ -190,6 +191,9 @@ class Worker:
     rank starved of CPU, or blocked in an fsync on a busy disk, is working, not hung (R-25)."""
     working_sent: int = 0
     """`working` as the last usage sample sent it."""
+    stopped: int = 0
+    """Of those looks, how many found it stopped (SIGSTOP, a debugger)."""
+    stopped_sent: int = 0
 
     @property
     def started(self) -> bool:
@@ -269,6 +273,9 @@ def python_process(pid: int) -> psutil.Process | None:
 BUSY_STATES: Final = frozenset((b"R", b"D", b"T", b"t"))
 """Main-thread states that are not waiting: running or runnable, disk I/O, stopped."""
 WORKING_STATES: Final = frozenset((b"R", b"D"))
+STOPPED_STATES: Final = frozenset((b"T", b"t"))
+"""Stopped by a signal (SIGSTOP) or a debugger: whatever phase it said it was in, it does not
+progress (a rank stopped in a checkpoint save is not saving)."""
 """Main-thread states that show a rank at work: running or runnable, waiting for the disk."""
 
 
@@ -294,6 +301,7 @@ def sample_busy(worker: Worker) -> None:
     worker.samples += 1
     worker.busy += state in BUSY_STATES
     worker.working += state in WORKING_STATES
+    worker.stopped += state in STOPPED_STATES
 
 
 def forget_stat(worker: Worker) -> None:

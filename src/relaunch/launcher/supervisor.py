@@ -561,6 +561,7 @@ class Launcher:
         children = children_by_parent() if self.container is None else {}
         ranks: dict[int, tuple[float, int]] = {}
         working: dict[int, int] = {}
+        stopped: dict[int, int] = {}
         for worker in silent:
             cgroup = self.rank_cgroup(worker.rank)
             usage = (
@@ -570,13 +571,17 @@ class Launcher:
             )
             looks = worker.working - worker.working_sent
             worker.working_sent = worker.working
-            if usage is not None and (usage != worker.usage or looks):
+            halted = worker.stopped - worker.stopped_sent
+            worker.stopped_sent = worker.stopped
+            if usage is not None and (usage != worker.usage or looks or halted):
                 worker.usage = usage
                 ranks[worker.rank] = usage
                 if looks:
                     working[worker.rank] = looks
+                if halted:
+                    stopped[worker.rank] = halted
         if ranks:
-            self.send(Usage(self.attempt, time.time(), ranks, working))
+            self.send(Usage(self.attempt, time.time(), ranks, working, stopped))
 
     def stop(self, grace: float, ranks: tuple[int, ...] | None = None) -> None:
         """SIGTERM every process group, SIGKILL what is left after `grace` seconds."""

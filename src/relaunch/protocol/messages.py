@@ -290,6 +290,8 @@ class Usage(Message):
     at: float
     ranks: dict[int, tuple[float, int]] = field(default_factory=dict)
     working: dict[int, int] = field(default_factory=dict)
+    stopped: dict[int, int] = field(default_factory=dict)
+    """Per rank, how many looks since the last sample found it stopped (SIGSTOP, a debugger)."""
 
 
 @dataclass(frozen=True)
