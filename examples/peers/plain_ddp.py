@@ -22,7 +22,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from peer_job import batch, model_and_optimizer  # noqa: E402
+from peer_job import FaultSeries, batch, model_and_optimizer  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
@@ -37,6 +37,9 @@ def main() -> None:
     parser.add_argument("--crash-at-step", type=int, default=None)
     parser.add_argument("--hang-at-step", type=int, default=None)
     parser.add_argument("--fault-rank", type=int, default=1)
+    parser.add_argument(
+        "--faults", default=None, help="a fault series, STEP:KIND,... (crash or hang), each once"
+    )
     parser.add_argument("--collective-timeout", type=float, default=60.0)
     parser.add_argument("--nvrx", action="store_true", help="heartbeats to NVRx's rank monitor")
     args = parser.parse_args()
@@ -73,11 +76,17 @@ def main() -> None:
         start = state["step"]
     mark("loaded", start)
     mark("start", start)
+    series = FaultSeries(args.faults, args.timeline)
     for step in range(start + 1, args.steps + 1):
+        strike = series.due(step) if rank == args.fault_rank else None
         if first_start and rank == args.fault_rank and step == args.crash_at_step:
+            strike = "crash"
+        if first_start and rank == args.fault_rank and step == args.hang_at_step:
+            strike = "hang"
+        if strike == "crash":
             mark("crash", step)
             os._exit(1)
-        if first_start and rank == args.fault_rank and step == args.hang_at_step:
+        if strike == "hang":
             mark("hang", step)
             os.kill(os.getpid(), signal.SIGSTOP)
         x, y = batch(step, rank)

@@ -235,8 +235,18 @@ def nvrx_once(python: Path, fault: str, tmp: Path) -> PeerSample:
             note="a lost agent is replaced only by a scheduler starting a new one (SLURM, "
             "Kubernetes): ft_launcher alone waits for it",
         )
-    bin_dir, path, port = python.parent, tmp / "timeline.txt", free_port()
     strike = "--crash-at-step" if fault == "crash" else "--hang-at-step"
+    path = tmp / "timeline.txt"
+    finished = nvrx_run(python, tmp, ["--steps", "60", strike, str(FAULT_STEP)], 3, 240)
+    return _launcher_sample(path, fault, finished)
+
+
+def nvrx_run(
+    python: Path, tmp: Path, script: list[str], max_restarts: int, timeout_s: float
+) -> bool:
+    """PLAIN_DDP under two `ft_launcher` agents (see `nvrx_once`) with `script`'s arguments,
+    its timeline in tmp/timeline.txt; True if both agents finished."""
+    bin_dir, port = python.parent, free_port()
     agents, logs = [], []
     env = _peer_env(bin_dir)
     try:
@@ -244,12 +254,12 @@ def nvrx_once(python: Path, fault: str, tmp: Path) -> PeerSample:
             args = [
                 str(bin_dir / "ft_launcher"), "--nnodes", "2", "--nproc-per-node", "1",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                "--rdzv-id", "bench", "--max-restarts", "3", "--monitor-interval", "0.1",
-                "--ft-enable-nic-monitor", "false",
+                "--rdzv-id", "bench", "--max-restarts", str(max_restarts),
+                "--monitor-interval", "0.1", "--ft-enable-nic-monitor", "false",
                 "--ft-initial-rank-heartbeat-timeout", "60",
                 "--ft-rank-heartbeat-timeout", str(NVRX_HEARTBEAT_S),
-                str(PLAIN_DDP), "--nvrx", "--steps", "60", "--ckpt-dir", str(tmp / "ckpt"),
-                "--timeline", str(path), strike, str(FAULT_STEP),
+                str(PLAIN_DDP), "--nvrx", "--ckpt-dir", str(tmp / "ckpt"),
+                "--timeline", str(tmp / "timeline.txt"), *script,
             ]  # fmt: skip
             log = open(tmp / f"agent-{node}.log", "w")  # noqa: SIM115
             logs.append(log)
@@ -263,13 +273,12 @@ def nvrx_once(python: Path, fault: str, tmp: Path) -> PeerSample:
                     start_new_session=True,
                 )
             )
-        deadline = time.time() + 240
+        deadline = time.time() + timeout_s
         while time.time() < deadline and any(a.poll() is None for a in agents):
             time.sleep(0.1)
-        finished = all(a.poll() == 0 for a in agents)
+        return all(a.poll() == 0 for a in agents)
     finally:
         _end(agents, logs)
-    return _launcher_sample(path, fault, finished)
 
 
 def dlrover_once(python: Path, fault: str, tmp: Path) -> PeerSample:
@@ -283,27 +292,39 @@ def dlrover_once(python: Path, fault: str, tmp: Path) -> PeerSample:
             note="standalone mode is one node: a lost node is the whole job (its master on "
             "Kubernetes replaces nodes)",
         )
-    bin_dir, path = python.parent, tmp / "timeline.txt"
     strike = "--crash-at-step" if fault == "crash" else "--hang-at-step"
-    env = _peer_env(bin_dir)
+    finished = dlrover_run(python, tmp, ["--steps", "60", strike, str(FAULT_STEP)], 3, 240)
+    return _launcher_sample(tmp / "timeline.txt", fault, finished)
+
+
+def dlrover_run(
+    python: Path, tmp: Path, script: list[str], max_restarts: int, timeout_s: float
+) -> bool:
+    """PLAIN_DDP under `dlrover-run --standalone` (see `dlrover_once`) with `script`'s
+    arguments, its timeline in tmp/timeline.txt; True if it finished."""
+    bin_dir = python.parent
     args = [
         str(bin_dir / "dlrover-run"), "--standalone", "--nproc_per_node", "2",
-        "--max_restarts", "3", "--monitor_interval", "0.1",
-        str(PLAIN_DDP), "--steps", "60", "--ckpt-dir", str(tmp / "ckpt"),
-        "--timeline", str(path), strike, str(FAULT_STEP),
+        "--max_restarts", str(max_restarts), "--monitor_interval", "0.1",
+        str(PLAIN_DDP), "--ckpt-dir", str(tmp / "ckpt"), "--timeline", str(tmp / "timeline.txt"),
+        *script,
     ]  # fmt: skip
     with open(tmp / "dlrover.log", "w") as log:
         agent = subprocess.Popen(
-            args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp, start_new_session=True
+            args,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=_peer_env(bin_dir),
+            cwd=tmp,
+            start_new_session=True,
         )
         try:
-            finished = agent.wait(timeout=240) == 0
+            return agent.wait(timeout=timeout_s) == 0
         except subprocess.TimeoutExpired:
-            finished = False
+            return False
         finally:
             kill_tree(agent.pid)
             agent.wait()
-    return _launcher_sample(path, fault, finished)
 
 
 def _launcher_sample(path: Path, fault: str, finished: bool) -> PeerSample:

@@ -22,6 +22,11 @@ SCALE_COLUMNS = {
     "repeats": "repeats", "failures": "failed", "median_s": "median MTTR s", "min_s": "min",
     "max_s": "max", "detect_s": "detect s",
 }  # fmt: skip
+SERIES_COLUMNS = {
+    "system": "system", "series": "fault series", "faults": "faults struck",
+    "finished": "finished", "run_s": "run s", "productive_s": "productive s", "lost_s": "lost s",
+    "ettr": "ETTR", "step_ms": "step ms", "lost_by_cause": "lost s by cause", "note": "note",
+}  # fmt: skip
 SIMULATION_COLUMNS = {
     "level": "level", "pods": "pods", "ranks": "ranks", "action": "handled by",
     "detected_to_last_command_s": "detection to last command s",
@@ -91,6 +96,7 @@ PEER_COLUMNS = {
 }  # fmt: skip
 SECTIONS = (
     ("peers", "Side by side with the specialists (2 ranks, the DDP example's job)", PEER_COLUMNS),
+    ("series", "Goodput under a fault series (a fault a minute, DDP, 2 ranks)", SERIES_COLUMNS),
     ("scale", "Scale (light workload, 2 processes per pod)", SCALE_COLUMNS),
     ("simulation", "Scale by simulation (the controller, simulated peers)", SIMULATION_COLUMNS),
     ("simulation_growth", "How each level's controller time grows with the job", GROWTH_COLUMNS),
@@ -110,9 +116,17 @@ SECTIONS = (
 def table(rows: list[dict[str, Any]], columns: dict[str, str]) -> list[str]:
     lines = ["| " + " | ".join(columns.values()) + " |", "|" + "---|" * len(columns)]
     for row in rows:
-        cells = ("-" if row.get(key) is None else str(row[key]) for key in columns)
+        cells = (_cell(row.get(key)) for key in columns)
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, dict):  # a breakdown: "name value" each
+        return ", ".join(f"{k} {v}" for k, v in value.items()) or "-"
+    return str(value)
 
 
 def phase_rows(mttr: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -142,6 +156,8 @@ def markdown(result: dict[str, Any]) -> str:
     for key, title, columns in SECTIONS:
         if result.get(key):
             lines += ["", f"{title}:", "", *table(result[key], columns)]
+        if key == "series" and result.get("series_ratio") is not None:
+            lines += ["", f"relaunch's lost time / the best peer's: {result['series_ratio']}"]
         if key == "peers" and result.get("peer_ratios"):
             lines.append("")
             lines.append(

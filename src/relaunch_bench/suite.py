@@ -21,12 +21,13 @@ from relaunch_bench.overhead import overhead_rows
 from relaunch_bench.peers import peer_ratios, peer_rows
 from relaunch_bench.reliability import RELIABILITY_LEVELS, reliability_rows
 from relaunch_bench.scale import scale_rows
+from relaunch_bench.series import series_ratio, series_rows
 from relaunch_bench.simulation import SIM_LEVELS, growth, simulation_rows
 from relaunch_bench.simulation import SIZES as SIM_SIZES
 from relaunch_bench.slow import FACTORS, slow_rows
 
 SECTIONS = (
-    "mttr", "hang", "peers", "scale", "simulation", "sizes", "overhead", "checkpoint",
+    "mttr", "hang", "peers", "series", "scale", "simulation", "sizes", "overhead", "checkpoint",
     "reliability", "slow", "network",
 )  # fmt: skip
 
@@ -72,6 +73,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         "torchrun_env": torchrun.ENV,
         "mttr": [asdict(r) for r in rows],
         "peers": [],
+        "series": [],
         "hang": hangs,
         "ratios": ratios(rows),
         "scale": [],
@@ -85,6 +87,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         "network": [],
         **measured,
         "peer_ratios": peer_ratios(measured.get("peers", [])),
+        "series_ratio": series_ratio(measured.get("series", [])),
         "seconds": round(time.time() - started, 1),
     }
     (options.out / "bench.json").write_text(json.dumps(result, indent=2))
@@ -101,6 +104,8 @@ def _sections(
     measured: dict[str, Any] = {}
     if "peers" in sections:
         measured["peers"] = peer_rows(1 if quick else min(3, repeats), say)
+    if "series" in sections:
+        measured["series"] = series_rows(say, count=2 if quick else 9)
     if "scale" in sections:
         sizes = [2] if quick else [2, 4, 8, 16, 64]
         measured["scale"] = scale_rows(sizes, 1 if quick else min(3, repeats), say, options.levels)

@@ -28,8 +28,10 @@ def start(
     steps: int = 60,
     procs: int = 2,
     device: str = "cpu",
+    script: Path = DDP,
 ) -> Agents:
-    """The DDP script under torchrun --max-restarts=N: two agents (pods) of `procs` workers.
+    """The DDP script (or `script`, which takes the same arguments) under torchrun
+    --max-restarts=N: two agents (pods) of `procs` workers.
     `device` cuda: on the GPUs over NCCL, each agent a host of its own to NCCL (NCCL_HOSTID), as
     relaunch's nodes are, so that the agents' ranks may share a GPU."""
     port = free_port()
@@ -47,7 +49,7 @@ def start(
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(procs),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench",
             "--max-restarts", str(max_restarts), "--monitor-interval", "0.1",
-            str(DDP), "--steps", str(steps), "--ckpt-every", "5", "--ckpt-dir", str(tmp / "ckpt"),
+            str(script), "--steps", str(steps), "--ckpt-every", "5", "--ckpt-dir", str(tmp / "ckpt"),
             "--timeline", str(timeline_path), *extra,
         ]  # fmt: skip
         log = open(tmp / f"torchrun-{node_rank}.log", "w")  # noqa: SIM115

@@ -1,0 +1,246 @@
+"""Goodput under a fault series (`relaunch bench --only series`): one long run of the DDP
+example's job (about ten minutes of training, two ranks) with a fault every EVERY steps (about a
+minute), the same series for relaunch and for each peer that can take it, each measured by the
+same ruler: rank 0's timeline.
+
+Per system: how long the run took from its first step to its last, how much of it was
+productive (the steps it kept, at its own fault-free step time), ETTR, and the time lost by
+cause: detecting each fault and restarting (fault to the first step after it), steps computed
+again (back to the last checkpoint), and the rest (slower steps around the faults).
+
+torchft cannot take the series: a hung replica is dropped for good (the job goes on at half
+its data, and the series' later faults never strike the replica that is gone).
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from relaunch_bench import timeline, torchrun
+from relaunch_bench.jobs import DDP, Progress, cluster, run_job
+from relaunch_bench.mttr import PROCESS_ANNOTATIONS, PROCESS_LABELS
+from relaunch_bench.peers import (
+    NVRX_HEARTBEAT_S,
+    PLAIN_DDP,
+    dlrover_run,
+    nvrx_run,
+    peer_python,
+)
+
+EVERY = 2400
+"""Steps between two faults: about a minute at the job's 25 ms a step."""
+COUNT = 9
+KINDS = ("crash", "crash", "hang")
+"""The series cycles through these: two crashes, then a hang (every peer takes both)."""
+WITH_LOST_NODES = ("crash", "lost-node", "hang")
+"""relaunch's second series: a lost node instead of every other crash (no peer here can take
+one: torchft and standalone DLRover have no scheduler to replace a node, NVRx's ft_launcher
+waits for one)."""
+HANG_S = 4
+"""relaunch's hang window (NVRx's rank heartbeat timeout is the same 4 s)."""
+
+
+def plan(
+    count: int = COUNT, every: int = EVERY, kinds: tuple[str, ...] = KINDS
+) -> list[tuple[int, str]]:
+    """(step, kind) of each fault of the series."""
+    return [((i + 1) * every, kinds[i % len(kinds)]) for i in range(count)]
+
+
+@dataclass
+class SeriesResult:
+    system: str
+    series: str
+    faults: int = 0
+    """Faults that struck."""
+    finished: bool = False
+    steps: int | None = None
+    run_s: float | None = None
+    productive_s: float | None = None
+    lost_s: float | None = None
+    ettr: float | None = None
+    step_ms: float | None = None
+    lost_by_cause: dict[str, float] = field(default_factory=dict)
+    note: str = ""
+
+
+def measure(events: list[timeline.Event], faults_at: list[float]) -> dict[str, Any]:
+    """Goodput from rank 0's timeline and when each fault struck. The step time is the median
+    of rank 0's step-to-step intervals (nearly all fault-free); productive time is the steps
+    kept at that pace; each fault costs its stall (fault to the next step: detection and
+    restart) and the steps computed again after it (down to the checkpoint it resumed from)."""
+    steps = [(s, t) for e, s, t in events if e == "step"]
+    if len(steps) < 2:
+        return {}
+    intervals = [b[1] - a[1] for a, b in itertools.pairwise(steps) if b[0] == a[0] + 1]
+    step_s = statistics.median(intervals)
+    first_step, first_at = steps[0]
+    last_step = max(s for s, _ in steps)
+    run_s = steps[-1][1] - first_at
+    productive = (last_step - first_step) * step_s
+    stall = recomputed = 0.0
+    for at in sorted(faults_at):
+        before = max((s for s, t in steps if t < at), default=first_step)
+        after = next(((s, t) for s, t in steps if t > at), None)
+        if after is None:
+            continue
+        stall += after[1] - at
+        recomputed += max(0, before - (after[0] - 1)) * step_s
+    lost = run_s - productive
+    return {
+        "steps": last_step,
+        "run_s": round(run_s, 1),
+        "productive_s": round(productive, 1),
+        "lost_s": round(lost, 1),
+        "ettr": round(productive / run_s, 3) if run_s > 0 else None,
+        "step_ms": round(step_s * 1000, 2),
+        "lost_by_cause": {
+            "detection and restart": round(stall, 1),
+            "recomputed": round(recomputed, 1),
+            "slower steps": round(max(0.0, lost - stall - recomputed), 1),
+        },
+    }
+
+
+def _struck(path: Path) -> list[float]:
+    return [t for e, _, t in timeline.read(path) if e in ("crash", "hang")]
+
+
+def relaunch_series(series: list[tuple[int, str]], tmp: Path, every: int = EVERY) -> SeriesResult:
+    """relaunch with its best levels: the SDK keeps the group (process level), warm spares in
+    each pod, hang retry; the series as its fault plan on rank 1 (pod 1)."""
+    name = "with lost nodes" if any(k == "lost-node" for _, k in series) else "crash, hang"
+    path = tmp / "timeline.txt"
+    steps = every * (len(series) + 1)
+    kinds = {
+        "crash": {"kind": "process-exit", "pod": 1, "rank": 1, "exit_code": 1},
+        "hang": {"kind": "hang", "pod": 1, "rank": 1},
+        "lost-node": {"kind": "node-down", "pod": 1},
+    }
+    faults = [{**kinds[kind], "at_step": step} for step, kind in series]
+    job = {
+        "kind": "job",
+        "metadata": {
+            "name": "bench-series",
+            "annotations": {
+                "fault-tolerance/job-retry-num": "40",
+                "fault-tolerance/hang-retry": "true",
+                **PROCESS_ANNOTATIONS,
+            },
+            "labels": {"fault-scheduling": "grace", "grace-over-time": "3", **PROCESS_LABELS},
+        },
+        "spec": {
+            "replicas": 2,
+            "procs_per_pod": 1,
+            "chips_per_pod": 2,
+            "command": f"python {DDP} --process-recovery --steps {steps} --ckpt-every 5 "
+            f"--timeline {path}",
+            "hang_detect_seconds": HANG_S,
+            "monitor_interval": 0.1,
+            "warm_spares": 1,
+        },
+    }
+    nodes = cluster(2 + sum(k == "lost-node" for _, k in series), 2)
+    report, _ = run_job(tmp, job, faults, nodes, timeout=3600)
+    result = SeriesResult("relaunch", name, finished=report is not None)
+    if report is None:
+        result.note = "the run failed"
+        return result
+    records = report["recoveries"]
+    faults_at = sorted({r["fault_at"] for r in records})
+    result.faults = len(faults_at)
+    result.note = ", ".join(sorted({r["action"] for r in records}))
+    _fill(result, measure(timeline.read(path), faults_at))
+    return result
+
+
+def peer_series(
+    system: str, series: list[tuple[int, str]], tmp: Path, every: int = EVERY
+) -> SeriesResult:
+    """torchrun (from this venv), NVRx's ft_launcher or DLRover's dlrover-run on the plain
+    script, the series in its command line (each fault once, on rank 1)."""
+    steps = every * (len(series) + 1)
+    script = ["--steps", str(steps), "--faults", ",".join(f"{s}:{k}" for s, k in series)]
+    restarts = len(series) + 2
+    result = SeriesResult(system, "crash, hang")
+    path = tmp / "timeline.txt"
+    if system == "torchrun":
+        agents = torchrun.start(
+            tmp, path, script[2:], max_restarts=restarts, steps=steps, procs=1, script=PLAIN_DDP
+        )
+        result.finished = torchrun.stop(agents, wait_s=3600)
+    else:
+        python = peer_python("nvrx" if system.startswith("NVRx") else "dlrover")
+        if isinstance(python, str):
+            result.note = python
+            return result
+        run = nvrx_run if system.startswith("NVRx") else dlrover_run
+        result.finished = run(python, tmp, script, restarts, 3600)
+    struck = _struck(path)
+    result.faults = len(struck)
+    _fill(result, measure(timeline.read(path), struck))
+    if not result.finished:
+        result.note = "did not finish"
+    return result
+
+
+def _fill(result: SeriesResult, measured: dict[str, Any]) -> None:
+    for key, value in measured.items():
+        setattr(result, key, value)
+
+
+PEERS = ("torchrun", f"NVRx ft_launcher ({NVRX_HEARTBEAT_S:g} s heartbeat)", "DLRover standalone")
+
+
+def series_rows(say: Progress, count: int = COUNT) -> list[dict[str, Any]]:
+    """relaunch on both series, each peer on the one it can take; then the lost time of each
+    beside relaunch's."""
+    rows: list[dict[str, Any]] = []
+    for system in ("relaunch", "relaunch", *PEERS):
+        kinds = WITH_LOST_NODES if system == "relaunch" and rows else KINDS
+        series = plan(count, kinds=kinds)
+        with tempfile.TemporaryDirectory(prefix="relaunch-bench-") as tmp:
+            result = (
+                relaunch_series(series, Path(tmp))
+                if system == "relaunch"
+                else peer_series(system, series, Path(tmp))
+            )
+        rows.append(asdict(result))
+        say(
+            f"series {system} ({result.series}): {result.faults} faults, lost {result.lost_s} s, "
+            f"ETTR {result.ettr} {result.note}"
+        )
+    rows.append(
+        {
+            "system": "torchft",
+            "series": "crash, hang",
+            "note": "cannot take it: a hung replica is dropped for good, and the series' later "
+            "faults never strike the replica that is gone",
+        }
+    )
+    return rows
+
+
+def series_ratio(rows: list[dict[str, Any]]) -> float | None:
+    """relaunch's lost time over the best peer's, on the series every peer takes."""
+    ours = next(
+        (
+            r["lost_s"]
+            for r in rows
+            if r["system"] == "relaunch" and r["series"] == "crash, hang" and r.get("lost_s")
+        ),
+        None,
+    )
+    peers = [
+        r["lost_s"]
+        for r in rows
+        if r["system"] != "relaunch" and r.get("lost_s") and r.get("finished")
+    ]
+    if ours is None or not peers:
+        return None
+    return round(float(ours) / float(min(peers)), 2)
