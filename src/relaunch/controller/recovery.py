@@ -59,12 +59,14 @@ class RecoveryDriver:
         attempt: int | None = None,
         started_at: float = 0.0,
         evidence: Mapping[str, Any] | None = None,
+        detected_at: float | None = None,
     ) -> None:
         """Store a fault and what waits for a decision because of it, in one transaction; then
         decide. A controller killed in between finds the decision still waiting on resume.
         A process exit that the last fault caused (`attempt`: the exited process's, and when
         it started) is stored as that fault's collateral and not decided again. `evidence`:
-        what diagnosis found (a hang's stacks), stored with the fault."""
+        what diagnosis found (a hang's stacks), stored with the fault; `detected_at`: when the
+        fault was found, if before now (a hang, found before its stacks were captured)."""
         c = self.c
         if c.job.status.ended:
             return
@@ -88,7 +90,8 @@ class RecoveryDriver:
             )
         alongside = fallback is not None and fallback.consequence is Consequence.ALONGSIDE
         with c.store.transaction():
-            fault_id = c.store.add_fault(c.job_id, fault, now, source, evidence=evidence)
+            found_at = now if detected_at is None else detected_at
+            fault_id = c.store.add_fault(c.job_id, fault, found_at, source, evidence=evidence)
             if fault_id is None:
                 return  # seen before (a heartbeat repeats it, a resumed controller re-hears it)
             if not alongside:  # a fault only recorded causes nothing: no collateral is its

@@ -105,4 +105,5 @@ def finish(c: Controller, now: float) -> None:
     c.event(
         f"hang: {finding.reason} (stacks of {len(stacks)} rank(s) in {now - capture.began:.2f} s)"
     )
-    c.recoveries.fault(fault, capture.found.source, evidence=evidence)
+    # found when the silence was, its stacks read since (diagnosis, not detection: `capture_s`)
+    c.recoveries.fault(fault, capture.found.source, evidence=evidence, detected_at=capture.began)
