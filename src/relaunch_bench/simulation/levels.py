@@ -63,11 +63,14 @@ def sim_job(
 ) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]], int]:
     """The job, the cluster and the fault plan of one simulated run, and its steps in all: the
     fault comes `lead_s` into the job (by default once every pod has started and trained a
-    while: 10 s, and a second for every 200 pods), the job ends `tail_s` after it."""
+    while: 10 s, and a second for every 200 pods), the job ends `tail_s` after it (after its
+    detection, for a hang)."""
     annotations, labels, fault = SIM_LEVELS[level]
     lead = 10 + pods / 200 if lead_s is None else lead_s
     at_step = max(1, int(lead / step_s))
-    steps = at_step + max(1, int(tail_s / step_s))
+    # a hang is found a hang window after it: the job still trains then, `tail_s` more after
+    waits = HANG_S if fault["kind"] == "hang" else 0
+    steps = at_step + max(1, int((waits + tail_s) / step_s))
     job = {
         "kind": "job",
         "metadata": {
