@@ -65,6 +65,9 @@ PASS_PER_POD_S: Final = 25e-6
 longer (0.1 s at 4,096 pods): a pass looks at every pod and node (a few microseconds each), and
 so takes a bounded share of a core however large the job. What a message asks for (an exit, a
 stop done, a hello) still hurries a pass at once."""
+HEARTBEAT_WRITTEN_EVERY_S: Final = 5.0
+"""How often the nodes' last heartbeats are written to the store (the record's "last
+heartbeat"), all in one transaction (or every heartbeat interval, when that is longer)."""
 SEEN_EVERY_S: Final = 0.5
 """How often the controller writes that it is alive (a resume tells how long it was away)."""
 
@@ -150,6 +153,7 @@ class Controller:
         """Since when the job trains undisturbed (None: something is under way): passes then
         run on events and deadlines, not every TICK_S (see `steady`)."""
         self.seen_written = 0.0
+        self.heartbeats_written = 0.0
         self.hang_stop = False
         """The processes are being stopped because the job hung: the hang grace applies."""
         self.heal_requests = 0
@@ -311,6 +315,11 @@ class Controller:
         if now - self.seen_written >= SEEN_EVERY_S:
             self.seen_written = now
             self.update_job(controller_seen_at=now)
+        if now - self.heartbeats_written >= max(
+            HEARTBEAT_WRITTEN_EVERY_S, self.cluster.heartbeat_interval_s
+        ):
+            self.heartbeats_written = now
+            self.store.set_heartbeats({n: a.last_heartbeat for n, a in self.agents.items()})
         checks.adoption(self, now)
         checks.requests(self, now)
         # detect

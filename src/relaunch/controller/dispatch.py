@@ -36,8 +36,6 @@ __all__ = ["dispatch"]
 
 PROGRESS_SAVED_EVERY_S = 0.5
 """The newest step is written to the store at most this often (the API's progress chart)."""
-HEARTBEAT_WRITTEN_EVERY_S = 5.0
-"""A node's last heartbeat is written to the store at most this often when nothing changed."""
 
 
 def dispatch(c: Controller, peer: Peer, message: Message | None) -> None:
@@ -205,12 +203,13 @@ def _exited(c: Controller, link: LauncherLink, message: Exited) -> None:
 def _chip_health(c: Controller, agent: AgentLink, beat: Heartbeat) -> None:
     """A node's chips and link, as its heartbeat says: the node's state follows, and each fault
     reported is a fault (stored once). The store hears of a heartbeat only when what it says
-    changed, or every HEARTBEAT_WRITTEN_EVERY_S (the record's "last heartbeat")."""
+    changed; the time of the last one with the others' every HEARTBEAT_WRITTEN_EVERY_S
+    (Controller.pass_)."""
     now = c.clock.now()
     _link_state(agent, beat.link_down, now)
     agent.data_rtt_ms = beat.data_rtt_ms
     chips = tuple((f.chip, f.code, f.kind) for f in beat.chips)
-    if chips != agent.chips_written or now - agent.written_at >= HEARTBEAT_WRITTEN_EVERY_S:
+    if chips != agent.chips_written:
         agent.chips_written, agent.written_at = chips, now
         c.store.set_chip_health(
             beat.node,

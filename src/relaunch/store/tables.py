@@ -55,6 +55,18 @@ class NodeTable(Database):
         )
 
 
+    def set_heartbeats(self, heard: Mapping[str, float]) -> None:
+        """When each node's agent was last heard (the record's "last heartbeat"), in one
+        transaction: the controller writes them every few seconds, not one a heartbeat."""
+        if not heard:
+            return
+        with self.transaction():
+            self._db.executemany(
+                "UPDATE nodes SET last_heartbeat = ? WHERE name = ?",
+                [(at, name) for name, at in heard.items()],
+            )
+
+
 class JobTable(Database):
     def create_job(
         self,
