@@ -1,0 +1,244 @@
+"""The launcher's parts on their own: its link to the controller (what waits while none is
+connected, when the pod is abandoned), the relay of the SDK's reports, and the faults it injects
+into real processes. (Every end-to-end test runs them together.)"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from relaunch.launcher.injection import inject, slow_down
+from relaunch.launcher.link import ControllerLink
+from relaunch.launcher.processes import NotStarted, Worker
+from relaunch.launcher.ranks import INJECT_DIR
+from relaunch.launcher.relay import ProgressRelay
+from relaunch.protocol.datagrams import (
+    SdkPhase,
+    collective_failure_datagram,
+    phase_datagram,
+    progress_datagram,
+)
+from relaunch.protocol.messages import (
+    CollectiveFailed,
+    Exited,
+    InjectProcessFault,
+    LauncherHello,
+    Lease,
+    Message,
+    Output,
+    ProgressBatch,
+    Start,
+    Stopped,
+    decode,
+    encode,
+)
+from relaunch.protocol.plans import LaunchPlan
+from relaunch.protocol.wire import write_controller_address
+
+
+def _plan(tmp: Path, adopt_grace_s: float = 30.0, lease_s: float | None = None) -> LaunchPlan:
+    return LaunchPlan(
+        job=1, pod=0, generation=1, node="node-0", command=("true",), procs_per_pod=1,
+        first_rank=0, working_dir=None, monitor_interval_s=0.1, adopt_grace_s=adopt_grace_s,
+        workdir=str(tmp / "pod"), termination_grace_s=20.0, lease_s=lease_s,
+    )  # fmt: skip
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Controller:
+    """A listening socket standing for the controller: what each connection said, in order."""
+
+    def __init__(self, state: Path) -> None:
+        self.server = socket.create_server(("127.0.0.1", 0))
+        write_controller_address(state, "127.0.0.1", self.server.getsockname()[1], os.getpid())
+        self.conn: socket.socket | None = None
+        self.lines: list[Message] = []
+
+    def accept(self) -> None:
+        self.server.settimeout(10)
+        self.conn, _ = self.server.accept()
+        self.conn.settimeout(0.2)
+
+    def heard(self, count: int) -> list[Message]:
+        assert self.conn is not None
+        buffer, deadline = b"", time.time() + 10
+        while len(self.lines) < count and time.time() < deadline:
+            try:
+                buffer += self.conn.recv(65536)
+            except TimeoutError:
+                continue
+            *done, buffer = buffer.split(b"\n")
+            self.lines += [m for m in (decode(line.decode()) for line in done) if m is not None]
+        return self.lines
+
+    def say(self, message: Message) -> None:
+        assert self.conn is not None
+        self.conn.sendall((encode(message) + "\n").encode())
+
+
+def test_what_the_pod_said_while_no_controller_was_there_goes_first_to_the_next(
+    tmp_path: Path,
+) -> None:
+    clock = Clock()
+    commands: list[Message] = []
+    hello = LauncherHello(1, 0, 1, os.getpid(), 1, "node-0")
+    link = ControllerLink(
+        tmp_path, _plan(tmp_path), lambda: hello, commands.append, lambda: None, clock
+    )
+    link.send(Exited(0, 1, 1, None, 5.0))
+    link.send(Output(0, 1, "a line nobody heard"))  # output is not kept: the log has it
+    link.send(Stopped(1, 6.0))
+    controller = Controller(tmp_path)
+    threading.Thread(target=link.serve, daemon=True).start()
+    controller.accept()
+    assert controller.heard(3)[:3] == [hello, Exited(0, 1, 1, None, 5.0), Stopped(1, 6.0)]
+    controller.say(Lease())
+    controller.say(Start(2, {}))
+    deadline = time.time() + 10
+    while not commands and time.time() < deadline:
+        time.sleep(0.01)
+    assert commands == [Start(2, {})], "a lease is the link's own, a command the launcher's"
+    assert link.alone_since is None and not link.abandoned()
+
+
+def test_a_pod_alone_past_the_adopt_grace_is_abandoned_for_good(tmp_path: Path) -> None:
+    clock = Clock()
+    link = ControllerLink(
+        tmp_path, _plan(tmp_path, adopt_grace_s=30), lambda: None, print, lambda: None, clock
+    )  # type: ignore[arg-type]
+    assert link.due() == 1030.0
+    clock.t = 1029.0
+    assert not link.abandoned() and link.kill_by() == float("inf")
+    clock.t = 1031.0
+    assert link.abandoned() and not link.fenced
+    assert link.kill_by() == 1031.0 + 20.0  # the job's grace, within the adopt grace
+    link.alone_since = None  # a controller that would come now changes nothing
+    assert link.abandoned()
+
+
+def test_a_connected_pod_that_hears_nothing_for_its_lease_stops_within_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """R-14: a node cut off from the controller, its connection still open."""
+    clock = Clock()
+    link = ControllerLink(
+        tmp_path, _plan(tmp_path, lease_s=4.0), lambda: None, print, lambda: None, clock
+    )  # type: ignore[arg-type]
+    link.alone_since, link.heard_at = None, 1000.0
+    assert link.due() == 1004.0
+    clock.t = 1003.9
+    assert not link.abandoned()
+    clock.t = 1004.5
+    assert link.abandoned() and link.fenced
+    assert link.abandon_grace() == 4.0, "its processes' grace bounded by the lease"
+    assert "no word from the controller for 4.5 s (lease 4 s, R-14)" in capsys.readouterr().out
+
+
+def _worker(rank: int, proc: subprocess.Popen[bytes] | NotStarted, attempt: int = 1) -> Worker:
+    return Worker(rank, rank, attempt, proc, None)
+
+
+def test_the_relay_sends_a_first_step_and_a_phase_at_once_and_steps_once_an_interval() -> None:
+    sent: list[tuple[Message, bool | None]] = []
+    relay = ProgressRelay(
+        f"relaunch-test-{os.getpid()}", 10.0, lambda m, urgent=None: sent.append((m, urgent))
+    )
+    workers = {3: _worker(3, NotStarted(0))}
+    sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    progress, urgent = (
+        relay.environment()["RELAUNCH_PROGRESS_SOCKET"],
+        relay.environment()["RELAUNCH_URGENT_SOCKET"],
+    )
+    address = lambda name: "\0" + name[1:]  # noqa: E731
+    sender.sendto(progress_datagram(3, 1, 50.0), address(urgent))
+    assert relay.drain(workers, 1), "a rank's first step goes at once"
+    relay.flush(workers, force=True)
+    ((batch, ring),) = sent
+    assert isinstance(batch, ProgressBatch) and ring is True
+    assert [(p.rank, p.step, p.at) for p in batch.reports] == [(3, 1, 50.0)]
+    for step in (2, 3, 4):
+        sender.sendto(progress_datagram(3, step), address(progress))
+    assert not relay.drain(workers, 1)
+    relay.flush(workers)  # within the interval of the last batch: kept
+    assert len(sent) == 1
+    relay.sent_at -= 10.0
+    relay.flush(workers)
+    assert [p.step for p in sent[-1][0].reports] == [4], "the newest step of each rank"
+    sender.sendto(phase_datagram(3, SdkPhase.CHECKPOINT), address(urgent))
+    assert relay.drain(workers, 1)
+    sender.sendto(collective_failure_datagram(3, 7, 2, 1, "Connection reset"), address(urgent))
+    relay.drain(workers, 1)
+    failed = [m for m, u in sent if isinstance(m, CollectiveFailed)]
+    assert failed and failed[0].step == 7 and failed[0].why == "Connection reset"
+    sender.sendto(b"not a datagram", address(urgent))
+    assert not relay.drain(workers, 1)
+
+
+def _sleeper(tmp: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": str(INJECT_DIR), "RELAUNCH_INJECT_DIR": str(tmp)}
+    return subprocess.Popen(
+        [sys.executable, "-c", "import time\nwhile True: time.sleep(0.01)"],
+        env=env,
+        start_new_session=True,
+    )
+
+
+def test_injected_faults_are_real_a_hang_stops_the_rank_an_exit_ends_it_with_its_code(
+    tmp_path: Path,
+) -> None:
+    hung, crashing = _sleeper(tmp_path), _sleeper(tmp_path)
+    try:
+        time.sleep(0.5)  # sitecustomize installed its handler
+        workers = [_worker(0, hung), _worker(1, crashing)]
+        assert (
+            inject(workers[0], InjectProcessFault(0, "hang", 0), workers, tmp_path, 0, lambda: True)
+            is None
+        )
+        deadline = time.time() + 5
+        while psutil.Process(hung.pid).status() != psutil.STATUS_STOPPED and time.time() < deadline:
+            time.sleep(0.02)
+        assert psutil.Process(hung.pid).status() == psutil.STATUS_STOPPED
+        exit_fault = InjectProcessFault(1, "exit", 1, exit_code=42)
+        assert inject(workers[1], exit_fault, workers, tmp_path, 0, lambda: True) is None
+        assert crashing.wait(timeout=10) == 42
+        assert inject(workers[1], exit_fault, workers, tmp_path, 0, lambda: True) == (
+            "rank 1 has exited (code 42)"
+        )
+        assert inject(None, exit_fault, workers, tmp_path, 3, lambda: True) == (
+            "rank 1 has no process in pod 3"
+        )
+    finally:
+        for proc in (hung, crashing):
+            proc.kill()
+            proc.wait()
+
+
+def test_a_slow_pod_runs_a_share_of_the_time_and_is_left_running_after(tmp_path: Path) -> None:
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+    try:
+        time.sleep(0.3)
+        before = psutil.Process(spin.pid).cpu_times()
+        started = time.time()
+        slow_down([_worker(0, spin)], factor=4.0, duration_s=2.0)
+        after = psutil.Process(spin.pid).cpu_times()
+        used = (after.user + after.system) - (before.user + before.system)
+        assert used < 0.6 * (time.time() - started), "it ran most of the time"
+        assert psutil.Process(spin.pid).status() != psutil.STATUS_STOPPED
+    finally:
+        spin.kill()
+        spin.wait()
