@@ -100,14 +100,14 @@ def test_a_job_training_undisturbed_is_looked_at_on_its_deadlines_not_every_tick
     for step in range(2, 42):
         sim.train(step)
         sim.tick()
-    assert c.steady_since is not None
+    assert c.pacer.steady_since is not None
     assert 4 <= len(passes) <= 2 / IDLE_PASS_S + 3, passes
     # Something under way (a stop asked through the store) brings back a pass every TICK_S.
     sim.store.append_plan(c.job_id, [{"kind": "process-exit", "pod": 1, "after_s": 30}])
     sim.run(IDLE_PASS_S + TICK_S)  # the next idle pass reads the plan
     passes.clear()
     sim.run(1.0)
-    assert c.steady_since is None
+    assert c.pacer.steady_since is None
     assert len(passes) >= 1.0 / TICK_S - 1
 
 
@@ -115,12 +115,12 @@ def test_a_crash_in_a_steady_job_is_decided_in_the_step_that_reads_it(tmp_path: 
     sim, _ = _steady_sim(tmp_path)
     c = sim.controller
     sim.run(1.0)
-    assert c.steady_since is not None
+    assert c.pacer.steady_since is not None
     sim.crash(3)
     sim.tick()
     assert any(e.startswith("fault: ") for e in sim.events)
     assert [r.action.value for r in sim.records()] == ["job-reschedule"]
-    assert c.steady_since is None
+    assert c.pacer.steady_since is None
 
 
 def test_a_silent_node_and_a_silent_rank_are_found_at_their_deadline_in_a_steady_job(
@@ -133,7 +133,7 @@ def test_a_silent_node_and_a_silent_rank_are_found_at_their_deadline_in_a_steady
     c = sim.controller
     timeout = sim.cluster.heartbeat_timeout_s
     sim.run(1.0)
-    assert c.steady_since is not None
+    assert c.pacer.steady_since is not None
     node = c.pods[1].row.node
     sim.silent = {node}
     silent_at = c.agents[node].last_heartbeat
@@ -146,7 +146,7 @@ def test_a_silent_node_and_a_silent_rank_are_found_at_their_deadline_in_a_steady
     sim2, _ = _steady_sim(tmp_path / "hang")
     c2 = sim2.controller
     sim2.run(0.5)
-    assert c2.steady_since is not None
+    assert c2.pacer.steady_since is not None
     quiet_at = sim2.clock.now()
     while not sim2.records():
         sim2.train(100, pods={0})  # pod 1's ranks fall silent

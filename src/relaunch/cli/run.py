@@ -278,35 +278,7 @@ def _execute(
 ) -> JobStatus:
     """The job run to its end, its events and output echoed; SIGTERM or SIGHUP (its terminal
     closed) stops it in order."""
-
-    def on_event(text: str) -> None:
-        # escaped: an event quotes what ranks said ("[/pytorch/.../pair.cc:553] Connection...")
-        out.print(
-            f"[bold cyan]\\[relaunch][/] {escape(visible(text))}", highlight=False, soft_wrap=True
-        )
-
-    def on_output(pod: int, rank: int, line: str) -> None:
-        if not quiet:
-            out.print(
-                f"[dim]\\[pod {pod} rank {rank}][/] {escape(visible(line))}",
-                highlight=False,
-                soft_wrap=True,
-            )
-
-    def on_start(controller: Controller) -> None:
-        out.print(
-            f"[bold cyan]\\[relaunch][/] job {controller.spec.name} (id {job_id}): "
-            f"{controller.spec.replicas} pod(s) x {controller.spec.procs_per_pod} process(es) on "
-            f"{len(controller.cluster.nodes)} node(s); state in {directory}",
-            highlight=False,
-        )
-        out.print(
-            f"[bold cyan]\\[relaunch][/] {escape(controller.engine.containers)}", highlight=False
-        )
-        out.print(
-            f"[bold cyan]\\[relaunch][/] {escape(controller.engine.networks)}", highlight=False
-        )
-
+    echo = _Echo(job_id, directory, quiet)
     live = _LiveView(store, job_id) if out.is_terminal else None
     previous = {sig: signal.signal(sig, _stop_on_signal) for sig in _STOPPING_SIGNALS}
     try:
@@ -318,10 +290,10 @@ def _execute(
             job_id,
             resume=resume,
             options=options,
-            on_event=on_event,
-            on_output=on_output,
+            on_event=echo.event,
+            on_output=echo.output,
             on_tick=live.refresh if live else None,
-            on_start=on_start,
+            on_start=echo.started,
             remove_node=trial.remove_node if trial is not None else None,
         )
     except RelaunchError as error:
@@ -333,6 +305,44 @@ def _execute(
             signal.signal(sig, handler)
         if live is not None:
             live.stop()
+
+
+@dataclass(frozen=True)
+class _Echo:
+    """What a foreground run shows of its job: relaunch's events, the ranks' output (unless
+    quiet), and what the job runs on."""
+
+    job_id: int
+    directory: Path
+    quiet: bool
+
+    def event(self, text: str) -> None:
+        # escaped: an event quotes what ranks said ("[/pytorch/.../pair.cc:553] Connection...")
+        out.print(
+            f"[bold cyan]\\[relaunch][/] {escape(visible(text))}", highlight=False, soft_wrap=True
+        )
+
+    def output(self, pod: int, rank: int, line: str) -> None:
+        if not self.quiet:
+            out.print(
+                f"[dim]\\[pod {pod} rank {rank}][/] {escape(visible(line))}",
+                highlight=False,
+                soft_wrap=True,
+            )
+
+    def started(self, controller: Controller) -> None:
+        out.print(
+            f"[bold cyan]\\[relaunch][/] job {controller.spec.name} (id {self.job_id}): "
+            f"{controller.spec.replicas} pod(s) x {controller.spec.procs_per_pod} process(es) on "
+            f"{len(controller.cluster.nodes)} node(s); state in {self.directory}",
+            highlight=False,
+        )
+        out.print(
+            f"[bold cyan]\\[relaunch][/] {escape(controller.engine.containers)}", highlight=False
+        )
+        out.print(
+            f"[bold cyan]\\[relaunch][/] {escape(controller.engine.networks)}", highlight=False
+        )
 
 
 _STOPPING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)

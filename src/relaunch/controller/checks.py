@@ -25,17 +25,17 @@ SLOW_CHECKED_EVERY_S = 1.0
 def adoption(c: Controller, now: float) -> None:
     """A resume's adoption window ends when every agent and launcher is back, or at its
     deadline; then lifecycle.adopted says what the missing ones mean."""
-    if not c.adopting:
+    if not c.adoption.resuming:
         return
     live = {n.name for n in c.nodes.values() if n.state in (NodeState.READY, NodeState.FAULTY)}
     parked = c.membership.parked()
     back = live <= set(c.agents) and all(
         p.connected for p in c.pods.values() if p.index not in parked
     )
-    if now < c.adopt_until and not back:
+    if now < c.adoption.until and not back:
         return
-    c.adopting = False
-    c.adopt_until = now
+    c.adoption.resuming = False
+    c.adoption.until = now
     lifecycle.adopted(c, now)
 
 
@@ -56,7 +56,7 @@ def requests(c: Controller, now: float) -> None:
 def heartbeats(c: Controller, now: float) -> None:
     """A node whose agent is silent for the heartbeat timeout, or that the engine reports dead,
     is lost (whichever comes first)."""
-    if now < c.adopt_until:
+    if now < c.adoption.until:
         return
     found = lost_nodes(
         c.nodes.values(),
@@ -64,7 +64,7 @@ def heartbeats(c: Controller, now: float) -> None:
         c.engine.lost_nodes(),
         min(now, c.caught_up_at),  # silent up to when everything sent was read
         c.cluster.heartbeat_timeout_s,
-        c.adopt_until or now,
+        c.adoption.until or now,
         c.fault_plan.injected_at,
     )
     for lost in found:

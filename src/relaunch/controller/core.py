@@ -31,6 +31,7 @@ from relaunch.controller.faultplan import FaultPlanRunner
 from relaunch.controller.fencing import LeaseKeeper
 from relaunch.controller.listener import Listener
 from relaunch.controller.membership import MembershipPublisher
+from relaunch.controller.pacer import IDLE_PASS_S, READ_EVERY_S, Adoption, Pacer
 from relaunch.controller.peers import AgentLink, LauncherLink, Peer
 from relaunch.controller.pods import Pod, PodPhase
 from relaunch.controller.reconcile import Reconciler
@@ -42,29 +43,12 @@ from relaunch.protocol.messages import Message
 from relaunch.spec import JobSpec
 from relaunch.store import JobRow, JobStatus, NodeRow, NodeState, PodRow, Store
 
-__all__ = ["TICK_S", "Controller", "RunOptions"]
+__all__ = ["IDLE_PASS_S", "TICK_S", "Controller", "RunOptions"]
 
-READ_EVERY_S: Final = 0.02
-"""While something is under way (a start, a recovery, a planned fault), the controller reads its
-connections at most this often: under a steady stream of messages (heartbeats, progress) one
-read takes several, at the cost of that much latency at most. While the job trains undisturbed
-(`Controller.steady`) it reads them when a pass is due (IDLE_PASS_S at most) and at once when a
-peer rings its doorbell (a message that needs a decision: an exit, a fault, a hello, a stop
-done; protocol.wire), connects or closes its connection; where the doorbell cannot listen (its
-UDP port is taken), at most every TICK_S."""
-IDLE_PASS_S: Final = 0.25
-"""While the job trains undisturbed, a pass runs when a message asks for one (`hurry`), when a
-deadline falls due (a node's heartbeat timeout, a rank's hang window: `Controller.next_due`), and
-at least this often (requests through the store: a stop, faults added, a cordon)."""
 DRAIN_ROUNDS: Final = 20
 """Reads of every ready connection per step at most, before the checks run anyway."""
 DUE_MARGIN_S: Final = 0.001
 """A deadline's pass runs this much after it (the detectors count silence strictly longer)."""
-PASS_PER_POD_S: Final = 25e-6
-"""While something is under way, passes come TICK_S apart, or this much a pod when that is
-longer (0.1 s at 4,096 pods): a pass looks at every pod and node (a few microseconds each), and
-so takes a bounded share of a core however large the job. What a message asks for (an exit, a
-stop done, a hello) still hurries a pass at once."""
 HEARTBEAT_WRITTEN_EVERY_S: Final = 5.0
 """How often the nodes' last heartbeats are written to the store (the record's "last
 heartbeat"), all in one transaction (or every heartbeat interval, when that is longer)."""
@@ -96,6 +80,23 @@ Closed = None
 
 
 class Controller:
+    listener: Listener | None
+    """The socket agents and launchers connect to, while the controller runs."""
+    caught_up_at: float
+    """When the controller last had read everything its peers had sent: silence is measured up
+    to then, so that a controller that fell behind (a stall, a start of hundreds of processes on
+    few cores) never takes its own lateness for a silent node."""
+    links: dict[int, LauncherLink]
+    """Each connected launcher's link, by its peer's identity (`linked`)."""
+    hang_stop: bool
+    """The processes are being stopped because the job hung: the hang grace applies."""
+    capture: Capture | None
+    """A hang's stacks being captured before it is decided (controller.stacks)."""
+    hang_watch: detectors.HangWatch
+    """When the hang detector looks at the ranks again (checks.hangs)."""
+    slow_since: dict[int, float]
+    """Pods that looked slow at every check since then (checks.slow)."""
+
     def __init__(
         self,
         store: Store,
@@ -126,47 +127,26 @@ class Controller:
         self.on_output = on_output
         self.on_tick = on_tick
         self.inbox: queue.Queue[tuple[Peer, Message | None]] = queue.Queue()
-        self.listener: Listener | None = None
-        """The socket agents and launchers connect to, while the controller runs."""
-        self.read_at = 0.0
-        """When (monotonic) the listener was last read."""
+        self.listener = None
         self.caught_up_at = self.clock.now()
-        """When the controller last had read everything its peers had sent: silence is measured
-        up to then, so that a controller that fell behind (a stall, a start of hundreds of
-        processes on few cores) never takes its own lateness for a silent node."""
         self.job: JobRow = store.job(job_id)
         self.nodes: dict[str, NodeRow] = {}
         self.refresh_nodes()
         self.pods: dict[int, Pod] = {p.idx: Pod(p) for p in store.pods(job_id)}
         self.agents: dict[str, AgentLink] = {}
-        self.links: dict[int, LauncherLink] = {}
-        """Each connected launcher's link, by its peer's identity (`linked`)."""
+        self.links = {}
         self.progress = TrainingProgress(self.job.last_step, self.job.last_step is not None)
-        self.adopt_until = 0.0
-        """Until then, agents and launchers are being (re-)adopted: no node is declared lost."""
-        self.adopting = False
-        """A resume's adoption window is open (see checks.adoption)."""
-        self.away_s = 0.0
-        """How long the controller was away before this resume."""
-        self.next_pass = 0.0
-        self.steady_since: float | None = None
-        """Since when the job trains undisturbed (None: something is under way): passes then
-        run on events and deadlines, not every TICK_S (see `steady`)."""
+        self.adoption = Adoption()
+        self.pacer = Pacer.for_pods(len(self.pods))
         self.seen_written = 0.0
         self.heartbeats_written = 0.0
         self.hang_stop = False
-        """The processes are being stopped because the job hung: the hang grace applies."""
         self.heal_requests = 0
-        self.capture: Capture | None = None
-        """A hang's stacks being captured before it is decided (controller.stacks)."""
+        self.capture = None
         self.capture_requests = 0
         self.hang_watch = detectors.HangWatch()
-        """When the hang detector looks at the ranks again (checks.hangs)."""
-        self.slow_since: dict[int, float] = {}
-        """Pods that looked slow at every check since then (checks.slow)."""
+        self.slow_since = {}
         self.slow_checked_at = 0.0
-        self.tick_s = max(TICK_S, PASS_PER_POD_S * len(self.pods))
-        """How far apart passes come while something is under way (PASS_PER_POD_S)."""
         self.recoveries = RecoveryDriver(self)
         self.membership = MembershipPublisher(self)
         self.fault_plan = FaultPlanRunner(self, plan)
@@ -183,27 +163,20 @@ class Controller:
 
     def hurry(self) -> None:
         """Act on what just happened now, not at the next scheduled pass."""
-        self.next_pass = 0.0
+        self.pacer.hurry()
 
     def step(self, wait: float = 0.0) -> None:
         """Handle what arrived (waiting up to `wait` for the first message), then one pass of
-        checks when it is due: TICK_S after the last while something is under way; while the
+        checks when it is due: a tick after the last while something is under way; while the
         job trains undisturbed, at its next deadline (or when a message hurries it)."""
         self.drain(wait)
         now = self.clock.now()
-        if self.steady_since is not None and self._engine_lost_one():
+        if self.pacer.steady_since is not None and self._engine_lost_one():
             self.hurry()
-        if now < self.next_pass:
+        if not self.pacer.due(now):
             return
-        self.next_pass = now + self.tick_s
         self.pass_(now)
-        if self.next_pass == 0.0:  # hurried during the pass: another one at once
-            self.steady_since = None
-        elif self.steady(now):
-            self.steady_since = self.steady_since or now
-            self.next_pass = max(now + READ_EVERY_S, min(now + IDLE_PASS_S, self.next_due(now)))
-        else:
-            self.steady_since = None
+        self.pacer.passed(now, self.steady(now), self.next_due)
 
     def steady(self, now: float) -> bool:
         """The job trains undisturbed: nothing a pass drives is under way (no start, stop,
@@ -211,7 +184,8 @@ class Controller:
         launcher to come), every pod's launcher runs the current attempt. Then nothing changes
         between messages but the passing of the deadlines `next_due` gives."""
         job = self.job
-        if job.status is not JobStatus.RUNNING or self.adopting or now < self.adopt_until:
+        adoption = self.adoption
+        if job.status is not JobStatus.RUNNING or adoption.resuming or now < adoption.until:
             return False
         recoveries = self.recoveries
         if recoveries.active is not None or recoveries.waiting or self.capture is not None:
@@ -269,7 +243,7 @@ class Controller:
         heard everything sent before then."""
         caught_up = True
         if self.listener is not None:
-            if self.steady_since is not None and self.listener.rings and self.inbox.empty():
+            if self.pacer.steady_since is not None and self.listener.rings and self.inbox.empty():
                 # Undisturbed: read when the next pass is due, or at once for a doorbell, a
                 # new connection or a closed one; routine messages wait on their sockets.
                 woken = self.listener.wait_quietly(wait)
@@ -277,13 +251,13 @@ class Controller:
                 if woken and not received:  # a bell may overtake its message between hosts
                     received = self.listener.poll(READ_EVERY_S)
             else:
-                since = time.monotonic() - self.read_at
-                gap = READ_EVERY_S if self.steady_since is None else TICK_S
+                since = time.monotonic() - self.pacer.read_at
+                gap = self.pacer.read_gap()
                 if since < gap:  # gather what arrives meanwhile into one read
                     time.sleep(gap - since)
                     wait = max(0.0, wait - (gap - since))
                 received = self.listener.poll(wait if self.inbox.empty() else 0.0)
-            self.read_at = time.monotonic()
+            self.pacer.read_at = time.monotonic()
             rounds = 0
             while received:
                 for conn, message in received:

@@ -52,7 +52,7 @@ def run(c: Controller) -> tuple[JobStatus, str]:
             )
             c.membership.publish()
         while not c.job.status.ended:
-            c.step(wait=max(0.0, c.next_pass - c.clock.now()))
+            c.step(wait=max(0.0, c.pacer.next_pass - c.clock.now()))
         finish(c, c.job)
         return c.job.status, c.job.reason
     finally:
@@ -79,11 +79,11 @@ def start_agents(c: Controller, now: float, keep_lost: bool = False) -> None:
         )
         c.agents.pop(spec.name, None)
     c.refresh_nodes()
-    c.adopt_until = now + max(5.0, 4 * c.cluster.heartbeat_timeout_s)
+    c.adoption.until = now + max(5.0, 4 * c.cluster.heartbeat_timeout_s)
     deadline = now + AGENTS_START_S
     while c.clock.now() < deadline and not wanted <= set(c.agents):
         c.drain(TICK_S)
-    c.adopt_until = 0.0
+    c.adoption.until = 0.0
 
 
 def resume(c: Controller, now: float) -> None:
@@ -93,12 +93,12 @@ def resume(c: Controller, now: float) -> None:
     _resume_active(c)
     c.recoveries.waiting = True  # faults the dead controller stored and did not decide
     seen = job.controller_seen_at
-    c.away_s = now - seen if seen is not None else 0.0
+    c.adoption.away_s = now - seen if seen is not None else 0.0
     c.update_job(controller_seen_at=now)
-    c.adopting = True
-    c.adopt_until = now + max(2.0, 3 * c.cluster.heartbeat_interval_s)
+    c.adoption.resuming = True
+    c.adoption.until = now + max(2.0, 3 * c.cluster.heartbeat_interval_s)
     c.event(
-        f"controller resumed job {job.name} (attempt {job.attempt}) after {c.away_s:.1f} s "
+        f"controller resumed job {job.name} (attempt {job.attempt}) after {c.adoption.away_s:.1f} s "
         "away; re-adopting pods"
     )
 
@@ -118,7 +118,7 @@ def adopted(c: Controller, now: float) -> None:
     parked = c.membership.parked()
     missing = [p for p in c.pods.values() if not p.connected and p.index not in parked]
     grace = c.cluster.adopt_grace_s
-    if c.away_s <= grace:
+    if c.adoption.away_s <= grace:
         if c.recoveries.active is None:  # a recovery under way launches its pods itself
             for pod in missing:
                 pod.lost(now)
@@ -135,19 +135,19 @@ def adopted(c: Controller, now: float) -> None:
             spec, c.cluster.heartbeat_interval_s, grace, c.options.rules.network_blip_s
         )
     if silent:
-        c.adopt_until = now + max(5.0, 4 * c.cluster.heartbeat_timeout_s)
+        c.adoption.until = now + max(5.0, 4 * c.cluster.heartbeat_timeout_s)
     if not missing:
         return
     c.event(
-        f"{len(missing)} pod(s) did not come back: the controller was away {c.away_s:.0f} s, "
+        f"{len(missing)} pod(s) did not come back: the controller was away {c.adoption.away_s:.0f} s, "
         f"longer than adopt_grace_s ({grace:g} s), and they ended themselves; restarting the "
         "job from its checkpoints"
     )
-    seen = (c.job.controller_seen_at or now) - c.away_s
+    seen = (c.job.controller_seen_at or now) - c.adoption.away_s
     outage = Fault(
         FaultKind.CONTROLLER_OUTAGE,
         seen + grace,
-        detail=f"controller away {c.away_s:.0f} s (adopt_grace_s {grace:g} s)",
+        detail=f"controller away {c.adoption.away_s:.0f} s (adopt_grace_s {grace:g} s)",
     )
     c.recoveries.fault(outage, f"outage:{c.job.attempt}:{seen:.3f}")
 

@@ -77,21 +77,9 @@ class MembershipPublisher:
         for pod in c.pods.values():
             if pod.link is not None:
                 pod.link.peer.send(update)
-        what = (
-            f"issue collective {operator[1]} of step {operator[0]} again (attempt {operator[2]})"
-            if operator is not None
-            else "online retry"
-            if retry
-            else f"replacements {sorted(joiners)}"
-            if joiners
-            else "the same ranks anew (the step runs again)"
-            if reform
-            else "fresh group"
-        )
-        if parked:
-            what += f"; pods {sorted(parked)} left out"
         c.event(
-            f"process group generation {membership.generation}: {what}, world size {membership.world_size}"
+            f"process group generation {membership.generation}: {_what(membership, reform)}, "
+            f"world size {membership.world_size}"
         )
         return membership.generation
 
@@ -115,6 +103,25 @@ class MembershipPublisher:
         if rank in self.joining:
             self.joining = ()
             self.c.event("scale-out: the joining ranks are training")
+
+
+def _what(membership: Membership, reform: bool) -> str:
+    """What a generation of the group is for, in words."""
+    operator = membership.operator
+    what = (
+        f"issue collective {operator[1]} of step {operator[0]} again (attempt {operator[2]})"
+        if operator is not None
+        else "online retry"
+        if membership.retry
+        else f"replacements {sorted(membership.joiners)}"
+        if membership.joiners
+        else "the same ranks anew (the step runs again)"
+        if reform
+        else "fresh group"
+    )
+    if membership.parked:
+        what += f"; pods {sorted(membership.parked)} left out"
+    return what
 
 
 def _stored(membership: Membership) -> dict[str, object]:

@@ -52,7 +52,7 @@ class Reconciler:
 
     def converge(self, now: float) -> None:
         c = self.c
-        if c.job.status.ended or now < c.adopt_until:
+        if c.job.status.ended or now < c.adoption.until:
             return
         self._write_fence()
         retired = sum(self._retire(pod, now) for pod in c.pods.values())
@@ -200,7 +200,7 @@ class Reconciler:
     def keep_standby(self, now: float) -> None:
         """Level-triggered like the pods: one standby launcher per standby node, none elsewhere."""
         c = self.c
-        if c.job.status.ended or now < c.adopt_until:
+        if c.job.status.ended or now < c.adoption.until:
             return
         wanted = self.standby_nodes()
         for node, link in list(self.standby.items()):

@@ -156,7 +156,7 @@ class RecoveryDriver:
         """Decide every fault that waits (normally the one just stored; after a resume, what the
         killed controller stored and did not decide), unless the policy holds it back."""
         c = self.c
-        if not self.waiting or now < max(c.adopt_until, self.hold_until):
+        if not self.waiting or now < max(c.adoption.until, self.hold_until):
             return
         waiting = c.store.pending(c.job_id)
         failed, saving = commands.failed_and_saving(c)

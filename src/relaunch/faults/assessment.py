@@ -60,6 +60,12 @@ def assess(
     rules: EscalationRules,
 ) -> Assessment:
     """Classify `fault` given the job's `earlier` faults (any order, any kinds)."""
+    found = _without_code(fault, rules)
+    return found if found is not None else _chip(fault, earlier, table, rules)
+
+
+def _without_code(fault: Fault, rules: EscalationRules) -> Assessment | None:
+    """The kinds classified by what they are, not by a fault code (None: a chip's fault)."""
     kind = fault.kind
     if kind is FaultKind.PROCESS_EXIT:
         return _plain(fault, Cause.SOFTWARE, "a rank exited with no hardware fault found")
@@ -84,15 +90,8 @@ def assess(
             return _plain(
                 fault, Cause.SOFTWARE, "a collective failed with no link fault seen on any node"
             )
-        return Assessment(
-            fault,
-            Cause.ENVIRONMENT,
-            None,
-            True,
-            False,
-            False,
-            f"a collective failed while the data link of {fault.node} was down",
-        )
+        why = f"a collective failed while the data link of {fault.node} was down"
+        return Assessment(fault, Cause.ENVIRONMENT, None, True, False, False, why)
     if kind is FaultKind.NETWORK:
         if is_network_blip(fault, rules):
             return _plain(
@@ -101,7 +100,14 @@ def assess(
                 f"link down {fault.duration_s:g} s <= {rules.network_blip_s:g} s: recorded only (R-12)",
             )
         return Assessment(fault, Cause.ENVIRONMENT, None, True, False, False, "network link down")
+    return None
 
+
+def _chip(
+    fault: Fault, earlier: Sequence[Fault], table: FaultCodeTable, rules: EscalationRules
+) -> Assessment:
+    """A chip's fault (or a memory UCE), by its code in the fault table (R-09, R-10, R-13)."""
+    kind = fault.kind
     code = fault.code or (UCE_DEFAULT_CODE if kind is FaultKind.MEMORY_UCE else None)
     assert code is not None  # Fault checks that chip faults carry a code
     row = table.lookup(code, fault.reported_severity)
