@@ -39,6 +39,10 @@ class Env:
     """"False": rank 0 hosts the rendezvous store, as with torchrun's static rendezvous (there
     is no agent store to join)."""
     NCCL_ASYNC_ERROR_HANDLING: Final = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+    NCCL_BLOCKING_WAIT: Final = "TORCH_NCCL_BLOCKING_WAIT"
+    """A NCCL collective's wait blocks the host and raises when the collective failed, timed out
+    or was aborted; without it the wait only orders the GPU's streams, and a value read after an
+    aborted collective (the keeper's commit flag) is whatever the GPU held."""
     NCCL_HOSTID: Final = "NCCL_HOSTID"
     """What NCCL takes for the host's identity: a pod's node (each node of the embedded cluster
     is a host of its own, though they share one machine and its GPUs)."""

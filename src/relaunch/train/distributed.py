@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from relaunch.train import rng
+from relaunch.train import overlap, rng
 from relaunch.train.checkpoint import Checkpoint, CheckpointManager
 
 __all__ = [
     "load_common_checkpoint",
     "parameter_hash",
+    "restore_snapshot",
     "rng_state",
     "set_rng_state",
     "settle_ddp_buckets",
+    "step_snapshot",
 ]
 
 
@@ -79,3 +82,27 @@ def settle_ddp_buckets(
         output = ddp(*inputs)
         (output.sum() * 0.0).backward()
     ddp.module.zero_grad(set_to_none=True)
+
+
+def step_snapshot(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, with_state: bool
+) -> dict[str, Any]:
+    """What a step changes, taken at its start so that it can run again (an online retry): the
+    RNG streams, and with `with_state` the parameters and the optimizer's state."""
+    snap: dict[str, Any] = {"rng": rng_state()}
+    if with_state:
+        snap["model"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        snap["optimizer"] = copy.deepcopy(optimizer.state_dict())
+    return snap
+
+
+def restore_snapshot(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, snapshot: dict[str, Any]
+) -> None:
+    """Back to the step's start (`step_snapshot`), its gradients cleared."""
+    if "model" in snapshot:
+        overlap.settle_pending()  # the save before this step holds the state it saved
+        model.load_state_dict(snapshot["model"])
+        optimizer.load_state_dict(snapshot["optimizer"])
+    set_rng_state(snapshot["rng"])
+    optimizer.zero_grad(set_to_none=True)

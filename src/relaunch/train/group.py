@@ -1,9 +1,8 @@
 """Process-level recovery for `torch.distributed`: healthy ranks keep running through a fault.
 
 The SDK owns the process group's life. relaunch's controller publishes a *membership* (a
-generation number, where that generation's store listens, which ranks take part and which of
-them are replacements that start from nothing); the launcher writes it into the pod's work
-directory (`RELAUNCH_MEMBERSHIP`). :class:`ProcessGroupKeeper` runs the training loop::
+generation, where its store listens, which ranks take part, which are replacements); the launcher
+writes it where `RELAUNCH_MEMBERSHIP` says. :class:`ProcessGroupKeeper` runs the training loop::
 
     keeper = ProcessGroupKeeper(model, optimizer)
     if not keeper.start():                     # a replacement got its state from a healthy rank
@@ -16,14 +15,11 @@ where ``train_step(step)`` zeroes the gradients, runs forward and backward throu
 every rank that the step may be committed, and only then calls ``optimizer.step()``. So a fault
 can only interrupt a step before any rank changed its parameters, and:
 
-- when a peer dies, the collective in progress fails: at once for the ranks connected to it
-  ("connection reset"), and for the others as soon as a failing rank or the controller's new
-  membership aborts the group (gloo has no abort of its own: the keeper shuts the group's TCP
-  connections down, which every blocked peer sees at once); a peer that hangs makes it fail after
-  ``collective_timeout_s`` or when the controller publishes a new membership. The keeper drops the group, waits for
-  the next membership, joins the new group, and a healthy rank broadcasts the model, optimizer,
-  RNG state and step to every member; then the interrupted step runs again. Healthy ranks never
-  restart, never re-import, never reload a checkpoint;
+- when a peer dies or hangs, the collective in progress fails (a dead peer's connection resets;
+  a new membership aborts the group: `train.sockets`; else ``collective_timeout_s``). The keeper
+  drops the group, waits for the next membership (`train.following`), joins the new group, and a
+  healthy rank broadcasts the model, optimizer, RNG state and step to every member; then the
+  interrupted step runs again. Healthy ranks never restart, re-import or reload a checkpoint;
 - when the controller asks for an online retry (a memory UCE or a network fault), every rank sees
   it at the next commit, restores the in-memory snapshot taken at the step's start, and runs the
   step again in the same group.
@@ -37,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-import socket
 import sys
 import threading
 import time
@@ -56,25 +51,23 @@ from relaunch.protocol.operator import OperatorRetry
 from relaunch.protocol.plans import Membership, read_membership
 from relaunch.train import overlap
 from relaunch.train.collectives import RetryableCollectives, settings_from_env
-from relaunch.train.distributed import rng_state, set_rng_state, settle_ddp_buckets
+from relaunch.train.distributed import (
+    restore_snapshot,
+    rng_state,
+    set_rng_state,
+    settle_ddp_buckets,
+    step_snapshot,
+)
+from relaunch.train.following import GroupLost, Member, changed_membership, wait_for_membership
 from relaunch.train.progress import SdkPhase, report_phase
+from relaunch.train.sockets import shut_down, tcp_sockets
 
 __all__ = ["GroupLost", "Membership", "ProcessGroupKeeper", "read_membership"]
 # Membership and read_membership are the protocol's (relaunch.protocol.plans), re-exported here.
 
 
-NCCL_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 NCCL_CLEAN_UP_ONLY = "2"
 """ProcessGroupNCCL's error handling "CleanUpOnly": abort the communicator, keep the process."""
-NCCL_BLOCKING_WAIT = "TORCH_NCCL_BLOCKING_WAIT"
-"""A NCCL collective's wait blocks the host and raises when the collective failed, timed out or
-was aborted; without it the wait only orders the GPU's streams, and a value read after an aborted
-collective (the commit's flag) is whatever the GPU held."""
-
-
-class GroupLost(RuntimeError):
-    """No working process group could be formed again within the wait (the controller's fallback
-    takes over: a rank that raises this exits, and the next recovery level runs)."""
 
 
 class _Retry(Exception):
@@ -171,40 +164,23 @@ class ProcessGroupKeeper:
     def _latest(self) -> Membership | None:
         """The membership file's content if it changed since the last look (one stat otherwise)."""
         assert self.membership_path is not None
-        try:
-            mtime = self.membership_path.stat().st_mtime_ns
-        except OSError:
-            return None
-        if mtime == self._seen_mtime:
-            return None
-        found = read_membership(self.membership_path)
-        if found is not None:
-            self._seen_mtime = mtime
+        found, self._seen_mtime = changed_membership(self.membership_path, self._seen_mtime)
         return found
 
     def _wait_for(self, newer_than: int, deadline: float) -> Membership:
         """The first membership of a generation above `newer_than` that includes this rank."""
         assert self.membership_path is not None
-        while time.time() < deadline:
-            found = read_membership(self.membership_path)
-            if found is not None and found.operator is not None:
-                found = None  # an order to issue a collective again: not the keeper's group
-            if found is not None and found.generation > newer_than:
-                if found.pods and self.pod is not None:
-                    current = found.pods.get(self.pod)
-                    if current is not None and current != self.pod_generation:
-                        raise GroupLost(
-                            f"rank {self.original_rank}: pod {self.pod} was replaced "
-                            f"(generation {current}); this process is stale"
-                        )
-                if self.original_rank not in found.ranks:
-                    raise GroupLost(
-                        f"rank {self.original_rank} is not a member of generation "
-                        f"{found.generation} (scaled in)"
-                    )
-                return found
-            time.sleep(0.02)
-        raise GroupLost(f"no new membership after generation {newer_than} within {self.wait_s:g} s")
+        found = wait_for_membership(
+            self.membership_path,
+            newer_than,
+            deadline,
+            Member(self.original_rank, self.pod, self.pod_generation),
+        )
+        if found is None:
+            raise GroupLost(
+                f"no new membership after generation {newer_than} within {self.wait_s:g} s"
+            )
+        return found
 
     # -- the group ------------------------------------------------------------------------------
 
@@ -212,11 +188,11 @@ class ProcessGroupKeeper:
         """Form the group of membership `m` (relaunch hears that the rank is building its group:
         no process-level recovery runs meanwhile, R-37)."""
         report_phase(SdkPhase.GROUP)
-        before = _tcp_sockets()
+        before = tcp_sockets()
         try:
             self._form(m)
         finally:
-            self._sockets = _tcp_sockets() - before
+            self._sockets = tcp_sockets() - before
             report_phase(SdkPhase.TRAINING)
         self.membership = m
 
@@ -229,13 +205,7 @@ class ProcessGroupKeeper:
         if self.nccl and dist.is_initialized():
             with contextlib.suppress(RuntimeError, ValueError):
                 dist.distributed_c10d._abort_process_group()
-        for fd in self._sockets:
-            with contextlib.suppress(OSError):
-                duplicate = socket.socket(fileno=os.dup(fd))
-                try:
-                    duplicate.shutdown(socket.SHUT_RDWR)
-                finally:
-                    duplicate.close()
+        shut_down(self._sockets)
         self._sockets = set()
 
     def _watch(self) -> None:
@@ -260,8 +230,8 @@ class ProcessGroupKeeper:
         if self.nccl and self.membership_path is not None:
             # a failed collective aborts its communicator and raises, the process lives on for
             # the keeper to re-form the group (torchrun's default, 1, tears the process down)
-            os.environ[NCCL_ASYNC_ERROR_HANDLING] = NCCL_CLEAN_UP_ONLY
-            os.environ[NCCL_BLOCKING_WAIT] = "1"
+            os.environ[Env.NCCL_ASYNC_ERROR_HANDLING] = NCCL_CLEAN_UP_ONLY
+            os.environ[Env.NCCL_BLOCKING_WAIT] = "1"
         self._aborted = False
         if m is None:
             dist.init_process_group(self.backend, timeout=timeout)
@@ -447,21 +417,11 @@ class ProcessGroupKeeper:
     def _take_snapshot(self) -> dict[str, Any] | None:
         if not self.recovery_enabled:
             return None
-        snap: dict[str, Any] = {"rng": rng_state()}
-        if self.snapshot_enabled:
-            snap["model"] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-            snap["optimizer"] = copy.deepcopy(self.optimizer.state_dict())
-        return snap
+        return step_snapshot(self.model, self.optimizer, with_state=self.snapshot_enabled)
 
     def _restore(self, snapshot: dict[str, Any] | None) -> None:
-        if snapshot is None:
-            return
-        if "model" in snapshot:
-            overlap.settle_pending()  # the save before this step holds the state it saved
-            self.model.load_state_dict(snapshot["model"])
-            self.optimizer.load_state_dict(snapshot["optimizer"])
-        set_rng_state(snapshot["rng"])
-        self.optimizer.zero_grad(set_to_none=True)
+        if snapshot is not None:
+            restore_snapshot(self.model, self.optimizer, snapshot)
 
     def _recover(
         self,
@@ -537,33 +497,3 @@ class ProcessGroupKeeper:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-
-
-def _tcp_sockets() -> set[int]:
-    """This process's connected TCP socket descriptors (Linux; elsewhere none, and aborts fall back to
-    the collective timeout)."""
-    found: set[int] = set()
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:
-        return found
-    for name in names:
-        fd = int(name)
-        try:
-            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
-                continue
-            probe = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue
-        try:
-            if probe.type == socket.SOCK_STREAM and probe.family in (
-                socket.AF_INET,
-                socket.AF_INET6,
-            ):
-                probe.getpeername()  # connected; a listening socket raises (and must stay up)
-                found.add(fd)
-        except OSError:
-            pass
-        finally:
-            probe.close()
-    return found
