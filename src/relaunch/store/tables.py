@@ -54,7 +54,6 @@ class NodeTable(Database):
             (text, at, name, text, at),
         )
 
-
     def set_heartbeats(self, heard: Mapping[str, float]) -> None:
         """When each node's agent was last heard (the record's "last heartbeat"), in one
         transaction: the controller writes them every few seconds, not one a heartbeat."""
