@@ -63,8 +63,6 @@ LEVELS: dict[str, tuple[dict[str, str], dict[str, Any]]] = {
     # The same node lost while the ranks save a checkpoint: the fault waits for the save
     # (R-37's hold, at most the hang window), then process level moves the lost ranks.
     "process-reschedule@save": (RETRY, {"kind": "node-down", "pod": 1}),
-    # A hang (SIGSTOP) where the SDK keeps the group: only the hung rank is replaced.
-    "process-in-place+spare@hang": (RETRY, {"kind": "hang", "pod": 1, "rank": 3}),
 }
 DURING_SAVE = "@save"
 """A level whose fault lands on a checkpoint step (SAVE_FAULT_STEP), during the save: that
@@ -77,17 +75,11 @@ WARM_SPARE = "+spare"
 each pod and, in a standby launcher, on each schedulable node."""
 
 
-ON_A_HANG = "@hang"
-"""A level measured on a hang (the rank SIGSTOPped) instead of its own fault."""
-
-
 def handled_by(level: str) -> str:
-    """The action whose record a row measures: its own level, whether warm spares are kept, the
-    fault lands in a save (which it now waits for, R-37's hold; before the hold, the `@save`
-    row's fault went to pod-reschedule) or is a hang."""
-    for suffix in (DURING_SAVE, ON_A_HANG, WARM_SPARE):
-        level = level.removesuffix(suffix)
-    return level
+    """The action whose record a row measures: its own level, whether warm spares are kept or
+    the fault lands in a save (which it now waits for, R-37's hold; before the hold, the `@save`
+    row's fault went to pod-reschedule)."""
+    return level.removesuffix(WARM_SPARE).removesuffix(DURING_SAVE)
 
 
 JOB_LEVELS = (
@@ -105,7 +97,6 @@ PROCESS_LEVELS = (
     "process-in-place+spare",
     "process-reschedule+spare",
     "process-reschedule@save",
-    "process-in-place+spare@hang",
 )
 PROCESS_LABELS = {"process-recover-enable": "on", "pod-rescheduling": "on"}
 PROCESS_ANNOTATIONS = {
@@ -165,7 +156,7 @@ def _job(
         command += f" --device {device}"
     if level.endswith(DURING_SAVE):  # the save of the fault's step lasts: the fault lands in it
         command += f" --slow-save-at {SAVE_FAULT_STEP} --slow-save-s {SAVE_HELD_S}"
-    if WARM_SPARE in level:
+    if level.endswith(WARM_SPARE):
         spares = {"warm_spares": procs}
     return {
         "kind": "job",

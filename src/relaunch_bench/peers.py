@@ -40,7 +40,7 @@ STEPS = 400
 to rejoin (at about 0.025 s a step)."""
 RELAUNCH_LEVELS = {
     "crash": ("process-in-place+spare", "job-reschedule+spare"),
-    "hang": ("hang-restart", "process-in-place+spare@hang"),
+    "hang": ("hang-restart",),
     "lost-node": ("process-reschedule+spare",),
 }
 """relaunch's best levels for each fault, measured beside the peers in the same run: for a
@@ -364,7 +364,7 @@ def relaunch_sample(level: str, tmp: Path) -> PeerSample:
         stall_s=sample.mttr_s,
         rejoin_s=sample.mttr_s,  # the job steps again only with every rank back
         lost_steps=sample.lost_steps,
-        ranks_restarted=2 if level.startswith(("job", "hang")) else 1,
+        ranks_restarted=2 if level.startswith("job") else 1,
         detected=True,
         detect_s=sample.detect_s,
     )
