@@ -364,7 +364,7 @@ def relaunch_sample(level: str, tmp: Path) -> PeerSample:
         stall_s=sample.mttr_s,
         rejoin_s=sample.mttr_s,  # the job steps again only with every rank back
         lost_steps=sample.lost_steps,
-        ranks_restarted=2 if level.startswith("job") else 1,
+        ranks_restarted=2 if level.startswith(("job", "hang")) else 1,  # hang-restart: every rank
         detected=True,
         detect_s=sample.detect_s,
     )
