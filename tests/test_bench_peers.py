@@ -93,12 +93,17 @@ def test_each_faults_ratio_is_relaunch_over_the_best_peer_measured() -> None:
         {"fault": "crash", "system": "torchft (1 s heartbeat)", "stall_s": 1.0},
         {"fault": "crash", "system": "NVRx ft_launcher (4 s heartbeat)", "stall_s": 4.2},
         {"fault": "crash", "system": "DLRover dlrover-run --standalone", "stall_s": 3.2},
-        {"fault": "hang", "system": "relaunch hang-restart", "stall_s": 5.0},
+        {"fault": "hang", "system": "relaunch hang-restart", "stall_s": 5.0, "detect_s": 4.15},
         {"fault": "hang", "system": "torchft (1 s heartbeat)", "stall_s": None},
+        {"fault": "link-flap", "system": "relaunch operator-retry", "stall_s": 6.0},
+        {"fault": "link-flap", "system": "torchrun (c10d)", "stall_s": 30.0},
+        {"fault": "link-flap", "system": "torchft (1 s heartbeat)", "stall_s": 12.0},
     ]
     assert peer_ratios(rows) == {
         "crash, one rank (process-in-place+spare / torchft)": 0.2,
         "crash, every rank (job-reschedule+spare / best of torchrun, NVRx, DLRover)": 0.25,
+        "link flap 10 s (operator-retry / best peer)": 0.5,
+        "hang: seconds detected past its 4 s window": 0.15,
     }
     markdown = report.markdown(
         {"mttr": [], "hang": [], "ratios": {}, "peers": rows, "peer_ratios": peer_ratios(rows)}

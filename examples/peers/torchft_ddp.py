@@ -23,6 +23,7 @@ LAUNCHED = time.time()  # before the heavy imports
 import argparse  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
+import socket  # noqa: E402
 from datetime import timedelta  # noqa: E402
 
 import torch  # noqa: E402
@@ -68,6 +69,9 @@ def main() -> None:
         state_dict=state_dict,
         replica_id=f"bench_{replica}",
         timeout=timedelta(seconds=args.timeout_s),
+        # the address its peers reach its manager at (a heal's state comes from it): the host's
+        # name, unless the host has none of its own (a network namespace of the bench)
+        hostname=os.environ.get("BENCH_HOSTNAME", socket.gethostname()),
     )
     mark("group", 0)
     ddp = DistributedDataParallel(manager, model)

@@ -70,6 +70,10 @@ save is held SAVE_HELD_S longer (a large model's), so that the surviving ranks a
 saving when the fault is found: it waits for the save, shorter than the DDP rows' 4 s hang
 window, and is then handled by the row's own level."""
 SAVE_HELD_S = 3
+HANG_GRACE_WARM_S = 1
+"""spec.hang_grace_seconds of the warm hang-restart row (and the series): the default 5 s is
+for ranks that can still save when stopped; the DDP example's healthy ranks, blocked in a
+collective with the hung one, cannot."""
 WARM_SPARE = "+spare"
 """A level measured with warm spares: spec.warm_spares set to the processes of a pod, kept in
 each pod and, in a standby launcher, on each schedulable node."""
@@ -158,6 +162,10 @@ def _job(
         command += f" --slow-save-at {SAVE_FAULT_STEP} --slow-save-s {SAVE_HELD_S}"
     if level.endswith(WARM_SPARE):
         spares = {"warm_spares": procs}
+    if handled_by(level) == "hang-restart" and level.endswith(WARM_SPARE):
+        # the healthy ranks wait in a collective for the hung one: no Python runs there, so
+        # a SIGTERM cannot save anything and the hang grace is only a wait before SIGKILL
+        spares["hang_grace_seconds"] = HANG_GRACE_WARM_S
     return {
         "kind": "job",
         "metadata": {"name": f"bench-{workload}", "annotations": annotations, "labels": labels},

@@ -16,6 +16,7 @@ job; each run is compared with a fault-free run of the same system:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import statistics
 import subprocess
@@ -23,10 +24,11 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from relaunch.cluster.local import kill_tree
+from relaunch.cluster.local import free_port, kill_tree
 from relaunch.cluster.network import DATA_IF, ClusterNetwork, enter_namespace
 from relaunch.protocol.links import Cut, LinkFaultKind
 from relaunch_bench import timeline
@@ -177,6 +179,141 @@ def _incarnations(proc: subprocess.Popen[bytes], state: Path) -> dict[str, Any]:
 def torchrun_once(name: str | None, tmp: Path) -> dict[str, Any]:
     """The same script under torchrun, each agent in a node namespace of a network made here,
     the same fault on node-1 (None: fault-free)."""
+
+    def agent(index: int, node: str, master: str, port: int, network: ClusterNetwork) -> list[str]:
+        return [
+            sys.executable, "-m", "torch.distributed.run", *_rendezvous(index, node, master, port, network),
+            str(DDP), "--steps", str(STEPS), "--ckpt-every", "5",
+            "--ckpt-dir", str(tmp / "ckpt"), "--timeline", str(tmp / "timeline.txt"),
+        ]  # fmt: skip
+
+    return launchers_once(name, tmp, agent, dict(os.environ))
+
+
+def nvrx_once(name: str | None, tmp: Path, python: Path) -> dict[str, Any]:
+    """The plain script under NVIDIA's ft_launcher (rank heartbeats, NVRX_HEARTBEAT_S), its
+    agents in node namespaces as torchrun's are, the same fault on node-1."""
+    from relaunch_bench.peers import NVRX_HEARTBEAT_S, PLAIN_DDP, peer_environment
+
+    def agent(index: int, node: str, master: str, port: int, network: ClusterNetwork) -> list[str]:
+        return [
+            str(python.parent / "ft_launcher"), *_rendezvous(index, node, master, port, network),
+            "--ft-enable-nic-monitor", "false", "--ft-initial-rank-heartbeat-timeout", "60",
+            "--ft-rank-heartbeat-timeout", str(NVRX_HEARTBEAT_S),
+            str(PLAIN_DDP), "--nvrx", "--steps", str(STEPS), "--ckpt-dir", str(tmp / "ckpt"),
+            "--timeline", str(tmp / "timeline.txt"),
+        ]  # fmt: skip
+
+    return launchers_once(name, tmp, agent, peer_environment(python.parent))
+
+
+def torchft_once(name: str | None, tmp: Path, python: Path) -> dict[str, Any]:
+    """torchft's job (a lighthouse, a replica group of one rank on each of node-0 and node-1,
+    each under its own torchrun) in node namespaces: the lighthouse on the management side (the
+    controller's address), the replicas' gloo group on the data link; the fault on node-1."""
+    from relaunch_bench.peers import TORCHFT_DDP, TORCHFT_HEARTBEAT_MS, peer_environment
+
+    opened = ClusterNetwork.open(tmp / "state")
+    if isinstance(opened, str):
+        return {"ok": False, "note": opened}
+    network, procs = opened, []
+    try:
+        for node in ("node-0", "node-1", "node-2"):
+            network.ensure_node(node)
+        bin_dir, lighthouse = python.parent, free_port()
+        env = {**peer_environment(bin_dir), "GLOO_SOCKET_IFNAME": DATA_IF}
+        log = open(tmp / "lighthouse.log", "wb")  # noqa: SIM115 (closed with the run)
+        procs.append(subprocess.Popen(
+            [str(bin_dir / "torchft_lighthouse"), "--min_replicas", "1", "--quorum_tick_ms", "100",
+             "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", str(TORCHFT_HEARTBEAT_MS),
+             "--bind", f"[::]:{lighthouse}"],
+            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp, start_new_session=True,
+        ))  # fmt: skip
+        began = time.time()
+        for replica, node in enumerate(("node-0", "node-1")):
+            address = network.layout.data_address(node)
+            fd = network.open_namespace(node)
+            log = open(tmp / f"replica-{replica}.log", "wb")  # noqa: SIM115
+            args = [
+                str(bin_dir / "torchrun"), "--nnodes", "1", "--nproc-per-node", "1",
+                "--max-restarts", "3", "--monitor-interval", "0.1", "--master-addr", address,
+                "--master-port", str(network.free_port(node)), str(TORCHFT_DDP),
+                "--steps", str(STEPS), "--timeline", str(tmp / "timeline.txt"),
+            ]  # fmt: skip
+            replica_env = {
+                **env,
+                "TORCHFT_LIGHTHOUSE": f"http://{network.layout.controller_address}:{lighthouse}",
+                "REPLICA_GROUP_ID": str(replica),
+                "BENCH_HOSTNAME": address,
+            }
+            procs.append(_in_namespace(args, fd, log, replica_env, tmp))
+            os.close(fd)
+        replicas = procs[1:]
+        if name is not None:
+            _fault_at_step(network, FAULTS[name], tmp / "timeline.txt", replicas, replica=0)
+        codes = [replica.wait(timeout=600) for replica in replicas]
+        stall, out = _longest_gaps(tmp / "timeline.txt")
+        return {
+            "ok": not any(codes),
+            "wall_s": round(time.time() - began, 2),
+            "what": (
+                f"replica 0's longest time between two steps {stall:.2f} s, replica 1's "
+                f"{out:.2f} s"
+                if not any(codes)
+                else f"failed: the replicas exited {codes}"
+            ),
+            "stall_s": stall,
+            "redone": None,
+            "restarts": None,
+        }
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "note": "the replicas did not finish in 600 s"}
+    finally:
+        for running in procs:
+            if running.poll() is None:
+                kill_tree(running.pid)
+        network.remove()
+
+
+def _longest_gaps(path: Path) -> tuple[float, float]:
+    """The longest time between two steps of torchft's replica 0 and of replica 1 (timeline
+    lines `step N time replica`): a survivor's stall, and the cut replica's time out."""
+    times: dict[int, list[float]] = {0: [], 1: []}
+    for line in path.read_text().splitlines() if path.exists() else []:
+        fields = line.split()
+        if len(fields) == 4 and fields[0] == "step":
+            times.setdefault(int(fields[3]), []).append(float(fields[2]))
+    gaps = [
+        max((b - a for a, b in itertools.pairwise(ts)), default=0.0)
+        for ts in (sorted(times[0]), sorted(times[1]))
+    ]
+    return round(gaps[0], 2), round(gaps[1], 2)
+
+
+def _rendezvous(
+    index: int, node: str, master: str, port: int, network: ClusterNetwork
+) -> list[str]:
+    """torchrun's arguments (and its forks') for agent `index` of two, one rank each, on `node`:
+    its endpoint is node-0's data address, which torchrun does not take for its own host name:
+    say which agent serves the rendezvous store, and what address each agent has (its workers'
+    MASTER_ADDR; every namespace is "localhost")."""
+    return [
+        "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", f"{master}:{port}", "--rdzv-id", "bench", "--max-restarts", "3",
+        "--rdzv-conf", f"is_host={1 if index == 0 else 0}",
+        "--local-addr", network.layout.data_address(node), "--monitor-interval", "0.1",
+    ]  # fmt: skip
+
+
+Agent = Callable[[int, str, str, int, ClusterNetwork], list[str]]
+
+
+def launchers_once(
+    name: str | None, tmp: Path, agent: Agent, base_env: dict[str, str]
+) -> dict[str, Any]:
+    """Two agents of a launcher that restarts every rank (`agent`: the command of agent i on
+    its node, given the rendezvous address), each in a node namespace of a network made here;
+    the fault `name` on node-1 (None: fault-free)."""
     opened = ClusterNetwork.open(tmp / "state")
     if isinstance(opened, str):
         return {"ok": False, "note": opened}
@@ -188,24 +325,13 @@ def torchrun_once(name: str | None, tmp: Path) -> dict[str, Any]:
         master = network.layout.data_address("node-0")
         port = network.free_port("node-0")
         path = tmp / "timeline.txt"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": DATA_IF,
+        env = {**base_env, "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": DATA_IF,
                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # fmt: skip
         began = time.time()
         for index, node in enumerate(("node-0", "node-1")):
             fd = network.open_namespace(node)
-            log = open(tmp / f"torchrun-{index}.log", "wb")  # noqa: SIM115 (closed with the run)
-            args = [
-                sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-                "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                f"{master}:{port}", "--rdzv-id", "bench", "--max-restarts", "3",
-                # its endpoint is node-0's data address, which torchrun does not take for its
-                # own host name: say which agent serves the rendezvous store, and what address
-                # each agent has (its workers' MASTER_ADDR; every namespace is "localhost")
-                "--rdzv-conf", f"is_host={1 if index == 0 else 0}",
-                "--local-addr", network.layout.data_address(node),
-                "--monitor-interval", "0.1", str(DDP), "--steps", str(STEPS), "--ckpt-every", "5",
-                "--ckpt-dir", str(tmp / "ckpt"), "--timeline", str(path),
-            ]  # fmt: skip
+            log = open(tmp / f"agent-{index}.log", "wb")  # noqa: SIM115 (closed with the run)
+            args = agent(index, node, master, port, network)
             agents.append(_in_namespace(args, fd, log, env, tmp))
             os.close(fd)
         if name is not None:
@@ -224,11 +350,11 @@ def torchrun_once(name: str | None, tmp: Path) -> dict[str, Any]:
             "what": what,
         }
     except subprocess.TimeoutExpired:
-        return {"ok": False, "note": "torchrun did not finish in 600 s"}
+        return {"ok": False, "note": "the agents did not finish in 600 s"}
     finally:
-        for agent in agents:
-            if agent.poll() is None:
-                kill_tree(agent.pid)
+        for running in agents:
+            if running.poll() is None:
+                kill_tree(running.pid)
         network.remove()
 
 
@@ -245,12 +371,17 @@ def _in_namespace(
 
 
 def _fault_at_step(
-    network: ClusterNetwork, fault: dict[str, Any], path: Path, agents: list[Any]
+    network: ClusterNetwork,
+    fault: dict[str, Any],
+    path: Path,
+    agents: list[Any],
+    replica: int | None = None,
 ) -> None:
-    """Apply `fault` to node-1 once rank 0 passed FAULT_STEP; undo it after its duration."""
+    """Apply `fault` to node-1 once rank 0 (torchft: `replica`) passed FAULT_STEP; undo it after
+    its duration."""
     deadline = time.time() + 120
     while time.time() < deadline and all(a.poll() is None for a in agents):
-        if any(e == "step" and s >= FAULT_STEP for e, s, _ in timeline.read(path)):
+        if _stepped_past(path, FAULT_STEP, replica):
             break
         time.sleep(0.05)
     kind = {
@@ -268,6 +399,17 @@ def _fault_at_step(
                 network.apply("node-1", kind, cut, fault.get("rate_mbit"), undo=True)
 
         threading.Timer(duration, undo).start()
+
+
+def _stepped_past(path: Path, step: int, replica: int | None) -> bool:
+    """Rank 0's timeline (`event step time`), or torchft's (`event step time replica`)."""
+    if replica is None:
+        return any(e == "step" and s >= step for e, s, _ in timeline.read(path))
+    lines = path.read_text().splitlines() if path.exists() else []
+    return any(
+        len(f) == 4 and f[0] == "step" and int(f[1]) >= step and int(f[3]) == replica
+        for f in (line.split() for line in lines)
+    )
 
 
 def network_rows(quick: bool, say: Progress) -> list[dict[str, Any]]:
@@ -324,6 +466,7 @@ def fault_rows(
             "redone_steps": measured.get("redone"),
             "restarts": measured.get("restarts"),
             "mttr_s": measured.get("mttr_s"),
+            "stall_s": measured.get("stall_s"),
             "overlap_s": measured.get("overlap_s"),
             "what": measured.get("what") or measured.get("note", "failed"),
             "wall_s": measured.get("wall_s"),
@@ -337,6 +480,14 @@ def fault_rows(
 def _once(system: str, variant: str, name: str | None, tmp: Path) -> dict[str, Any]:
     if variant == "torchrun":
         return torchrun_once(name, tmp)
+    if variant in ("nvrx", "torchft"):
+        from relaunch_bench.peers import peer_python
+
+        python = peer_python(variant)
+        if isinstance(python, str):
+            return {"ok": False, "note": python}
+        run = nvrx_once if variant == "nvrx" else torchft_once
+        return run(name, tmp, python)
     give_up = COLLECTIVE_GIVE_UP_S if variant == "restart" else None
     process = variant not in ("plain", "restart")
     operator = variant in ("operator", "retry")

@@ -32,7 +32,9 @@ PEER_VERSIONS = {
     "dlrover": "dlrover[k8s,torch]==0.6.1",
 }
 """Each peer's pinned release, as `make peers` installs it (beside torch==2.13.0)."""
-FAULTS = ("crash", "hang", "lost-node")
+FAULTS = ("crash", "hang", "lost-node", "link-flap")
+FLAP = "flap 10 s"
+"""The link fault of the flap rows (relaunch_bench.network): node 1's data link down 10 s."""
 TORCHFT_HEARTBEAT_MS = 1000
 """The lighthouse's heartbeat timeout: torchft's tuned setting (its default is 5000 ms)."""
 STEPS = 400
@@ -40,7 +42,7 @@ STEPS = 400
 to rejoin (at about 0.025 s a step)."""
 RELAUNCH_LEVELS = {
     "crash": ("process-in-place+spare", "job-reschedule+spare"),
-    "hang": ("hang-restart",),
+    "hang": ("hang-restart+spare",),
     "lost-node": ("process-reschedule+spare",),
 }
 """relaunch's best levels for each fault, measured beside the peers in the same run: for a
@@ -101,7 +103,7 @@ def peer_python(peer: str) -> Path | str:
     return python
 
 
-def _peer_env(bin_dir: Path) -> dict[str, str]:
+def peer_environment(bin_dir: Path) -> dict[str, str]:
     """This environment for a peer's processes: its venv first on PATH, nothing of relaunch's."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RELAUNCH_", "VIRTUAL_ENV"))}
     env.update({"PATH": f"{bin_dir}:{env.get('PATH', '')}", "PYTHONUNBUFFERED": "1"})
@@ -152,7 +154,7 @@ def torchft_once(python: Path, fault: str, tmp: Path) -> PeerSample:
         procs.append(proc)
         return proc
 
-    base = _peer_env(bin_dir)
+    base = peer_environment(bin_dir)
     try:
         spawn(
             [str(bin_dir / "torchft_lighthouse"), "--min_replicas", "1", "--quorum_tick_ms", "100",
@@ -248,7 +250,7 @@ def nvrx_run(
     its timeline in tmp/timeline.txt; True if both agents finished."""
     bin_dir, port = python.parent, free_port()
     agents, logs = [], []
-    env = _peer_env(bin_dir)
+    env = peer_environment(bin_dir)
     try:
         for node in range(2):
             args = [
@@ -314,7 +316,7 @@ def dlrover_run(
             args,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=_peer_env(bin_dir),
+            env=peer_environment(bin_dir),
             cwd=tmp,
             start_new_session=True,
         )
@@ -411,6 +413,58 @@ def _row(system: str, fault: str, samples: list[PeerSample]) -> PeerRow:
     )
 
 
+def flap_rows(say: Progress, relaunch: bool = True) -> list[PeerRow]:
+    """A 10 s flap of node 1's data link (real, in network namespaces: root needed), against a
+    fault-free run of the same system: the time it cost, as the network section measures it."""
+    from relaunch.cluster.network import ClusterNetwork
+    from relaunch_bench.network import fault_rows
+
+    systems = [
+        ("torchrun (c10d)", "torchrun"),
+        ("torchft (1 s heartbeat)", "torchft"),
+        (f"NVRx ft_launcher ({NVRX_HEARTBEAT_S:g} s heartbeat)", "nvrx"),
+    ]
+    if relaunch:
+        systems.insert(0, ("relaunch operator-retry", "operator"))
+    why = ClusterNetwork.unavailable()
+    rows = []
+    for system, variant in systems:
+        if why is not None:
+            rows.append(PeerRow(system, "link-flap", note=f"not measured: {why}"))
+            continue
+        (measured,) = fault_rows(system, variant, (FLAP,), say)
+        # torchft's survivor trains on alone while the cut replica is out (faster than two):
+        # its cost is the survivor's stall, not the time against a fault-free run
+        lost = measured["stall_s"] if variant == "torchft" else measured["lost_s"]
+        rows.append(
+            PeerRow(
+                system,
+                "link-flap",
+                repeats=1,
+                failures=0 if lost is not None else 1,
+                stall_s=lost,
+                lost_steps=measured["redone_steps"],
+                ranks_restarted=measured["restarts"],
+                detected=variant == "operator" or bool(measured["restarts"]),
+                note=(
+                    "the survivor's longest stall"
+                    if variant == "torchft"
+                    else "time lost against a fault-free run"
+                )
+                + f"; {measured['what']}",
+                samples=[lost] if lost is not None else [],
+            )
+        )
+    rows.append(
+        PeerRow(
+            "DLRover dlrover-run --standalone",
+            "link-flap",
+            note="standalone mode runs every rank on one node: there is no link between them to cut",
+        )
+    )
+    return rows
+
+
 def peer_rows(
     repeats: int, say: Progress, faults: tuple[str, ...] = FAULTS, relaunch: bool = True
 ) -> list[dict[str, Any]]:
@@ -418,6 +472,9 @@ def peer_rows(
     each, in one run."""
     rows: list[PeerRow] = []
     for fault in faults:
+        if fault == "link-flap":
+            rows += flap_rows(say, relaunch)
+            continue
         systems: list[tuple[str, Any]] = []
         if relaunch:
             systems += [(f"relaunch {level}", level) for level in RELAUNCH_LEVELS[fault]]
@@ -485,5 +542,19 @@ def peer_ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
             stall("lost-node", ("relaunch",)),
             stall("lost-node", ("torchft", *RESTART_ALL)),
         ),
+        "link flap 10 s (operator-retry / best peer)": (
+            stall("link-flap", ("relaunch",)),
+            stall("link-flap", ("torchft", *RESTART_ALL)),
+        ),
     }
-    return {k: round(a / b, 2) for k, (a, b) in pairs.items() if a is not None and b}
+    ratios = {k: round(a / b, 2) for k, (a, b) in pairs.items() if a is not None and b}
+    detected = [
+        r.get("detect_s")
+        for r in rows
+        if r["fault"] == "hang" and r["system"].startswith("relaunch")
+    ]
+    if detected and detected[0] is not None:  # not a ratio: the target is the window + 0.2 s
+        ratios[f"hang: seconds detected past its {NVRX_HEARTBEAT_S:g} s window"] = round(
+            detected[0] - NVRX_HEARTBEAT_S, 2
+        )
+    return ratios

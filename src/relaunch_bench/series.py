@@ -23,7 +23,7 @@ from typing import Any
 
 from relaunch_bench import timeline, torchrun
 from relaunch_bench.jobs import DDP, Progress, cluster, run_job
-from relaunch_bench.mttr import PROCESS_ANNOTATIONS, PROCESS_LABELS
+from relaunch_bench.mttr import HANG_GRACE_WARM_S, PROCESS_ANNOTATIONS, PROCESS_LABELS
 from relaunch_bench.peers import (
     NVRX_HEARTBEAT_S,
     PLAIN_DDP,
@@ -143,6 +143,7 @@ def relaunch_series(series: list[tuple[int, str]], tmp: Path, every: int = EVERY
             "hang_detect_seconds": HANG_S,
             "monitor_interval": 0.1,
             "warm_spares": 1,
+            "hang_grace_seconds": HANG_GRACE_WARM_S,
         },
     }
     nodes = cluster(2 + sum(k == "lost-node" for _, k in series), 2)
