@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from relaunch import runner
-from relaunch.chaos import parse_plan
 from relaunch.cluster.config import ClusterConfig, NodeSpec
 from relaunch.controller import Controller, RunOptions, lifecycle
 from relaunch.controller.clock import TICK_S
 from relaunch.diagnosis import Frame, RankStack
+from relaunch.faults.plan import parse_plan
 from relaunch.protocol.messages import (
     AgentHello,
     CaptureStacks,

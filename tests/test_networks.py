@@ -17,9 +17,9 @@ import psutil
 import pytest
 import yaml
 
-from relaunch.chaos import ChaosKind, parse_plan
 from relaunch.cluster.network import ClusterNetwork, Layout, _used_prefixes
 from relaunch.errors import FaultPlanError
+from relaunch.faults.plan import PlannedFaultKind, parse_plan
 from relaunch.protocol.links import Cut, LinkFaultKind
 from relaunch.store import Store
 from tests.runtime import DDP_CLUSTER, ROOT, Cluster, Result
@@ -146,7 +146,7 @@ def test_link_faults_say_what_they_do() -> None:
         }
     )
     assert [e.kind for e in plan] == [
-        ChaosKind.PARTITION, ChaosKind.PARTITION, ChaosKind.DEGRADED_LINK, ChaosKind.NETWORK,
+        PlannedFaultKind.PARTITION, PlannedFaultKind.PARTITION, PlannedFaultKind.DEGRADED_LINK, PlannedFaultKind.NETWORK,
     ]  # fmt: skip
     assert plan[0].cut is Cut.PEERS and plan[2].rate_mbit == 2.5
     assert [e.describe() for e in plan] == [

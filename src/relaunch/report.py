@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from relaunch.chaos import parse_plan
 from relaunch.diagnosis import Goodput, Recovery, failure_time, goodput
 from relaunch.errors import InputError
 from relaunch.faults import FaultKind, reschedule_reason
+from relaunch.faults.plan import parse_plan
 from relaunch.policy import Action, Budget
 from relaunch.spec import parse_job
 from relaunch.store import JobRow, NodeRow, RecordRow, Store

@@ -24,12 +24,12 @@ from typing import IO, Any
 
 import psutil
 
-from relaunch.chaos import ChaosEntry, parse_plan
 from relaunch.cluster import Engine
 from relaunch.cluster.config import ClusterConfig
 from relaunch.cluster.local import LocalCluster
 from relaunch.controller import Controller, RunOptions
 from relaunch.errors import RelaunchError, StateDirBusy
+from relaunch.faults.plan import PlannedFault, parse_plan
 from relaunch.protocol.layout import StateDir
 from relaunch.service import create_pods, stored_job, table_from
 from relaunch.spec import JobSpec
@@ -104,7 +104,7 @@ def abandon_unfinished(store: Store, directory: Path) -> list[JobRow]:
     return abandoned
 
 
-def _stored(store: Store, job_id: int) -> tuple[JobSpec, ClusterConfig, tuple[ChaosEntry, ...]]:
+def _stored(store: Store, job_id: int) -> tuple[JobSpec, ClusterConfig, tuple[PlannedFault, ...]]:
     row = store.job(job_id)
     job, cluster = stored_job(row)
     plan = parse_plan(row.plan, source="stored fault plan") if row.plan else ()

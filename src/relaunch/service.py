@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from relaunch.chaos import check_plan, parse_plan
 from relaunch.cluster.config import ClusterConfig, parse_cluster
 from relaunch.errors import FaultPlanError, NoRoom, Problem, RelaunchError, SpecError
 from relaunch.faults import DEFAULT_TABLE, EscalationRules, FaultCodeTable
+from relaunch.faults.plan import check_plan, parse_plan
 from relaunch.files import load_fault_table
 from relaunch.policy.placement import NodeCapacity, initial_placement, slots
 from relaunch.protocol.layout import StateDir

@@ -257,8 +257,7 @@ def torchft_once(name: str | None, tmp: Path, python: Path) -> dict[str, Any]:
             "ok": not any(codes),
             "wall_s": round(time.time() - began, 2),
             "what": (
-                f"replica 0's longest time between two steps {stall:.2f} s, replica 1's "
-                f"{out:.2f} s"
+                f"replica 0's longest time between two steps {stall:.2f} s, replica 1's {out:.2f} s"
                 if not any(codes)
                 else f"failed: the replicas exited {codes}"
             ),

@@ -11,7 +11,6 @@ import typer
 from rich.table import Table
 
 from relaunch import service
-from relaunch.chaos import ChaosEntry, parse_plan
 from relaunch.cli.common import (
     FaultTableOption,
     app,
@@ -41,6 +40,7 @@ from relaunch.cli.launch import (
 from relaunch.cluster.config import parse_cluster
 from relaunch.errors import InputError
 from relaunch.faults import EscalationRules, Fault, FaultCodeTable, FaultKind
+from relaunch.faults.plan import PlannedFault, parse_plan
 from relaunch.files import load_cluster, load_job, read_document
 from relaunch.policy import ClusterView, Decision, JobHistory, PodView, plan
 from relaunch.spec import JobSpec, RecoverySettings, parse_job, process_recovery_env
@@ -92,7 +92,7 @@ def validate(
         document = launch_document(ctx, file, launch)
         job = load_job(file) if document is None else parse_job(document[0], source=document[1])
         table, rules = service.table_from(fault_table)
-        plan: tuple[ChaosEntry, ...] = ()
+        plan: tuple[PlannedFault, ...] = ()
         if faults_file is not None:
             source = str(faults_file)
             cluster = load_cluster(cluster_file) if cluster_file else parse_cluster(None)

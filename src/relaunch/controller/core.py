@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-from relaunch.chaos import ChaosEntry
 from relaunch.cluster import Engine
 from relaunch.cluster.config import ClusterConfig
 from relaunch.controller import checks, detectors, lifecycle
@@ -38,6 +37,7 @@ from relaunch.controller.reconcile import Reconciler
 from relaunch.controller.recovery import RecoveryDriver
 from relaunch.controller.stacks import Capture
 from relaunch.faults import DEFAULT_TABLE, EscalationRules, FaultCodeTable
+from relaunch.faults.plan import PlannedFault
 from relaunch.protocol.layout import StateDir
 from relaunch.protocol.messages import Message
 from relaunch.spec import JobSpec
@@ -105,7 +105,7 @@ class Controller:
         cluster: ClusterConfig,
         job_id: int,
         spec: JobSpec,
-        plan: tuple[ChaosEntry, ...],
+        plan: tuple[PlannedFault, ...],
         options: RunOptions,
         on_event: Callable[[str], None] = print,
         on_output: Callable[[int, int, str], None] | None = None,

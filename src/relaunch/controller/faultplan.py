@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from relaunch import failpoints
-from relaunch.chaos import LINK_KINDS, ChaosEntry, ChaosKind, parse_plan
 from relaunch.controller import commands
+from relaunch.faults.plan import LINK_KINDS, PlannedFault, PlannedFaultKind, parse_plan
 from relaunch.protocol.links import Cut, LinkFaultKind
 from relaunch.protocol.messages import (
     InjectChipFault,
@@ -32,7 +32,7 @@ Key = tuple[str, str]
 
 
 class FaultPlanRunner:
-    def __init__(self, controller: Controller, plan: tuple[ChaosEntry, ...]) -> None:
+    def __init__(self, controller: Controller, plan: tuple[PlannedFault, ...]) -> None:
         self.c = controller
         self.plan = plan
         self.injected: dict[Key, float] = {}
@@ -103,7 +103,7 @@ class FaultPlanRunner:
                 "relaunch.train.report_progress(step); use after_s otherwise"
             )
 
-    def _target(self, entry: ChaosEntry) -> tuple[str, int | None] | str | None:
+    def _target(self, entry: PlannedFault) -> tuple[str, int | None] | str | None:
         """Where `entry` fires now: (node, rank); a string saying why it cannot fire any more;
         or None while its target is starting."""
         c = self.c
@@ -131,11 +131,11 @@ class FaultPlanRunner:
             if not observed.running:
                 return f"rank {rank} has exited (code {observed.code}, signal {observed.signal})"
             return node_name, rank
-        if entry.kind is not ChaosKind.NODE_DOWN:
+        if entry.kind is not PlannedFaultKind.NODE_DOWN:
             if node_name not in c.agents:
                 return None
             if (
-                entry.kind in (ChaosKind.CHIP_FAULT, ChaosKind.MEMORY_UCE)
+                entry.kind in (PlannedFaultKind.CHIP_FAULT, PlannedFaultKind.MEMORY_UCE)
                 and entry.chip >= node.chips
             ):
                 return (
@@ -143,10 +143,10 @@ class FaultPlanRunner:
                 )
         return node_name, None
 
-    def _inject(self, entry: ChaosEntry, node: str, rank: int | None, now: float) -> None:
+    def _inject(self, entry: PlannedFault, node: str, rank: int | None, now: float) -> None:
         c = self.c
         message: Message
-        if entry.kind is ChaosKind.NODE_DOWN:
+        if entry.kind is PlannedFaultKind.NODE_DOWN:
             self.injected[("node", node)] = now
             c.engine.kill_node(node)
             return
@@ -155,7 +155,9 @@ class FaultPlanRunner:
             return
         if entry.targets_process:
             assert entry.pod is not None and rank is not None
-            kind = {ChaosKind.PROCESS_EXIT: "exit", ChaosKind.HANG: "hang"}.get(entry.kind, "slow")
+            kind = {PlannedFaultKind.PROCESS_EXIT: "exit", PlannedFaultKind.HANG: "hang"}.get(
+                entry.kind, "slow"
+            )
             key: Key = (kind, str(rank) if kind == "exit" else "job" if kind == "hang" else node)
             message = InjectProcessFault(
                 entry.index, kind, rank, entry.exit_code, entry.factor, entry.duration_s
@@ -173,15 +175,15 @@ class FaultPlanRunner:
         assert peer is not None
         peer.peer.send(message)
 
-    def _inject_link(self, entry: ChaosEntry, node: str, now: float) -> None:
+    def _inject_link(self, entry: PlannedFault, node: str, now: float) -> None:
         """A link fault, made real by the engine (its node's agent sees it and says so, or the
         node falls silent); where the engine cannot, a link down is simulated by the agent as
         before, and the other kinds are recorded not fired."""
         c = self.c
         kind = {
-            ChaosKind.NETWORK: LinkFaultKind.DOWN,
-            ChaosKind.PARTITION: LinkFaultKind.PARTITION,
-            ChaosKind.DEGRADED_LINK: LinkFaultKind.DEGRADED,
+            PlannedFaultKind.NETWORK: LinkFaultKind.DOWN,
+            PlannedFaultKind.PARTITION: LinkFaultKind.PARTITION,
+            PlannedFaultKind.DEGRADED_LINK: LinkFaultKind.DEGRADED,
         }[entry.kind]
         why = c.engine.inject_link_fault(node, kind, entry.duration_s, entry.cut, entry.rate_mbit)
         if why is None:
@@ -189,7 +191,7 @@ class FaultPlanRunner:
             if key is not None:
                 self.injected[key] = now
             return
-        if entry.kind is not ChaosKind.NETWORK:
+        if entry.kind is not PlannedFaultKind.NETWORK:
             self.not_fired(entry.index, f"a real link is needed: {why}", now)
             return
         c.event(f"fault plan: the link fault is simulated: {why}")
@@ -223,7 +225,7 @@ class FaultPlanRunner:
             if entry.index not in done:
                 self.not_fired(entry.index, self._why_unfired(entry, job, elapsed), now)
 
-    def _why_unfired(self, entry: ChaosEntry, job: JobRow, elapsed: float) -> str:
+    def _why_unfired(self, entry: PlannedFault, job: JobRow, elapsed: float) -> str:
         step = self.c.progress.step
         if entry.while_saving and entry.due(step, elapsed, saving=True):
             return (

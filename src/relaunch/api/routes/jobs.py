@@ -171,7 +171,7 @@ def job_action(
     "/{training_job_id}/faults",
     status_code=202,
     responses={**ERRORS, **ENDED},
-    summary="Inject a fault plan into a job (chaos testing)",
+    summary="Inject a fault plan into a job (a rehearsal of its faults)",
 )
 def inject(
     project_id: Project,

@@ -39,7 +39,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING, Annotated, Any, Final
+from typing import TYPE_CHECKING, Annotated, Any, Final, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -49,10 +49,27 @@ from relaunch.protocol.links import Cut
 from relaunch.validation import boolean, choice, integer, problems_from, reject, seconds, v
 
 if TYPE_CHECKING:
-    from relaunch.cluster.config import ClusterConfig
     from relaunch.spec import JobSpec
 
-__all__ = ["MAX_ENTRIES", "ChaosEntry", "ChaosKind", "check_plan", "parse_plan"]
+
+class PlanNode(Protocol):
+    """What a plan is checked against of a cluster's node (relaunch.cluster.config.NodeSpec)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def chips(self) -> int: ...
+
+
+class PlanCluster(Protocol):
+    """What a plan is checked against of a cluster (relaunch.cluster.config.ClusterConfig): the
+    pure core names no engine's type."""
+
+    @property
+    def nodes(self) -> Sequence[PlanNode]: ...
+
+__all__ = ["MAX_ENTRIES", "PlannedFault", "PlannedFaultKind", "check_plan", "parse_plan"]
 
 MAX_ENTRIES: Final = 1000
 """A plan holds at most this many entries."""
@@ -60,7 +77,7 @@ _MAX_STEP: Final = 10**12
 _MAX_AFTER_S: Final = 30 * 86400.0
 
 
-class ChaosKind(StrEnum):
+class PlannedFaultKind(StrEnum):
     PROCESS_EXIT = "process-exit"
     CHIP_FAULT = "chip-fault"
     NODE_DOWN = "node-down"
@@ -72,22 +89,30 @@ class ChaosKind(StrEnum):
     DEGRADED_LINK = "degraded-link"
 
 
-_CHIP_KINDS: Final = (ChaosKind.CHIP_FAULT, ChaosKind.MEMORY_UCE)
-LINK_KINDS: Final = (ChaosKind.NETWORK, ChaosKind.PARTITION, ChaosKind.DEGRADED_LINK)
-_PROCESS_KINDS: Final = (ChaosKind.PROCESS_EXIT, ChaosKind.HANG, ChaosKind.SLOW)
-_RANK_KINDS: Final = (ChaosKind.PROCESS_EXIT, ChaosKind.HANG)
+_CHIP_KINDS: Final = (PlannedFaultKind.CHIP_FAULT, PlannedFaultKind.MEMORY_UCE)
+LINK_KINDS: Final = (
+    PlannedFaultKind.NETWORK,
+    PlannedFaultKind.PARTITION,
+    PlannedFaultKind.DEGRADED_LINK,
+)
+_PROCESS_KINDS: Final = (
+    PlannedFaultKind.PROCESS_EXIT,
+    PlannedFaultKind.HANG,
+    PlannedFaultKind.SLOW,
+)
+_RANK_KINDS: Final = (PlannedFaultKind.PROCESS_EXIT, PlannedFaultKind.HANG)
 
-_ONLY_FOR: Final[dict[str, tuple[ChaosKind, ...]]] = {
+_ONLY_FOR: Final[dict[str, tuple[PlannedFaultKind, ...]]] = {
     "rank": _RANK_KINDS,
     "local_rank": _RANK_KINDS,
-    "exit_code": (ChaosKind.PROCESS_EXIT,),
+    "exit_code": (PlannedFaultKind.PROCESS_EXIT,),
     "chip": _CHIP_KINDS,
     "code": _CHIP_KINDS,
-    "heals": (*_CHIP_KINDS, ChaosKind.NETWORK),
-    "duration_s": (*LINK_KINDS, ChaosKind.SLOW),
-    "factor": (ChaosKind.SLOW,),
-    "cut": (ChaosKind.PARTITION,),
-    "rate_mbit": (ChaosKind.DEGRADED_LINK,),
+    "heals": (*_CHIP_KINDS, PlannedFaultKind.NETWORK),
+    "duration_s": (*LINK_KINDS, PlannedFaultKind.SLOW),
+    "factor": (PlannedFaultKind.SLOW,),
+    "cut": (PlannedFaultKind.PARTITION,),
+    "rate_mbit": (PlannedFaultKind.DEGRADED_LINK,),
 }
 """Keys that mean something only for some kinds: given for another kind, they are an error
 rather than silently ignored."""
@@ -123,7 +148,7 @@ def _node_name(value: Any) -> str:
 
 class _Entry(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    kind: Annotated[ChaosKind, v(choice(ChaosKind))]
+    kind: Annotated[PlannedFaultKind, v(choice(PlannedFaultKind))]
     at_step: Annotated[int | None, v(integer(0, _MAX_STEP, "steps"))] = None
     after_s: Annotated[float | None, v(seconds(-1e-9, _MAX_AFTER_S))] = None
     pod: Annotated[int | None, v(integer(0, 4095, "pod index"))] = None
@@ -146,13 +171,13 @@ class _Plan(BaseModel):
     faults: list[_Entry] = Field(default_factory=list, max_length=MAX_ENTRIES)
 
 
-_DEFAULT_CODES = {ChaosKind.CHIP_FAULT: "80E18005", ChaosKind.MEMORY_UCE: "80E01801"}
+_DEFAULT_CODES = {PlannedFaultKind.CHIP_FAULT: "80E18005", PlannedFaultKind.MEMORY_UCE: "80E01801"}
 
 
 @dataclass(frozen=True)
-class ChaosEntry:
+class PlannedFault:
     index: int
-    kind: ChaosKind
+    kind: PlannedFaultKind
     at_step: int | None
     after_s: float | None
     pod: int | None
@@ -209,20 +234,20 @@ class ChaosEntry:
         if self.kind in _CHIP_KINDS:
             target += f" chip {self.chip}"
         kind = self.kind.value
-        if self.kind is ChaosKind.SLOW:
+        if self.kind is PlannedFaultKind.SLOW:
             kind = f"slow (x{self.factor:g})"
-        elif self.kind is ChaosKind.PARTITION:
+        elif self.kind is PlannedFaultKind.PARTITION:
             kind = (
                 "partition from all" if self.cut is Cut.BOTH else f"partition from its {self.cut}"
             )
-        elif self.kind is ChaosKind.DEGRADED_LINK:
+        elif self.kind is PlannedFaultKind.DEGRADED_LINK:
             kind = f"degraded link ({self.rate_mbit:g} Mbit/s)"
         if self.kind in LINK_KINDS and self.duration_s is not None:
             kind += f" for {self.duration_s:g} s"
         return f"{kind} on {target} {trigger}"
 
 
-def parse_plan(data: Any, *, source: str = "<fault plan>") -> tuple[ChaosEntry, ...]:
+def parse_plan(data: Any, *, source: str = "<fault plan>") -> tuple[PlannedFault, ...]:
     """Read a plan (`{faults: [...]}` or a list); :class:`FaultPlanError` lists every problem."""
     if data is None:
         return ()
@@ -262,10 +287,10 @@ def _entry_problems(where: str, e: _Entry) -> list[Problem]:
                 "either rank (global) or local_rank (within the pod), not both",
             )
         )
-    if e.kind is ChaosKind.PARTITION and e.cut is None:
+    if e.kind is PlannedFaultKind.PARTITION and e.cut is None:
         cuts = ", ".join(c.value for c in Cut)
         problems.append(Problem(f"{where}.cut", None, f"partition needs cut: one of {cuts}"))
-    if e.kind is ChaosKind.DEGRADED_LINK and e.rate_mbit is None:
+    if e.kind is PlannedFaultKind.DEGRADED_LINK and e.rate_mbit is None:
         problems.append(
             Problem(f"{where}.rate_mbit", None, "degraded-link needs rate_mbit (megabits a second)")
         )
@@ -276,8 +301,8 @@ def _entry_problems(where: str, e: _Entry) -> list[Problem]:
     return problems
 
 
-def _entry(index: int, e: _Entry) -> ChaosEntry:
-    return ChaosEntry(
+def _entry(index: int, e: _Entry) -> PlannedFault:
+    return PlannedFault(
         index=index,
         kind=e.kind,
         at_step=e.at_step,
@@ -299,7 +324,7 @@ def _entry(index: int, e: _Entry) -> ChaosEntry:
 
 
 def check_plan(
-    entries: Sequence[ChaosEntry], job: JobSpec, cluster: ClusterConfig
+    entries: Sequence[PlannedFault], job: JobSpec, cluster: PlanCluster
 ) -> list[Problem]:
     """Every way the plan's entries cannot hit their targets in `job` on `cluster`: a pod the job
     does not have, a rank the pod does not hold, a chip the node lacks, a node the cluster lacks.
@@ -352,7 +377,7 @@ def check_plan(
 
 
 def _chip_problem(
-    where: str, e: ChaosEntry, nodes: dict[str, Any], hosts: Sequence[Any]
+    where: str, e: PlannedFault, nodes: dict[str, Any], hosts: Sequence[Any]
 ) -> Problem | None:
     """A chip entry's chip must exist on its node, or on every node its pod can run on."""
     if e.node is not None:
