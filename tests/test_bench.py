@@ -4,6 +4,7 @@ and writes every field (not checking numbers)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import sysconfig
@@ -62,7 +63,8 @@ def _installed_from_wheel(tmp_path: Path) -> Path:
 
 def test_quick_bench_writes_json_markdown_and_chart(tmp_path: Path) -> None:
     bin_dir = _installed_from_wheel(tmp_path)
-    out = tmp_path / "bench"
+    out, scratch = tmp_path / "bench", tmp_path / "scratch"
+    scratch.mkdir()
     done = subprocess.run(
         # the sections that make the chart, the ratios and the report's every kind of table;
         # `make bench` runs the others (hang, scale, sizes, slow, network): they repeat jobs the
@@ -82,6 +84,9 @@ def test_quick_bench_writes_json_markdown_and_chart(tmp_path: Path) -> None:
         timeout=600,
         cwd=tmp_path,
         check=False,
+        # its runs' directories under a scratch of its own: what is left of them is this
+        # bench's, not another's on the same machine
+        env={**os.environ, "TMPDIR": str(scratch)},
     )
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads((out / "bench.json").read_text())
@@ -131,7 +136,7 @@ def test_quick_bench_writes_json_markdown_and_chart(tmp_path: Path) -> None:
     left = [
         p
         for p in psutil.process_iter(["cmdline"])
-        if "relaunch-bench-" in " ".join(p.info["cmdline"] or [])
+        if f"{scratch}/relaunch-bench-" in " ".join(p.info["cmdline"] or [])
     ]
     assert not left, "benchmark processes outlived the benchmark"
 
