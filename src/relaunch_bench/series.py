@@ -202,7 +202,8 @@ def series_rows(say: Progress, count: int = COUNT) -> list[dict[str, Any]]:
     """relaunch on both series, each peer on the one it can take; then the lost time of each
     beside relaunch's."""
     rows: list[dict[str, Any]] = []
-    for system in ("relaunch", "relaunch", *PEERS):
+    # relaunch's second series (lost nodes, which no peer here can take) last
+    for system in ("relaunch", *PEERS, "relaunch"):
         kinds = WITH_LOST_NODES if system == "relaunch" and rows else KINDS
         series = plan(count, kinds=kinds)
         with tempfile.TemporaryDirectory(prefix="relaunch-bench-") as tmp:
@@ -214,7 +215,8 @@ def series_rows(say: Progress, count: int = COUNT) -> list[dict[str, Any]]:
         rows.append(asdict(result))
         say(
             f"series {system} ({result.series}): {result.faults} faults, lost {result.lost_s} s, "
-            f"ETTR {result.ettr} {result.note}"
+            f"ETTR {result.ettr} {result.note}; lost by cause {result.lost_by_cause}, "
+            f"{result.steps} steps in {result.run_s} s at {result.step_ms} ms"
         )
     rows.append(
         {
