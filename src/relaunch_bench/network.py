@@ -268,10 +268,7 @@ def torchft_once(name: str | None, tmp: Path, python: Path) -> dict[str, Any]:
     except subprocess.TimeoutExpired:
         return {"ok": False, "note": "the replicas did not finish in 600 s"}
     finally:
-        for running in procs:
-            if running.poll() is None:
-                kill_tree(running.pid)
-        network.remove()
+        _tear_down(procs, network)
 
 
 def _longest_gaps(path: Path) -> tuple[float, float]:
@@ -351,10 +348,15 @@ def launchers_once(
     except subprocess.TimeoutExpired:
         return {"ok": False, "note": "the agents did not finish in 600 s"}
     finally:
-        for running in agents:
-            if running.poll() is None:
-                kill_tree(running.pid)
-        network.remove()
+        _tear_down(agents, network)
+
+
+def _tear_down(procs: list[subprocess.Popen[bytes]], network: ClusterNetwork) -> None:
+    """Every process of a run made here killed (with what it started), then its network."""
+    for running in procs:
+        if running.poll() is None:
+            kill_tree(running.pid)
+    network.remove()
 
 
 def _in_namespace(
