@@ -93,3 +93,21 @@ def test_a_short_series_under_torchrun_runs_the_plain_script_and_strikes_each_fa
     result = peer_series("torchrun", plan(2, every=100, kinds=("crash",)), tmp_path, every=100)
     assert result.finished and result.faults == 2, result
     assert result.steps == 300 and result.lost_s is not None and result.lost_s > 0
+
+
+def test_the_goodput_figure_shows_each_run_that_was_measured(tmp_path: Path) -> None:
+    """A bar a system that ran (productive, then lost by cause); a peer that could not take
+    the series (no run) has none; no measured run at all writes no figure."""
+    from relaunch_bench.report import goodput_chart
+
+    lost = {"detection and restart": 20.0, "recomputed": 1.0, "slower steps": 3.0}
+    rows = [
+        {"system": "relaunch", "series": "crash, hang", "faults": 9, "run_s": 624.0,
+         "productive_s": 600.0, "lost_s": 24.0, "ettr": 0.96, "lost_by_cause": lost},
+        {"system": "torchft", "series": "crash, hang", "note": "cannot take it"},
+    ]  # fmt: skip
+    path = tmp_path / "goodput.png"
+    assert goodput_chart(rows, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not goodput_chart(rows[1:], tmp_path / "none.png")
+    assert not (tmp_path / "none.png").exists()

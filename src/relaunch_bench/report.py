@@ -1,4 +1,6 @@
-"""bench.md (tables) and bench.png (MTTR by level, and as the job grows) from bench.json's data."""
+"""bench.md (tables), bench.png (MTTR by level, and as the job grows) and goodput.png (the
+fault series: each system's run split into productive time and time lost by cause) from
+bench.json's data."""
 
 from __future__ import annotations
 
@@ -200,6 +202,47 @@ def chart(rows: list[Row], scale: list[dict[str, Any]], path: Path) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+GOODPUT_PARTS = (
+    ("productive", "productive_s", "tab:green"),
+    ("detection and restart", "detection and restart", "tab:red"),
+    ("recomputed", "recomputed", "tab:orange"),
+    ("slower steps", "slower steps", "tab:gray"),
+)
+
+
+def goodput_chart(series: list[dict[str, Any]], path: Path) -> bool:
+    """One horizontal bar a system that ran the series: its productive time, then what it lost by
+    cause, ETTR at the end. False (nothing written) when no system has a measured run."""
+    shown = [r for r in series if r.get("run_s")]
+    if not shown:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(9, 0.6 * len(shown) + 1.6))
+    for y, row in enumerate(shown):
+        left = 0.0
+        for label, key, colour in GOODPUT_PARTS:
+            value = row.get(key) if key == "productive_s" else row["lost_by_cause"].get(key, 0.0)
+            axes.barh(y, value or 0.0, left=left, color=colour, label=label if y == 0 else None)
+            left += value or 0.0
+        axes.text(left, y, f"  ETTR {row['ettr']}, lost {row['lost_s']} s", va="center", fontsize=8)
+    axes.set_yticks(
+        range(len(shown)), [f"{r['system']}\n({r['series']})" for r in shown], fontsize=8
+    )
+    axes.invert_yaxis()
+    axes.set_xlabel("s, from the first step to the last")
+    axes.set_title(f"Goodput under a fault series ({shown[0]['faults']} faults, one a minute)")
+    axes.legend(fontsize=7, loc="lower right")
+    axes.margins(x=0.25)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True
 
 
 def _scale_chart(axes: Any, scale: list[dict[str, Any]]) -> None:

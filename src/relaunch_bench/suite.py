@@ -93,6 +93,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
     (options.out / "bench.json").write_text(json.dumps(result, indent=2))
     (options.out / "bench.md").write_text(report.markdown(result))
     report.chart(rows, result["scale"], options.out / "bench.png")
+    report.goodput_chart(result["series"], options.out / "goodput.png")
     return result
 
 
