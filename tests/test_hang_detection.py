@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from relaunch.controller.detectors import hang_fault, rank_active
+from relaunch.controller.detectors import active_at, hang_fault, rank_active
 from relaunch.controller.peers import LauncherLink, Rank
 from relaunch.launcher.processes import NotStarted, Worker, sample_busy
 from relaunch.protocol.datagrams import SdkPhase
@@ -66,6 +66,22 @@ def test_r25_a_rank_stopped_in_its_save_is_hung_after_the_hang_window() -> None:
     resumed = Rank(1, last_activity=100.0, progressed=True, phase=SdkPhase.CHECKPOINT)
     resumed.phase_since, resumed.stopped_at = 100.0, 99.0  # stopped before this save began
     assert resumed.saving and _hung(_links(waiting, resumed), 100.0 + 3 * HANG_S) is None
+
+
+def test_r25_a_rank_found_stopped_worked_no_later_than_the_sample_before() -> None:
+    """SIGSTOPped just after its step at 100.0: the next usage sample (at 100.9) still counts
+    looks that found it working before the stop, and also stopped ones. Before, that work was
+    taken for life at 100.9, and the hang was found 0.9 s late (the bench: 5.05 s for a 4 s
+    window); now it is placed at the previous sample, and the step's time stands."""
+    rank = Rank(1, last_activity=100.0, progressed=True, usage=(99.9, 5.0, 0))
+    assert active_at(rank, cpu=5.09, io=0, working=8, stopped=2, now=100.9) == 99.9
+    assert active_at(rank, cpu=5.09, io=0, working=8, stopped=0, now=100.9) == 100.9
+    assert active_at(rank, cpu=5.0, io=0, working=0, stopped=10, now=100.9) is None
+    unsampled = Rank(1, last_activity=100.0, progressed=True)  # no sample before: no time
+    assert active_at(unsampled, cpu=5.09, io=0, working=8, stopped=2, now=100.9) is None
+    link = _links(rank)
+    rank.last_activity = max(rank.last_activity, 99.9)
+    assert _hung(link, 100.0 + HANG_S + 0.05) == 0, "found at the window, not a sample later"
 
 
 def test_r25_io_counts_as_progress_for_a_job_that_reports_steps() -> None:

@@ -16,7 +16,8 @@ from relaunch.cli.common import app, err
 @app.command()
 def bench(
     out: Annotated[
-        Path, typer.Option("--out", help="Where bench.json, bench.md, bench.png and goodput.png go.")
+        Path,
+        typer.Option("--out", help="Where bench.json, bench.md, bench.png and goodput.png go."),
     ] = Path("bench-results"),
     quick: Annotated[
         bool, typer.Option("--quick", help="One repeat, light workload + DDP crash only.")

@@ -27,6 +27,7 @@ __all__ = [
     "HangLook",
     "HangWatch",
     "InjectedAt",
+    "active_at",
     "chip_faults",
     "collective_fault",
     "exit_fault",
@@ -216,6 +217,21 @@ def rank_active(rank: Rank, cpu: float, io: int, now: float) -> bool:
         return False
     busy = cpu - cpu_then >= ACTIVE_CPU_SHARE * max(now - then, 1e-3)
     return busy or io > io_then
+
+
+def active_at(
+    rank: Rank, cpu: float, io: int, working: int, stopped: int, now: float
+) -> float | None:
+    """When a usage sample shows the rank last alive (None: it does not): now, if its looks
+    found it working (or `rank_active`); but a rank also found stopped (SIGSTOP, a debugger)
+    worked before it stopped, which the sample only places after the previous one: that
+    sample's time (before, the first sample after a SIGSTOP counted the work of the moments
+    before it as life at the sample, and the hang was found up to a sampling interval late)."""
+    if not (working or rank_active(rank, cpu, io, now)):
+        return None
+    if not stopped:
+        return now
+    return rank.usage[0] if rank.usage is not None else None
 
 
 @dataclass(frozen=True)

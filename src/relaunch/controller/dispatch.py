@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from relaunch.controller import commands, stacks
-from relaunch.controller.detectors import chip_faults, collective_fault, exit_fault, rank_active
+from relaunch.controller.detectors import active_at, chip_faults, collective_fault, exit_fault
 from relaunch.controller.peers import AgentLink, LauncherLink, Peer, Rank
 from relaunch.controller.pods import PodPhase
 from relaunch.protocol.datagrams import SdkPhase
@@ -105,11 +105,13 @@ def _from_launcher(c: Controller, link: LauncherLink, message: Message) -> None:
                 observed = link.ranks.get(rank_index)
                 if observed is None or observed.attempt != attempt:
                     continue
-                if stopped.get(rank_index, 0):
+                halted = stopped.get(rank_index, 0)
+                if halted:
                     observed.stopped_at = now
                     c.hang_watch.stale()  # a save it said it made no longer counts
-                if working.get(rank_index, 0) or rank_active(observed, cpu, io, now):
-                    observed.last_activity = now
+                alive = active_at(observed, cpu, io, working.get(rank_index, 0), halted, now)
+                if alive is not None:
+                    observed.last_activity = max(observed.last_activity, alive)
                 observed.usage = (now, float(cpu), int(io))
         case Stacks():
             stacks.received(c, link, message)

@@ -69,6 +69,7 @@ class PlanCluster(Protocol):
     @property
     def nodes(self) -> Sequence[PlanNode]: ...
 
+
 __all__ = ["MAX_ENTRIES", "PlannedFault", "PlannedFaultKind", "check_plan", "parse_plan"]
 
 MAX_ENTRIES: Final = 1000
