@@ -15,6 +15,7 @@ its data, and the series' later faults never strike the replica that is gone).
 from __future__ import annotations
 
 import itertools
+import json
 import statistics
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -198,12 +199,20 @@ def _fill(result: SeriesResult, measured: dict[str, Any]) -> None:
 PEERS = ("torchrun", f"NVRx ft_launcher ({NVRX_HEARTBEAT_S:g} s heartbeat)", "DLRover standalone")
 
 
-def series_rows(say: Progress, count: int = COUNT) -> list[dict[str, Any]]:
+ORDER = ("relaunch", PEERS[1], PEERS[2], PEERS[0], "relaunch")
+"""relaunch, then the peers best first as the peers table ranks them (NVRx, DLRover, torchrun:
+its hour-long section's most telling rows first), then relaunch's second series (lost nodes,
+which no peer here can take)."""
+
+
+def series_rows(
+    say: Progress, count: int = COUNT, partial: Path | None = None
+) -> list[dict[str, Any]]:
     """relaunch on both series, each peer on the one it can take; then the lost time of each
-    beside relaunch's."""
+    beside relaunch's. `partial`: the rows so far, written after each run (the section takes
+    about an hour)."""
     rows: list[dict[str, Any]] = []
-    # relaunch's second series (lost nodes, which no peer here can take) last
-    for system in ("relaunch", *PEERS, "relaunch"):
+    for system in ORDER:
         kinds = WITH_LOST_NODES if system == "relaunch" and rows else KINDS
         series = plan(count, kinds=kinds)
         with tempfile.TemporaryDirectory(prefix="relaunch-bench-") as tmp:
@@ -218,6 +227,8 @@ def series_rows(say: Progress, count: int = COUNT) -> list[dict[str, Any]]:
             f"ETTR {result.ettr} {result.note}; lost by cause {result.lost_by_cause}, "
             f"{result.steps} steps in {result.run_s} s at {result.step_ms} ms"
         )
+        if partial is not None:
+            partial.write_text(json.dumps(rows, indent=2))
     rows.append(
         {
             "system": "torchft",

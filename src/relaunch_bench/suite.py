@@ -106,7 +106,8 @@ def _sections(
     if "peers" in sections:
         measured["peers"] = peer_rows(1 if quick else min(3, repeats), say)
     if "series" in sections:
-        measured["series"] = series_rows(say, count=2 if quick else 9)
+        partial = options.out / "series.partial.json"
+        measured["series"] = series_rows(say, count=2 if quick else 9, partial=partial)
     if "scale" in sections:
         sizes = [2] if quick else [2, 4, 8, 16, 64]
         measured["scale"] = scale_rows(sizes, 1 if quick else min(3, repeats), say, options.levels)
