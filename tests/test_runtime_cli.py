@@ -76,3 +76,26 @@ def test_a_job_the_cluster_has_no_room_for_is_a_one_line_error(tmp_path: Path) -
     assert result.returncode == 2, result.stdout + result.stderr
     assert "Traceback" not in result.stderr
     assert "needs 2 pod(s) with 2 chip(s) each; the cluster has room for 1" in result.stderr
+
+
+def test_a_run_on_a_state_directory_another_run_holds_is_a_one_line_error(tmp_path: Path) -> None:
+    """Another `relaunch run` holds the state directory (its lock, here taken by this test's
+    process): a second run is refused with who holds it (exit 2), and writes no job."""
+    from relaunch import runner
+    from relaunch.protocol.layout import StateDir
+    from relaunch.store import Store
+
+    cluster = Cluster(tmp_path)
+    cluster.state.mkdir(parents=True, exist_ok=True)
+    held = runner.lock(cluster.state)
+    try:
+        result = cluster.run(toy_job(AUTO, steps=3))
+    finally:
+        held.close()
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    assert "another `relaunch run` or runner" in result.stderr
+    assert "(pid" in result.stderr and "run)" in result.stderr
+    db = StateDir(cluster.state).db
+    assert not db.exists() or Store(db).jobs() == []
+    assert cluster.run(toy_job(AUTO, steps=3)).returncode == 0  # released: the next run runs

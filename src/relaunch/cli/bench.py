@@ -48,12 +48,7 @@ def bench(
 
     chosen = _choices("--levels", levels, LEVELS)
     sections = _choices("--only", only, SECTIONS)
-    if device not in ("cpu", "cuda"):
-        err.print(
-            f"[bold red]error:[/] --device: unknown {device}; choose from cpu, cuda",
-            highlight=False,
-        )
-        raise typer.Exit(2)
+    device = _one("--device", device, ("cpu", "cuda"))
 
     def progress(text: str) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -87,6 +82,18 @@ def _needs(*modules: str) -> None:
             highlight=False,
         )
         raise typer.Exit(2)
+
+
+def _one(option: str, given: str, allowed: tuple[str, ...]) -> str:
+    """An option that takes one of `allowed` (exit 2 otherwise)."""
+    chosen = _choices(option, given, allowed)
+    if len(chosen) != 1:
+        err.print(
+            f"[bold red]error:[/] {option}: one of {', '.join(allowed)}, not {given!r}",
+            highlight=False,
+        )
+        raise typer.Exit(2)
+    return chosen[0]
 
 
 def _choices(option: str, given: str | None, allowed: Iterable[str]) -> tuple[str, ...]:

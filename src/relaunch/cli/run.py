@@ -141,29 +141,15 @@ def run(
     cluster or on Ray. Either from a job file, or as torchrun would run a script: `relaunch run
     --nnodes 2 --nproc-per-node 4 train.py --epochs 3` (everything after the script is the
     script's)."""
-    launch = LaunchOptions.of(ctx)
-    engine = engine_name(engine)
-    if engine == "embedded" and (address or ray_select):
-        err.print("[bold red]error:[/] --address and --ray-select need --engine ray")
-        raise typer.Exit(EXIT_INVALID)
+    engine = _engine_checked(engine, address, ray_select)
     directory = state_dir_of(state_dir)
-    try:
-        held = runner.lock(directory)
-    except StateDirBusy as error:
-        say_error(error)
-        raise typer.Exit(EXIT_INVALID) from None
-    trial: Any = None
+    held = _lock(directory)
     try:
         table, rules = service.table_from(fault_table)
         store = Store(StateDir(directory).db)
-        document = launch_document(ctx, job_file, launch)
+        document = launch_document(ctx, job_file, LaunchOptions.of(ctx))
         if resume:
-            if document is not None:
-                raise InputError(
-                    "relaunch run --resume",
-                    [Problem("SCRIPT", str(job_file), "the job's name or id, with --resume")],
-                )
-            job_id = _unfinished(store, job_file).id
+            job_id, trial = _unfinished(store, job_file, document).id, None
         else:
             request = _NewRun(job_file, cluster_file, faults_file, fault_table, startup_s, document)
             cluster_raw = _cluster_settings(cluster_file, nodes_count, chips_per_node)
@@ -172,23 +158,52 @@ def run(
             )
     except RelaunchError as error:
         held.close()
-        stop_trial(trial)
-        if isinstance(error, InputError):
-            raise fail_input(error) from None
-        say_error(error)
-        raise typer.Exit(EXIT_INVALID) from None
+        raise _refused(error) from None
     options = RunOptions(startup_s=startup_s, table=table, rules=rules)
     try:
         status = _execute(store, directory, job_id, resume, options, quiet, trial)
     finally:
         held.close()
         stop_trial(trial)
+    raise typer.Exit(_finished(store, directory, job_id, status, report))
+
+
+def _engine_checked(engine: str, address: str | None, ray_select: str | None) -> str:
+    """The engine's name; --address and --ray-select only with Ray (exit 2 otherwise)."""
+    name = engine_name(engine)
+    if name == "embedded" and (address or ray_select):
+        err.print("[bold red]error:[/] --address and --ray-select need --engine ray")
+        raise typer.Exit(EXIT_INVALID)
+    return name
+
+
+def _lock(directory: Path) -> Any:
+    """The state directory held for this foreground run (exit 2 if another holds it)."""
+    try:
+        return runner.lock(directory)
+    except StateDirBusy as error:
+        say_error(error)
+        raise typer.Exit(EXIT_INVALID) from None
+
+
+def _refused(error: RelaunchError) -> typer.Exit:
+    """A job that cannot run: every problem of bad input, or the one error (exit 2)."""
+    if isinstance(error, InputError):
+        return fail_input(error)
+    say_error(error)
+    return typer.Exit(EXIT_INVALID)
+
+
+def _finished(
+    store: Store, directory: Path, job_id: int, status: JobStatus, report: Path | None
+) -> int:
+    """The job's summary printed (and written to `report`), queued jobs started; its exit code."""
     summary = build_report(store, job_id)
     print_summary(summary)
     if report is not None:
         report.write_text(json.dumps(summary, indent=2))
     _start_queued(directory)
-    raise typer.Exit(_exit_code(status, store.job(job_id).reason))
+    return _exit_code(status, store.job(job_id).reason)
 
 
 @dataclass(frozen=True)
@@ -249,6 +264,26 @@ def _submit(
     engine_spec, trial = None, None
     if engine == "ray":
         cluster_raw, engine_spec, trial = ray_cluster(cluster_raw, address, ray_select)
+    try:
+        job_id = _stored(store, directory, request, raw, source, cluster_raw, plan, engine_spec)
+    except BaseException:
+        stop_trial(trial)  # the trial cluster started for a job that was refused
+        raise
+    return job_id, trial
+
+
+def _stored(
+    store: Store,
+    directory: Path,
+    request: _NewRun,
+    raw: Any,
+    source: str,
+    cluster_raw: Any,
+    plan: Any,
+    engine_spec: Any,
+) -> int:
+    """The job checked fully, stored and claimed by this run (starting nothing)."""
+    faults_file = request.faults_file
     submission = service.Submission(
         raw=raw,
         source=source,
@@ -264,7 +299,7 @@ def _submit(
     for old in runner.abandon_unfinished(store, directory):
         _warn_abandoned(old, store.job(job_id).name, directory)
     store.claim_job(job_id, time.time())
-    return job_id, trial
+    return job_id
 
 
 def _execute(
@@ -439,7 +474,13 @@ class _LiveView:
         self.live.update(view, refresh=True)
 
 
-def _unfinished(store: Store, ref: Path | None) -> Any:
+def _unfinished(store: Store, ref: Path | None, document: tuple[dict[str, Any], str] | None) -> Any:
+    """The unfinished job `ref` names (the newest, without one) to resume."""
+    if document is not None:
+        raise InputError(
+            "relaunch run --resume",
+            [Problem("SCRIPT", str(ref), "the job's name or id, with --resume")],
+        )
     jobs = [j for j in store.jobs() if j.status.active]
     if ref is not None:
         jobs = [j for j in jobs if j.name == str(ref) or str(j.id) == str(ref)]

@@ -92,32 +92,11 @@ def validate(
         document = launch_document(ctx, file, launch)
         job = load_job(file) if document is None else parse_job(document[0], source=document[1])
         table, rules = service.table_from(fault_table)
-        plan: tuple[PlannedFault, ...] = ()
-        if faults_file is not None:
-            source = str(faults_file)
-            cluster = load_cluster(cluster_file) if cluster_file else parse_cluster(None)
-            plan = parse_plan(read_document(faults_file), source=source)
-            service.check_plan_fits(
-                service.plan_entries(read_document(faults_file), source), job, cluster, source
-            )
+        plan = _checked_plan(faults_file, cluster_file, job)
     except InputError as error:
         raise fail_input(error) from None
     if as_json:
-        payload = {
-            "name": job.name,
-            "replicas": job.replicas,
-            "procs_per_pod": job.procs_per_pod,
-            "chips_per_pod": job.chips_per_pod,
-            "command": list(job.command),
-            "labels": dict(job.labels),
-            "recovery": asdict(job.recovery),
-            "process_recovery_env": process_recovery_env(job.recovery),
-            "ladder": {
-                name: [d.action.value for d in steps] for name, steps in _ladder(job, table, rules)
-            },
-            "fault_plan": [e.describe() for e in plan],
-        }
-        out.print_json(json.dumps(payload, default=str))
+        out.print_json(json.dumps(_settings_json(job, table, rules, plan), default=str))
         return
     _print_settings(file, job)
     _print_ladder(job, table, rules)
@@ -128,6 +107,42 @@ def validate(
         )
         for entry in plan:
             out.print(f"  - {entry.describe()}", highlight=False, markup=False)
+
+
+def _checked_plan(
+    faults_file: Path | None, cluster_file: Path | None, job: JobSpec
+) -> tuple[PlannedFault, ...]:
+    """The fault plan of `faults_file` (none without one), each entry checked to hit a target of
+    `job` on the cluster of `cluster_file` (the default cluster without one)."""
+    if faults_file is None:
+        return ()
+    source = str(faults_file)
+    cluster = load_cluster(cluster_file) if cluster_file else parse_cluster(None)
+    plan = parse_plan(read_document(faults_file), source=source)
+    service.check_plan_fits(
+        service.plan_entries(read_document(faults_file), source), job, cluster, source
+    )
+    return plan
+
+
+def _settings_json(
+    job: JobSpec, table: FaultCodeTable, rules: EscalationRules, plan: tuple[PlannedFault, ...]
+) -> dict[str, object]:
+    """`--json`: the job's effective settings, its ladder per fault and its fault plan."""
+    return {
+        "name": job.name,
+        "replicas": job.replicas,
+        "procs_per_pod": job.procs_per_pod,
+        "chips_per_pod": job.chips_per_pod,
+        "command": list(job.command),
+        "labels": dict(job.labels),
+        "recovery": asdict(job.recovery),
+        "process_recovery_env": process_recovery_env(job.recovery),
+        "ladder": {
+            name: [d.action.value for d in steps] for name, steps in _ladder(job, table, rules)
+        },
+        "fault_plan": [e.describe() for e in plan],
+    }
 
 
 def _print_settings(file: Path, job: JobSpec) -> None:

@@ -28,7 +28,7 @@ from relaunch.store import JobStatus, NodeState, PodRow
 
 if TYPE_CHECKING:
     from relaunch.controller.active import ActiveRecovery
-    from relaunch.controller.core import Controller
+    from relaunch.controller.context import ControllerContext
 
 __all__ = ["ACTIONS", "LevelAction", "action_for"]
 
@@ -40,28 +40,30 @@ class LevelAction:
     new_attempt: ClassVar[bool] = False
     """Every process of the job starts again (a new attempt)."""
 
-    def change(self, c: Controller, d: Decision, now: float) -> None:
+    def change(self, c: ControllerContext, d: Decision, now: float) -> None:
         isolate(c, d, now)
         if d.counters:
             move_pods(c, d, moved=set())
         if self.new_attempt:
             new_attempt(c, now)
 
-    def plan(self, c: Controller, d: Decision, active: ActiveRecovery) -> None:
+    def plan(self, c: ControllerContext, d: Decision, active: ActiveRecovery) -> None:
         """Fill in what the recovery needs from its decision (no side effect)."""
         active.pods = d.pods
 
-    def begin(self, c: Controller, active: ActiveRecovery) -> None:
+    def begin(self, c: ControllerContext, active: ActiveRecovery) -> None:
         if self.new_attempt and c.recovery.process_level and not published(c, active):
             c.membership.publish()  # every process starts again: a fresh group
 
     def ready_to_start(self, active: ActiveRecovery) -> bool:
         return True
 
-    def tick(self, c: Controller, active: ActiveRecovery, now: float) -> None:
+    def tick(self, c: ControllerContext, active: ActiveRecovery, now: float) -> None:
         """What the level does as time passes (each pass), beyond its deadlines."""
 
-    def absorbs(self, c: Controller, active: ActiveRecovery, fault: Fault, now: float) -> bool:
+    def absorbs(
+        self, c: ControllerContext, active: ActiveRecovery, fault: Fault, now: float
+    ) -> bool:
         """Whether a new fault is this recovery's own business (not a new decision): it is
         then recorded as collateral of the recovery's fault. A collective that failed while a
         recovery runs failed because of it (its group is being torn down and formed anew)."""
@@ -83,14 +85,14 @@ class LevelAction:
 class Ignore(LevelAction):
     action = Action.IGNORE
 
-    def change(self, c: Controller, d: Decision, now: float) -> None:
+    def change(self, c: ControllerContext, d: Decision, now: float) -> None:
         isolate(c, d, now)  # a fault on a node the job does not use may still take the node out
 
 
 class Fail(LevelAction):
     action = Action.FAIL
 
-    def change(self, c: Controller, d: Decision, now: float) -> None:
+    def change(self, c: ControllerContext, d: Decision, now: float) -> None:
         isolate(c, d, now)
         c.update_job(status=JobStatus.FAILED, reason=d.reason, ended_at=now)
 
@@ -101,7 +103,7 @@ class HandOver(LevelAction):
 
     action = Action.DUMP
 
-    def change(self, c: Controller, d: Decision, now: float) -> None:
+    def change(self, c: ControllerContext, d: Decision, now: float) -> None:
         isolate(c, d, now)
 
 
@@ -117,10 +119,10 @@ class ProcessRetry(LevelAction):
 
     action = Action.PROCESS_RETRY
 
-    def plan(self, c: Controller, d: Decision, active: ActiveRecovery) -> None:
+    def plan(self, c: ControllerContext, d: Decision, active: ActiveRecovery) -> None:
         active.after_step = c.progress.step or 0
 
-    def begin(self, c: Controller, active: ActiveRecovery) -> None:
+    def begin(self, c: ControllerContext, active: ActiveRecovery) -> None:
         if not published(c, active):
             # the step to get past is the newest heard when the ranks are told (later than the
             # fault's for a controller resumed meanwhile: the ranks may have gone on)
@@ -162,7 +164,7 @@ class OperatorRetry(LevelAction):
 
     action = Action.OPERATOR_RETRY
 
-    def plan(self, c: Controller, d: Decision, active: ActiveRecovery) -> None:
+    def plan(self, c: ControllerContext, d: Decision, active: ActiveRecovery) -> None:
         retry = c.recovery.operator_retry
         fault = active.fault
         assert retry is not None and fault.step is not None and fault.collective is not None
@@ -171,10 +173,10 @@ class OperatorRetry(LevelAction):
             fault.step, fault.collective, fault.at + retry.hold_s, retry.max_count
         )
 
-    def begin(self, c: Controller, active: ActiveRecovery) -> None:
+    def begin(self, c: ControllerContext, active: ActiveRecovery) -> None:
         """Nothing at once: its re-issues go as time passes (`tick`)."""
 
-    def tick(self, c: Controller, active: ActiveRecovery, now: float) -> None:
+    def tick(self, c: ControllerContext, active: ActiveRecovery, now: float) -> None:
         op, retry = active.operator, c.recovery.operator_retry
         if op is None or retry is None:
             return
@@ -207,7 +209,9 @@ class OperatorRetry(LevelAction):
         op.ordered_at = now
         c.recoveries.enter(active, active.phase)  # a resumed controller counts it
 
-    def absorbs(self, c: Controller, active: ActiveRecovery, fault: Fault, now: float) -> bool:
+    def absorbs(
+        self, c: ControllerContext, active: ActiveRecovery, fault: Fault, now: float
+    ) -> bool:
         op, retry = active.operator, c.recovery.operator_retry
         if fault.kind is not FaultKind.COLLECTIVE or op is None or retry is None:
             return False
@@ -227,10 +231,10 @@ class ProcessInPlace(LevelAction):
 
     action = Action.PROCESS_IN_PLACE
 
-    def plan(self, c: Controller, d: Decision, active: ActiveRecovery) -> None:
+    def plan(self, c: ControllerContext, d: Decision, active: ActiveRecovery) -> None:
         active.ranks = commands.faulty_ranks(c, active.fault)
 
-    def begin(self, c: Controller, active: ActiveRecovery) -> None:
+    def begin(self, c: ControllerContext, active: ActiveRecovery) -> None:
         if not published(c, active):
             c.membership.publish(joiners=active.ranks)
         commands.restart_ranks(c, active.ranks)
@@ -251,16 +255,16 @@ class ProcessReschedule(LevelAction):
 
     action = Action.PROCESS_RESCHEDULE
 
-    def change(self, c: Controller, d: Decision, now: float) -> None:
+    def change(self, c: ControllerContext, d: Decision, now: float) -> None:
         isolate(c, d, now)
         move_pods(c, d, moved=set(d.pods))
         c.update_job(status=JobStatus.RECOVERING)
 
-    def plan(self, c: Controller, d: Decision, active: ActiveRecovery) -> None:
+    def plan(self, c: ControllerContext, d: Decision, active: ActiveRecovery) -> None:
         active.pods = d.pods
         active.ranks = tuple(r for pod in d.pods for r in c.ranks_of(pod))
 
-    def begin(self, c: Controller, active: ActiveRecovery) -> None:
+    def begin(self, c: ControllerContext, active: ActiveRecovery) -> None:
         if not published(c, active):
             c.membership.publish(joiners=active.ranks)
 
@@ -272,16 +276,16 @@ class ScaleIn(LevelAction):
 
     action = Action.SCALE_IN
 
-    def change(self, c: Controller, d: Decision, now: float) -> None:
+    def change(self, c: ControllerContext, d: Decision, now: float) -> None:
         isolate(c, d, now)
         move_pods(c, d, moved=set())
         c.update_job(status=JobStatus.RECOVERING)
 
-    def plan(self, c: Controller, d: Decision, active: ActiveRecovery) -> None:
+    def plan(self, c: ControllerContext, d: Decision, active: ActiveRecovery) -> None:
         active.pods = d.pods
         active.after_step = c.progress.step or 0
 
-    def begin(self, c: Controller, active: ActiveRecovery) -> None:
+    def begin(self, c: ControllerContext, active: ActiveRecovery) -> None:
         commands.park(c, active.pods)
         if not published(c, active):
             c.membership.publish(parked=c.membership.parked() | set(active.pods))
@@ -297,7 +301,7 @@ class InPlace(LevelAction):
     action = Action.IN_PLACE
     new_attempt = True
 
-    def begin(self, c: Controller, active: ActiveRecovery) -> None:
+    def begin(self, c: ControllerContext, active: ActiveRecovery) -> None:
         super().begin(c, active)
         if active.heal is None or active.heal.ok is None:  # again after a resume: a new request
             commands.request_heal(c, active)
@@ -319,7 +323,7 @@ class PodReschedule(LevelAction):
     action = Action.POD_RESCHEDULE
     new_attempt = True
 
-    def change(self, c: Controller, d: Decision, now: float) -> None:
+    def change(self, c: ControllerContext, d: Decision, now: float) -> None:
         isolate(c, d, now)
         move_pods(c, d, moved=set(d.pods))
         new_attempt(c, now)
@@ -331,7 +335,7 @@ class JobReschedule(LevelAction):
     action = Action.JOB_RESCHEDULE
     new_attempt = True
 
-    def change(self, c: Controller, d: Decision, now: float) -> None:
+    def change(self, c: ControllerContext, d: Decision, now: float) -> None:
         isolate(c, d, now)
         move_pods(c, d, moved={p.index for p in c.pods.values()})
         new_attempt(c, now)
@@ -343,7 +347,7 @@ class IsolatedJobReschedule(JobReschedule):
     action = Action.ISOLATED_JOB_RESCHEDULE
 
 
-def published(c: Controller, active: ActiveRecovery) -> bool:
+def published(c: ControllerContext, active: ActiveRecovery) -> bool:
     """The recovery published its membership already (a controller killed after it did, before
     it stored that it had: nothing else publishes while a recovery runs)."""
     current = c.membership.current()
@@ -353,7 +357,7 @@ def published(c: Controller, active: ActiveRecovery) -> bool:
 # -- the desired-state changes the levels share -------------------------------------------------
 
 
-def isolate(c: Controller, d: Decision, now: float) -> None:
+def isolate(c: ControllerContext, d: Decision, now: float) -> None:
     if not d.isolate_nodes:
         return
     for node in d.isolate_nodes:
@@ -371,7 +375,7 @@ def isolate(c: Controller, d: Decision, now: float) -> None:
         c.refresh_node(node)
 
 
-def move_pods(c: Controller, d: Decision, moved: set[int]) -> None:
+def move_pods(c: ControllerContext, d: Decision, moved: set[int]) -> None:
     """Every pod gets the decision's counters; `moved` pods a new generation on a new node."""
     places = commands.placement(c, moved, d.isolate_nodes) if moved else {}
     for pod in c.pods.values():
@@ -396,7 +400,7 @@ def move_pods(c: Controller, d: Decision, moved: set[int]) -> None:
             c.put_pod(wanted)
 
 
-def new_attempt(c: Controller, now: float) -> None:
+def new_attempt(c: ControllerContext, now: float) -> None:
     c.update_job(
         status=JobStatus.RECOVERING,
         attempt=c.job.attempt + 1,

@@ -14,7 +14,7 @@ from relaunch.faults import Fault, FaultKind
 from relaunch.store import JobStatus, NodeState, Outcome
 
 if TYPE_CHECKING:
-    from relaunch.controller.core import Controller
+    from relaunch.controller.context import ControllerContext
 
 __all__ = ["adoption", "done", "hangs", "heartbeats", "launchers", "requests", "slow"]
 
@@ -22,7 +22,7 @@ SLOW_CHECKED_EVERY_S = 1.0
 """How often the ranks' busy shares are compared (diagnosis.subhealth)."""
 
 
-def adoption(c: Controller, now: float) -> None:
+def adoption(c: ControllerContext, now: float) -> None:
     """A resume's adoption window ends when every agent and launcher is back, or at its
     deadline; then lifecycle.adopted says what the missing ones mean."""
     if not c.adoption.resuming:
@@ -39,7 +39,7 @@ def adoption(c: Controller, now: float) -> None:
     lifecycle.adopted(c, now)
 
 
-def requests(c: Controller, now: float) -> None:
+def requests(c: ControllerContext, now: float) -> None:
     """What was asked of the job through the store (the API, `relaunch stop`)."""
     job = c.job
     if job.status.ended:
@@ -53,7 +53,7 @@ def requests(c: Controller, now: float) -> None:
     c.fault_plan.reload(job.plan)
 
 
-def heartbeats(c: Controller, now: float) -> None:
+def heartbeats(c: ControllerContext, now: float) -> None:
     """A node whose agent is silent for the heartbeat timeout, or that the engine reports dead,
     is lost (whichever comes first)."""
     if now < c.adoption.until:
@@ -75,7 +75,7 @@ def heartbeats(c: Controller, now: float) -> None:
         c.recoveries.fault(lost.detected.fault, lost.detected.source)
 
 
-def launchers(c: Controller, now: float) -> None:
+def launchers(c: ControllerContext, now: float) -> None:
     """A launcher that vanished while its node lives: the pod's container died."""
     grace = c.cluster.heartbeat_timeout_s + 2 * c.cluster.heartbeat_interval_s
     for pod, detected in launcher_faults(c.pods.values(), c.nodes, now, grace):
@@ -89,7 +89,7 @@ def launchers(c: Controller, now: float) -> None:
             pod.placed(now)  # moved since, or its node's loss is the fault: it needs a launcher
 
 
-def hangs(c: Controller, now: float) -> None:
+def hangs(c: ControllerContext, now: float) -> None:
     """R-25, with the joining ranks of a scale-out and the healthy ranks that wait for a
     process-level recovery's replacements left out; not while a fault waits for its decision
     (its recovery failed a moment ago: the ranks that waited for it are not hung)."""
@@ -132,7 +132,7 @@ def hangs(c: Controller, now: float) -> None:
         c.recoveries.fault(found.fault, found.source)
 
 
-def network_waited_until(c: Controller) -> float:
+def network_waited_until(c: ControllerContext) -> float:
     """The last moment a node of the job had its data link down (its ranks, and every peer in
     a collective with them, waited for the network until then)."""
     used = {p.row.node for p in c.pods.values()}
@@ -141,7 +141,7 @@ def network_waited_until(c: Controller) -> float:
     )
 
 
-def slow(c: Controller, now: float) -> None:
+def slow(c: ControllerContext, now: float) -> None:
     """A pod persistently slower than its peers (SubHealthFault): its ranks busy `slow_margin`
     more of the window than the other pods', or its node's data link many times slower than
     the others' (real links), at every check for half a window more. Not while a recovery runs
@@ -182,7 +182,7 @@ def slow(c: Controller, now: float) -> None:
         return
 
 
-def _link_rtts(c: Controller, pods: list[Pod]) -> dict[int, float]:
+def _link_rtts(c: ControllerContext, pods: list[Pod]) -> dict[int, float]:
     """Each pod's node's data-link round trip, where its agent measures one."""
     found = {}
     for pod in pods:
@@ -192,7 +192,7 @@ def _link_rtts(c: Controller, pods: list[Pod]) -> dict[int, float]:
     return found
 
 
-def _busy_shares(c: Controller, pods: list[Pod], since: float) -> dict[int, float] | None:
+def _busy_shares(c: ControllerContext, pods: list[Pod], since: float) -> dict[int, float] | None:
     """Each pod's share of the window its ranks were busy; None until every rank of the
     attempt has a full window of looks (a start, a restart)."""
     shares: dict[int, float] = {}
@@ -207,7 +207,7 @@ def _busy_shares(c: Controller, pods: list[Pod], since: float) -> dict[int, floa
     return shares
 
 
-def done(c: Controller, now: float) -> None:
+def done(c: ControllerContext, now: float) -> None:
     """Every rank of the current attempt exited 0: the job succeeded."""
     if c.recoveries.waiting or c.job.status.ended:
         return  # a stored fault waits for its decision: the job is not done before it

@@ -21,7 +21,7 @@ from relaunch.spec import process_recovery_env
 from relaunch.store import NodeState, PodRow
 
 if TYPE_CHECKING:
-    from relaunch.controller.core import Controller
+    from relaunch.controller.context import ControllerContext
 
 __all__ = [
     "cluster_view",
@@ -40,26 +40,28 @@ __all__ = [
 ]
 
 
-def capacities(c: Controller) -> list[NodeCapacity]:
+def capacities(c: ControllerContext) -> list[NodeCapacity]:
     return [NodeCapacity(n.name, n.chips, n.schedulable) for n in c.nodes.values()]
 
 
-def placement(c: Controller, moved: Iterable[int], isolating: Iterable[str]) -> dict[int, str]:
+def placement(
+    c: ControllerContext, moved: Iterable[int], isolating: Iterable[str]
+) -> dict[int, str]:
     pods = {p.index: p.row.node for p in c.pods.values()}
     return move(capacities(c), pods, moved, isolating, c.spec.chips_per_pod)
 
 
-def free_nodes(c: Controller, used: set[str]) -> list[str]:
+def free_nodes(c: ControllerContext, used: set[str]) -> list[str]:
     """Standby nodes with a live agent: schedulable, chips for a pod, no pod of `used` on them."""
     return [n for n in _free(capacities(c), used, c.spec.chips_per_pod) if n in c.agents]
 
 
-def master_port(c: Controller) -> int:
+def master_port(c: ControllerContext) -> int:
     """A port free on the node of rank 0 (pod 0), for MASTER_PORT."""
     return c.engine.free_port(c.pods[0].row.node)
 
 
-def checkpoint_saving(c: Controller) -> bool:
+def checkpoint_saving(c: ControllerContext) -> bool:
     """Whether a running rank of the current attempt says it saves a checkpoint now."""
     return any(
         r.saving
@@ -70,7 +72,7 @@ def checkpoint_saving(c: Controller) -> bool:
     )
 
 
-def cluster_view(c: Controller, fault: Fault) -> ClusterView:
+def cluster_view(c: ControllerContext, fault: Fault) -> ClusterView:
     """The facts a decision depends on, as observed now (R-31, R-37, R-41, placement)."""
     used = {p.row.node for p in c.pods.values()}
     standby = tuple(
@@ -103,7 +105,7 @@ def cluster_view(c: Controller, fault: Fault) -> ClusterView:
     )
 
 
-def failed_and_saving(c: Controller) -> tuple[int, bool]:
+def failed_and_saving(c: ControllerContext) -> tuple[int, bool]:
     """How many pods have a rank that failed, and whether a rank that lives on saves a
     checkpoint (R-37, R-41: what the policy's hold asks), in one look at every rank."""
     failed, phases = _ranks_now(c)
@@ -112,7 +114,7 @@ def failed_and_saving(c: Controller) -> tuple[int, bool]:
     return len(failed), saving
 
 
-def _ranks_now(c: Controller) -> tuple[set[int], dict[int, set[str]]]:
+def _ranks_now(c: ControllerContext) -> tuple[set[int], dict[int, set[str]]]:
     """In one look at every rank of the current attempt: the pods with a rank that failed, and
     the SDK phases of each pod's running ranks."""
     attempt = c.job.attempt
@@ -132,12 +134,12 @@ def _ranks_now(c: Controller) -> tuple[set[int], dict[int, set[str]]]:
     return failed, phases
 
 
-def _node_lost(c: Controller, name: str) -> bool:
+def _node_lost(c: ControllerContext, name: str) -> bool:
     node = c.node(name)
     return node is not None and node.state is NodeState.LOST
 
 
-def faulty_pods(c: Controller, fault: Fault) -> set[int]:
+def faulty_pods(c: ControllerContext, fault: Fault) -> set[int]:
     """Pods with another fault now, besides `fault`'s own (R-31's rank-0 rule): a node that
     reports a chip or link fault, or that is lost."""
     found = set()
@@ -150,7 +152,7 @@ def faulty_pods(c: Controller, fault: Fault) -> set[int]:
     return found
 
 
-def faulty_ranks(c: Controller, fault: Fault) -> tuple[int, ...]:
+def faulty_ranks(c: ControllerContext, fault: Fault) -> tuple[int, ...]:
     """The processes a process-level in-place restart replaces: the one that failed, or the
     one driving the faulty chip."""
     if fault.rank is not None:
@@ -161,7 +163,7 @@ def faulty_ranks(c: Controller, fault: Fault) -> tuple[int, ...]:
     return ()
 
 
-def links_down(c: Controller) -> list[str]:
+def links_down(c: ControllerContext) -> list[str]:
     """The nodes of the job whose data link their agent says is down now."""
     used = {p.row.node for p in c.pods.values()}
     return sorted(
@@ -169,7 +171,7 @@ def links_down(c: Controller) -> list[str]:
     )
 
 
-def restart_ranks(c: Controller, ranks: tuple[int, ...]) -> None:
+def restart_ranks(c: ControllerContext, ranks: tuple[int, ...]) -> None:
     """Stop (at once) and start again only these ranks, in their pod's container."""
     if not ranks:
         return
@@ -184,7 +186,7 @@ def restart_ranks(c: Controller, ranks: tuple[int, ...]) -> None:
     link.peer.send(Start(attempt, pod_environment(c, pod.row, attempt), ranks))
 
 
-def park(c: Controller, pods: Iterable[int]) -> None:
+def park(c: ControllerContext, pods: Iterable[int]) -> None:
     """Elastic scale-in: the pods leave the job; their launchers are shut down at once."""
     now = c.clock.now()
     for index in pods:
@@ -194,7 +196,7 @@ def park(c: Controller, pods: Iterable[int]) -> None:
         pod.park(now)
 
 
-def unpark(c: Controller, parked: list[int], free: list[str], now: float) -> list[int]:
+def unpark(c: ControllerContext, parked: list[int], free: list[str], now: float) -> list[int]:
     """Scale-out: parked pods placed on free nodes (new containers); the ones placed."""
     back = []
     for index, node in zip(parked, free, strict=False):
@@ -208,7 +210,7 @@ def unpark(c: Controller, parked: list[int], free: list[str], now: float) -> lis
     return back
 
 
-def request_heal(c: Controller, active: ActiveRecovery) -> None:
+def request_heal(c: ControllerContext, active: ActiveRecovery) -> None:
     """In-place recovery asks the fault's node to heal its chips (or link); the answer, or its
     absence by the deadline, decides whether the processes start again."""
     node = active.fault.node or ""
@@ -224,7 +226,7 @@ def request_heal(c: Controller, active: ActiveRecovery) -> None:
     agent.peer.send(Heal(heal.request))
 
 
-def stop_grace(c: Controller) -> float:
+def stop_grace(c: ControllerContext) -> float:
     """SIGTERM -> SIGKILL grace for the processes being stopped: the job's termination grace,
     bounded by its hang grace when they are stopped because the job hung (a hung process
     cannot save; waiting 900 s for it only stalls the job)."""
@@ -234,7 +236,7 @@ def stop_grace(c: Controller) -> float:
     return grace
 
 
-def said_stopping(c: Controller, pods: int, containers: str) -> None:
+def said_stopping(c: ControllerContext, pods: int, containers: str) -> None:
     why = "; the job hung: hang grace" if c.hang_stop else ""
     c.event(
         f"stopping the processes of {pods} pod(s) ({containers}): SIGTERM, SIGKILL after "
@@ -243,7 +245,7 @@ def said_stopping(c: Controller, pods: int, containers: str) -> None:
     failpoints.reach("stopping")
 
 
-def pod_environment(c: Controller, row: PodRow, attempt: int) -> dict[str, str]:
+def pod_environment(c: ControllerContext, row: PodRow, attempt: int) -> dict[str, str]:
     """R-04 to R-07: what every process of the pod sees (RANK and LOCAL_RANK are the launcher's)."""
     process_level = c.recovery.process_level
     return PodEnvironment(
@@ -308,7 +310,7 @@ def slow_window_unusable(hang_s: float, replicas: int, slow_window_s: float) -> 
     )
 
 
-def launch_plan(c: Controller, row: PodRow) -> LaunchPlan:
+def launch_plan(c: ControllerContext, row: PodRow) -> LaunchPlan:
     """The one way a pod's launcher is described (a standby launcher's derives from it)."""
     return LaunchPlan(
         job=c.job_id,

@@ -17,7 +17,6 @@ from __future__ import annotations
 import queue
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
@@ -25,6 +24,7 @@ from relaunch.cluster import Engine
 from relaunch.cluster.config import ClusterConfig
 from relaunch.controller import checks, detectors, lifecycle
 from relaunch.controller.clock import TICK_S, Clock, SystemClock
+from relaunch.controller.context import RunOptions, TrainingProgress
 from relaunch.controller.dispatch import dispatch
 from relaunch.controller.faultplan import FaultPlanRunner
 from relaunch.controller.fencing import LeaseKeeper
@@ -35,8 +35,6 @@ from relaunch.controller.peers import AgentLink, LauncherLink, Peer
 from relaunch.controller.pods import Pod, PodPhase
 from relaunch.controller.reconcile import Reconciler
 from relaunch.controller.recovery import RecoveryDriver
-from relaunch.controller.stacks import Capture
-from relaunch.faults import DEFAULT_TABLE, EscalationRules, FaultCodeTable
 from relaunch.faults.plan import PlannedFault
 from relaunch.protocol.layout import StateDir
 from relaunch.protocol.messages import Message
@@ -56,25 +54,6 @@ SEEN_EVERY_S: Final = 0.5
 """How often the controller writes that it is alive (a resume tells how long it was away)."""
 
 
-@dataclass
-class RunOptions:
-    startup_s: float | None = None
-    """Allowance before the first sign of progress after a (re)start; overrides the job's
-    spec.startup_seconds (default max(2 x hang window, 60 s))."""
-    table: FaultCodeTable = DEFAULT_TABLE
-    rules: EscalationRules = field(default_factory=EscalationRules)
-    resume: bool = False
-
-
-@dataclass
-class TrainingProgress:
-    """The newest step any rank reported, and whether the job reports steps at all."""
-
-    step: int | None = None
-    uses_sdk: bool = False
-    saved_at: float = 0.0
-
-
 Closed = None
 """What the inbox carries when a peer's connection closed."""
 
@@ -90,7 +69,7 @@ class Controller:
     """Each connected launcher's link, by its peer's identity (`linked`)."""
     hang_stop: bool
     """The processes are being stopped because the job hung: the hang grace applies."""
-    capture: Capture | None
+    capture: detectors.Capture | None
     """A hang's stacks being captured before it is decided (controller.stacks)."""
     hang_watch: detectors.HangWatch
     """When the hang detector looks at the ranks again (checks.hangs)."""

@@ -8,12 +8,12 @@ Pure functions of what they are given; the controller feeds them and acts on wha
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
-from relaunch.controller.fencing import SILENT_NODE
 from relaunch.controller.peers import AgentLink, LauncherLink, Rank
 from relaunch.controller.pods import Pod, PodPhase
+from relaunch.diagnosis import RankStack
 from relaunch.faults import LAUNCHER_DIED, Fault, FaultKind
 from relaunch.protocol.messages import CollectiveFailed, Exited, Heartbeat
 from relaunch.states import NodeState
@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ACTIVE_CPU_SHARE",
+    "SILENT_NODE",
+    "Capture",
     "Detected",
     "HangLook",
     "HangWatch",
@@ -39,6 +41,9 @@ __all__ = [
     "rank_active",
 ]
 
+SILENT_NODE: Final = "silent"
+"""How a node-lost fault's detail begins when the node fell silent rather than died."""
+
 ACTIVE_CPU_SHARE: Final = 0.10
 """A silent rank whose processes used at least this share of one core since the last sample is
 computing, not hung (R-25; MindCluster's detector counts a round as hung only under 5 s of CPU
@@ -53,6 +58,20 @@ the plan caused is timed from its injection, not from when it was seen."""
 class Detected:
     fault: Fault
     source: str
+
+
+@dataclass
+class Capture:
+    """A hang's stacks being captured before it is decided (controller.stacks)."""
+
+    request: int
+    found: Detected
+    attempt: int
+    began: float
+    deadline: float
+    waiting: set[int]
+    """The pods whose launcher has not answered yet."""
+    stacks: list[RankStack] = field(default_factory=list)
 
 
 def exit_fault(

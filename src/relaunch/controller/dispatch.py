@@ -30,7 +30,7 @@ from relaunch.protocol.messages import (
 from relaunch.store import NodeState
 
 if TYPE_CHECKING:
-    from relaunch.controller.core import Controller
+    from relaunch.controller.context import ControllerContext
 
 __all__ = ["dispatch"]
 
@@ -38,7 +38,7 @@ PROGRESS_SAVED_EVERY_S = 0.5
 """The newest step is written to the store at most this often (the API's progress chart)."""
 
 
-def dispatch(c: Controller, peer: Peer, message: Message | None) -> None:
+def dispatch(c: ControllerContext, peer: Peer, message: Message | None) -> None:
     if message is None or not message.ROUTINE:  # a start, an exit, a hello: the ranks change
         c.hang_watch.stale()
     match message:
@@ -70,7 +70,7 @@ def dispatch(c: Controller, peer: Peer, message: Message | None) -> None:
                 _from_launcher(c, link, message)
 
 
-def _from_launcher(c: Controller, link: LauncherLink, message: Message) -> None:
+def _from_launcher(c: ControllerContext, link: LauncherLink, message: Message) -> None:
     now = c.clock.now()
     match message:
         case Started(attempt=attempt, at=at, pids=pids):
@@ -131,7 +131,9 @@ def _from_launcher(c: Controller, link: LauncherLink, message: Message) -> None:
             c.hurry()  # the next attempt starts as soon as every pod has stopped
 
 
-def _activity(c: Controller, link: LauncherLink, rank: int, attempt: int, now: float) -> None:
+def _activity(
+    c: ControllerContext, link: LauncherLink, rank: int, attempt: int, now: float
+) -> None:
     observed = link.ranks.get(rank)
     if observed is not None and observed.attempt == attempt:
         if not observed.progressed:  # its window is the hang window from now, not the startup's
@@ -141,7 +143,7 @@ def _activity(c: Controller, link: LauncherLink, rank: int, attempt: int, now: f
 
 
 def _step(
-    c: Controller,
+    c: ControllerContext,
     link: LauncherLink,
     rank: int,
     attempt: int,
@@ -162,7 +164,7 @@ def _step(
 
 
 def _progressed(
-    c: Controller,
+    c: ControllerContext,
     link: LauncherLink,
     rank: int,
     attempt: int,
@@ -185,7 +187,7 @@ def _ended(
     return observed
 
 
-def _exited(c: Controller, link: LauncherLink, message: Exited) -> None:
+def _exited(c: ControllerContext, link: LauncherLink, message: Exited) -> None:
     observed = _ended(link, message.rank, message.attempt, message.code, message.signal)
     pod = c.pods.get(link.pod)
     node = pod.row.node if pod is not None else link.node
@@ -202,7 +204,7 @@ def _exited(c: Controller, link: LauncherLink, message: Exited) -> None:
         c.recoveries.fault(found.fault, found.source, message.attempt, started_at)
 
 
-def _chip_health(c: Controller, agent: AgentLink, beat: Heartbeat) -> None:
+def _chip_health(c: ControllerContext, agent: AgentLink, beat: Heartbeat) -> None:
     """A node's chips and link, as its heartbeat says: the node's state follows, and each fault
     reported is a fault (stored once). The store hears of a heartbeat only when what it says
     changed; the time of the last one with the others' every HEARTBEAT_WRITTEN_EVERY_S
@@ -244,7 +246,7 @@ def _link_state(agent: AgentLink, down: bool, now: float) -> None:
         agent.link_down_since = None
 
 
-def _launcher_hello(c: Controller, peer: Peer, hello: LauncherHello) -> None:
+def _launcher_hello(c: ControllerContext, peer: Peer, hello: LauncherHello) -> None:
     if hello.job != c.job_id:
         peer.send(Shutdown(0.0))
         return
@@ -284,7 +286,7 @@ def _launcher_hello(c: Controller, peer: Peer, hello: LauncherHello) -> None:
             _exited(c, link, Exited(rank, report.attempt, code, signum, now))
 
 
-def _closed(c: Controller, peer: Peer) -> None:
+def _closed(c: ControllerContext, peer: Peer) -> None:
     """A peer's connection closed: if it was a launcher, its pod lost it (or its teardown is
     over), or its node's standby launcher is gone. Found by the peer, not by a look at every
     pod: a job-level rescheduling closes thousands."""

@@ -24,7 +24,7 @@ from relaunch.protocol.messages import (
 from relaunch.store import JobRow, JobStatus, NodeState
 
 if TYPE_CHECKING:
-    from relaunch.controller.core import Controller
+    from relaunch.controller.context import ControllerContext
 
 __all__ = ["FaultPlanRunner"]
 
@@ -32,7 +32,7 @@ Key = tuple[str, str]
 
 
 class FaultPlanRunner:
-    def __init__(self, controller: Controller, plan: tuple[PlannedFault, ...]) -> None:
+    def __init__(self, controller: ControllerContext, plan: tuple[PlannedFault, ...]) -> None:
         self.c = controller
         self.plan = plan
         self.injected: dict[Key, float] = {}

@@ -24,17 +24,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Final
 
+from relaunch.controller.detectors import SILENT_NODE
 from relaunch.faults import Fault, FaultKind
 from relaunch.protocol.messages import Lease
 from relaunch.states import NodeState
 
 if TYPE_CHECKING:
-    from relaunch.controller.core import Controller
+    from relaunch.controller.context import ControllerContext
 
-__all__ = ["FENCE_MARGIN_S", "SILENT_NODE", "LeaseKeeper", "replacements_wait_until"]
+__all__ = ["FENCE_MARGIN_S", "LeaseKeeper", "replacements_wait_until"]
 
-SILENT_NODE: Final = "silent"
-"""How a node-lost fault's detail begins when the node fell silent rather than died."""
 FENCE_MARGIN_S: Final = 1.0
 """Beyond the lease and the grace: a launcher reads a lease a moment after it was sent, and its
 own loop, and the kill, take a moment."""
@@ -59,7 +58,7 @@ class LeaseKeeper:
     """Renews the lease of every launcher on a node in use, a quarter lease apart, and knows when
     each node's launchers last got one."""
 
-    def __init__(self, controller: Controller) -> None:
+    def __init__(self, controller: ControllerContext) -> None:
         self.c = controller
         self.renewed_at = 0.0
         self.started_at = controller.clock.now()

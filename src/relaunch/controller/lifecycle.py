@@ -16,7 +16,7 @@ from relaunch.protocol.wire import write_controller_address
 from relaunch.store import JobRow, JobStatus, NodeState, Outcome
 
 if TYPE_CHECKING:
-    from relaunch.controller.core import Controller
+    from relaunch.controller.context import ControllerContext
 
 __all__ = ["adopted", "listen", "run", "stop"]
 
@@ -24,7 +24,7 @@ AGENTS_START_S: Final = 15.0
 """How long a start waits for the node agents it started to connect."""
 
 
-def listen(c: Controller) -> Listener:
+def listen(c: ControllerContext) -> Listener:
     """Accept agents and launchers; the controller's loop reads their messages (Controller.drain)."""
     listener = Listener(c.engine.bind_host)
     c.listener = listener
@@ -33,7 +33,7 @@ def listen(c: Controller) -> Listener:
     return listener
 
 
-def run(c: Controller) -> tuple[JobStatus, str]:
+def run(c: ControllerContext) -> tuple[JobStatus, str]:
     listener = listen(c)
     try:
         now = c.clock.now()
@@ -60,7 +60,7 @@ def run(c: Controller) -> tuple[JobStatus, str]:
         listener.close()
 
 
-def start_agents(c: Controller, now: float, keep_lost: bool = False) -> None:
+def start_agents(c: ControllerContext, now: float, keep_lost: bool = False) -> None:
     """Start every node's agent and wait (draining messages) for them to connect. A new run
     starts lost nodes again (the embedded cluster can); a resume keeps them lost."""
     wanted: set[str] = set()
@@ -86,7 +86,7 @@ def start_agents(c: Controller, now: float, keep_lost: bool = False) -> None:
     c.adoption.until = 0.0
 
 
-def resume(c: Controller, now: float) -> None:
+def resume(c: ControllerContext, now: float) -> None:
     """Take over a job whose controller died: re-adopt the pods and agents that come back
     (`adopted` decides, once they have or the window has passed, what the others mean)."""
     job = c.job
@@ -103,7 +103,7 @@ def resume(c: Controller, now: float) -> None:
     )
 
 
-def adopted(c: Controller, now: float) -> None:
+def adopted(c: ControllerContext, now: float) -> None:
     """The adoption window is over. A pod whose launcher did not come back while its node lives
     and no recovery is under way: its container died while the controller was away (a fault,
     once the launcher grace has passed); a recovery under way launches its pods itself. Away longer than the adopt grace, pods and agents end themselves: the missing agents
@@ -152,7 +152,7 @@ def adopted(c: Controller, now: float) -> None:
     c.recoveries.fault(outage, f"outage:{c.job.attempt}:{seen:.3f}")
 
 
-def _resume_active(c: Controller) -> None:
+def _resume_active(c: ControllerContext) -> None:
     """The recovery a killed controller left under way, as it stored it (controller.active):
     one still WAITING sends what it had not sent once the adoption window is over; one RUNNING
     asks again for what the killed controller asked and never heard the answer of."""
@@ -174,7 +174,7 @@ def _resume_active(c: Controller) -> None:
         break
 
 
-def finish(c: Controller, job: JobRow) -> None:
+def finish(c: ControllerContext, job: JobRow) -> None:
     for fault_id, fault, _ in c.store.pending(c.job_id):
         c.store.drop_pending(c.job_id, fault_id)  # the job ended: nothing to decide
         c.event(f"{fault.describe()}: not decided, the job had ended")
@@ -187,7 +187,7 @@ def finish(c: Controller, job: JobRow) -> None:
     shutdown_pods(c)
 
 
-def shutdown_pods(c: Controller) -> None:
+def shutdown_pods(c: ControllerContext) -> None:
     """Every launcher stops its processes (with the grace) and exits; then the agents."""
     grace = stop_grace(c)
     links = [p.link for p in c.pods.values() if p.link is not None]
@@ -207,7 +207,7 @@ def shutdown_pods(c: Controller) -> None:
         c.event(f"the pods left {left} process(es) behind in their cgroups: killed")
 
 
-def stop(c: Controller, reason: str) -> None:
+def stop(c: ControllerContext, reason: str) -> None:
     """Stop the job at the user's request (Ctrl-C, SIGTERM)."""
     c.update_job(status=JobStatus.STOPPED, reason=reason, ended_at=c.clock.now())
     c.fault_plan.at_end(c.job)

@@ -12,13 +12,13 @@ from relaunch.protocol.plans import Membership
 from relaunch.store import JobStatus
 
 if TYPE_CHECKING:
-    from relaunch.controller.core import Controller
+    from relaunch.controller.context import ControllerContext
 
 __all__ = ["MembershipPublisher"]
 
 
 class MembershipPublisher:
-    def __init__(self, controller: Controller) -> None:
+    def __init__(self, controller: ControllerContext) -> None:
         self.c = controller
         self.joining: tuple[int, ...] = ()
         """Ranks of a scale-out that have not reported progress yet (the others wait for them)."""

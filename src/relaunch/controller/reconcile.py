@@ -24,13 +24,13 @@ from relaunch.protocol.plans import LaunchPlan, write_atomically
 from relaunch.store import NodeState
 
 if TYPE_CHECKING:
-    from relaunch.controller.core import Controller
+    from relaunch.controller.context import ControllerContext
 
 __all__ = ["Reconciler"]
 
 
 class Reconciler:
-    def __init__(self, controller: Controller) -> None:
+    def __init__(self, controller: ControllerContext) -> None:
         self.c = controller
         self.standby: dict[str, LauncherLink] = {}
         """Launchers keeping warm spares (spec.warm_spares) for the next pod placed on their

@@ -30,7 +30,7 @@ from relaunch.policy.fallback import Consequence, decide_after, on_new_fault
 from relaunch.store import JobStatus, Outcome
 
 if TYPE_CHECKING:
-    from relaunch.controller.core import Controller
+    from relaunch.controller.context import ControllerContext
 
 __all__ = ["RecoveryDriver"]
 
@@ -38,7 +38,7 @@ __all__ = ["RecoveryDriver"]
 class RecoveryDriver:
     """Turns waiting faults into decisions and decisions into the active recovery."""
 
-    def __init__(self, controller: Controller) -> None:
+    def __init__(self, controller: ControllerContext) -> None:
         self.c = controller
         self.active: ActiveRecovery | None = None
         self.hold_until = 0.0

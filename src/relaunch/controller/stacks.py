@@ -9,33 +9,21 @@ the stacks are stored with the fault.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from relaunch.controller.detectors import Detected
-from relaunch.diagnosis import RankStack, culprits
+from relaunch.controller.detectors import Capture, Detected
+from relaunch.diagnosis import culprits
 from relaunch.protocol.messages import CaptureStacks, Stacks
 
 if TYPE_CHECKING:
-    from relaunch.controller.core import Controller
+    from relaunch.controller.context import ControllerContext
     from relaunch.controller.peers import LauncherLink
 
-__all__ = ["Capture", "begin", "finish", "received"]
+__all__ = ["begin", "finish", "received"]
 
 
-@dataclass
-class Capture:
-    request: int
-    found: Detected
-    attempt: int
-    began: float
-    deadline: float
-    waiting: set[int]
-    """The pods whose launcher has not answered yet."""
-    stacks: list[RankStack] = field(default_factory=list)
-
-
-def begin(c: Controller, found: Detected, now: float) -> bool:
+def begin(c: ControllerContext, found: Detected, now: float) -> bool:
     """Ask every launcher with running ranks for their stacks; False if there is nothing to ask
     (capture off, or no launcher), and the hang is decided at once."""
     timeout = c.cluster.stack_capture_s
@@ -63,7 +51,7 @@ def begin(c: Controller, found: Detected, now: float) -> bool:
     return True
 
 
-def received(c: Controller, link: LauncherLink, message: Stacks) -> None:
+def received(c: ControllerContext, link: LauncherLink, message: Stacks) -> None:
     capture = c.capture
     if capture is None or message.request != capture.request:
         return
@@ -73,7 +61,7 @@ def received(c: Controller, link: LauncherLink, message: Stacks) -> None:
         c.hurry()
 
 
-def finish(c: Controller, now: float) -> None:
+def finish(c: ControllerContext, now: float) -> None:
     """Once every launcher answered (or the capture's deadline passed): the hang fault names
     the culprit and carries every stack."""
     capture = c.capture
