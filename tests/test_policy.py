@@ -803,3 +803,42 @@ def test_r29_a_rank_that_died_under_an_operator_retry_is_decided_on_its_own() ->
         retry.consequence is Consequence.DECIDE_NEW
         and retry.fault_to_decide.kind is FaultKind.PROCESS_EXIT
     )
+
+
+def test_every_level_is_declared_once_decided_by_a_rung_and_carried_out_by_an_action() -> None:
+    """Issue 31's one table per level: the policy's LEVELS declares what each level is and
+    changes, a rung of the ladder decides when it applies (fail is the ladder's end, not a
+    rung), and one class of controller/actions.py carries it out: the three cover the same
+    levels, and what the controller derives from the table agrees with it."""
+    from relaunch.controller.actions import ACTIONS
+    from relaunch.policy import LEVELS, RUNGS, PodChange
+
+    assert set(LEVELS) == set(Action)
+    assert set(ACTIONS) == set(Action)
+    assert {action for action, _ in RUNGS} | {Action.FAIL} == set(Action)
+    for action, level in LEVELS.items():
+        assert ACTIONS[action].action is action
+        assert ACTIONS[action].new_attempt is level.new_attempt
+        assert action.rebuilds_all_pods is (level.other_pods is PodChange.RESCHEDULED)
+        # a level that restarts every process changes every container, and only those do
+        assert level.new_attempt is (level.other_pods is not PodChange.KEPT)
+        assert not (level.process_level and level.new_attempt)
+        assert not (level.final and (level.new_attempt or level.process_level))
+
+
+def test_r04_r05_counters_follow_what_each_level_does_to_a_container() -> None:
+    """MA_SCHEDULE_CNT and MA_PROC_START_CNT of the decided pod and of another pod, for every
+    level: the counters a decision carries are what LEVELS says happens to each container."""
+    from relaunch.policy.ladder import _counters_after
+
+    start = (Counters(2, 3), Counters(2, 3))
+    expected = {
+        Action.IN_PLACE: (Counters(2, 4), Counters(2, 4)),
+        Action.HANG_RESTART: (Counters(2, 4), Counters(2, 4)),
+        Action.POD_RESCHEDULE: (Counters(3, 1), Counters(2, 4)),
+        Action.PROCESS_RESCHEDULE: (Counters(3, 1), Counters(2, 3)),
+        Action.JOB_RESCHEDULE: (Counters(3, 1), Counters(3, 1)),
+        Action.ISOLATED_JOB_RESCHEDULE: (Counters(3, 1), Counters(3, 1)),
+    }
+    for action in Action:
+        assert _counters_after(action, start, (0,)) == expected.get(action, start), action

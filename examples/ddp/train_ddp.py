@@ -87,7 +87,11 @@ def build(
     optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
     shared = Path(os.environ.get("RELAUNCH_SHARED_DIR", "."))
     ckpt = CheckpointManager(
-        args.ckpt_dir or shared / "ckpt", rank=rank, every=args.ckpt_every or None, keep=3
+        args.ckpt_dir or shared / "ckpt",
+        rank=rank,
+        every=args.ckpt_every or None,
+        keep=3,
+        async_save=args.async_save,
     )
 
     def state() -> dict[str, object]:
@@ -108,6 +112,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--ckpt-every", type=int, default=10, help="0: no periodic checkpoint")
     parser.add_argument("--ckpt-dir", default=None, help="default: $RELAUNCH_SHARED_DIR/ckpt")
+    parser.add_argument(
+        "--async-save",
+        action="store_true",
+        help="write each checkpoint in the background: the loop waits only for the host copy",
+    )
     parser.add_argument("--out", default=None, help="where rank 0 writes the final parameter hash")
     parser.add_argument("--step-seconds", type=float, default=0.02)
     parser.add_argument(

@@ -1,5 +1,7 @@
 """What each recovery level does, one small class per level, in a registry keyed by the policy's
-`Action`. Adding a level is adding a class here and a rung in policy.ladder.
+`Action`. Adding a level is adding its entry to the policy's LEVELS (what it is and what it
+changes to each container), its rung in policy.rungs (when it applies) and a class here (what it
+sends); tests/test_policy.py checks that the three cover the same levels.
 
 Each level says four things:
 
@@ -23,7 +25,7 @@ from typing import TYPE_CHECKING, ClassVar
 from relaunch.controller import commands
 from relaunch.controller.active import OperatorState
 from relaunch.faults import Fault, FaultKind
-from relaunch.policy import Action, Decision
+from relaunch.policy import Action, Decision, PodChange
 from relaunch.store import JobStatus, NodeState, PodRow
 
 if TYPE_CHECKING:
@@ -37,14 +39,25 @@ class LevelAction:
     """The defaults: nothing moves, the same processes run on, any progress proves it."""
 
     action: ClassVar[Action]
-    new_attempt: ClassVar[bool] = False
-    """Every process of the job starts again (a new attempt)."""
+
+    @property
+    def new_attempt(self) -> bool:
+        """Every process of the job starts again (a new attempt): the policy's LEVELS says."""
+        return self.action.level.new_attempt
 
     def change(self, c: ControllerContext, d: Decision, now: float) -> None:
+        """The desired state the level's LEVELS entry declares: the decision's nodes isolated,
+        the pods it rebuilds on their new nodes, every pod's counters, a new attempt."""
         isolate(c, d, now)
-        if d.counters:
-            move_pods(c, d, moved=set())
-        if self.new_attempt:
+        level = self.action.level
+        moved = {
+            pod.index
+            for pod in c.pods.values()
+            if level.change_of(pod.index in d.pods) is PodChange.RESCHEDULED
+        }
+        if d.counters or moved:
+            move_pods(c, d, moved=moved)
+        if level.new_attempt:
             new_attempt(c, now)
 
     def plan(self, c: ControllerContext, d: Decision, active: ActiveRecovery) -> None:
@@ -256,8 +269,7 @@ class ProcessReschedule(LevelAction):
     action = Action.PROCESS_RESCHEDULE
 
     def change(self, c: ControllerContext, d: Decision, now: float) -> None:
-        isolate(c, d, now)
-        move_pods(c, d, moved=set(d.pods))
+        super().change(c, d, now)
         c.update_job(status=JobStatus.RECOVERING)
 
     def plan(self, c: ControllerContext, d: Decision, active: ActiveRecovery) -> None:
@@ -277,8 +289,7 @@ class ScaleIn(LevelAction):
     action = Action.SCALE_IN
 
     def change(self, c: ControllerContext, d: Decision, now: float) -> None:
-        isolate(c, d, now)
-        move_pods(c, d, moved=set())
+        super().change(c, d, now)
         c.update_job(status=JobStatus.RECOVERING)
 
     def plan(self, c: ControllerContext, d: Decision, active: ActiveRecovery) -> None:
@@ -299,7 +310,6 @@ class InPlace(LevelAction):
     gets no answer) fails this recovery, and the policy moves one level down."""
 
     action = Action.IN_PLACE
-    new_attempt = True
 
     def begin(self, c: ControllerContext, active: ActiveRecovery) -> None:
         super().begin(c, active)
@@ -314,31 +324,18 @@ class HangRestart(LevelAction):
     """R-24: kill the processes (with the short hang grace), keep the containers, start again."""
 
     action = Action.HANG_RESTART
-    new_attempt = True
 
 
 class PodReschedule(LevelAction):
     """R-23: the faulty node's pods are recreated elsewhere; the others re-run the command."""
 
     action = Action.POD_RESCHEDULE
-    new_attempt = True
-
-    def change(self, c: ControllerContext, d: Decision, now: float) -> None:
-        isolate(c, d, now)
-        move_pods(c, d, moved=set(d.pods))
-        new_attempt(c, now)
 
 
 class JobReschedule(LevelAction):
     """R-21: every pod is rebuilt (new containers, new generation)."""
 
     action = Action.JOB_RESCHEDULE
-    new_attempt = True
-
-    def change(self, c: ControllerContext, d: Decision, now: float) -> None:
-        isolate(c, d, now)
-        move_pods(c, d, moved={p.index for p in c.pods.values()})
-        new_attempt(c, now)
 
 
 class IsolatedJobReschedule(JobReschedule):

@@ -4,11 +4,22 @@ Modelled on Ray Train's failure policy: the policy decides, the controller acts.
 """
 
 from relaunch.policy.cluster_view import ClusterView, PodView
-from relaunch.policy.decision import Action, Budget, BudgetsLeft, Counters, Decision, Streaks
+from relaunch.policy.decision import (
+    LEVELS,
+    Action,
+    Budget,
+    BudgetsLeft,
+    Counters,
+    Decision,
+    Level,
+    PodChange,
+    Streaks,
+)
 from relaunch.policy.history import JobHistory, RecoveryRecord
 from relaunch.policy.ladder import RUNGS, decide, plan
 
 __all__ = [
+    "LEVELS",
     "RUNGS",
     "Action",
     "Budget",
@@ -17,6 +28,8 @@ __all__ = [
     "Counters",
     "Decision",
     "JobHistory",
+    "Level",
+    "PodChange",
     "PodView",
     "RecoveryRecord",
     "Streaks",

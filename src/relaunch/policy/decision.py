@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from types import MappingProxyType
+from typing import Final
 
 from relaunch.faults import Assessment
 
-__all__ = ["Action", "Budget", "BudgetsLeft", "Counters", "Decision", "Streaks"]
+__all__ = [
+    "LEVELS",
+    "Action",
+    "Budget",
+    "BudgetsLeft",
+    "Counters",
+    "Decision",
+    "Level",
+    "PodChange",
+    "Streaks",
+]
 
 
 class Action(StrEnum):
@@ -33,35 +46,102 @@ class Action(StrEnum):
     FAIL = "fail"
 
     @property
+    def level(self) -> Level:
+        """What this level is and changes (`LEVELS`, declared once)."""
+        return LEVELS[self]
+
+    @property
     def process_level(self) -> bool:
-        return self in _PROCESS_LEVEL
+        return LEVELS[self].process_level
 
     @property
     def hands_over(self) -> bool:
         """After this action the next level runs at once, whether or not this one worked."""
-        return self in (Action.DUMP, Action.EXIT)
+        return LEVELS[self].hands_over
 
     @property
     def final(self) -> bool:
         """Nothing can follow: the fault needs nothing more, or the job is over."""
-        return self in (Action.IGNORE, Action.FAIL)
+        return LEVELS[self].final
 
     @property
     def rebuilds_all_pods(self) -> bool:
-        return self in (Action.ISOLATED_JOB_RESCHEDULE, Action.JOB_RESCHEDULE)
+        return LEVELS[self].other_pods is PodChange.RESCHEDULED
 
 
-_PROCESS_LEVEL = frozenset(
+class PodChange(StrEnum):
+    """What a recovery does to one pod's container; its counters follow (R-04, R-05)."""
+
+    KEPT = "kept"
+    """The container stays and does not re-run the start command (its processes run on, or a
+    rank is restarted inside it): the counters stay."""
+    RESTARTED = "restarted"
+    """The container re-runs the start command: MA_PROC_START_CNT counts one more."""
+    RESCHEDULED = "rescheduled"
+    """A new container (a new generation, on another node where its own must go):
+    MA_SCHEDULE_CNT counts one more, MA_PROC_START_CNT starts over."""
+
+    def counted(self, counters: Counters) -> Counters:
+        if self is PodChange.RESCHEDULED:
+            return counters.rescheduled()
+        if self is PodChange.RESTARTED:
+            return counters.restarted()
+        return counters
+
+
+@dataclass(frozen=True)
+class Level:
+    """What a recovery level is, declared once (policy/ladder.py's rung decides when it applies;
+    controller/actions.py's class carries it out): what kind of level it is, and what it changes."""
+
+    process_level: bool = False
+    """Process-level recovery: the healthy processes live on (R-29 to R-36)."""
+    hands_over: bool = False
+    """dump and exit: the next level runs at once."""
+    final: bool = False
+    """ignore and fail: nothing follows."""
+    new_attempt: bool = False
+    """Every process of the job starts again (a new attempt of the job)."""
+    decided_pods: PodChange = PodChange.KEPT
+    """What happens to the pods the decision names."""
+    other_pods: PodChange = PodChange.KEPT
+    """... and to every other pod."""
+    restarts_a_process: bool = False
+    """It restarts a process inside its container: one of the container's max_restarts."""
+
+    def change_of(self, decided: bool) -> PodChange:
+        return self.decided_pods if decided else self.other_pods
+
+
+_KEEP_PROCESSES = Level(process_level=True)
+_RESTART_ALL = Level(
+    new_attempt=True, decided_pods=PodChange.RESTARTED, other_pods=PodChange.RESTARTED
+)
+_REBUILD_ALL = Level(
+    new_attempt=True, decided_pods=PodChange.RESCHEDULED, other_pods=PodChange.RESCHEDULED
+)
+
+LEVELS: Final[Mapping[Action, Level]] = MappingProxyType(
     {
-        Action.OPERATOR_RETRY,
-        Action.PROCESS_RETRY,
-        Action.PROCESS_IN_PLACE,
-        Action.PROCESS_RESCHEDULE,
-        Action.SCALE_IN,
-        Action.DUMP,
-        Action.EXIT,
+        Action.IGNORE: Level(final=True),
+        Action.OPERATOR_RETRY: _KEEP_PROCESSES,
+        Action.PROCESS_RETRY: _KEEP_PROCESSES,
+        Action.PROCESS_IN_PLACE: Level(process_level=True, restarts_a_process=True),
+        Action.PROCESS_RESCHEDULE: Level(process_level=True, decided_pods=PodChange.RESCHEDULED),
+        Action.SCALE_IN: _KEEP_PROCESSES,
+        Action.DUMP: Level(process_level=True, hands_over=True),
+        Action.EXIT: Level(process_level=True, hands_over=True),
+        Action.IN_PLACE: _RESTART_ALL,
+        Action.HANG_RESTART: _RESTART_ALL,
+        Action.POD_RESCHEDULE: Level(
+            new_attempt=True, decided_pods=PodChange.RESCHEDULED, other_pods=PodChange.RESTARTED
+        ),
+        Action.ISOLATED_JOB_RESCHEDULE: _REBUILD_ALL,
+        Action.JOB_RESCHEDULE: _REBUILD_ALL,
+        Action.FAIL: Level(final=True),
     }
 )
+"""Every level, what it is and what it changes to the job's pods."""
 
 
 class Budget(StrEnum):

@@ -31,8 +31,6 @@ SAVE_HOLD_MAX_S: Final = 60.0
 SAVE_HOLD_POLL_S: Final = 0.2
 """How soon a held decision looks again whether the save has ended."""
 
-_JOB_LEVEL: Final = (Action.ISOLATED_JOB_RESCHEDULE, Action.JOB_RESCHEDULE)
-
 
 class Consequence(StrEnum):
     FALL_BACK = "fall-back"
@@ -76,7 +74,7 @@ def on_new_fault(
         # the collective failed because a rank died, hung or lost its node: issuing it again
         # cannot help, and the new fault is the one to recover (R-29)
         return NewFault(Consequence.DECIDE_NEW, new, frozenset())
-    finer = active not in _JOB_LEVEL
+    finer = not active.rebuilds_all_pods
     if finer and new.kind in (FaultKind.PROCESS_EXIT, FaultKind.HANG):
         return NewFault(Consequence.FALL_BACK, active_fault, active_tried | {active})
     return NewFault(Consequence.DECIDE_NEW, new, frozenset())

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from relaunch.faults import Cause, Fault, FaultKind
-from relaunch.policy.decision import Action, Budget, Counters, Decision, Streaks
+from relaunch.policy.decision import Action, Budget, Counters, Decision, PodChange, Streaks
 
 __all__ = ["JobHistory", "RecoveryRecord"]
 
@@ -83,15 +83,12 @@ class JobHistory:
         """Process restarts in the pod's current container (a rebuild starts a new count)."""
         count = 0
         for r in self.records:
-            if pod not in r.pods and not r.action.rebuilds_all_pods:
-                continue
-            if r.action in (Action.PROCESS_IN_PLACE,):
-                count += 1
-            elif r.action.rebuilds_all_pods or r.action in (
-                Action.POD_RESCHEDULE,
-                Action.PROCESS_RESCHEDULE,
-            ):
+            level = r.action.level
+            change = level.change_of(pod in r.pods)
+            if change is PodChange.RESCHEDULED:
                 count = 0
+            elif level.restarts_a_process and pod in r.pods:
+                count += 1
         return count
 
     @property

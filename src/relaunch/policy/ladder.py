@@ -132,19 +132,9 @@ def _budgets_left(c: Context, consumes: frozenset[Budget]) -> BudgetsLeft:
 def _counters_after(
     action: Action, counters: tuple[Counters, ...], pods: tuple[int, ...]
 ) -> tuple[Counters, ...]:
-    """R-04 / R-05: rescheduled pods count a schedule and start over; containers that re-run the
-    start command count a start; finer recoveries leave both alone."""
-    if action.rebuilds_all_pods:
-        return tuple(c.rescheduled() for c in counters)
-    if action is Action.POD_RESCHEDULE:
-        return tuple(
-            c.rescheduled() if i in pods else c.restarted() for i, c in enumerate(counters)
-        )
-    if action is Action.PROCESS_RESCHEDULE:
-        return tuple(c.rescheduled() if i in pods else c for i, c in enumerate(counters))
-    if action in (Action.IN_PLACE, Action.HANG_RESTART):
-        return tuple(c.restarted() for c in counters)
-    return counters
+    """R-04 / R-05: each pod's counters after what the level does to its container (LEVELS)."""
+    level = action.level
+    return tuple(level.change_of(i in pods).counted(c) for i, c in enumerate(counters))
 
 
 def plan(
