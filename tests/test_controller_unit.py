@@ -863,3 +863,27 @@ def test_r14_a_silent_nodes_replacements_wait_for_the_last_lease_its_launchers_c
             replaced_at = sim.clock.now()
     assert replaced_at is not None and replaced_at >= active.fence_until
     assert leases_to_node_1() == seen  # none after the loss: the node is fenced
+
+
+def test_no_engine_call_inside_a_transaction(tmp_path: Path) -> None:
+    """Issue 31: a job-level recovery's new attempt asks the engine for rank 0's port (a Ray
+    node answers in its own time) before the record's transaction, never while it holds the
+    store: every engine call of a pod-level and a job-level recovery is made outside one."""
+    sim = booted(tmp_path, POD_LEVEL)
+    inside: list[str] = []
+    engine = sim.engine
+    for name in ("free_port", "start_pod", "kill_node", "node_address", "pod_environment"):
+        call = getattr(engine, name)
+
+        def watched(*args: Any, _call: Any = call, _name: str = name) -> Any:
+            if sim.store.in_transaction:
+                inside.append(_name)
+            return _call(*args)
+
+        setattr(engine, name, watched)
+    sim.kill_node("node-1")
+    sim.tick()
+    sim.run(2.0)
+    assert sim.actions()[0] == ("pod-reschedule", "running")
+    assert ("start_pod", 1, 2, "node-2") in engine.calls
+    assert inside == []

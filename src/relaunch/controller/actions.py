@@ -45,9 +45,10 @@ class LevelAction:
         """Every process of the job starts again (a new attempt): the policy's LEVELS says."""
         return self.action.level.new_attempt
 
-    def change(self, c: ControllerContext, d: Decision, now: float) -> None:
+    def change(self, c: ControllerContext, d: Decision, now: float, port: int = 0) -> None:
         """The desired state the level's LEVELS entry declares: the decision's nodes isolated,
-        the pods it rebuilds on their new nodes, every pod's counters, a new attempt."""
+        the pods it rebuilds on their new nodes, every pod's counters, a new attempt (its rank 0
+        on `port`). Runs inside the record's transaction: it asks the engine nothing."""
         isolate(c, d, now)
         level = self.action.level
         moved = {
@@ -58,7 +59,7 @@ class LevelAction:
         if d.counters or moved:
             move_pods(c, d, moved=moved)
         if level.new_attempt:
-            new_attempt(c, now)
+            new_attempt(c, now, port)
 
     def plan(self, c: ControllerContext, d: Decision, active: ActiveRecovery) -> None:
         """Fill in what the recovery needs from its decision (no side effect)."""
@@ -98,14 +99,14 @@ class LevelAction:
 class Ignore(LevelAction):
     action = Action.IGNORE
 
-    def change(self, c: ControllerContext, d: Decision, now: float) -> None:
+    def change(self, c: ControllerContext, d: Decision, now: float, port: int = 0) -> None:
         isolate(c, d, now)  # a fault on a node the job does not use may still take the node out
 
 
 class Fail(LevelAction):
     action = Action.FAIL
 
-    def change(self, c: ControllerContext, d: Decision, now: float) -> None:
+    def change(self, c: ControllerContext, d: Decision, now: float, port: int = 0) -> None:
         isolate(c, d, now)
         c.update_job(status=JobStatus.FAILED, reason=d.reason, ended_at=now)
 
@@ -116,7 +117,7 @@ class HandOver(LevelAction):
 
     action = Action.DUMP
 
-    def change(self, c: ControllerContext, d: Decision, now: float) -> None:
+    def change(self, c: ControllerContext, d: Decision, now: float, port: int = 0) -> None:
         isolate(c, d, now)
 
 
@@ -268,8 +269,8 @@ class ProcessReschedule(LevelAction):
 
     action = Action.PROCESS_RESCHEDULE
 
-    def change(self, c: ControllerContext, d: Decision, now: float) -> None:
-        super().change(c, d, now)
+    def change(self, c: ControllerContext, d: Decision, now: float, port: int = 0) -> None:
+        super().change(c, d, now, port)
         c.update_job(status=JobStatus.RECOVERING)
 
     def plan(self, c: ControllerContext, d: Decision, active: ActiveRecovery) -> None:
@@ -288,8 +289,8 @@ class ScaleIn(LevelAction):
 
     action = Action.SCALE_IN
 
-    def change(self, c: ControllerContext, d: Decision, now: float) -> None:
-        super().change(c, d, now)
+    def change(self, c: ControllerContext, d: Decision, now: float, port: int = 0) -> None:
+        super().change(c, d, now, port)
         c.update_job(status=JobStatus.RECOVERING)
 
     def plan(self, c: ControllerContext, d: Decision, active: ActiveRecovery) -> None:
@@ -397,12 +398,14 @@ def move_pods(c: ControllerContext, d: Decision, moved: set[int]) -> None:
             c.put_pod(wanted)
 
 
-def new_attempt(c: ControllerContext, now: float) -> None:
+def new_attempt(c: ControllerContext, now: float, port: int) -> None:
+    """The job's next attempt, its rank 0 listening on `port` (asked of the engine before the
+    record's transaction began: a Ray node answers in its own time)."""
     c.update_job(
         status=JobStatus.RECOVERING,
         attempt=c.job.attempt + 1,
         attempt_started_at=now,
-        master_port=commands.master_port(c),
+        master_port=port,
     )
 
 

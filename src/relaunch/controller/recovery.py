@@ -289,6 +289,8 @@ class RecoveryDriver:
         that runs, its plan (WAITING), together."""
         c = self.c
         budgets = decision.budgets_left
+        # what the change needs of the engine, asked before the transaction holds the store
+        port = commands.master_port(c) if decision.action.level.new_attempt else 0
         with c.store.transaction():
             record_id = c.store.add_record(
                 c.job_id,
@@ -301,7 +303,7 @@ class RecoveryDriver:
                 now,
                 outcome,
             )
-            action_for(decision.action).change(c, decision, now)
+            action_for(decision.action).change(c, decision, now, port)
             if active is not None:
                 c.store.set_recovery_state(
                     record_id, RecoveryPhase.WAITING.value, active.to_state()

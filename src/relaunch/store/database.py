@@ -148,6 +148,11 @@ class Database:
             db.close()
         self._local = threading.local()
 
+    @property
+    def in_transaction(self) -> bool:
+        """Whether this thread is inside `transaction` (nothing may wait on others there)."""
+        return bool(getattr(self._local, "depth", 0))
+
     @contextmanager
     def transaction(self) -> Iterator[None]:
         """All writes inside happen together or not at all (a controller killed midway). Nested
