@@ -842,3 +842,23 @@ def test_r04_r05_counters_follow_what_each_level_does_to_a_container() -> None:
     }
     for action in Action:
         assert _counters_after(action, start, (0,)) == expected.get(action, start), action
+
+
+def test_r33_scale_out_sends_parked_pods_back_in_order_one_per_free_node() -> None:
+    """The policy decides the scale-out (issue 31): parked pods go back in pod order, one per
+    free node, each a rescheduled container (MA_SCHEDULE_CNT + 1, MA_PROC_START_CNT 1); nothing
+    while a recovery runs, with nothing parked, or with no node for one."""
+    from relaunch.policy.elastic import scale_out
+
+    counters = [Counters(1, 1), Counters(2, 3), Counters(1, 2), Counters(3, 1)]
+    decided = scale_out({3, 1}, ["node-7"], counters, recovering=False)
+    assert decided is not None
+    assert decided.back == ((1, "node-7", Counters(3, 1)),)
+    both = scale_out([3, 1], ["node-7", "node-8", "node-9"], counters, recovering=False)
+    assert both is not None and both.back == (
+        (1, "node-7", Counters(3, 1)),
+        (3, "node-8", Counters(4, 1)),
+    )
+    assert scale_out([1], ["node-7"], counters, recovering=True) is None
+    assert scale_out([], ["node-7"], counters, recovering=False) is None
+    assert scale_out([1], [], counters, recovering=False) is None

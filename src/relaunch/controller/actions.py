@@ -374,8 +374,9 @@ def isolate(c: ControllerContext, d: Decision, now: float) -> None:
 
 
 def move_pods(c: ControllerContext, d: Decision, moved: set[int]) -> None:
-    """Every pod gets the decision's counters; `moved` pods a new generation on a new node."""
-    places = commands.placement(c, moved, d.isolate_nodes) if moved else {}
+    """Every pod gets the decision's counters; `moved` pods a new generation on the node the
+    decision chose for each (its targets)."""
+    places = dict(d.targets)
     for pod in c.pods.values():
         row = pod.row
         counters = d.counters[row.idx]

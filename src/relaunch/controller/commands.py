@@ -11,7 +11,8 @@ from relaunch.controller.active import HEAL_TIMEOUT_S, ActiveRecovery, HealReque
 from relaunch.diagnosis import MIN_LOOKS, look_interval_s
 from relaunch.faults import Fault, FaultKind
 from relaunch.policy import ClusterView, PodView
-from relaunch.policy.placement import NodeCapacity, move, rebuild_slots
+from relaunch.policy.elastic import ScaleOut
+from relaunch.policy.placement import NodeCapacity, rebuild_slots
 from relaunch.policy.placement import free_nodes as _free
 from relaunch.protocol.datagrams import SdkPhase
 from relaunch.protocol.environment import PodEnvironment
@@ -30,7 +31,6 @@ __all__ = [
     "launch_plan",
     "master_port",
     "park",
-    "placement",
     "pod_environment",
     "request_heal",
     "restart_ranks",
@@ -42,13 +42,6 @@ __all__ = [
 
 def capacities(c: ControllerContext) -> list[NodeCapacity]:
     return [NodeCapacity(n.name, n.chips, n.schedulable) for n in c.nodes.values()]
-
-
-def placement(
-    c: ControllerContext, moved: Iterable[int], isolating: Iterable[str]
-) -> dict[int, str]:
-    pods = {p.index: p.row.node for p in c.pods.values()}
-    return move(capacities(c), pods, moved, isolating, c.spec.chips_per_pod)
 
 
 def free_nodes(c: ControllerContext, used: set[str]) -> list[str]:
@@ -102,6 +95,8 @@ def cluster_view(c: ControllerContext, fault: Fault) -> ClusterView:
             and len(failed) == len(c.pods)
         ),
         slots=rebuild_slots(capacities(c), c.spec.chips_per_pod),
+        nodes=tuple(capacities(c)),
+        chips_per_pod=c.spec.chips_per_pod,
     )
 
 
@@ -196,18 +191,25 @@ def park(c: ControllerContext, pods: Iterable[int]) -> None:
         pod.park(now)
 
 
-def unpark(c: ControllerContext, parked: list[int], free: list[str], now: float) -> list[int]:
-    """Scale-out: parked pods placed on free nodes (new containers); the ones placed."""
-    back = []
-    for index, node in zip(parked, free, strict=False):
+def unpark(c: ControllerContext, decided: ScaleOut, now: float) -> None:
+    """Scale-out (R-33): the parked pods the policy sends back get new containers on their nodes."""
+    for index, node, counters in decided.back:
         row = c.pods[index].row
         generation = row.generation + 1
         workdir = str(c.layout.job(c.job_id).pod(index, generation).path)
-        c.put_pod(PodRow(c.job_id, index, node, generation, row.schedule_cnt + 1, 1, workdir))
+        c.put_pod(
+            PodRow(
+                c.job_id,
+                index,
+                node,
+                generation,
+                counters.schedule_cnt,
+                counters.proc_start_cnt,
+                workdir,
+            )
+        )
         c.pods[index].placed(now)
-        back.append(index)
         c.event(f"scale-out: pod {index} back on {node}")
-    return back
 
 
 def request_heal(c: ControllerContext, active: ActiveRecovery) -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from relaunch.controller import commands
+from relaunch.policy import Counters
+from relaunch.policy.elastic import scale_out
 from relaunch.protocol.messages import MembershipUpdate
 from relaunch.protocol.plans import Membership
 from relaunch.store import JobStatus
@@ -84,20 +86,23 @@ class MembershipPublisher:
         return membership.generation
 
     def scale_out(self, now: float) -> None:
-        """Elastic training: a parked pod goes back into the group as soon as a Ready node with
-        a live agent can take it; its ranks join the running job."""
+        """Elastic training (R-33): the policy's scale-out carried out: the parked pods it
+        sends back get new containers on their nodes, and their ranks join the running job."""
         c = self.c
         parked = self.parked()
-        if not parked or c.recoveries.active is not None or c.job.status is not JobStatus.RUNNING:
+        if not parked or c.job.status is not JobStatus.RUNNING:
             return
         free = commands.free_nodes(
             c, {p.row.node for p in c.pods.values() if p.index not in parked}
         )
-        back = commands.unpark(c, sorted(parked), free, now)
-        if back:
-            self.joining = tuple(r for idx in back for r in c.ranks_of(idx))
-            self.joining_until = now + c.startup_s
-            self.publish(joiners=self.joining, parked=parked - set(back))
+        counters = [Counters(p.row.schedule_cnt, p.row.proc_start_cnt) for p in c.pods.values()]
+        decided = scale_out(parked, free, counters, recovering=c.recoveries.active is not None)
+        if decided is None:
+            return
+        commands.unpark(c, decided, now)
+        self.joining = tuple(r for idx in decided.pods for r in c.ranks_of(idx))
+        self.joining_until = now + c.startup_s
+        self.publish(joiners=self.joining, parked=parked - set(decided.pods))
 
     def joined(self, rank: int) -> None:
         if rank in self.joining:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from relaunch.policy.placement import NodeCapacity
+
 __all__ = ["ClusterView", "PodView"]
 
 
@@ -32,6 +34,10 @@ class ClusterView:
     slots: tuple[tuple[str, int], ...] = ()
     """Pod slots per schedulable node, counting the job's own nodes as empty: what a whole-job
     rebuild can use. Empty when unknown; then a rebuild needs a standby node per displaced pod."""
+    nodes: tuple[NodeCapacity, ...] = ()
+    """Every node in the cluster's order, its chips and whether a pod may go there: where a
+    level that rebuilds pods places them (the decision's targets). Empty when unknown."""
+    chips_per_pod: int = 0
 
     def __post_init__(self) -> None:
         indexes = [p.index for p in self.pods]

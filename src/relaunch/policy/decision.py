@@ -197,6 +197,9 @@ class Decision:
     isolate_nodes: tuple[str, ...] = ()
     pods: tuple[int, ...] = ()
     """The pods whose processes or containers the action touches."""
+    targets: tuple[tuple[int, str], ...] = ()
+    """(pod, node): where each pod the action rebuilds goes (LEVELS: the pods it reschedules);
+    a pod without room is left out."""
     consumes: frozenset[Budget] = frozenset()
     counters: tuple[Counters, ...] = ()
     """Every pod's counters once the action is done, indexed by pod."""

@@ -25,8 +25,9 @@ from dataclasses import replace
 
 from relaunch.faults import DEFAULT_TABLE, EscalationRules, Fault, FaultCodeTable, assess
 from relaunch.policy.cluster_view import ClusterView
-from relaunch.policy.decision import Action, Budget, BudgetsLeft, Counters, Decision
+from relaunch.policy.decision import Action, Budget, BudgetsLeft, Counters, Decision, PodChange
 from relaunch.policy.history import JobHistory
+from relaunch.policy.placement import move
 from relaunch.policy.rungs import RUNGS, Blocked, Context, Proposal
 from relaunch.spec import RecoverySettings
 
@@ -110,6 +111,7 @@ def _decision(
         assessment=c.a,
         isolate_nodes=proposal.isolate,
         pods=proposal.pods,
+        targets=_targets(action, c.cluster, proposal.pods, proposal.isolate),
         consumes=proposal.consumes,
         counters=counters,
         budgets_left=_budgets_left(c, proposal.consumes),
@@ -127,6 +129,22 @@ def _budgets_left(c: Context, consumes: frozenset[Budget]) -> BudgetsLeft:
     return BudgetsLeft(
         job=left(Budget.JOB), pod=left(Budget.POD), fault_retry=left(Budget.FAULT_RETRY)
     )
+
+
+def _targets(
+    action: Action, cluster: ClusterView, pods: tuple[int, ...], isolating: tuple[str, ...]
+) -> tuple[tuple[int, str], ...]:
+    """Where the pods the level rebuilds go: to standby nodes when some pods stay, anywhere
+    schedulable but the isolated nodes when every pod is rebuilt (policy.placement.move)."""
+    level = action.level
+    rebuilt = [
+        p.index for p in cluster.pods if level.change_of(p.index in pods) is PodChange.RESCHEDULED
+    ]
+    if not rebuilt or not cluster.nodes:
+        return ()
+    now = {p.index: p.node for p in cluster.pods}
+    places = move(cluster.nodes, now, rebuilt, isolating, cluster.chips_per_pod)
+    return tuple(sorted(places.items()))
 
 
 def _counters_after(
