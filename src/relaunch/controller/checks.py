@@ -93,7 +93,7 @@ def hangs(c: ControllerContext, now: float) -> None:
     """R-25, with the joining ranks of a scale-out and the healthy ranks that wait for a
     process-level recovery's replacements left out; not while a fault waits for its decision
     (its recovery failed a moment ago: the ranks that waited for it are not hung)."""
-    if c.capture is not None:  # a hang's stacks are being captured: decide it once they are
+    if c.capture.busy:  # a hang's stacks are being captured: decide it once they are
         stacks.finish(c, now)
         return
     if c.job.status is not JobStatus.RUNNING and c.recoveries.active is None:
@@ -148,12 +148,13 @@ def slow(c: ControllerContext, now: float) -> None:
     or a fault waits (their stops and restarts are not slowness), nor, for the busy shares,
     before every rank of the attempt has a full window of looks."""
     window = c.cluster.slow_window_s
-    if window <= 0 or now - c.slow_checked_at < SLOW_CHECKED_EVERY_S:
+    watch = c.slow
+    if window <= 0 or now - watch.checked_at < SLOW_CHECKED_EVERY_S:
         return
-    c.slow_checked_at = now
-    quiet = c.recoveries.active is None and not c.recoveries.waiting and c.capture is None
+    watch.checked_at = now
+    quiet = c.recoveries.active is None and not c.recoveries.waiting and not c.capture.busy
     if c.job.status is not JobStatus.RUNNING or not quiet:
-        c.slow_since.clear()
+        watch.since.clear()
         return
     parked = c.membership.parked()
     pods = [p for p in c.pods.values() if p.index not in parked]
@@ -162,11 +163,11 @@ def slow(c: ControllerContext, now: float) -> None:
     if shares is not None:
         for slowed in slow_pods(shares, c.cluster.slow_margin):
             found.setdefault(slowed.pod, slowed.describe())
-    for index in list(c.slow_since):
+    for index in list(watch.since):
         if index not in found:
-            del c.slow_since[index]
+            del watch.since[index]
     for index, why in found.items():
-        since = c.slow_since.setdefault(index, now)
+        since = watch.since.setdefault(index, now)
         if now - since < window / 2:
             continue
         pod = c.pods[index]
@@ -178,7 +179,7 @@ def slow(c: ControllerContext, now: float) -> None:
             detail=why,
         )
         c.recoveries.fault(fault, f"slow:{c.job.attempt}:{index}:{pod.row.generation}")
-        c.slow_since.clear()
+        watch.since.clear()
         return
 
 

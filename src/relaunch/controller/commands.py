@@ -217,8 +217,8 @@ def request_heal(c: ControllerContext, active: ActiveRecovery) -> None:
     absence by the deadline, decides whether the processes start again."""
     node = active.fault.node or ""
     agent = c.agents.get(node)
-    c.heal_requests += 1
-    heal = HealRequest(c.heal_requests, node, c.clock.now() + HEAL_TIMEOUT_S)
+    c.recoveries.heal_requests += 1
+    heal = HealRequest(c.recoveries.heal_requests, node, c.clock.now() + HEAL_TIMEOUT_S)
     active.heal = heal
     if agent is None:  # nobody to heal it: a network fault heals itself when the link returns
         heal.ok = active.fault.kind is FaultKind.NETWORK
@@ -233,13 +233,13 @@ def stop_grace(c: ControllerContext) -> float:
     bounded by its hang grace when they are stopped because the job hung (a hung process
     cannot save; waiting 900 s for it only stalls the job)."""
     grace = c.recovery.termination_grace_s
-    if c.hang_stop:
+    if c.recoveries.hang_stop:
         grace = min(grace, c.recovery.hang_grace_s)
     return grace
 
 
 def said_stopping(c: ControllerContext, pods: int, containers: str) -> None:
-    why = "; the job hung: hang grace" if c.hang_stop else ""
+    why = "; the job hung: hang grace" if c.recoveries.hang_stop else ""
     c.event(
         f"stopping the processes of {pods} pod(s) ({containers}): SIGTERM, SIGKILL after "
         f"{stop_grace(c):g} s{why}"

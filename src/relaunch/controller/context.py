@@ -22,7 +22,7 @@ from relaunch.cluster import Engine
 from relaunch.cluster.config import ClusterConfig
 from relaunch.controller.active import ActiveRecovery, RecoveryPhase
 from relaunch.controller.clock import Clock
-from relaunch.controller.detectors import Capture, HangWatch
+from relaunch.controller.detectors import HangWatch, SlowWatch, StackCaptures
 from relaunch.controller.listener import Listener
 from relaunch.controller.pacer import Adoption, Pacer
 from relaunch.controller.peers import AgentLink, LauncherLink, Peer
@@ -75,6 +75,8 @@ class Recoveries(Protocol):
 
     active: ActiveRecovery | None
     waiting: bool
+    hang_stop: bool
+    heal_requests: int
 
     def fault(
         self,
@@ -188,13 +190,9 @@ class ControllerContext(Protocol):
     adoption: Adoption
     pacer: Pacer
 
-    hang_stop: bool
-    heal_requests: int
-    capture: Capture | None
-    capture_requests: int
+    capture: StackCaptures
     hang_watch: HangWatch
-    slow_since: dict[int, float]
-    slow_checked_at: float
+    slow: SlowWatch
 
     @property
     def recoveries(self) -> Recoveries: ...

@@ -67,14 +67,12 @@ class Controller:
     few cores) never takes its own lateness for a silent node."""
     links: dict[int, LauncherLink]
     """Each connected launcher's link, by its peer's identity (`linked`)."""
-    hang_stop: bool
-    """The processes are being stopped because the job hung: the hang grace applies."""
-    capture: detectors.Capture | None
+    capture: detectors.StackCaptures
     """A hang's stacks being captured before it is decided (controller.stacks)."""
     hang_watch: detectors.HangWatch
     """When the hang detector looks at the ranks again (checks.hangs)."""
-    slow_since: dict[int, float]
-    """Pods that looked slow at every check since then (checks.slow)."""
+    slow: detectors.SlowWatch
+    """When the slow-pod check compared the pods, and which looked slow since when (checks.slow)."""
 
     def __init__(
         self,
@@ -119,13 +117,9 @@ class Controller:
         self.pacer = Pacer.for_pods(len(self.pods))
         self.seen_written = 0.0
         self.heartbeats_written = 0.0
-        self.hang_stop = False
-        self.heal_requests = 0
-        self.capture = None
-        self.capture_requests = 0
+        self.capture = detectors.StackCaptures()
         self.hang_watch = detectors.HangWatch()
-        self.slow_since = {}
-        self.slow_checked_at = 0.0
+        self.slow = detectors.SlowWatch()
         self.recoveries = RecoveryDriver(self)
         self.membership = MembershipPublisher(self)
         self.fault_plan = FaultPlanRunner(self, plan)
@@ -167,7 +161,7 @@ class Controller:
         if job.status is not JobStatus.RUNNING or adoption.resuming or now < adoption.until:
             return False
         recoveries = self.recoveries
-        if recoveries.active is not None or recoveries.waiting or self.capture is not None:
+        if recoveries.active is not None or recoveries.waiting or self.capture.busy:
             return False
         if self.membership.joining or self.membership.parked() or not self.fault_plan.finished:
             return False
@@ -195,7 +189,7 @@ class Controller:
         due += [at + DUE_MARGIN_S for at in (silence, hang) if at is not None]
         due.append(self.leases.next_renewal())
         if self.cluster.slow_window_s > 0:
-            due.append(self.slow_checked_at + checks.SLOW_CHECKED_EVERY_S)
+            due.append(self.slow.checked_at + checks.SLOW_CHECKED_EVERY_S)
         return min(due)
 
     def _engine_lost_one(self) -> bool:

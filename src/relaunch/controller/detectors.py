@@ -29,6 +29,8 @@ __all__ = [
     "HangLook",
     "HangWatch",
     "InjectedAt",
+    "SlowWatch",
+    "StackCaptures",
     "active_at",
     "chip_faults",
     "collective_fault",
@@ -72,6 +74,29 @@ class Capture:
     waiting: set[int]
     """The pods whose launcher has not answered yet."""
     stacks: list[RankStack] = field(default_factory=list)
+
+
+@dataclass
+class StackCaptures:
+    """Stack capture's own state (controller.stacks): the capture under way, if any, and the
+    number of the last request sent (an answer to an older one is dropped)."""
+
+    current: Capture | None = None
+    requests: int = 0
+
+    @property
+    def busy(self) -> bool:
+        """A hang waits for its stacks before it is decided."""
+        return self.current is not None
+
+
+@dataclass
+class SlowWatch:
+    """The slow-pod check's own state (checks.slow): when it last compared the pods, and the
+    pods found slow at every comparison since when."""
+
+    checked_at: float = 0.0
+    since: dict[int, float] = field(default_factory=dict)
 
 
 def exit_fault(

@@ -56,7 +56,7 @@ class FaultPlanRunner:
     def fire(self, now: float) -> None:
         c = self.c
         # A hang whose stacks are being captured is a fault not decided yet (controller.stacks).
-        busy = c.recoveries.active is not None or c.recoveries.waiting or c.capture is not None
+        busy = c.recoveries.active is not None or c.recoveries.waiting or c.capture.busy
         if not self.plan or c.job.status is not JobStatus.RUNNING or busy:
             return
         for key, at in list(self.injected.items()):

@@ -169,7 +169,7 @@ def _resume_active(c: ControllerContext) -> None:
             )
             active.restore(record.state)
             if active.heal is not None:  # its requests go on from the stored one's number
-                c.heal_requests = max(c.heal_requests, active.heal.request)
+                c.recoveries.heal_requests = max(c.recoveries.heal_requests, active.heal.request)
             c.recoveries.active = active
         break
 

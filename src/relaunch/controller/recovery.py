@@ -49,6 +49,10 @@ class RecoveryDriver:
         """The last fault stored to be decided: failures it caused are its collateral."""
         self.members: list[Fault] = []
         """The group's faults: its first and its collateral so far."""
+        self.hang_stop = False
+        """The processes are being stopped because the job hung: the hang grace applies."""
+        self.heal_requests = 0
+        """The number of the last heal request sent (an answer to an older one is dropped)."""
 
     # -- faults ---------------------------------------------------------------------------------
 
@@ -227,7 +231,7 @@ class RecoveryDriver:
             )
             c.event(f"decision: {decision.summary()}")
             action = decision.action
-            c.hang_stop = fault.kind is FaultKind.HANG
+            self.hang_stop = fault.kind is FaultKind.HANG
             if action.final or action.hands_over:
                 outcome = Outcome.FAILED if action is Action.FAIL else Outcome.SUCCEEDED
                 after = tried | {action} if action.hands_over else None
@@ -347,7 +351,7 @@ class RecoveryDriver:
         c = self.c
         self.settle(active, Outcome.SUCCEEDED, now)
         c.update_job(status=JobStatus.RUNNING)
-        c.hang_stop = False
+        self.hang_stop = False
         c.event(
             f"{active.action.value} worked: progress resumed {now - active.fault.at:.2f} s "
             "after the fault"

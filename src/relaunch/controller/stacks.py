@@ -36,11 +36,12 @@ def begin(c: ControllerContext, found: Detected, now: float) -> bool:
     ]
     if timeout <= 0 or not links:
         return False
-    c.capture_requests += 1
+    captures = c.capture
+    captures.requests += 1
     for link in links:
-        link.peer.send(CaptureStacks(c.capture_requests, timeout))
-    c.capture = Capture(
-        c.capture_requests,
+        link.peer.send(CaptureStacks(captures.requests, timeout))
+    captures.current = Capture(
+        captures.requests,
         found,
         c.job.attempt,
         now,
@@ -52,7 +53,7 @@ def begin(c: ControllerContext, found: Detected, now: float) -> bool:
 
 
 def received(c: ControllerContext, link: LauncherLink, message: Stacks) -> None:
-    capture = c.capture
+    capture = c.capture.current
     if capture is None or message.request != capture.request:
         return
     capture.stacks.extend(message.stacks)
@@ -64,10 +65,10 @@ def received(c: ControllerContext, link: LauncherLink, message: Stacks) -> None:
 def finish(c: ControllerContext, now: float) -> None:
     """Once every launcher answered (or the capture's deadline passed): the hang fault names
     the culprit and carries every stack."""
-    capture = c.capture
+    capture = c.capture.current
     if capture is None or (capture.waiting and now < capture.deadline):
         return
-    c.capture = None
+    c.capture.current = None
     if c.job.attempt != capture.attempt or c.recoveries.waiting or c.job.status.ended:
         c.event("hang: dropped, another fault came while its stacks were captured")
         return
