@@ -65,15 +65,20 @@ class LevelAction:
         """Fill in what the recovery needs from its decision (no side effect)."""
         active.pods = d.pods
 
-    def begin(self, c: ControllerContext, active: ActiveRecovery) -> None:
+    def begin(self, c: ControllerContext, active: ActiveRecovery) -> str | None:
+        """Send what the level sends; why it cannot work, if it already knows (the recovery
+        driver then fails it), else None."""
         if self.new_attempt and c.recovery.process_level and not published(c, active):
             c.membership.publish()  # every process starts again: a fresh group
+        return None
 
     def ready_to_start(self, active: ActiveRecovery) -> bool:
         return True
 
-    def tick(self, c: ControllerContext, active: ActiveRecovery, now: float) -> None:
-        """What the level does as time passes (each pass), beyond its deadlines."""
+    def tick(self, c: ControllerContext, active: ActiveRecovery, now: float) -> str | None:
+        """What the level does as time passes (each pass), beyond its deadlines; why it failed,
+        once it knows (the recovery driver then fails it), else None."""
+        return None
 
     def absorbs(
         self, c: ControllerContext, active: ActiveRecovery, fault: Fault, now: float
@@ -136,7 +141,7 @@ class ProcessRetry(LevelAction):
     def plan(self, c: ControllerContext, d: Decision, active: ActiveRecovery) -> None:
         active.after_step = c.progress.step or 0
 
-    def begin(self, c: ControllerContext, active: ActiveRecovery) -> None:
+    def begin(self, c: ControllerContext, active: ActiveRecovery) -> str | None:
         if not published(c, active):
             # the step to get past is the newest heard when the ranks are told (later than the
             # fault's for a controller resumed meanwhile: the ranks may have gone on)
@@ -149,7 +154,8 @@ class ProcessRetry(LevelAction):
             # the chip's error is repaired while the step runs again: left faulty, its node
             # would count as faulty for every later decision (R-31's rank-0 rule); a chip that
             # cannot heal fails the retry, and the ladder goes on down
-            commands.request_heal(c, active)
+            return commands.request_heal(c, active)
+        return None
 
     def worked(
         self,
@@ -187,28 +193,28 @@ class OperatorRetry(LevelAction):
             fault.step, fault.collective, fault.at + retry.hold_s, retry.max_count
         )
 
-    def begin(self, c: ControllerContext, active: ActiveRecovery) -> None:
+    def begin(self, c: ControllerContext, active: ActiveRecovery) -> str | None:
         """Nothing at once: its re-issues go as time passes (`tick`)."""
+        return None
 
-    def tick(self, c: ControllerContext, active: ActiveRecovery, now: float) -> None:
+    def tick(self, c: ControllerContext, active: ActiveRecovery, now: float) -> str | None:
         op, retry = active.operator, c.recovery.operator_retry
         if op is None or retry is None:
-            return
+            return None
         if op.order is not None:
             if now - op.ordered_at > max(c.hang_s, 10.0):
-                c.recoveries.failed(
+                return (
                     f"no step completed within {now - op.ordered_at:.0f} s of issuing collective "
                     f"{op.collective} of step {op.step} again"
                 )
-            return
+            return None
         if now < op.next_at:
-            return
+            return None
         if op.left <= 0:
-            c.recoveries.failed(
+            return (
                 f"collective {op.collective} of step {op.step} could not be issued again within "
                 f"{retry.max_count} attempt(s) (HCCL_OP_RETRY_PARAMS)"
             )
-            return
         attempt = retry.max_count - op.left + 1
         op.left -= 1
         down = commands.links_down(c)
@@ -218,10 +224,11 @@ class OperatorRetry(LevelAction):
                 f"{', '.join(down)} is still down"
             )
             op.next_at = now + retry.interval_s
-            return
+            return None
         op.order = c.membership.publish(operator=(op.step, op.collective, attempt))
         op.ordered_at = now
         c.recoveries.enter(active, active.phase)  # a resumed controller counts it
+        return None
 
     def absorbs(
         self, c: ControllerContext, active: ActiveRecovery, fault: Fault, now: float
@@ -248,10 +255,11 @@ class ProcessInPlace(LevelAction):
     def plan(self, c: ControllerContext, d: Decision, active: ActiveRecovery) -> None:
         active.ranks = commands.faulty_ranks(c, active.fault)
 
-    def begin(self, c: ControllerContext, active: ActiveRecovery) -> None:
+    def begin(self, c: ControllerContext, active: ActiveRecovery) -> str | None:
         if not published(c, active):
             c.membership.publish(joiners=active.ranks)
         commands.restart_ranks(c, active.ranks)
+        return None
 
     def worked(
         self,
@@ -277,9 +285,10 @@ class ProcessReschedule(LevelAction):
         active.pods = d.pods
         active.ranks = tuple(r for pod in d.pods for r in c.ranks_of(pod))
 
-    def begin(self, c: ControllerContext, active: ActiveRecovery) -> None:
+    def begin(self, c: ControllerContext, active: ActiveRecovery) -> str | None:
         if not published(c, active):
             c.membership.publish(joiners=active.ranks)
+        return None
 
     worked = ProcessInPlace.worked
 
@@ -297,10 +306,11 @@ class ScaleIn(LevelAction):
         active.pods = d.pods
         active.after_step = c.progress.step or 0
 
-    def begin(self, c: ControllerContext, active: ActiveRecovery) -> None:
+    def begin(self, c: ControllerContext, active: ActiveRecovery) -> str | None:
         commands.park(c, active.pods)
         if not published(c, active):
             c.membership.publish(parked=c.membership.parked() | set(active.pods))
+        return None
 
     worked = ProcessRetry.worked
 
@@ -312,10 +322,11 @@ class InPlace(LevelAction):
 
     action = Action.IN_PLACE
 
-    def begin(self, c: ControllerContext, active: ActiveRecovery) -> None:
+    def begin(self, c: ControllerContext, active: ActiveRecovery) -> str | None:
         super().begin(c, active)
         if active.heal is None or active.heal.ok is None:  # again after a resume: a new request
-            commands.request_heal(c, active)
+            return commands.request_heal(c, active)
+        return None
 
     def ready_to_start(self, active: ActiveRecovery) -> bool:
         return active.heal is None or active.heal.ok is True

@@ -94,7 +94,11 @@ def hangs(c: ControllerContext, now: float) -> None:
     process-level recovery's replacements left out; not while a fault waits for its decision
     (its recovery failed a moment ago: the ranks that waited for it are not hung)."""
     if c.capture.busy:  # a hang's stacks are being captured: decide it once they are
-        stacks.finish(c, now)
+        hung = stacks.finish(c, now)
+        if hung is not None:
+            c.recoveries.fault(
+                hung.fault, hung.source, evidence=hung.evidence, detected_at=hung.detected_at
+            )
         return
     if c.job.status is not JobStatus.RUNNING and c.recoveries.active is None:
         return

@@ -212,9 +212,10 @@ def unpark(c: ControllerContext, decided: ScaleOut, now: float) -> None:
         c.event(f"scale-out: pod {index} back on {node}")
 
 
-def request_heal(c: ControllerContext, active: ActiveRecovery) -> None:
+def request_heal(c: ControllerContext, active: ActiveRecovery) -> str | None:
     """In-place recovery asks the fault's node to heal its chips (or link); the answer, or its
-    absence by the deadline, decides whether the processes start again."""
+    absence by the deadline, decides whether the processes start again. Returns why the
+    recovery cannot work when no heal can be asked (the caller fails it), else None."""
     node = active.fault.node or ""
     agent = c.agents.get(node)
     c.recoveries.heal_requests += 1
@@ -222,10 +223,9 @@ def request_heal(c: ControllerContext, active: ActiveRecovery) -> None:
     active.heal = heal
     if agent is None:  # nobody to heal it: a network fault heals itself when the link returns
         heal.ok = active.fault.kind is FaultKind.NETWORK
-        if not heal.ok:
-            c.recoveries.failed(f"{node or 'its node'} has no agent to heal the chip")
-        return
+        return None if heal.ok else f"{node or 'its node'} has no agent to heal the chip"
     agent.peer.send(Heal(heal.request))
+    return None
 
 
 def stop_grace(c: ControllerContext) -> float:

@@ -114,7 +114,9 @@ def adopted(c: ControllerContext, now: float) -> None:
         c.recoveries.carry_on(active)  # what the killed controller had not sent yet
     elif active is not None and active.heal is not None and active.heal.ok is None:
         # the agent answered the killed controller's heal request (or will): ask again here
-        request_heal(c, active)
+        why = request_heal(c, active)
+        if why is not None:
+            c.recoveries.failed(why)
     parked = c.membership.parked()
     missing = [p for p in c.pods.values() if not p.connected and p.index not in parked]
     grace = c.cluster.adopt_grace_s

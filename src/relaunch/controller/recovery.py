@@ -269,8 +269,10 @@ class RecoveryDriver:
     def carry_on(self, active: ActiveRecovery) -> None:
         """WAITING -> RUNNING: the level sends what it must (what a killed controller did not
         send, on resume), and the recovery's state is stored with its new phase."""
-        action_for(active.action).begin(self.c, active)
-        if self.active is active:  # a heal nobody can answer fails it at once
+        why = action_for(active.action).begin(self.c, active)
+        if why is not None:  # a heal nobody can answer fails it at once
+            self.failed(why)
+        elif self.active is active:
             self.enter(active, RecoveryPhase.RUNNING)
 
     def enter(self, active: ActiveRecovery, phase: RecoveryPhase) -> None:
@@ -388,9 +390,10 @@ class RecoveryDriver:
         active = self.active
         if active is None:
             return
-        action_for(active.action).tick(self.c, active, now)
-        if self.active is not active:
-            return  # it failed meanwhile
+        why = action_for(active.action).tick(self.c, active, now)
+        if why is not None:
+            self.failed(why)
+            return
         heal = active.heal
         if heal is not None and heal.ok is None and now > heal.deadline:
             self.failed(f"the agent of {heal.node} did not answer the heal in {HEAL_TIMEOUT_S:g} s")

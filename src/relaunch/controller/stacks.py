@@ -4,23 +4,25 @@ the stacks are stored with the fault.
 
     hang detected ──CaptureStacks to each launcher──> capturing
     capturing ──every launcher answered, or stack_capture_s passed──> the hang fault, naming the
-        culprit, stored with the stacks and decided; dropped if another fault came meanwhile
+        culprit, with the stacks (HangFound: the caller stores and decides it); dropped if
+        another fault came meanwhile
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from relaunch.controller.detectors import Capture, Detected
 from relaunch.diagnosis import culprits
+from relaunch.faults import Fault
 from relaunch.protocol.messages import CaptureStacks, Stacks
 
 if TYPE_CHECKING:
     from relaunch.controller.context import ControllerContext
     from relaunch.controller.peers import LauncherLink
 
-__all__ = ["begin", "finish", "received"]
+__all__ = ["HangFound", "begin", "finish", "received"]
 
 
 def begin(c: ControllerContext, found: Detected, now: float) -> bool:
@@ -62,16 +64,27 @@ def received(c: ControllerContext, link: LauncherLink, message: Stacks) -> None:
         c.hurry()
 
 
-def finish(c: ControllerContext, now: float) -> None:
-    """Once every launcher answered (or the capture's deadline passed): the hang fault names
-    the culprit and carries every stack."""
+@dataclass(frozen=True)
+class HangFound:
+    """A hang with its stacks, for the recovery to store and decide."""
+
+    fault: Fault
+    source: str
+    evidence: dict[str, Any]
+    detected_at: float
+    """When the silence was found (its stacks were read since: diagnosis, not detection)."""
+
+
+def finish(c: ControllerContext, now: float) -> HangFound | None:
+    """Once every launcher answered (or the capture's deadline passed): the hang fault, naming
+    the culprit and carrying every stack; None while it waits, or when another fault came."""
     capture = c.capture.current
     if capture is None or (capture.waiting and now < capture.deadline):
-        return
+        return None
     c.capture.current = None
     if c.job.attempt != capture.attempt or c.recoveries.waiting or c.job.status.ended:
         c.event("hang: dropped, another fault came while its stacks were captured")
-        return
+        return None
     stacks = sorted(capture.stacks, key=lambda s: s.rank)
     finding = culprits(stacks)
     fault = capture.found.fault
@@ -94,5 +107,4 @@ def finish(c: ControllerContext, now: float) -> None:
     c.event(
         f"hang: {finding.reason} (stacks of {len(stacks)} rank(s) in {now - capture.began:.2f} s)"
     )
-    # found when the silence was, its stacks read since (diagnosis, not detection: `capture_s`)
-    c.recoveries.fault(fault, capture.found.source, evidence=evidence, detected_at=capture.began)
+    return HangFound(fault, capture.found.source, evidence, capture.began)
