@@ -887,3 +887,27 @@ def test_no_engine_call_inside_a_transaction(tmp_path: Path) -> None:
     assert sim.actions()[0] == ("pod-reschedule", "running")
     assert ("start_pod", 1, 2, "node-2") in engine.calls
     assert inside == []
+
+
+def test_a_heal_nobody_can_answer_fails_in_place_at_once_and_the_ladder_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In-place's begin finds no agent on the chip's node to heal it: it says why, and the
+    recovery driver fails it (one failed record) and decides the fault one level down, without
+    the level calling back into the driver from inside its own begin."""
+    from relaunch.controller import commands
+
+    sim = booted(tmp_path, UNCONDITIONAL)
+    asked = commands.request_heal
+
+    def agent_gone(c: Any, active: Any) -> Any:  # it reported the chip, then went away
+        c.agents.pop(active.fault.node, None)
+        return asked(c, active)
+
+    monkeypatch.setattr(commands, "request_heal", agent_gone)
+    sim.chip_fault("node-1", 0, "80E18005")
+    sim.tick()
+    assert sim.actions() == [("in-place", "failed")]  # at once: no heal deadline waited for
+    sim.tick()
+    assert sim.actions() == [("in-place", "failed"), ("isolated-job-reschedule", "running")]
+    assert any("in-place: node-1 has no agent to heal the chip" in e for e in sim.events)
