@@ -147,3 +147,23 @@ def test_the_accelerate_script_saves_past_a_checkpoint_a_kill_cut_short(tmp_path
     assert "done: step=40" in second.stdout
     names = sorted(p.name for p in (root / "checkpoints").iterdir())
     assert names == ["checkpoint_2", "checkpoint_3", "checkpoint_4"]  # total_limit 3
+
+
+def test_the_accelerate_script_starts_past_a_first_save_that_a_kill_cut_short(
+    tmp_path: Path,
+) -> None:
+    """The one checkpoint there is the first save, cut short by a kill (a hang-restart struck
+    while it wrote): it does not load, and the script's next save is numbered past it rather
+    than refused as a directory that exists (which failed the job three restarts running)."""
+    cut_short = tmp_path / "accelerate-run" / "checkpoints" / "checkpoint_0"
+    cut_short.mkdir(parents=True)
+    (cut_short / "model.safetensors").write_bytes(b"cut short")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples/frameworks/accelerate_train.py"), "--steps", "20",
+         "--save-every", "10", "--width", "8"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "skipping checkpoint_0" in done.stdout
+    saved = sorted(p.name for p in cut_short.parent.iterdir())
+    assert saved == ["checkpoint_0", "checkpoint_1", "checkpoint_2"]

@@ -60,15 +60,17 @@ def main() -> None:
     counter = Counter()
     accelerator.register_for_checkpointing(counter)
     found = checkpoints(root)
+    if found:
+        # numbered past every directory there, those that do not load included (even when
+        # none does: the first save cut short by a kill): save_state refuses to write into a
+        # directory that exists
+        config.iteration = int(re.sub(r"\D", "", found[0].name)) + 1
     for checkpoint in found:
         try:
             accelerator.load_state(str(checkpoint))
         except Exception as error:  # cut short by a kill: the one before it
             accelerator.print(f"skipping {checkpoint.name}: {error!r}")
             continue
-        # numbered past every directory there, the one skipped included: save_state refuses
-        # to write into a directory that exists
-        config.iteration = int(re.sub(r"\D", "", found[0].name)) + 1
         break
     accelerator.print(
         f"start: world {accelerator.num_processes} distributed_type="
