@@ -4,6 +4,7 @@ into real processes. (Every end-to-end test runs them together.)"""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -242,3 +243,58 @@ def test_a_slow_pod_runs_a_share_of_the_time_and_is_left_running_after(tmp_path:
     finally:
         spin.kill()
         spin.wait()
+
+
+def _may_raise_priority() -> bool:
+    from relaunch import _spare
+
+    return _spare._may_raise_to(os.getpriority(os.PRIO_PROCESS, 0))
+
+
+@pytest.mark.skipif(
+    not _may_raise_priority(),
+    reason="needs CAP_SYS_NICE (root) or an RLIMIT_NICE that lets a process raise its priority "
+    "back: without it a spare keeps the launcher's priority",
+)
+def test_a_spare_waits_at_a_lower_priority_and_every_thread_trains_at_the_launchers(
+    tmp_path: Path,
+) -> None:
+    """A warm spare imports and waits SPARE_NICENESS lower than its launcher (a refill must not
+    slow the ranks training beside it); once it becomes a rank, every thread it has (the
+    imports' too: Linux keeps a niceness per thread) is back at the launcher's priority."""
+    from relaunch._spare import SPARE_NICENESS
+
+    (tmp_path / "starts_a_thread.py").write_text(
+        "import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()\n"
+    )
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import os, pathlib\n"
+        "nices = [int(pathlib.Path(f'/proc/self/task/{t}/stat').read_text().rsplit(')', 1)[1]"
+        ".split()[16]) for t in os.listdir('/proc/self/task')]\n"
+        "print('threads', len(nices), 'nice', sorted(set(nices)), flush=True)\n"
+    )
+    env = {**os.environ, "RELAUNCH_SPARE_PRELOAD": "starts_a_thread", "PYTHONPATH": str(tmp_path)}
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    spare = subprocess.Popen(
+        [sys.executable, "-m", "relaunch._spare"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+    )  # fmt: skip
+    try:
+        assert spare.stdout is not None and spare.stdin is not None
+        assert spare.stdout.readline().strip() == b"ready"
+        waiting = [t.id for t in psutil.Process(spare.pid).threads()]
+        assert len(waiting) >= 2, "the preloaded module's thread runs"
+        for task in waiting:
+            assert os.getpriority(os.PRIO_PROCESS, task) == min(19, ours + SPARE_NICENESS)
+        log = tmp_path / "rank.log"
+        identity = {"env": env, "argv": [str(script)], "cwd": str(tmp_path), "log": str(log)}
+        spare.stdin.write((json.dumps(identity) + "\n").encode())
+        spare.stdin.close()
+        assert spare.wait(timeout=30) == 0
+    finally:
+        spare.kill()
+    threads, nices = log.read_text().split("nice")
+    assert int(threads.split()[1]) >= 2
+    assert nices.strip() == f"[{ours}]"

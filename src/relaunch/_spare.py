@@ -4,7 +4,9 @@ for an identity and then runs a training script as if it had been started for it
 The launcher starts it as ``python -m relaunch._spare`` (stdin and stdout piped). It imports the
 modules of ``RELAUNCH_SPARE_PRELOAD`` (default: torch, torch.distributed, DDP and
 torch._dynamo, which torch.optim imports on first use: 1.7 s on our CI machines), writes ``ready``, and reads one JSON
-line: ``{"env": {...}, "argv": [script, args...], "cwd": dir, "log": path}``. Then it becomes
+line: ``{"env": {...}, "argv": [script, args...], "cwd": dir, "log": path}``. It waits at a lower
+CPU priority (SPARE_NICENESS) where it can raise it back, so that a refill does not slow the
+ranks training beside it, and trains at the launcher's. Then it becomes
 that process: its stdout and stderr the rank's log (appended to, as a process the launcher
 starts writes it), environment, working directory and ``sys.argv`` replaced, the script run as
 ``__main__``.
@@ -16,15 +18,24 @@ import contextlib
 import importlib
 import json
 import os
+import resource
 import runpy
 import sys
 
 from relaunch.protocol.environment import Env
 
 DEFAULT_PRELOAD = "torch,torch.distributed,torch.nn.parallel,torch._dynamo"
+SPARE_NICENESS = 10
+"""How much lower a spare's CPU priority is while it imports and waits than the rank it becomes:
+a spare refilled after a restart (importing torch takes seconds of CPU) must not slow the ranks
+training beside it on the same cores. Nice 10 has about a tenth of nice 0's share of a busy
+core; on an idle one a spare gets it all."""
+CAP_SYS_NICE = 23
+"""The capability that lets a process raise its priority back (linux/capability.h)."""
 
 
 def main() -> None:
+    back_to = _lower_priority()
     for name in os.environ.get(Env.SPARE_PRELOAD, DEFAULT_PRELOAD).split(","):
         if name.strip():
             with contextlib.suppress(ImportError):
@@ -35,6 +46,8 @@ def main() -> None:
     if not line:
         return  # the launcher went away or retired the spare
     identity = json.loads(line)
+    if back_to is not None:
+        _restore_priority(back_to)  # a rank now: it trains at the launcher's priority
     if identity.get("log"):
         sys.stdout.flush()
         sys.stderr.flush()
@@ -49,6 +62,36 @@ def main() -> None:
     sys.argv = argv
     sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
     runpy.run_path(argv[0], run_name="__main__")
+
+
+def _lower_priority() -> int | None:
+    """Lower this process's CPU priority by SPARE_NICENESS, if it may raise it back once it
+    becomes a rank (CAP_SYS_NICE, or RLIMIT_NICE up to its niceness now); the niceness to go
+    back to, or None where it stays as it is (a spare that could not raise it back would train
+    slowly)."""
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    lower = min(19, before + SPARE_NICENESS)
+    if lower == before or not _may_raise_to(before):
+        return None
+    os.setpriority(os.PRIO_PROCESS, 0, lower)
+    return before
+
+
+def _may_raise_to(niceness: int) -> bool:
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as status:
+        for field in status:
+            if field.startswith("CapEff:") and int(field.split()[1], 16) >> CAP_SYS_NICE & 1:
+                return True
+    soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
+    return soft == resource.RLIM_INFINITY or 20 - soft <= niceness
+
+
+def _restore_priority(niceness: int) -> None:
+    """Every thread back to `niceness` (Linux keeps a niceness per thread: the threads the
+    imports started inherited the spare's)."""
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError, ValueError):
+            os.setpriority(os.PRIO_PROCESS, int(task), niceness)
 
 
 if __name__ == "__main__":
