@@ -157,7 +157,12 @@ def test_bench_without_torch_says_what_to_install(tmp_path: Path) -> None:
 
 
 def test_bench_refuses_unknown_levels_sections_and_devices(tmp_path: Path) -> None:
-    cases = (("--levels", "in-place,warp-drive"), ("--only", "mttr,speed"), ("--device", "cpu,tpu"))
+    cases = (
+        ("--levels", "in-place,warp-drive"),
+        ("--only", "mttr,speed"),
+        ("--device", "cpu,tpu"),
+        ("--series-systems", "relaunch,kubeflow"),
+    )
     for option, value in cases:
         done = subprocess.run(
             [sys.executable, "-m", "relaunch", "bench", option, value, "--out", str(tmp_path)],

@@ -12,6 +12,7 @@ clock), `report` (bench.md and bench.png).
 """
 
 from relaunch_bench.mttr import LEVELS
+from relaunch_bench.series import SERIES_SYSTEMS
 from relaunch_bench.suite import SECTIONS, BenchOptions, run_bench
 
-__all__ = ["LEVELS", "SECTIONS", "BenchOptions", "run_bench"]
+__all__ = ["LEVELS", "SECTIONS", "SERIES_SYSTEMS", "BenchOptions", "run_bench"]

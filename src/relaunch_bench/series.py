@@ -112,9 +112,13 @@ def _struck(path: Path) -> list[float]:
     return [t for e, _, t in timeline.read(path) if e in ("crash", "hang")]
 
 
-def relaunch_series(series: list[tuple[int, str]], tmp: Path, every: int = EVERY) -> SeriesResult:
+def relaunch_series(
+    series: list[tuple[int, str]], tmp: Path, every: int = EVERY, async_save: bool = True
+) -> SeriesResult:
     """relaunch with its best levels: the SDK keeps the group (process level), warm spares in
-    each pod, hang retry; the series as its fault plan on rank 1 (pod 1)."""
+    each pod, hang retry, checkpoints written in the background (`async_save`: a synchronous
+    save, fsynced on both ranks every 5 steps, made each fifth step 8 ms slower: 36 s of a
+    ten-minute run); the series as its fault plan on rank 1 (pod 1)."""
     name = "with lost nodes" if any(k == "lost-node" for _, k in series) else "crash, hang"
     path = tmp / "timeline.txt"
     steps = every * (len(series) + 1)
@@ -140,7 +144,7 @@ def relaunch_series(series: list[tuple[int, str]], tmp: Path, every: int = EVERY
             "procs_per_pod": 1,
             "chips_per_pod": 2,
             "command": f"python {DDP} --process-recovery --steps {steps} --ckpt-every 5 "
-            f"--timeline {path}",
+            f"--timeline {path}" + (" --async-save" if async_save else ""),
             "hang_detect_seconds": HANG_S,
             "monitor_interval": 0.1,
             "warm_spares": 1,
@@ -199,25 +203,39 @@ def _fill(result: SeriesResult, measured: dict[str, Any]) -> None:
 PEERS = ("torchrun", f"NVRx ft_launcher ({NVRX_HEARTBEAT_S:g} s heartbeat)", "DLRover standalone")
 
 
-ORDER = ("relaunch", PEERS[1], PEERS[2], PEERS[0], "relaunch")
-"""relaunch, then the peers best first as the peers table ranks them (NVRx, DLRover, torchrun:
-its hour-long section's most telling rows first), then relaunch's second series (lost nodes,
-which no peer here can take)."""
+RUNS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "relaunch": ("relaunch", KINDS),
+    "nvrx": (PEERS[1], KINDS),
+    "dlrover": (PEERS[2], KINDS),
+    "torchrun": (PEERS[0], KINDS),
+    "relaunch-lost-nodes": ("relaunch", WITH_LOST_NODES),
+}
+"""The section's runs by name (`relaunch bench --series-systems`), in the order they run:
+relaunch, then the peers best first as the peers table ranks them (NVRx, DLRover, torchrun: its
+hour-long section's most telling rows first), then relaunch's second series (lost nodes, which
+no peer here can take)."""
+SERIES_SYSTEMS = tuple(RUNS)
 
 
 def series_rows(
-    say: Progress, count: int = COUNT, partial: Path | None = None
+    say: Progress,
+    count: int = COUNT,
+    partial: Path | None = None,
+    only: tuple[str, ...] = (),
+    async_save: bool = True,
 ) -> list[dict[str, Any]]:
-    """relaunch on both series, each peer on the one it can take; then the lost time of each
-    beside relaunch's. `partial`: the rows so far, written after each run (the section takes
-    about an hour)."""
+    """relaunch on both series, each peer on the one it can take (`only`: those of RUNS);
+    then the lost time of each beside relaunch's. `partial`: the rows so far, written after
+    each run (the section takes about an hour). `async_save`: relaunch's script writes its
+    checkpoints in the background (the SDK's own way; each peer's script saves as its docs do)."""
     rows: list[dict[str, Any]] = []
-    for system in ORDER:
-        kinds = WITH_LOST_NODES if system == "relaunch" and rows else KINDS
+    for name, (system, kinds) in RUNS.items():
+        if only and name not in only:
+            continue
         series = plan(count, kinds=kinds)
         with tempfile.TemporaryDirectory(prefix="relaunch-bench-") as tmp:
             result = (
-                relaunch_series(series, Path(tmp))
+                relaunch_series(series, Path(tmp), async_save=async_save)
                 if system == "relaunch"
                 else peer_series(system, series, Path(tmp))
             )

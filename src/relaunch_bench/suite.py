@@ -45,6 +45,8 @@ class BenchOptions:
     """Only these parts of the benchmark (all of SECTIONS when empty)."""
     device: str = "cpu"
     """cuda: the MTTR table's DDP rows (relaunch's and torchrun's) on the GPUs, over NCCL."""
+    series_systems: tuple[str, ...] = ()
+    """Only these runs of the goodput series (series.RUNS; all when empty)."""
 
 
 def run_bench(options: BenchOptions) -> dict[str, Any]:
@@ -107,7 +109,9 @@ def _sections(
         measured["peers"] = peer_rows(1 if quick else min(3, repeats), say)
     if "series" in sections:
         partial = options.out / "series.partial.json"
-        measured["series"] = series_rows(say, count=2 if quick else 9, partial=partial)
+        measured["series"] = series_rows(
+            say, count=2 if quick else 9, partial=partial, only=options.series_systems
+        )
     if "scale" in sections:
         sizes = [2] if quick else [2, 4, 8, 16, 64]
         measured["scale"] = scale_rows(sizes, 1 if quick else min(3, repeats), say, options.levels)

@@ -12,6 +12,15 @@ import typer
 
 from relaunch.cli.common import app, err
 
+SeriesSystemsOption = Annotated[
+    str | None,
+    typer.Option(
+        "--series-systems",
+        help="Comma-separated runs of the goodput series (default: relaunch, nvrx, dlrover, "
+        "torchrun, relaunch-lost-nodes: about an hour).",
+    ),
+]
+
 
 @app.command()
 def bench(
@@ -40,15 +49,17 @@ def bench(
             help="cpu, or cuda: the MTTR table's DDP rows on the GPUs over NCCL (relaunch and torchrun).",
         ),
     ] = "cpu",
+    series_systems: SeriesSystemsOption = None,
 ) -> None:
     """Measure recovery time by level on this machine, side by side with torchrun."""
     _needs("torch", "matplotlib")
     # the benchmarks live outside the core package; imported only when asked for
-    from relaunch_bench import LEVELS, SECTIONS, BenchOptions, run_bench
+    from relaunch_bench import LEVELS, SECTIONS, SERIES_SYSTEMS, BenchOptions, run_bench
 
     chosen = _choices("--levels", levels, LEVELS)
     sections = _choices("--only", only, SECTIONS)
     device = _one("--device", device, ("cpu", "cuda"))
+    runs = _choices("--series-systems", series_systems, SERIES_SYSTEMS)
 
     def progress(text: str) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -63,6 +74,7 @@ def bench(
             levels=chosen,
             sections=sections,
             device=device,
+            series_systems=runs,
         )
     )
     sys.stdout.write((out / "bench.md").read_text())
