@@ -911,3 +911,23 @@ def test_a_heal_nobody_can_answer_fails_in_place_at_once_and_the_ladder_goes_on(
     sim.tick()
     assert sim.actions() == [("in-place", "failed"), ("isolated-job-reschedule", "running")]
     assert any("in-place: node-1 has no agent to heal the chip" in e for e in sim.events)
+
+
+def test_a_new_attempts_port_is_free_on_the_node_rank_0_moves_to(tmp_path: Path) -> None:
+    """A job-level rebuild that moves pod 0 asks the engine for rank 0's port on pod 0's new
+    node (the decision's target), before the record's transaction, not on the node it leaves."""
+    sim = booted(tmp_path, UNCONDITIONAL)
+    asked: list[str] = []
+    port_of = sim.engine.free_port
+
+    def free_port(node: str) -> int:
+        asked.append(node)
+        return port_of(node)
+
+    sim.engine.free_port = free_port  # type: ignore[method-assign]
+    sim.kill_node("node-0")
+    sim.tick()
+    assert sim.actions() == [("isolated-job-reschedule", "running")]
+    rank0_node = sim.controller.pods[0].row.node
+    assert rank0_node != "node-0"
+    assert asked == [rank0_node]

@@ -49,9 +49,10 @@ def free_nodes(c: ControllerContext, used: set[str]) -> list[str]:
     return [n for n in _free(capacities(c), used, c.spec.chips_per_pod) if n in c.agents]
 
 
-def master_port(c: ControllerContext) -> int:
-    """A port free on the node of rank 0 (pod 0), for MASTER_PORT."""
-    return c.engine.free_port(c.pods[0].row.node)
+def master_port(c: ControllerContext, node: str | None = None) -> int:
+    """A port free on the node of rank 0 (pod 0; `node`: where a decision moves it), for
+    MASTER_PORT."""
+    return c.engine.free_port(node or c.pods[0].row.node)
 
 
 def checkpoint_saving(c: ControllerContext) -> bool:

@@ -295,8 +295,10 @@ class RecoveryDriver:
         that runs, its plan (WAITING), together."""
         c = self.c
         budgets = decision.budgets_left
-        # what the change needs of the engine, asked before the transaction holds the store
-        port = commands.master_port(c) if decision.action.level.new_attempt else 0
+        # what the change needs of the engine, asked before the transaction holds the store:
+        # a port on the node rank 0 will be on (where the decision moves pod 0, if it does)
+        rank0_node = dict(decision.targets).get(0)
+        port = commands.master_port(c, rank0_node) if decision.action.level.new_attempt else 0
         with c.store.transaction():
             record_id = c.store.add_record(
                 c.job_id,
