@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import pytest
 
 from relaunch.controller import checks
 from relaunch.controller import listener as listener_module
@@ -330,6 +331,54 @@ def test_every_message_encodes_as_the_value_walk_did_and_decodes_back() -> None:
             assert messages.decode(messages.encode(value)) == value, kind
     empty = messages.ProgressBatch((), (), {})
     assert messages.decode(messages.encode(empty)) == empty
+
+
+def test_the_decoders_shortcuts_take_what_the_careful_way_takes_and_refuse_the_rest() -> None:
+    """The decoder takes a plain structure (a stack's frame, a step report, a stopped rank's
+    (attempt, code, signal), int-keyed maps) without a call a field when every value already is
+    what its hint names; anything else goes the careful way: converted where it can be (a
+    number in a string), refused with TypeError or ValueError where it cannot. Every way such
+    an input can differ from the shortcut's, each against its expected outcome."""
+    from relaunch.diagnosis import Frame
+    from relaunch.protocol.codec import from_data
+
+    frame = {"function": "f", "file": "x.py", "line": 3}
+    assert from_data(Frame, frame) == Frame("f", "x.py", 3)
+    assert from_data(Frame, {**frame, "line": "3"}) == Frame("f", "x.py", 3)  # converted
+    assert from_data(Frame, {**frame, "extra": 1}) == Frame("f", "x.py", 3)  # ignored
+    for bad in (
+        {**frame, "line": 3.5},
+        {**frame, "line": True},
+        {**frame, "function": 1},
+        {"function": "f", "file": "x.py"},  # missing
+        [frame],
+    ):
+        with pytest.raises(TypeError):
+            from_data(Frame, bad)
+    stopped = dict[int, tuple[int, int | None, int | None]]
+    assert from_data(stopped, {"3": [1, None, 15]}) == {3: (1, None, 15)}
+    assert from_data(stopped, {3: [1, None, 15]}) == {3: (1, None, 15)}  # not from JSON
+    assert from_data(stopped, {"3": (1, "2", None)}) == {3: (1, 2, None)}  # converted
+    for bad, error in (
+        ({"3": [1, None]}, ValueError),  # too short
+        ({"3": [1, None, 15, 0]}, ValueError),  # too long
+        ({"3": [1, "x", 15]}, TypeError),
+        ({"3": [True, None, 15]}, TypeError),
+        ({"3": [1, 2.5, 15]}, TypeError),
+        ({"x": [1, None, 15]}, TypeError),  # a key that is no number
+        ({"3": "abc"}, TypeError),
+        ([["3", [1, None, 15]]], TypeError),
+    ):
+        with pytest.raises(error):
+            from_data(stopped, bad)
+    batch = messages.ProgressBatch((messages.Progress(0, 5, 1, 2.0),))
+    assert messages.decode(messages.encode(batch)) == batch
+    assert (
+        messages.decode('{"t":"progress","reports":[{"rank":0,"step":"x","attempt":1,"at":2.0}]}')
+        is None
+    )
+    start = messages.Start(2, {"A": "b"}, (3,))
+    assert messages.encode(start) == '{"attempt":2,"env":{"A":"b"},"ranks":[3],"t":"start"}'
 
 
 def test_a_rank_is_looked_at_through_one_kept_descriptor_until_it_exits() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import types
 import typing
 from collections.abc import Callable
@@ -89,6 +90,8 @@ def _hinted(kind: Any) -> Callable[[Any], Any] | None:
         return lambda value: [each(item) for item in value]
     if origin is dict and args:
         values = _hinted(args[1])
+        if values is None and args[0] is str:
+            return None  # JSON-ready as it is (a start's environment, for each of many pods)
         if values is None:
             return lambda value: {str(k): v for k, v in value.items()}
         return lambda value: {str(k): values(v) for k, v in value.items()}
@@ -117,15 +120,12 @@ def _converter(kind: Any) -> Callable[[Any], Any]:
         args = typing.get_args(kind)
         if len(args) == 2 and args[1] is Ellipsis:
             each = _converter(args[0])
-            return lambda data: tuple(each(item) for item in _items(kind, data, (list, tuple)))
-        parts = tuple(_converter(a) for a in args)
-        return lambda data: tuple(
-            part(item) for part, item in zip(parts, _items(kind, data, (list, tuple)), strict=True)
-        )
+            return lambda data: tuple(map(each, _items(kind, data, (list, tuple))))
+        return _fixed_tuple_converter(kind, args)
     if origin is list:
         (arg,) = typing.get_args(kind)
         each = _converter(arg)
-        return lambda data: [each(item) for item in _items(kind, data, (list,))]
+        return lambda data: list(map(each, _items(kind, data, (list,))))
     if origin is dict:
         key_type, value_type = typing.get_args(kind)
         keys, values = _converter(key_type), _converter(value_type)
@@ -135,7 +135,21 @@ def _converter(kind: Any) -> Callable[[Any], Any]:
                 _raise(kind, data)
             return {keys(k): values(v) for k, v in data.items()}
 
-        return mapping
+        if key_type is not int:
+            return mapping
+
+        def int_keyed(data: Any) -> dict[Any, Any]:
+            # JSON's keys are strings: int() each in one pass at C speed (a stop of thousands
+            # of pods is tens of thousands of them); anything else goes the careful way
+            if type(data) is dict and all(map(str.__instancecheck__, data)):
+                try:
+                    numbers = list(map(int, data))
+                except ValueError as error:
+                    raise TypeError(f"expected {kind}: {error}") from None
+                return dict(zip(numbers, map(values, data.values()), strict=True))
+            return mapping(data)
+
+        return int_keyed
     if kind is int:
         return _int
     if kind is float:
@@ -158,16 +172,50 @@ def _dataclass_converter(kind: type) -> Callable[[Any], Any]:
         if f.init:
             hint = hints[f.name]
             fields[f.name] = (_taken_as_is(hint), _converter(hint))
+    names = tuple(fields)
+    kinds = tuple(as_is for as_is, _ in fields.values())
+    plain = all(kinds)  # every field can be taken as it is (a stack's frame: str, str, int)
 
     def convert(data: Any) -> Any:
         if not isinstance(data, dict):
             raise TypeError(f"{kind.__name__}: expected a mapping, got {type(data).__name__}")
+        if (
+            plain
+            and len(data) == len(names)
+            and all(map(operator.contains, kinds, map(type, map(data.get, names))))
+        ):
+            return kind(**data)  # every field there and as it is: no Python-level call a field
         values = {}
         for name, value in data.items():
             field = fields.get(name)
             if field is not None:
                 values[name] = value if type(value) in field[0] else field[1](value)
         return kind(**values)
+
+    return convert
+
+
+def _fixed_tuple_converter(kind: Any, args: tuple[Any, ...]) -> Callable[[Any], Any]:
+    """A list to a tuple of the hinted types, one for each place; an item that already is the
+    plain type its place names is taken without a call (a stop of thousands of pods is tens of
+    thousands of (attempt, code, signal) tuples)."""
+    places = tuple((_taken_as_is(a), _converter(a)) for a in args)
+    kinds = tuple(as_is for as_is, _ in places)
+
+    def convert(data: Any) -> Any:
+        if (
+            type(data) is list
+            and len(data) == len(kinds)
+            and all(map(operator.contains, kinds, map(type, data)))
+        ):
+            return tuple(data)  # every item as it is (no Python-level call for each)
+        items = _items(kind, data, (list, tuple))
+        if len(items) != len(places):
+            raise ValueError(f"expected {len(places)} items for {kind}, got {len(items)}")
+        return tuple(
+            item if type(item) in as_is else part(item)
+            for (as_is, part), item in zip(places, items)  # noqa: B905 (lengths checked above)
+        )
 
     return convert
 
