@@ -23,13 +23,18 @@ from relaunch.protocol.wire import Connection
 
 __all__ = ["Listener"]
 
+ACCEPT_QUEUE = 65535
+
 
 class Listener:
     def __init__(self, host: str) -> None:
         self.server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.server.bind((host, 0))
-        self.server.listen(1024)
+        # every launcher of a large job connects at once after a job-level recovery or a
+        # controller's restart: a full accept queue drops their SYNs, and each dropped one
+        # waits a second before it tries again (the kernel caps this at net.core.somaxconn)
+        self.server.listen(ACCEPT_QUEUE)
         self.server.setblocking(False)
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.server, selectors.EVENT_READ, None)

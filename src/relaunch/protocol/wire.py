@@ -21,7 +21,7 @@ import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Final
+from typing import Final, TextIO
 
 from relaunch.protocol.layout import StateDir
 from relaunch.protocol.messages import Message, decode, encode
@@ -53,7 +53,9 @@ class Connection:
     def __init__(self, sock: socket.socket, doorbell: tuple[str, int] | None = None) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock = sock
-        self._reader = sock.makefile("r", encoding="utf-8", newline="\n")
+        self._reader: TextIO | None = None
+        """Made by the first iteration only: the controller reads with `read_ready`, and a
+        reader made for each of thousands of launchers was a tenth of its connections' cost."""
         self._lock = threading.Lock()
         self._pending = b""
         self._doorbell = doorbell
@@ -100,6 +102,8 @@ class Connection:
 
     def __iter__(self) -> Iterator[Message]:
         """The messages received, until the peer goes; a line that is not a message is skipped."""
+        if self._reader is None:
+            self._reader = self._sock.makefile("r", encoding="utf-8", newline="\n")
         try:
             for line in self._reader:
                 message = decode(line) if line.strip() else None
@@ -158,8 +162,9 @@ class Connection:
         self._sock.close()
         # the reader holds the descriptor too: without this the socket is closed in name only,
         # its descriptor kept until the collector frees the reader (a runner ran out of them)
-        with contextlib.suppress(OSError, ValueError):
-            self._reader.close()
+        if self._reader is not None:
+            with contextlib.suppress(OSError, ValueError):
+                self._reader.close()
 
 
 def write_controller_address(state_dir: Path, host: str, port: int, pid: int) -> None:
