@@ -51,10 +51,11 @@ class LevelAction:
         on `port`). Runs inside the record's transaction: it asks the engine nothing."""
         isolate(c, d, now)
         level = self.action.level
+        decided = frozenset(d.pods)  # a set: a job-level decision names every pod
         moved = {
             pod.index
             for pod in c.pods.values()
-            if level.change_of(pod.index in d.pods) is PodChange.RESCHEDULED
+            if level.change_of(pod.index in decided) is PodChange.RESCHEDULED
         }
         if d.counters or moved:
             move_pods(c, d, moved=moved)
@@ -388,15 +389,13 @@ def move_pods(c: ControllerContext, d: Decision, moved: set[int]) -> None:
     """Every pod gets the decision's counters; `moved` pods a new generation on the node the
     decision chose for each (its targets)."""
     places = dict(d.targets)
+    job_dir = c.layout.job(c.job_id)
+    changed = []
     for pod in c.pods.values():
         row = pod.row
         counters = d.counters[row.idx]
         generation = row.generation + (1 if row.idx in moved else 0)
-        workdir = (
-            str(c.layout.job(c.job_id).pod(row.idx, generation).path)
-            if row.idx in moved
-            else row.workdir
-        )
+        workdir = job_dir.pod_path(row.idx, generation) if row.idx in moved else row.workdir
         wanted = PodRow(
             row.job_id,
             row.idx,
@@ -407,7 +406,8 @@ def move_pods(c: ControllerContext, d: Decision, moved: set[int]) -> None:
             workdir,
         )
         if wanted != row:  # a process-level recovery touches one pod of thousands
-            c.put_pod(wanted)
+            changed.append(wanted)
+    c.put_pods(changed)
 
 
 def new_attempt(c: ControllerContext, now: float, port: int) -> None:

@@ -3,7 +3,9 @@ placement, the cluster view the policy reads, a pod's environment and launch pla
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from relaunch import failpoints
@@ -16,6 +18,7 @@ from relaunch.policy.placement import NodeCapacity, rebuild_slots
 from relaunch.policy.placement import free_nodes as _free
 from relaunch.protocol.datagrams import SdkPhase
 from relaunch.protocol.environment import PodEnvironment
+from relaunch.protocol.layout import PodDir, StateDir
 from relaunch.protocol.messages import Heal, Shutdown, Start, Stop
 from relaunch.protocol.plans import LaunchPlan
 from relaunch.spec import process_recovery_env
@@ -66,15 +69,16 @@ def checkpoint_saving(c: ControllerContext) -> bool:
     )
 
 
-def cluster_view(c: ControllerContext, fault: Fault) -> ClusterView:
-    """The facts a decision depends on, as observed now (R-31, R-37, R-41, placement)."""
+def cluster_view(c: ControllerContext, fault: Fault, ranks: RanksNow | None = None) -> ClusterView:
+    """The facts a decision depends on, as observed now (R-31, R-37, R-41, placement); `ranks`:
+    the look at every rank `ranks_now` just took, if one was (tens of thousands of ranks)."""
     used = {p.row.node for p in c.pods.values()}
     standby = tuple(
         n.name
         for n in c.nodes.values()
         if n.schedulable and n.name not in used and n.chips >= c.spec.chips_per_pod
     )
-    failed, phases_of = _ranks_now(c)
+    failed, phases_of = ranks if ranks is not None else ranks_now(c)
     faulty = faulty_pods(c, fault) | failed
     # R-37 asks whether ranks that live on are saving or building their group: a rank on a lost
     # node is gone whatever it was doing (and its last phase may never have reached the
@@ -101,16 +105,20 @@ def cluster_view(c: ControllerContext, fault: Fault) -> ClusterView:
     )
 
 
-def failed_and_saving(c: ControllerContext) -> tuple[int, bool]:
+def failed_and_saving(c: ControllerContext, ranks: RanksNow | None = None) -> tuple[int, bool]:
     """How many pods have a rank that failed, and whether a rank that lives on saves a
     checkpoint (R-37, R-41: what the policy's hold asks), in one look at every rank."""
-    failed, phases = _ranks_now(c)
+    failed, phases = ranks if ranks is not None else ranks_now(c)
     gone = failed | {p.index for p in c.pods.values() if _node_lost(c, p.row.node)}
     saving = any(SdkPhase.CHECKPOINT in seen for pod, seen in phases.items() if pod not in gone)
     return len(failed), saving
 
 
-def _ranks_now(c: ControllerContext) -> tuple[set[int], dict[int, set[str]]]:
+RanksNow = tuple[set[int], dict[int, set[str]]]
+"""The pods with a rank that failed, and the SDK phases of each pod's running ranks."""
+
+
+def ranks_now(c: ControllerContext) -> RanksNow:
     """In one look at every rank of the current attempt: the pods with a rank that failed, and
     the SDK phases of each pod's running ranks."""
     attempt = c.job.attempt
@@ -197,7 +205,7 @@ def unpark(c: ControllerContext, decided: ScaleOut, now: float) -> None:
     for index, node, counters in decided.back:
         row = c.pods[index].row
         generation = row.generation + 1
-        workdir = str(c.layout.job(c.job_id).pod(index, generation).path)
+        workdir = c.layout.job(c.job_id).pod_path(index, generation)
         c.put_pod(
             PodRow(
                 c.job_id,
@@ -264,15 +272,19 @@ def pod_environment(c: ControllerContext, row: PodRow, attempt: int) -> dict[str
         master_port=c.job.master_port,
         schedule_cnt=row.schedule_cnt,
         proc_start_cnt=row.proc_start_cnt,
-        shared_dir=str(c.layout.job(c.job_id).shared),
+        shared_dir=_shared_dir(c.layout, c.job_id),
         process_recovery=process_recovery_env(c.recovery),
-        membership_file=str(c.layout.job(c.job_id).pod(row.idx, row.generation).membership)
-        if process_level
-        else None,
+        membership_file=str(PodDir(Path(row.workdir)).membership) if process_level else None,
         recovery_wait_s=c.recovery.wait_reschedule_timeout_s if process_level else None,
         run_id=f"{c.spec.name}-{c.job_id}",
         max_restarts=c.recovery.job_retry_budget,
     ).variables()
+
+
+@functools.cache
+def _shared_dir(layout: StateDir, job_id: int) -> str:
+    """The job's shared directory, as every start of thousands of pods names it."""
+    return str(layout.job(job_id).shared)
 
 
 LEAD_PROGRESS_S = 1.0

@@ -135,11 +135,16 @@ class MembershipView(Protocol):
 
 
 class Standby(Protocol):
-    """The reconciler's standby launchers (controller.reconcile), one per node that keeps one."""
+    """The reconciler's standby launchers (controller.reconcile), one per node that keeps one,
+    and when the attempt's last pod got its start."""
 
     standby: dict[str, LauncherLink]
 
     def standby_hello(self, link: LauncherLink) -> bool: ...
+
+    def started_everywhere(self, attempt: int) -> float | None: ...
+
+    def connected(self, pod: Pod) -> None: ...
 
 
 class FaultPlanView(Protocol):
@@ -214,6 +219,8 @@ class ControllerContext(Protocol):
     def update_job(self, **fields: object) -> None: ...
 
     def put_pod(self, row: PodRow) -> None: ...
+
+    def put_pods(self, rows: list[PodRow]) -> None: ...
 
     def refresh_nodes(self) -> None: ...
 

@@ -298,12 +298,16 @@ class Controller:
         self.job = self.store.job(self.job_id)
 
     def put_pod(self, row: PodRow) -> None:
-        self.store.put_pod(row)
-        pod = self.pods.get(row.idx)
-        if pod is None:
-            self.pods[row.idx] = Pod(row)
-        else:
-            pod.row = row
+        self.put_pods([row])
+
+    def put_pods(self, rows: list[PodRow]) -> None:
+        self.store.put_pods(rows)
+        for row in rows:
+            pod = self.pods.get(row.idx)
+            if pod is None:
+                self.pods[row.idx] = Pod(row)
+            else:
+                pod.row = row
 
     def refresh_nodes(self) -> None:
         self.nodes = {n.name: n for n in self.store.nodes()}

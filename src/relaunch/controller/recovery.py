@@ -163,7 +163,9 @@ class RecoveryDriver:
         if not self.waiting or now < max(c.adoption.until, self.hold_until):
             return
         waiting = c.store.pending(c.job_id)
-        failed, saving = commands.failed_and_saving(c)
+        # one look at every rank, for the hold and the decision
+        ranks: commands.RanksNow | None = commands.ranks_now(c)
+        failed, saving = commands.failed_and_saving(c, ranks)
         hold = decide_after(
             c.recovery,
             [(fault, tried) for _, fault, tried in waiting],
@@ -196,7 +198,8 @@ class RecoveryDriver:
                 is not Consequence.ALONGSIDE
             ):
                 self.settle(active, Outcome.FAILED)
-            self._climb(fault, fault_id, tried, now)
+            self._climb(fault, fault_id, tried, now, ranks)
+            ranks = None  # the next fault's decision looks again: this one changed things
 
     def _action_alone(self, fault: Fault, now: float) -> Action:
         """What the policy would decide for `fault` on its own, as things stand (pure; nothing
@@ -212,9 +215,17 @@ class RecoveryDriver:
             rules=c.options.rules,
         ).action
 
-    def _climb(self, fault: Fault, fault_id: int, tried: frozenset[Action], now: float) -> None:
+    def _climb(
+        self,
+        fault: Fault,
+        fault_id: int,
+        tried: frozenset[Action],
+        now: float,
+        ranks: commands.RanksNow | None = None,
+    ) -> None:
         """Down the ladder until an action is under way or the job ends; each record is stored
-        with its desired-state change and what still waits, in one transaction."""
+        with its desired-state change and what still waits, in one transaction. `ranks`: the
+        look at every rank just taken, for the first rung (a record changes nothing of them)."""
         c = self.c
         while True:
             pods = [p.row for p in c.pods.values()]
@@ -223,7 +234,7 @@ class RecoveryDriver:
                 c.recovery,
                 fault,
                 history,
-                commands.cluster_view(c, fault),
+                commands.cluster_view(c, fault, ranks),
                 now,
                 table=c.options.table,
                 rules=c.options.rules,

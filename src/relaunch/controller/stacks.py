@@ -40,8 +40,9 @@ def begin(c: ControllerContext, found: Detected, now: float) -> bool:
         return False
     captures = c.capture
     captures.requests += 1
+    ask = CaptureStacks(captures.requests, timeout)  # one message for all, encoded once
     for link in links:
-        link.peer.send(CaptureStacks(captures.requests, timeout))
+        link.peer.send(ask)
     captures.current = Capture(
         captures.requests,
         found,

@@ -137,8 +137,11 @@ def _targets(
     """Where the pods the level rebuilds go: to standby nodes when some pods stay, anywhere
     schedulable but the isolated nodes when every pod is rebuilt (policy.placement.move)."""
     level = action.level
+    decided = frozenset(pods)  # a set: a job-level decision names every pod
     rebuilt = [
-        p.index for p in cluster.pods if level.change_of(p.index in pods) is PodChange.RESCHEDULED
+        p.index
+        for p in cluster.pods
+        if level.change_of(p.index in decided) is PodChange.RESCHEDULED
     ]
     if not rebuilt or not cluster.nodes:
         return ()
@@ -152,7 +155,8 @@ def _counters_after(
 ) -> tuple[Counters, ...]:
     """R-04 / R-05: each pod's counters after what the level does to its container (LEVELS)."""
     level = action.level
-    return tuple(level.change_of(i in pods).counted(c) for i, c in enumerate(counters))
+    decided = frozenset(pods)
+    return tuple(level.change_of(i in decided).counted(c) for i, c in enumerate(counters))
 
 
 def plan(

@@ -53,7 +53,8 @@ def move(
     whole-job rebuild (every pod moves) uses every schedulable node not being isolated. Pods
     that find no room are left out."""
     moving = sorted(set(moved))
-    staying = {node for idx, node in pods.items() if idx not in moving}
+    gone = set(moving)  # a set: a whole-job rebuild moves every pod
+    staying = {node for idx, node in pods.items() if idx not in gone}
     isolated = set(isolating)
     candidates = [n for n in nodes if n.schedulable and n.name not in isolated]
     if staying:

@@ -76,7 +76,12 @@ class JobDir:
         return self.shared / FENCE_FILE
 
     def pod(self, index: int, generation: int) -> PodDir:
-        return PodDir(self.path / "pods" / f"pod-{index}-g{generation}")
+        return PodDir(Path(self.pod_path(index, generation)))
+
+    def pod_path(self, index: int, generation: int) -> str:
+        """`pod(index, generation).path` as a string, without a Path made for it: a job-level
+        recovery names thousands of them in one transaction."""
+        return f"{self.path}/pods/pod-{index}-g{generation}"
 
     def standby(self, node: str) -> PodDir:
         return PodDir(self.path / "standby" / node)

@@ -123,6 +123,10 @@ class Database:
         with _errors_named(self.path):
             return self._db.execute(sql, params)
 
+    def _execute_many(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+        with _errors_named(self.path):
+            self._db.executemany(sql, rows)
+
     def _all(self, sql: str, params: Sequence[Any] = ()) -> list[sqlite3.Row]:
         with _errors_named(self.path):
             return self._db.execute(sql, params).fetchall()

@@ -196,17 +196,16 @@ class PodTable(Database):
         ]
 
     def put_pod(self, pod: PodRow) -> None:
-        self._execute(
+        self.put_pods([pod])
+
+    def put_pods(self, pods: Sequence[PodRow]) -> None:
+        """Every row in one statement (a job-level recovery changes thousands)."""
+        self._execute_many(
             "INSERT OR REPLACE INTO pods VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (
-                pod.job_id,
-                pod.idx,
-                pod.node,
-                pod.generation,
-                pod.schedule_cnt,
-                pod.proc_start_cnt,
-                pod.workdir,
-            ),
+            [
+                (p.job_id, p.idx, p.node, p.generation, p.schedule_cnt, p.proc_start_cnt, p.workdir)
+                for p in pods
+            ],
         )
 
 
