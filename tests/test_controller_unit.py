@@ -683,6 +683,47 @@ def test_a_launcher_the_engine_could_not_start_is_started_again_not_fatal(
     assert sim.controller.job.status is JobStatus.RUNNING
 
 
+def test_a_pod_starts_while_another_pods_launcher_is_on_its_way_and_waits_unhung(
+    tmp_path: Path,
+) -> None:
+    """Pod 1's launcher is late (the engine's start failed; asked again after LAUNCH_RETRY_S,
+    much longer than the 2 s hang window and the 10 s startup allowance): pod 0, connected, is
+    started at once rather than after every pod connected (a job of thousands of pods starts as
+    its launchers arrive), and its ranks, waiting in their rendezvous for pod 1's, are not hung
+    (R-25). Once pod 1 starts, the window counts from then: a rank silent for it is hung."""
+    import subprocess
+
+    from relaunch.controller.pods import LAUNCH_RETRY_S
+
+    sim = Sim(tmp_path, job_spec(HANG), nodes=4)
+    real = sim.engine.start_pod
+    failed: list[int] = []
+
+    def start_pod(plan: Any) -> int:
+        if plan.pod == 1 and not failed:
+            failed.append(plan.pod)
+            raise subprocess.SubprocessError("Exception occurred in preexec_fn.")
+        return real(plan)
+
+    sim.engine.start_pod = start_pod  # type: ignore[method-assign]
+    sim.boot()
+    assert [m.attempt for m in sim.launchers[(0, 1)].of(Start)] == [1]
+    assert (1, 1) not in sim.launchers
+    assert sim.controller.reconciler.started_everywhere(1) is None
+    sim.run(LAUNCH_RETRY_S + 0.5)
+    assert [m.attempt for m in sim.launchers[(1, 1)].of(Start)] == [1]
+    started = sim.controller.reconciler.started_everywhere(1)
+    assert started is not None and started > sim.clock.now() - 1
+    assert not sim.controller.store.records(sim.controller.job_id)
+    assert not any("hang" in e for e in sim.events)
+    sim.train(1)
+    sim.run(1.0)
+    assert sim.controller.job.status is JobStatus.RUNNING
+    sim.train(2, pods={0})  # pod 1's ranks say nothing more: hung after the window
+    sim.run(3.0)
+    assert any("hang detected" in e for e in sim.events)
+
+
 # -- R-29: operator-level online recovery --------------------------------------------------------
 
 OP_ENV = {

@@ -106,11 +106,14 @@ def hangs(c: ControllerContext, now: float) -> None:
         return  # a fault waits for its decision, later in this pass, which acts on these ranks
     if c.membership.joining and now < c.membership.joining_until:
         return  # a scale-out: the group waits for the joining ranks to start
+    started = c.reconciler.started_everywhere(c.job.attempt)
+    if started is None:
+        return  # the attempt still starts: its started ranks wait for the rest (reconcile)
     active = c.recoveries.active
     waiting = active is not None and active.action.process_level
     exempt = active.ranks if waiting and active is not None else None
-    network = network_waited_until(c)
-    key = (c.job.attempt, exempt, network, c.hang_s, c.startup_s)
+    waited = max(network_waited_until(c), started)
+    key = (c.job.attempt, exempt, waited, c.hang_s, c.startup_s)
     seen_up_to = min(now, c.caught_up_at)  # silent up to when everything sent was read
     if not c.hang_watch.must_look(seen_up_to, key):
         return
@@ -123,7 +126,7 @@ def hangs(c: ControllerContext, now: float) -> None:
         c.startup_s,
         lambda rank: exempt is not None and rank not in exempt,
         c.fault_plan.injected_at,
-        network,
+        waited,
     )
     c.hang_watch.looked(look, key)
     found = look.found

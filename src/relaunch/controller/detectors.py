@@ -296,11 +296,11 @@ def hang_fault(
     startup_s: float,
     exempt: Callable[[int], bool],
     injected_at: InjectedAt,
-    network_waited_until: float = 0.0,
+    waited_until: float = 0.0,
 ) -> Detected | None:
     """R-25: a rank of the current attempt silent for the hang window (see `hang_look`)."""
     return hang_look(
-        links, attempt, now, hang_s, startup_s, exempt, injected_at, network_waited_until
+        links, attempt, now, hang_s, startup_s, exempt, injected_at, waited_until
     ).found
 
 
@@ -312,7 +312,7 @@ def hang_look(
     startup_s: float,
     exempt: Callable[[int], bool],
     injected_at: InjectedAt,
-    network_waited_until: float = 0.0,
+    waited_until: float = 0.0,
 ) -> HangLook:
     """R-25: a rank of the current attempt silent for the hang window (before its first sign of
     progress: the startup allowance). When several are silent (one stuck rank stalls its peers
@@ -320,9 +320,10 @@ def hang_look(
     waiting for replacements) are not hung. A rank inside a checkpoint save (the SDK's phase)
     is making progress, for up to the startup allowance, and while one is, its silent peers
     are waiting for it in a collective: neither is hung, and the peers' silence counts from
-    the end of the save. Ranks that wait for the network (a node of the job whose data link was
-    down until `network_waited_until`: R-12's flap, ridden out) are not hung either: their
-    silence counts from when the link was back."""
+    the end of the save. Ranks that waited for something outside them until `waited_until`
+    are not hung either: their silence counts from then (the network: a node of the job whose
+    data link was down, R-12's flap ridden out; or the attempt's last pod to start: ranks
+    started before wait for it in their rendezvous)."""
     silent: list[tuple[float, LauncherLink, int, float]] = []
     current = [
         (link, index, rank)
@@ -343,8 +344,8 @@ def hang_look(
             save_due = ends if save_due is None else min(save_due, ends)
             continue
         window = hang_s if rank.progressed else startup_s
-        # it waited for a peer's save, or for the network, until then
-        since = max(rank.last_activity, saved_at, network_waited_until)
+        # it waited for a peer's save, the network or the last pod's start until then
+        since = max(rank.last_activity, saved_at, waited_until)
         if now - since > window:
             silent.append((since, link, rank_index, window))
         elif due is None or since + window < due:

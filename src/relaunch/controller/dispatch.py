@@ -284,6 +284,7 @@ def _launcher_hello(c: ControllerContext, peer: Peer, hello: LauncherHello) -> N
         ):
             code, signum = (None, -report.code) if report.code < 0 else (report.code, None)
             _exited(c, link, Exited(rank, report.attempt, code, signum, now))
+    c.reconciler.connected(pod)
 
 
 def _closed(c: ControllerContext, peer: Peer) -> None:

@@ -3,8 +3,10 @@
 Compares every pod's launcher with its row (node, generation) and the job's attempt, and does the
 next thing: retires launchers of older generations, asks the engine for missing launchers (or
 turns a standby launcher into one), stops processes of older attempts, and starts the current
-attempt once every pod is connected and nothing is still stopping. Keeps one standby launcher
-per schedulable node when warm spares are on, and the checkpoint fence up to date. A restarted
+attempt once nothing is still stopping, on each pod as soon as its launcher is connected (a pod
+whose new launcher is on its way runs nothing; a pod still waiting to be launched, for its old
+container's teardown, a lost node or R-14's fence, holds every start back). Keeps one standby
+launcher per schedulable node when warm spares are on, and the checkpoint fence up to date. A restarted
 controller or a repeated message is harmless: each pass only looks at what is and what should be.
 """
 
@@ -41,6 +43,12 @@ class Reconciler:
         self.fenced: dict[int, int] = {}
         """Pod -> the oldest generation allowed to write checkpoints."""
         self.fence_written: dict[str, dict[str, int]] = {}
+        self.startable = 0
+        """The attempt the last pass found may start: a pod that connects is started at once."""
+        self.partial = 0
+        """The attempt some pods were started for while others' new launchers were on their way."""
+        self.everywhere: tuple[int, float] = (0, 0.0)
+        """(attempt, when its last pod got its start), for the `partial` attempt."""
         self.fence_said: int | None = None
         """The record whose wait for a silent node's lease was said (once each)."""
         try:  # a restarted controller keeps the fence
@@ -52,24 +60,50 @@ class Reconciler:
 
     def converge(self, now: float) -> None:
         c = self.c
+        self.startable = 0  # until this pass finds the attempt may start
         if c.job.status.ended or now < c.adoption.until:
             return
         self._write_fence()
-        retired = sum(self._retire(pod, now) for pod in c.pods.values())
+        shutdown = Shutdown(commands.stop_grace(c))  # one message for all, encoded once
+        retired = sum(self._retire(pod, shutdown, now) for pod in c.pods.values())
         if retired:
             commands.said_stopping(c, retired, "their containers are rebuilt")
         parked = c.membership.parked()
         pods = [p for p in c.pods.values() if p.index not in parked]
-        if not all([self._connect(pod, now) for pod in pods]):
-            return
-        self._stop_or_start(pods)
+        connected = [pod for pod in pods if self._connect(pod, now)]
+        if len(connected) == len(pods):
+            self._stop_or_start(connected)
+            self._started_everywhere(connected, now)
+        elif all(pod.connected or pod.phase is PodPhase.LAUNCHING for pod in pods) and (
+            # a pod whose new launcher is on its way runs nothing (its old container is gone,
+            # and past R-14's fence): the others need not wait for it to start
+            self._stop_or_start(connected)
+        ):
+            self.partial = c.job.attempt
 
-    def _retire(self, pod: Pod, now: float) -> int:
+    def started_everywhere(self, attempt: int) -> float | None:
+        """When the attempt's last pod got its start, where some pods started before the rest
+        had their launchers (their ranks wait for the rest in their rendezvous: not hung, R-25);
+        None while one has not; 0.0 when no pod started early."""
+        if self.partial != attempt:
+            return 0.0
+        if self.everywhere[0] == attempt:
+            return self.everywhere[1]
+        return None
+
+    def _started_everywhere(self, pods: list[Pod], now: float) -> None:
+        attempt = self.c.job.attempt
+        if self.partial != attempt or self.everywhere[0] == attempt:
+            return
+        if all(p.link is not None and p.link.started_attempt >= attempt for p in pods):
+            self.everywhere = (attempt, now)
+
+    def _retire(self, pod: Pod, shutdown: Shutdown, now: float) -> int:
         """A launcher of an older generation is told to shut down; 1 if one was."""
         link = pod.link
         if link is None or link.generation == pod.row.generation:
             return 0
-        link.peer.send(Shutdown(commands.stop_grace(self.c)))
+        link.peer.send(shutdown)
         old = self.c.node(link.node)
         # a lost node's pods are not waited for: it may never answer (hung or cut off); they
         # are fenced instead, and get this shutdown if it comes back
@@ -126,7 +160,9 @@ class Reconciler:
             )
         return True
 
-    def _stop_or_start(self, pods: list[Pod]) -> None:
+    def _stop_or_start(self, pods: list[Pod]) -> bool:
+        """Stops the pods' processes of older attempts, or starts the current attempt on the
+        pods that have not started it once none is stopping; True if one was started."""
         c = self.c
         attempt = c.job.attempt
         links = [p.link for p in pods if p.link is not None]
@@ -140,21 +176,46 @@ class Reconciler:
                 pod.stop_sent(c.clock.now())
             if stopping:
                 commands.said_stopping(c, len(stopping), "their containers stay")
-            return
+            return False
         if any(link.stopping for link in links):
-            return
+            return False
         active = c.recoveries.active
         if active is not None and not action_for(active.action).ready_to_start(active):
-            return  # in-place waits for its heal
+            return False  # in-place waits for its heal
+        self.startable = attempt
         started = False
         for pod in pods:
             link = pod.link
             assert link is not None
             if link.started_attempt < attempt:
-                link.started_attempt = attempt
                 started = True
-                link.peer.send(Start(attempt, commands.pod_environment(c, pod.row, attempt)))
+                self._start(link, pod, attempt)
         if started and attempt > 1:
+            failpoints.reach("starting")
+        return started
+
+    def _start(self, link: LauncherLink, pod: Pod, attempt: int) -> None:
+        link.started_attempt = attempt
+        link.peer.send(Start(attempt, commands.pod_environment(self.c, pod.row, attempt)))
+
+    def connected(self, pod: Pod) -> None:
+        """A pod's launcher said hello: started at once if the last pass found the attempt
+        may start (nothing stopping, every other pod connected or its launcher on its way),
+        rather than at the next pass: each pass looks at every pod, and the launchers of a
+        rebuilt job of thousands of pods arrive over a second or more."""
+        attempt = self.c.job.attempt
+        link = pod.link
+        if (
+            self.startable != attempt
+            or link is None
+            or link.stopping
+            or link.started_attempt >= attempt
+            or link.running_older_than(attempt)
+        ):
+            return
+        self.partial = attempt  # others may not have started: the hang window waits for them
+        self._start(link, pod, attempt)
+        if attempt > 1:
             failpoints.reach("starting")
 
     def _assume(self, standby: LauncherLink, pod: Pod, now: float) -> None:
