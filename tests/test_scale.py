@@ -102,7 +102,7 @@ def test_the_simulation_drives_the_real_controller_through_a_recovery(
     assert 0 < row["detected_to_last_command_s"] <= row["fault_to_last_command_s"] < 30
     assert row["cpu_s"] > 0 and row["steady_messages_per_s"] > 0
     if level == "process-in-place":
-        assert row["store_writes"] < 16, "a process-level recovery rewrote every pod's row"
+        assert row["store_rows"] < 16, "a process-level recovery rewrote every pod's row"
         assert 0 < row["membership_bytes"] < 400
     table = report.markdown(
         {"mttr": [], "hang": [], "ratios": {}, "simulation": [row], "simulation_growth": []}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import queue
 import subprocess
 import sys
@@ -22,8 +23,11 @@ from pathlib import Path
 from relaunch.cluster.config import NodeSpec
 from relaunch.protocol.links import Cut, LinkFaultKind
 from relaunch.protocol.plans import LaunchPlan
+from relaunch_bench.simulation.peers import SimPlan
 
-__all__ = ["SimEngine"]
+__all__ = ["PEERS_NICE", "SimEngine"]
+
+PEERS_NICE = 10
 
 
 class SimEngine:
@@ -49,6 +53,9 @@ class SimEngine:
                     str(self.origin),
                 ],
                 stdin=subprocess.PIPE,
+                # below the controller's priority: on a cluster its peers run on other
+                # machines and leave its core to it; here they share two cores with it
+                preexec_fn=lambda: os.nice(PEERS_NICE),
             )
             requests: queue.Queue[bytes | None] = queue.Queue()
             writer = threading.Thread(target=_feed, args=(shard, requests), daemon=True)
@@ -70,7 +77,7 @@ class SimEngine:
         return 0
 
     def start_pod(self, plan: LaunchPlan) -> int:
-        self._tell(plan.node, {"op": "pod", "plan": plan.to_json()})
+        self._tell(plan.node, {"op": "pod", "plan": SimPlan.of(plan)})
         return 0
 
     def assumed(self, job: int, node: str, pod: int, generation: int) -> None:

@@ -85,9 +85,30 @@ class SimAgent:
     seq: int = 0
 
 
+@dataclass(frozen=True)
+class SimPlan:
+    """What a simulated launcher uses of its pod's launch plan (the engine sends only this:
+    the whole plan, encoded and decoded for each of thousands of pods, cost the controller's
+    process more than its own work)."""
+
+    job: int
+    pod: int
+    generation: int
+    node: str
+    first_rank: int
+    procs_per_pod: int
+    progress_interval_s: float
+    activity_interval_s: float
+    standby: bool
+
+    @classmethod
+    def of(cls, plan: LaunchPlan) -> dict[str, object]:
+        return {name: getattr(plan, name) for name in cls.__dataclass_fields__}
+
+
 @dataclass
 class SimLauncher:
-    plan: LaunchPlan
+    plan: SimPlan
     conn: Connection
     attempt: int = 0
     ranks: dict[int, SimRank] = field(default_factory=dict)
@@ -109,6 +130,9 @@ class Shard:
         self.launchers: dict[tuple[int, int], SimLauncher] = {}
         self.running = True
         self.pending = b""
+        self.address: tuple[str, int] | None = None
+        """The controller's, read once (each of thousands of peers reading the file cost the
+        shard a third of a connection)."""
         self.received = 0
         self.sent = 0
 
@@ -133,15 +157,20 @@ class Shard:
     # -- connections ------------------------------------------------------------------------------
 
     def connect(self, hello: Message, on_message: Callable[[Message], None]) -> Connection | None:
-        address = None
+        address = self.address
         for _ in range(100):  # the controller writes its address once it listens
-            address = controller_address(self.state_dir)
             if address is not None:
                 break
-            time.sleep(0.05)
+            address = controller_address(self.state_dir)
+            time.sleep(0 if address is not None else 0.05)
         if address is None:
             return None
-        conn = Connection.connect(*address, timeout=30)
+        try:
+            conn = Connection.connect(*address, timeout=30)
+        except OSError:
+            self.address = None  # read again next time (one controller runs a simulation)
+            raise
+        self.address = address
         self.selector.register(conn.fileno(), selectors.EVENT_READ, (conn, on_message))
         self.send(conn, hello)
         return conn
@@ -201,7 +230,7 @@ class Shard:
 
     # -- launchers ------------------------------------------------------------------------------
 
-    def start_pod(self, plan: LaunchPlan) -> None:
+    def start_pod(self, plan: SimPlan) -> None:
         launcher: SimLauncher | None = None
 
         def on_message(message: Message) -> None:
@@ -335,7 +364,7 @@ class Shard:
         if op == "agent":
             self.start_agent(data["node"], data["chips"], data["interval"])
         elif op == "pod":
-            self.start_pod(LaunchPlan.from_json(data["plan"]))
+            self.start_pod(SimPlan(**data["plan"]))
         elif op == "kill":
             self.kill_node(data["node"])
         elif op == "shutdown":

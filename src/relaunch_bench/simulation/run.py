@@ -69,8 +69,9 @@ class Probe:
     def __init__(self) -> None:
         self.sent: list[tuple[float, str]] = []
         self.received = 0
-        self.writes: list[tuple[float, float]] = []
-        """(when it began, how long) of each write statement or COMMIT."""
+        self.writes: list[tuple[float, float, int]] = []
+        """(when it began, how long, rows) of each write statement (one of many rows: an
+        executemany) or COMMIT."""
         self.cpu: list[tuple[float, float, int]] = []
         """(when, CPU seconds, messages received) every SAMPLE_S."""
         self.publications: list[tuple[float, float, int]] = []
@@ -117,7 +118,16 @@ class TimedSqlite(sqlite3.Connection):
         try:
             return super().execute(sql, parameters)
         finally:
-            PROBE.writes.append((began, time.perf_counter() - started))
+            PROBE.writes.append((began, time.perf_counter() - started, 1))
+
+    def executemany(self, sql: str, parameters: Any, /) -> sqlite3.Cursor:
+        rows = list(parameters)
+        began = time.time()
+        started = time.perf_counter()
+        try:
+            return super().executemany(sql, rows)
+        finally:
+            PROBE.writes.append((began, time.perf_counter() - started, len(rows)))
 
 
 def _instrument() -> None:
@@ -202,14 +212,22 @@ def _measured(
         return row
     record = records[0]
     end = record.resumed_at or record.fault_at + 60
-    acting = [(t, kind) for t, kind in PROBE.sent if record.fault_at <= t <= end and kind in ACTING]
+    # the recovery's commands, and its starts after its first step: a pod is started as its
+    # launcher connects, and the first pods started may step before the last is (the job's
+    # own end, later, sends only stops and shutdowns)
+    acting = [
+        (t, kind)
+        for t, kind in PROBE.sent
+        if kind in ACTING and (record.fault_at <= t <= end or (t > end and kind == "start"))
+    ]
     last = acting[-1][0] if acting else record.detected_at
     cpu, _ = PROBE.cpu_between(record.detected_at, last)
     # the steady state: the job trains, every pod started (the second half before the fault)
     quiet_from, quiet_to = max(record.fault_at - 10, (began + record.fault_at) / 2), record.fault_at
     steady_cpu, steady_messages = PROBE.cpu_between(quiet_from, quiet_to)
     quiet_s = max(quiet_to - quiet_from, 1e-3)
-    writes = [d for t, d in PROBE.writes if record.detected_at <= t <= last]
+    writes = [d for t, d, _ in PROBE.writes if record.detected_at <= t <= last]
+    rows = sum(n for t, _, n in PROBE.writes if record.detected_at <= t <= last)
     publications = [p for p in PROBE.publications if record.detected_at <= p[0] <= last]
     kinds: dict[str, int] = {}
     for _, kind in acting:
@@ -223,6 +241,7 @@ def _measured(
         commands=kinds,
         cpu_s=round(cpu, 4),
         store_writes=len(writes),
+        store_rows=rows,
         store_write_s=round(sum(writes), 4),
         store_write_max_ms=round(max(writes, default=0) * 1000, 3),
         membership_publish_s=round(sum(p[1] for p in publications), 4),
