@@ -93,7 +93,7 @@ def test_warm_restarts_at_every_level_end_bit_identical(cluster: Cluster, fault_
     spec["spec"]["warm_spares"] = 1
     result = cluster.run(spec, DDP_FAULTS, DDP_CLUSTER, timeout=400, startup_s=60)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.actions == ACTIONS
+    assert result.actions == ACTIONS, result.stdout
     assert out.read_text().strip() == fault_free
     assert re.search(
         r"pod \d takes the standby launcher on node-\d and its warm spares", result.stdout
