@@ -652,17 +652,11 @@ def test_a_rank_that_failed_while_no_controller_heard_it_is_a_fault_at_adoption(
     assert sim.records()[0].fault.rank == 2
 
 
-def test_a_launcher_the_engine_could_not_start_is_started_again_not_fatal(
-    tmp_path: Path,
-) -> None:
-    """The engine's start of a pod's launcher raised (a cgroup removed under it): the controller
-    says so and carries on, and starts that launcher again once its launch is overdue. Before:
-    the exception ended `relaunch run` with a traceback, the job's pods left without a controller."""
+def _first_launch_of_pod_1_fails(sim: Sim) -> list[int]:
+    """The engine's first start of pod 1's launcher raises (a cgroup removed under it); the
+    pods it failed for, as it fails."""
     import subprocess
 
-    from relaunch.controller.pods import LAUNCH_RETRY_S
-
-    sim = Sim(tmp_path, job_spec(UNCONDITIONAL), nodes=4)
     real = sim.engine.start_pod
     failed: list[int] = []
 
@@ -673,6 +667,19 @@ def test_a_launcher_the_engine_could_not_start_is_started_again_not_fatal(
         return real(plan)
 
     sim.engine.start_pod = start_pod  # type: ignore[method-assign]
+    return failed
+
+
+def test_a_launcher_the_engine_could_not_start_is_started_again_not_fatal(
+    tmp_path: Path,
+) -> None:
+    """The engine's start of a pod's launcher raised (a cgroup removed under it): the controller
+    says so and carries on, and starts that launcher again once its launch is overdue. Before:
+    the exception ended `relaunch run` with a traceback, the job's pods left without a controller."""
+    from relaunch.controller.pods import LAUNCH_RETRY_S
+
+    sim = Sim(tmp_path, job_spec(UNCONDITIONAL), nodes=4)
+    failed = _first_launch_of_pod_1_fails(sim)
     sim.boot()
     assert failed == [1]
     assert any("could not start the launcher of pod 1" in e for e in sim.events)
@@ -691,21 +698,10 @@ def test_a_pod_starts_while_another_pods_launcher_is_on_its_way_and_waits_unhung
     started at once rather than after every pod connected (a job of thousands of pods starts as
     its launchers arrive), and its ranks, waiting in their rendezvous for pod 1's, are not hung
     (R-25). Once pod 1 starts, the window counts from then: a rank silent for it is hung."""
-    import subprocess
-
     from relaunch.controller.pods import LAUNCH_RETRY_S
 
     sim = Sim(tmp_path, job_spec(HANG), nodes=4)
-    real = sim.engine.start_pod
-    failed: list[int] = []
-
-    def start_pod(plan: Any) -> int:
-        if plan.pod == 1 and not failed:
-            failed.append(plan.pod)
-            raise subprocess.SubprocessError("Exception occurred in preexec_fn.")
-        return real(plan)
-
-    sim.engine.start_pod = start_pod  # type: ignore[method-assign]
+    _first_launch_of_pod_1_fails(sim)
     sim.boot()
     assert [m.attempt for m in sim.launchers[(0, 1)].of(Start)] == [1]
     assert (1, 1) not in sim.launchers
