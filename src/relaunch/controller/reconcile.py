@@ -6,8 +6,9 @@ turns a standby launcher into one), stops processes of older attempts, and start
 attempt once nothing is still stopping, on each pod as soon as its launcher is connected (a pod
 whose new launcher is on its way runs nothing; a pod still waiting to be launched, for its old
 container's teardown, a lost node or R-14's fence, holds every start back). Keeps one standby
-launcher per schedulable node when warm spares are on, and the checkpoint fence up to date. A restarted
-controller or a repeated message is harmless: each pass only looks at what is and what should be.
+launcher per schedulable node when warm spares are on, and the checkpoint fence up to date. A
+restarted controller or a repeated message is harmless: each pass only looks at what is and
+what should be.
 """
 
 from __future__ import annotations
