@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.runtime import DDP_CLUSTER, DDP_FAULTS, DDP_JOB, ROOT, Cluster
+from tests.runtime import DDP_CLUSTER, DDP_FAULTS, DDP_JOB, ROOT, Cluster, Result
 
 SCRIPT = ROOT / "tests" / "scripts" / "ddp_dropout_adam.py"
 ACTIONS = ["job-reschedule", "in-place", "pod-reschedule", "hang-restart"]
@@ -48,6 +48,16 @@ def fault_free(tmp_path_factory: pytest.TempPathFactory) -> str:
     return (tmp / "hash.txt").read_text().strip()
 
 
+def story(result: Result) -> str:
+    """What each rank did, for a hash that differs: every attempt, resume and dying gasp."""
+    lines = [
+        line
+        for line in result.logs().splitlines()
+        if line.startswith(("--- relaunch:", "start:", "relaunch: dying gasp", "done:"))
+    ]
+    return "\n".join([*lines, result.stdout])
+
+
 def resume_steps(logs: str) -> list[int]:
     return [int(m) for m in re.findall(r"start: rank 0 resume_step=(\d+)", logs)]
 
@@ -64,7 +74,7 @@ def test_sdk_script_with_dropout_and_adam_ends_bit_identical_under_every_fault(
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.actions == ACTIONS
     assert all(r["outcome"] == "succeeded" for r in result.report["recoveries"])
-    assert out.read_text().strip() == fault_free
+    assert out.read_text().strip() == fault_free, story(result)
 
 
 def test_sdk_script_with_dying_gasps_only_ends_bit_identical_under_every_fault(
@@ -74,7 +84,7 @@ def test_sdk_script_with_dying_gasps_only_ends_bit_identical_under_every_fault(
     result = cluster.run(job(out, 0), DDP_FAULTS, DDP_CLUSTER, timeout=400, startup_s=60)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.actions == ACTIONS
-    assert out.read_text().strip() == fault_free
+    assert out.read_text().strip() == fault_free, story(result)
     # Only gasps exist: each resume after the crash, the chip fault and the lost node comes from
     # a gasp saved by the healthy rank, no earlier than the step the fault was injected at.
     resumed = resume_steps(result.logs())
@@ -94,7 +104,7 @@ def test_warm_restarts_at_every_level_end_bit_identical(cluster: Cluster, fault_
     result = cluster.run(spec, DDP_FAULTS, DDP_CLUSTER, timeout=400, startup_s=60)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.actions == ACTIONS, result.stdout
-    assert out.read_text().strip() == fault_free
+    assert out.read_text().strip() == fault_free, story(result)
     assert re.search(
         r"pod \d takes the standby launcher on node-\d and its warm spares", result.stdout
     )

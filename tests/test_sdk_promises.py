@@ -111,6 +111,93 @@ def test_dying_gasp_after_a_failed_step_saves_the_random_streams_of_the_step_bef
     assert draws() == expected  # before the fix: the streams as step 5 left them
 
 
+GASP_POINT_SCRIPT = """
+import random, signal, sys, time
+import numpy as np
+import torch
+from relaunch.train import CheckpointManager, checkpoint, rng
+out, point, at = sys.argv[1], sys.argv[2], int(sys.argv[3])
+random.seed(0); np.random.seed(0); torch.manual_seed(0)
+m = CheckpointManager(out + "/ckpt", rank=0, every=at)
+model = {"w": 0}
+armed = False
+
+def term(where):  # relaunch's SIGTERM, arriving exactly here at step `at`
+    global armed
+    if armed and where == point:
+        armed = False
+        signal.raise_signal(signal.SIGTERM)  # its Python handler runs before this returns
+
+capture = rng.capture
+def capture_hooked():
+    if sys._getframe(1).f_code.co_name == "completed_step":
+        term("while the step's random streams are noted")
+    return capture()
+rng.capture = capture_hooked
+write_atomic = checkpoint._write_atomic
+def write_hooked(*args, **kwargs):
+    term("while a periodic save writes")
+    return write_atomic(*args, **kwargs)
+checkpoint._write_atomic = write_hooked
+
+def state():
+    term("while a periodic save gathers the state")
+    return {"w": model["w"], "rng": rng.capture()}
+
+m.completed_step = 0
+m.dying_gasp(state)
+for step in range(1, 100):
+    with m.step(step):
+        armed = armed or step == at
+        random.random(); np.random.random_sample(); torch.rand(3)  # a step draws (dropout)
+        term("inside the step")
+        model["w"] = step  # the optimizer's update
+    m.maybe_save(step, state)
+    term("between two steps")
+    time.sleep(0.01)
+"""
+
+GASP_POINTS = [
+    "inside the step",
+    "while the step's random streams are noted",
+    "while a periodic save gathers the state",
+    "while a periodic save writes",
+    "between two steps",
+]
+
+
+@pytest.mark.parametrize("point", GASP_POINTS)
+def test_a_sigterm_at_each_point_between_two_writes_gasps_the_state_of_one_step(
+    tmp_path: Path, point: str
+) -> None:
+    """The gasp saves a step's parameters with that step's random streams, wherever relaunch's
+    SIGTERM lands (a hung rank's SIGSTOP and a stop's SIGCONT + SIGTERM land anywhere). Before
+    the fix: the step noted before its streams (a gasp between saved step 3 with step 2's
+    streams: a warm-restart run ended with another hash once in CI), and a gasp in the middle of
+    a save waited for the lock that save held until the grace killed the rank."""
+    script = tmp_path / "gasp.py"
+    script.write_text(GASP_POINT_SCRIPT)
+    at = 3
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), point, str(at)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 143, done.stdout + done.stderr
+    assert f"dying gasp saved step {at}" in done.stdout, done.stdout + done.stderr
+    loaded = CheckpointManager(tmp_path / "ckpt", rank=0).load()
+    assert loaded is not None and loaded.step == at
+    assert loaded.state["w"] == at  # the parameters of step 3, not of step 2 or 4
+    with rng.preserved():
+        random.seed(0)
+        np.random.seed(0)
+        torch.manual_seed(0)
+        for _ in range(at):
+            random.random(), np.random.random_sample(), torch.rand(3)
+        expected = draws()
+        rng.restore(loaded.state["rng"])
+        assert draws() == expected  # the streams as step 3 left them
+
+
 @contextlib.contextmanager
 def tiny_disk(path: Path, size: str) -> Iterator[Path]:
     """A real, small file system (tmpfs) that fills up; needs root, as the Ray tests do."""

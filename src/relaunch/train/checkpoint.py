@@ -207,9 +207,12 @@ class CheckpointManager:
         self._writer: threading.Thread | None = None
         self._error: BaseException | None = None
         self._lock = threading.Lock()
-        self._completed_step: int | None = None
-        self._rng_completed: dict[str, Any] | None = None
+        self._completed: tuple[int | None, dict[str, Any] | None] = (None, None)
+        """(the last completed step, the random streams as they were at its end): one
+        attribute, assigned at once, so that a SIGTERM's gasp never sees one without the other."""
         self._in_step = False
+        self._saving = False
+        self._gasping = False
         self._term_pending = False
         self._gasp: Callable[[], Any] | None = None
         self._host = shard.HostBuffer()  # reused by every asynchronous save
@@ -220,14 +223,15 @@ class CheckpointManager:
     @property
     def completed_step(self) -> int | None:
         """The last step that ended without an error: what a dying gasp saves."""
-        return self._completed_step
+        return self._completed[0]
 
     @completed_step.setter
     def completed_step(self, step: int | None) -> None:
         # The random streams as they are at the end of this step: a gasp that comes in the
         # middle of the next step (which may have drawn already) saves them, not the current.
-        self._completed_step = step
-        self._rng_completed = rng.capture() if step is not None else None
+        # Captured first and stored with the step in one assignment: a gasp between the two
+        # saved step N with the streams of step N - 1 (a resumed run drew other numbers).
+        self._completed = (step, rng.capture() if step is not None else None)
 
     # -- saving -------------------------------------------------------------------------------------
 
@@ -235,6 +239,10 @@ class CheckpointManager:
         """Save `state` as this rank's shard of `step`. relaunch hears that the rank is saving
         (no process-level recovery runs meanwhile, R-37) until the save returns: after the
         write, or for an asynchronous save once the state is copied to host memory."""
+        with self._term_waits():
+            self._save(step, state, blocking)
+
+    def _save(self, step: int, state: Any, blocking: bool | None) -> None:
         report_phase(SdkPhase.CHECKPOINT)
         try:
             self.wait()
@@ -259,10 +267,11 @@ class CheckpointManager:
         (its call is part of the save)."""
         if self.every is None or step % self.every:
             return False
-        if callable(state):
-            report_phase(SdkPhase.CHECKPOINT)
-            state = state()
-        self.save(step, state)
+        with self._term_waits():
+            if callable(state):
+                report_phase(SdkPhase.CHECKPOINT)
+                state = state()
+            self.save(step, state)
         return True
 
     def wait(self) -> None:
@@ -420,13 +429,32 @@ class CheckpointManager:
                 raise
             self._await_termination()
             raise
-        self._in_step = False
+        # Still inside the step while the step and its random streams are noted: a SIGTERM in
+        # between would save the new parameters as the old step (or the new step with the old
+        # streams), and the resumed run would train one step twice or draw other numbers.
         self.completed_step = step
+        self._in_step = False
         if self._term_pending:
             self._gasp_and_exit()
 
+    @contextlib.contextmanager
+    def _term_waits(self) -> Iterator[None]:
+        """A SIGTERM during a save waits for it to end: a gasp in the middle of a save waited
+        for the save's lock, which the interrupted save held (the grace then killed the rank and
+        its gasp was lost), or saved a state the interrupted code was half-way through building."""
+        outer = self._saving
+        self._saving = True
+        try:
+            yield
+        finally:
+            self._saving = outer
+            if not outer and self._term_pending and not self._in_step and not self._gasping:
+                self._gasp_and_exit()
+
     def _on_term(self, signum: int, frame: FrameType | None) -> None:
-        if self._in_step:
+        if self._gasping:
+            return  # saving it already
+        if self._in_step or self._saving:
             self._term_pending = True
             return
         self._gasp_and_exit()
@@ -439,13 +467,15 @@ class CheckpointManager:
             time.sleep(0.05)
 
     def _gasp_and_exit(self) -> None:
-        if self._gasp is not None and self.completed_step is not None:
+        self._gasping = True
+        step, streams = self._completed
+        if self._gasp is not None and step is not None:
             try:
-                if self._rng_completed is not None:
-                    rng.restore(self._rng_completed)  # as of the end of the completed step
-                self.save(self.completed_step, self._gasp(), blocking=True)
+                if streams is not None:
+                    rng.restore(streams)  # as of the end of the completed step
+                self.save(step, self._gasp(), blocking=True)
                 print(
-                    f"relaunch: dying gasp saved step {self.completed_step} (rank {self.rank})",
+                    f"relaunch: dying gasp saved step {step} (rank {self.rank})",
                     flush=True,
                 )
             except Exception as error:  # the process exits either way

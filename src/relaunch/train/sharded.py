@@ -184,6 +184,7 @@ class ShardedCheckpointManager(CheckpointManager):
         stopped between steps while a peer is inside the next one would save a mixture): else
         skipped, saying so, and the last committed checkpoint stands. A peer blocked in a
         training collective never answers: the grace ends it, and nothing half-written counts."""
+        self._gasping = True
         steps: list[Any] = [None] * dist.get_world_size(self.group)
         try:
             dist.all_gather_object(steps, self.completed_step, group=self.group)
