@@ -10,6 +10,7 @@ import os
 import pickle
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -196,6 +197,86 @@ def test_a_sigterm_at_each_point_between_two_writes_gasps_the_state_of_one_step(
         expected = draws()
         rng.restore(loaded.state["rng"])
         assert draws() == expected  # the streams as step 3 left them
+
+
+KEEPER_GASP_SCRIPT = """
+import random, signal, sys
+import numpy as np
+import torch
+from torch import nn
+from relaunch.train import CheckpointManager, rng
+from relaunch.train.group import ProcessGroupKeeper
+out, at, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+torch.set_num_threads(1)
+random.seed(0); np.random.seed(0); torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 1))
+
+class Adam(torch.optim.Adam):
+    def step(self, closure=None):
+        result = super().step(closure)
+        if mode == "signal" and keeper.completed + 1 == at:
+            signal.raise_signal(signal.SIGTERM)  # relaunch's SIGTERM, inside the update
+        return result
+
+optimizer = Adam(model.parameters(), lr=0.01)
+keeper = ProcessGroupKeeper(model, optimizer)
+keeper.start()
+ckpt = CheckpointManager(out + "/ckpt", rank=0)
+ckpt.completed_step = 0
+state = lambda: {"model": model.state_dict(), "rng": rng.capture()}
+ckpt.dying_gasp(state)
+
+def train_step(step):
+    optimizer.zero_grad()
+    model(torch.randn(2, 4) + random.random() + float(np.random.random_sample())).sum().backward()
+
+def after(step, _):
+    if mode == "reference" and step == at:
+        ckpt.save(step, state())
+        keeper.exit(0)
+
+keeper.run(1, 100, train_step, after, checkpoint=ckpt)
+"""
+
+
+def test_a_sigterm_inside_the_keepers_optimizer_step_gasps_the_state_of_one_step(
+    tmp_path: Path,
+) -> None:
+    """Process-level recovery's loop (`ProcessGroupKeeper.run`, handed the checkpoint manager):
+    a SIGTERM in the middle of the optimizer's update waits for it, and the gasp saves step 3's
+    parameters with step 3's number and streams, as a run that saved step 3 itself has them.
+    Before: the example noted the step in `after`, and a gasp in between saved step 3's
+    parameters as step 2 (the resumed run trained step 3 twice)."""
+    script = tmp_path / "keeper_gasp.py"
+    script.write_text(KEEPER_GASP_SCRIPT)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "RANK": "0", "WORLD_SIZE": "1"}
+    saved = {}
+    for mode in ("reference", "signal"):
+        out = tmp_path / mode
+        out.mkdir()
+        with socket.socket() as free:
+            free.bind(("127.0.0.1", 0))
+            env["MASTER_PORT"] = str(free.getsockname()[1])
+        done = subprocess.run(
+            [sys.executable, str(script), str(out), "3", mode],
+            capture_output=True, text=True, timeout=120, env=env,
+        )  # fmt: skip
+        assert done.returncode == (0 if mode == "reference" else 143), done.stdout + done.stderr
+        loaded = CheckpointManager(out / "ckpt", rank=0).load()
+        assert loaded is not None and loaded.step == 3, done.stdout + done.stderr
+        saved[mode] = loaded.state
+    assert_same_tensors(saved["signal"]["model"], saved["reference"]["model"])
+    with rng.preserved():
+        rng.restore(saved["reference"]["rng"])
+        expected = draws()
+        rng.restore(saved["signal"]["rng"])
+        assert draws() == expected
+
+
+def assert_same_tensors(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == expected.keys()
+    for name in got:
+        assert torch.equal(got[name], expected[name]), name
 
 
 @contextlib.contextmanager

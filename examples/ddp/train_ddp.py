@@ -302,14 +302,13 @@ def process_level(args: argparse.Namespace) -> None:
         if args.timeline and job.rank == 0:  # one line a step: a step done twice shows twice
             with open(args.timeline, "a") as timeline:
                 timeline.write(f"step {step} {time.time():.6f}\n")
-        ckpt.completed_step = step
         report_progress(step)
         ckpt.maybe_save(step, state)
         if step % 20 == 0 and job.rank == 0:
             print(f"step {step} loss {loss.item():.6f}", flush=True)
         time.sleep(args.step_seconds)
 
-    keeper.run(keeper.completed + 1, args.steps, train_step, after)
+    keeper.run(keeper.completed + 1, args.steps, train_step, after, checkpoint=ckpt)
     ckpt.wait()
     digest = parameter_hash(model)
     if job.rank == 0:

@@ -239,7 +239,7 @@ class CheckpointManager:
         """Save `state` as this rank's shard of `step`. relaunch hears that the rank is saving
         (no process-level recovery runs meanwhile, R-37) until the save returns: after the
         write, or for an asynchronous save once the state is copied to host memory."""
-        with self._term_waits():
+        with self.hold_gasp():
             self._save(step, state, blocking)
 
     def _save(self, step: int, state: Any, blocking: bool | None) -> None:
@@ -267,7 +267,7 @@ class CheckpointManager:
         (its call is part of the save)."""
         if self.every is None or step % self.every:
             return False
-        with self._term_waits():
+        with self.hold_gasp():
             if callable(state):
                 report_phase(SdkPhase.CHECKPOINT)
                 state = state()
@@ -438,10 +438,12 @@ class CheckpointManager:
             self._gasp_and_exit()
 
     @contextlib.contextmanager
-    def _term_waits(self) -> Iterator[None]:
-        """A SIGTERM during a save waits for it to end: a gasp in the middle of a save waited
-        for the save's lock, which the interrupted save held (the grace then killed the rank and
-        its gasp was lost), or saved a state the interrupted code was half-way through building."""
+    def hold_gasp(self) -> Iterator[None]:
+        """A SIGTERM inside waits for the block to end, then the gasp saves: for what changes
+        the state outside :meth:`step` (a save; `ProcessGroupKeeper.run`'s optimizer step and
+        its `completed_step`). A gasp in the middle of a save waited for the save's lock, which
+        the interrupted save held (the grace then killed the rank and its gasp was lost); one in
+        the middle of an optimizer step saved half-updated parameters."""
         outer = self._saving
         self._saving = True
         try:

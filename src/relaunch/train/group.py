@@ -8,7 +8,7 @@ writes it where `RELAUNCH_MEMBERSHIP` says. :class:`ProcessGroupKeeper` runs the
     if not keeper.start():                     # a replacement got its state from a healthy rank
         keeper.completed = load_my_checkpoint()  # others resume as usual
     keeper.settle(sample_input)
-    keeper.run(keeper.completed + 1, steps, train_step, after=on_step_done)
+    keeper.run(keeper.completed + 1, steps, train_step, after=on_step_done, checkpoint=ckpt)
 
 where ``train_step(step)`` zeroes the gradients, runs forward and backward through
 ``keeper.module`` (the DDP wrapper) and returns whatever it likes; the keeper then agrees with
@@ -50,6 +50,7 @@ from relaunch.protocol.environment import Env
 from relaunch.protocol.operator import OperatorRetry
 from relaunch.protocol.plans import Membership, read_membership
 from relaunch.train import overlap
+from relaunch.train.checkpoint import CheckpointManager
 from relaunch.train.collectives import RetryableCollectives, settings_from_env
 from relaunch.train.distributed import (
     restore_snapshot,
@@ -372,7 +373,13 @@ class ProcessGroupKeeper:
         last: int,
         train_step: Callable[[int], Any],
         after: Callable[[int, Any], None] | None = None,
+        checkpoint: CheckpointManager | None = None,
     ) -> None:
+        """Train steps `first` to `last`: `train_step(step)`, the commit, the optimizer's step,
+        then `after(step, what train_step returned)`. With `checkpoint`, its `completed_step`
+        follows the committed steps, noted with the optimizer's step while a SIGTERM waits
+        (`hold_gasp`): the dying gasp saves one step's parameters with that step's number and
+        random streams, wherever the SIGTERM lands."""
         step = first
         self._mark_boundary()
         while step <= last:
@@ -397,8 +404,11 @@ class ProcessGroupKeeper:
                 step = self.completed + 1
                 continue
             self._in_step = False
-            self.optimizer.step()
-            self.completed = step
+            with checkpoint.hold_gasp() if checkpoint is not None else contextlib.nullcontext():
+                self.optimizer.step()
+                self.completed = step
+                if checkpoint is not None:
+                    checkpoint.completed_step = step
             if step % self.elastic_every == 0:
                 self._mark_boundary()
             if after is not None:
