@@ -375,11 +375,8 @@ class ProcessGroupKeeper:
         after: Callable[[int, Any], None] | None = None,
         checkpoint: CheckpointManager | None = None,
     ) -> None:
-        """Train steps `first` to `last`: `train_step(step)`, the commit, the optimizer's step,
-        then `after(step, what train_step returned)`. With `checkpoint`, its `completed_step`
-        follows the committed steps, noted with the optimizer's step while a SIGTERM waits
-        (`hold_gasp`): the dying gasp saves one step's parameters with that step's number and
-        random streams, wherever the SIGTERM lands."""
+        """Steps `first` to `last`: `train_step`, the commit, the optimizer's step and (while a
+        SIGTERM waits) `checkpoint.completed_step`, then `after(step, train_step's result)`."""
         step = first
         self._mark_boundary()
         while step <= last:
@@ -456,9 +453,8 @@ class ProcessGroupKeeper:
             self._drop_group()
             m = self._wait_for(failed_at, deadline)
             if m.world_size != world:
-                # Elastic: fewer or more data-parallel replicas from now on. Every member goes
-                # back to the last boundary, so that the new sharding starts at a step that does
-                # not depend on when the fault was noticed.
+                # Elastic: every member goes back to the last boundary, so that the new sharding
+                # starts at a step that does not depend on when the fault was noticed.
                 self._back_to_boundary()
                 world = m.world_size
             try:
@@ -477,15 +473,9 @@ class ProcessGroupKeeper:
             return
 
     def _note(self, kind: str, generation: int, step: int, began: float) -> None:
-        self.recoveries.append(
-            {
-                "kind": kind,
-                "generation": generation,
-                "step": step,
-                "world_size": self.world_size,
-                "seconds": time.time() - began,
-            }
-        )
+        seconds, world_size = time.time() - began, self.world_size
+        self.recoveries.append(dict(kind=kind, generation=generation, step=step,
+                                    world_size=world_size, seconds=seconds))  # fmt: skip
         print(
             f"[relaunch] rank {self.original_rank}: {kind} at step {step}, generation "
             f"{generation}, now rank {self.rank} of {self.world_size}, resuming after step "
