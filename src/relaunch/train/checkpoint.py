@@ -211,7 +211,7 @@ class CheckpointManager:
         """(the last completed step, the random streams as they were at its end): one
         attribute, assigned at once, so that a SIGTERM's gasp never sees one without the other."""
         self._in_step = False
-        self._saving = False
+        self._gasp_held = False
         self._gasping = False
         self._term_pending = False
         self._gasp: Callable[[], Any] | None = None
@@ -444,19 +444,19 @@ class CheckpointManager:
         its `completed_step`). A gasp in the middle of a save waited for the save's lock, which
         the interrupted save held (the grace then killed the rank and its gasp was lost); one in
         the middle of an optimizer step saved half-updated parameters."""
-        outer = self._saving
-        self._saving = True
+        outer = self._gasp_held
+        self._gasp_held = True
         try:
             yield
         finally:
-            self._saving = outer
+            self._gasp_held = outer
             if not outer and self._term_pending and not self._in_step and not self._gasping:
                 self._gasp_and_exit()
 
     def _on_term(self, signum: int, frame: FrameType | None) -> None:
         if self._gasping:
             return  # saving it already
-        if self._in_step or self._saving:
+        if self._in_step or self._gasp_held:
             self._term_pending = True
             return
         self._gasp_and_exit()
