@@ -328,9 +328,74 @@ def test_every_message_encodes_as_the_value_walk_did_and_decodes_back() -> None:
         value = _example(kind)
         assert json.dumps(to_data(value)) == json.dumps(_walked(value)), kind
         if kind is not LaunchPlan:
-            assert messages.decode(messages.encode(value)) == value, kind
+            line = messages.encode(value)
+            assert line.startswith('{"t":"' + kind.KIND + '"'), line  # its kind first
+            assert json.loads(line) == {"t": kind.KIND, **json.loads(json.dumps(_walked(value)))}
+            assert messages.decode(line) == value, kind
+            assert messages.decode(line.encode()) == value, kind
+            # the careful way (a line whose kind is not first) reads it alike
+            fields = json.loads(line)
+            del fields["t"]
+            moved = json.dumps({**fields, "t": kind.KIND}, separators=(",", ":"))
+            assert fields == {} or not moved.startswith('{"t"'), moved
+            assert messages.decode(moved) == value, kind
     empty = messages.ProgressBatch((), (), {})
     assert messages.decode(messages.encode(empty)) == empty
+    assert messages.encode(messages.Lease()) == '{"t":"lease"}'
+    assert messages.decode('{"t":"lease"}') == messages.Lease()
+
+
+def test_every_line_the_fast_decoder_refuses_the_careful_way_decides() -> None:
+    """msgspec decodes a line whose kind comes first; a line it refuses goes the careful way
+    (codec), which converts what it can: each way a line can be wrong or unusual, decoded with
+    its kind first and last, gives the same outcome both ways."""
+    stopped = '"exited":{"3":[1,null,15]}'
+    for fields, expected in (
+        ('"attempt":2,"at":1.5', messages.Stopped(2, 1.5)),
+        ('"attempt":2,"at":1', messages.Stopped(2, 1.0)),  # an int for a float
+        ('"attempt":"2","at":1.5', messages.Stopped(2, 1.5)),  # a number in a string
+        (f'"attempt":2,"at":1.5,{stopped}', messages.Stopped(2, 1.5, exited={3: (1, None, 15)})),
+        (
+            '"attempt":2,"at":1.5,"exited":{"03":[1,null,15]}',
+            messages.Stopped(2, 1.5, exited={3: (1, None, 15)}),
+        ),
+        ('"attempt":2,"at":1.5,"other":[1]', messages.Stopped(2, 1.5)),  # unknown: ignored
+        ('"attempt":true,"at":1.5', None),
+        ('"attempt":2.5,"at":1.5', None),
+        ('"attempt":2', None),  # missing
+        ('"attempt":2,"at":"x"', None),
+        ('"attempt":2,"at":1.5,"exited":{"x":[1,null,15]}', None),
+        ('"attempt":2,"at":1.5,"exited":{"3":[1,null]}', None),
+        ('"attempt":2,"at":1.5,"exited":[]', None),
+        (f'"attempt":{1 << 70},"at":1.5', messages.Stopped(1 << 70, 1.5)),  # past int64
+    ):
+        first = '{"t":"stopped",' + fields + "}"
+        last = "{" + fields + ',"t":"stopped"}'
+        assert messages.decode(first) == expected, first
+        assert messages.decode(last) == expected, last
+        assert messages.decode(first.encode()) == expected, first
+    for line in (
+        "",
+        "not json",
+        '{"t":"stopped","attempt":2,"at":1.5',  # cut short
+        '{"t":"nonesuch","attempt":2}',
+        '{"t":"stopped"',
+        '{"t":"stopp',
+        '{"attempt":2,"at":1.5}',  # no kind
+        '["t","stopped"]',
+        '{"t":"stopped","attempt":2,"at":1.5}trailing',
+    ):
+        assert messages.decode(line) is None, line
+    # bytes that are not UTF-8: refused in a field the message has, ignored in one it has not
+    # (as any field it has not)
+    for line in (
+        b'{"t":"output","rank":0,"attempt":1,"line":"\xff"}',
+        b'{"rank":0,"attempt":1,"line":"\xff","t":"output"}',
+    ):
+        assert messages.decode(line) is None, line
+    assert messages.decode(
+        b'{"t":"output","rank":0,"attempt":1,"line":"a","x":"\xff"}'
+    ) == messages.Output(0, 1, "a")
 
 
 def test_the_decoders_shortcuts_take_what_the_careful_way_takes_and_refuse_the_rest() -> None:
@@ -378,7 +443,7 @@ def test_the_decoders_shortcuts_take_what_the_careful_way_takes_and_refuse_the_r
         is None
     )
     start = messages.Start(2, {"A": "b"}, (3,))
-    assert messages.encode(start) == '{"attempt":2,"env":{"A":"b"},"ranks":[3],"t":"start"}'
+    assert messages.encode(start) == '{"t":"start","attempt":2,"env":{"A":"b"},"ranks":[3]}'
 
 
 def test_a_rank_is_looked_at_through_one_kept_descriptor_until_it_exits() -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Final, TextIO
 
 from relaunch.protocol.layout import StateDir
-from relaunch.protocol.messages import Message, decode, encode
+from relaunch.protocol.messages import Message, decode, encode_line
 
 __all__ = ["Connection", "controller_address", "write_controller_address"]
 
@@ -42,7 +42,7 @@ def _line(message: Message) -> bytes:
     global _last_line
     last, line = _last_line  # one read of the pair: another thread may replace it meanwhile
     if last is not message:
-        line = (encode(message) + "\n").encode()
+        line = encode_line(message) + b"\n"
         _last_line = (message, line)
     return line
 
@@ -143,10 +143,7 @@ class Connection:
         *lines, self._pending = (self._pending + b"".join(chunks)).split(b"\n")
         messages = []
         for line in lines:
-            try:
-                message = decode(line.decode("utf-8")) if line.strip() else None
-            except (UnicodeDecodeError, ValueError):
-                message = None
+            message = decode(line) if line.strip() else None
             if message is not None:
                 messages.append(message)
         return messages
