@@ -200,6 +200,8 @@ class Sim:
         """Nodes whose agent no longer sends heartbeats."""
         self.links_down: set[str] = set()
         """Nodes whose agents say their data link is down."""
+        self.link_rtt_ms: dict[str, float] = {}
+        """Each node's data-link round trip, as its heartbeats say (none: not measured)."""
         self.launchers: dict[tuple[int, int], FakePeer] = {}
         """(pod, generation) -> the launcher that runs it."""
         self.answered: set[tuple[int, int]] = set()
@@ -240,7 +242,9 @@ class Sim:
             if node not in self.silent and node not in self.engine.dead:
                 chips = tuple(self.chip_faults.get(node, ()))
                 down = node in self.links_down
-                c.receive(peer, Heartbeat(node, self.clock.now(), chips, link_down=down))
+                rtt = self.link_rtt_ms.get(node)
+                beat = Heartbeat(node, self.clock.now(), chips, link_down=down, data_rtt_ms=rtt)
+                c.receive(peer, beat)
         self._launch()
         self._answer()
         c.step()

@@ -549,6 +549,36 @@ def test_no_slow_fault_when_every_pod_is_busy_or_during_a_recovery(tmp_path: Pat
     assert [r.fault.kind.value for r in sim.records()] == ["process-exit"]
 
 
+def test_a_slow_link_is_judged_only_a_window_after_every_rank_made_progress(
+    tmp_path: Path,
+) -> None:
+    """A node's probes answered slowly while the ranks start (imports on shared cores delay
+    the answers; no training traffic crosses a link yet) are no slow link: the links are
+    compared from a slow window after every rank of the attempt made progress, and then found
+    after half a window more, as the busy shares are."""
+    sim = Sim(tmp_path, job_spec(AUTO), nodes=4)
+    sim.boot()
+    c = sim.controller
+    c.cluster = replace(sim.cluster, slow_window_s=2.0)
+    for node in c.agents:
+        sim.link_rtt_ms[node] = 6.0 if node == c.pods[1].row.node else 0.4
+    sim.run(1.5)  # the ranks start: no step yet (half a window is what a finding needs)
+    assert sim.records() == []
+    step = 1
+    for _ in range(5):  # every rank trains: a window and a half (the window, then half one)
+        sim.train(step)
+        sim.run(0.5)
+        step += 1
+    assert sim.records() == []
+    for _ in range(3):
+        sim.train(step)
+        sim.run(0.5)
+        step += 1
+    (record,) = sim.records()
+    assert (record.fault.kind.value, record.fault.pod) == ("slow", 1)
+    assert "data link is slow" in record.fault.detail
+
+
 def test_a_fault_the_policy_ignores_leaves_the_recovery_under_way_alone(tmp_path: Path) -> None:
     """A node no pod uses is lost while the job is rebuilt: the rebuild goes on and is recorded
     as it ends (before: failed, with no MTTR, and goodput counted no recovery at all)."""
