@@ -128,11 +128,15 @@ class _Pickler(pickle.Pickler):
     def __init__(self, file: IO[bytes], torch: Any) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._torch = torch
+        self._kinds = frozenset((torch.Tensor, torch.nn.Parameter) if torch is not None else ())
         self._index: dict[int, int] = {}
         self.tensors: list[Any] = []
 
     def persistent_id(self, obj: Any) -> int | None:
-        if self._torch is None or not _plain_tensor(self._torch, obj):
+        # called for every object pickled: most are not tensors (a random module's state is 625
+        # ints, pickled with every checkpoint): a closer look at each made an asynchronous save
+        # of a small model take 1.5 ms of the training loop, 1.15 ms without
+        if type(obj) not in self._kinds or not _plain_tensor(self._torch, obj):
             return None
         index = self._index.get(id(obj))
         if index is None:  # the same tensor object twice is stored once and loaded once
