@@ -579,6 +579,56 @@ def test_a_slow_link_is_judged_only_a_window_after_every_rank_made_progress(
     assert "data link is slow" in record.fault.detail
 
 
+def test_a_standby_launchers_node_is_judged_alone_as_the_whole_set_judges_it(
+    tmp_path: Path,
+) -> None:
+    """A standby launcher's hello asks whether its node keeps one by a look at that node alone
+    (asking for the whole set made thousands of hellos quadratic): the same answer as the
+    whole set's for every kind of node (a pod on it or not, isolated, lost, too few chips, no
+    agent), with warm spares on and off."""
+    sim = booted(tmp_path, AUTO, nodes=7)
+    c = sim.controller
+    nodes = sorted(c.nodes)
+    c.nodes[nodes[2]] = replace(c.nodes[nodes[2]], state=NodeState.ISOLATED)
+    c.nodes[nodes[3]] = replace(c.nodes[nodes[3]], state=NodeState.LOST)
+    c.nodes[nodes[4]] = replace(c.nodes[nodes[4]], chips=1)
+    del c.agents[nodes[5]]
+    reconciler = c.reconciler
+    for warm in (1, 0):
+        c.spec = replace(c.spec, warm_spares=warm)
+        wanted = reconciler.standby_nodes()
+        assert bool(wanted) == bool(warm)
+        for node in nodes:
+            assert reconciler._keeps_standby(node) == (node in wanted), (warm, node)
+
+
+def test_many_pods_taking_standby_launchers_in_one_pass_are_said_in_one_line() -> None:
+    """A few pods taking their nodes' standby launchers are said a line each; more than
+    ASSUMED_SAID_EACH in one pass, one line (a job-level restart of thousands of pods wrote a
+    line each, a sixth of its controller's time)."""
+    from types import SimpleNamespace
+
+    from relaunch.controller.reconcile import ASSUMED_SAID_EACH, Reconciler
+
+    said: list[str] = []
+    reconciler = Reconciler(SimpleNamespace(event=said.append))  # type: ignore[arg-type]
+    reconciler._said_assumed([(1, "node-2"), (0, "node-0")])
+    assert said == [
+        "pod 1 takes the standby launcher on node-2 and its warm spares",
+        "pod 0 takes the standby launcher on node-0 and its warm spares",
+    ]
+    said.clear()
+    many = [(i, f"node-{i}") for i in range(ASSUMED_SAID_EACH + 1)]
+    reconciler._said_assumed(many)
+    assert said == [
+        f"{ASSUMED_SAID_EACH + 1} pods take the standby launchers on their nodes and their warm "
+        f"spares (pod 0 on node-0 to pod {ASSUMED_SAID_EACH})"
+    ]
+    said.clear()
+    reconciler._said_assumed([])
+    assert said == []
+
+
 def test_a_fault_the_policy_ignores_leaves_the_recovery_under_way_alone(tmp_path: Path) -> None:
     """A node no pod uses is lost while the job is rebuilt: the rebuild goes on and is recorded
     as it ends (before: failed, with no MTTR, and goodput counted no recovery at all)."""
