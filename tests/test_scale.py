@@ -88,6 +88,8 @@ def test_the_nodes_last_heartbeats_reach_the_store_together_every_few_seconds(
     [
         ("process-in-place", {"membership": 16, "start": 1}),
         ("job-reschedule", {"shutdown": 16, "start": 16}),
+        # warm spares: each rebuilt pod takes its node's standby launcher (no new launcher)
+        ("job-reschedule+spare", {"shutdown": 16, "assume": 16, "start": 16}),
     ],
 )
 def test_the_simulation_drives_the_real_controller_through_a_recovery(
@@ -96,7 +98,7 @@ def test_the_simulation_drives_the_real_controller_through_a_recovery(
     """16 simulated pods of 2 ranks over the real wire: the level recovers, the commands it
     sends are counted, and a process-level recovery writes a handful of rows, not one a pod."""
     row = simulated(16, 2, level, lead_s=3.0, tail_s=3.0)
-    assert row.get("records") == [[level, "succeeded"]], row
+    assert row.get("records") == [[level.removesuffix("+spare"), "succeeded"]], row
     assert row["status"] == "Succeeded" and row["ranks"] == 32
     assert row["commands"] == commands
     assert 0 < row["detected_to_last_command_s"] <= row["fault_to_last_command_s"] < 30

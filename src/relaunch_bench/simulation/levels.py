@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["PROCESS_LEVELS", "SIM_LEVELS", "sim_job"]
+__all__ = ["PROCESS_LEVELS", "SIM_LEVELS", "WARM", "sim_job"]
 
 RETRY = {"fault-tolerance/job-retry-num": "8"}
 PROCESS_LABELS = {"process-recover-enable": "on", "pod-rescheduling": "on"}
@@ -55,6 +55,14 @@ SIM_LEVELS: dict[str, tuple[dict[str, str], dict[str, str], dict[str, Any]]] = {
 }
 
 
+WARM = "+spare"
+"""A level's variant with warm spares (`warm_spares: 1`), relaunch's best for the levels that
+rebuild pods: every node keeps a standby launcher, and a rebuilt pod takes its node's (one
+`Assume` on a connection it has; no new launcher connects and says hello)."""
+
+for _level in ("pod-reschedule", "isolated-job-reschedule", "job-reschedule"):
+    SIM_LEVELS[_level + WARM] = SIM_LEVELS[_level]
+
 PROCESS_LEVELS = ("process-retry", "process-in-place", "process-reschedule")
 
 
@@ -84,6 +92,7 @@ def sim_job(
             "chips_per_pod": procs,
             "command": "python train.py",
             "hang_detect_seconds": HANG_S,
+            "warm_spares": 1 if level.endswith(WARM) else 0,
         },
     }
     cluster = {

@@ -35,6 +35,7 @@ from pathlib import Path
 from relaunch.diagnosis import Frame, RankStack
 from relaunch.protocol.messages import (
     AgentHello,
+    Assume,
     CaptureStacks,
     ChipReport,
     Exited,
@@ -105,6 +106,11 @@ class SimPlan:
     def of(cls, plan: LaunchPlan) -> dict[str, object]:
         return {name: getattr(plan, name) for name in cls.__dataclass_fields__}
 
+    @classmethod
+    def from_plan(cls, plan: LaunchPlan) -> SimPlan:
+        """What a standby launcher takes of the plan an `Assume` hands it."""
+        return cls(**{name: getattr(plan, name) for name in cls.__dataclass_fields__})
+
 
 @dataclass
 class SimLauncher:
@@ -127,7 +133,9 @@ class Shard:
         self.timers: list[tuple[float, int, Callable[[], None]]] = []
         self.order = itertools.count()
         self.agents: dict[str, SimAgent] = {}
-        self.launchers: dict[tuple[int, int], SimLauncher] = {}
+        self.launchers: dict[tuple[int, int, str], SimLauncher] = {}
+        """By (pod, generation, node): a standby launcher is pod -1 on its node until it
+        assumes a pod."""
         self.running = True
         self.pending = b""
         self.address: tuple[str, int] | None = None
@@ -244,9 +252,23 @@ class Shard:
         if conn is None:
             return
         launcher = SimLauncher(plan, conn)
-        self.launchers[(plan.pod, plan.generation)] = launcher
+        self.launchers[(plan.pod, plan.generation, plan.node)] = launcher
+        if not plan.standby:  # a standby launcher waits, with its warm spares, to assume a pod
+            self.watch(launcher)
+
+    def watch(self, launcher: SimLauncher) -> None:
+        """A pod's launcher forwards its ranks' steps and usage, as a real one does."""
+        plan = launcher.plan
         self.every(plan.progress_interval_s, lambda: self.report(launcher))
         self.every(plan.activity_interval_s, lambda: self.usage(launcher))
+
+    def assume(self, launcher: SimLauncher, plan: SimPlan) -> None:
+        """A standby launcher becomes the pod's launcher (its spares the pod's processes at the
+        next start), on the connection it has."""
+        self.launchers.pop((launcher.plan.pod, launcher.plan.generation, launcher.plan.node), None)
+        launcher.plan = plan
+        self.launchers[(plan.pod, plan.generation, plan.node)] = launcher
+        self.watch(launcher)
 
     def launcher_message(self, launcher: SimLauncher, message: Message) -> None:
         now = time.time()
@@ -276,6 +298,8 @@ class Shard:
                 self.send(conn, Stacks(request, launcher.attempt, self.stacks(launcher)))
             case MembershipUpdate():
                 pass  # a real launcher writes it for the SDK; nothing reads it here
+            case Assume(plan=plan):
+                self.assume(launcher, SimPlan.from_plan(plan))
             case Shutdown():
                 ended = self.stop(launcher, None)
                 self.send(conn, Stopped(launcher.attempt, time.time(), final=True, exited=ended))
