@@ -19,6 +19,7 @@ from relaunch.protocol.messages import (
     Heal,
     Lease,
     MembershipUpdate,
+    Output,
     ProgressBatch,
     Shutdown,
     Start,
@@ -429,6 +430,49 @@ def test_a_replacement_crashing_again_is_not_taken_for_a_hang_of_the_ranks_that_
 
 
 # -- diagnosis: a hang's stacks, collateral exits (issue 18) ----------------------------------------
+
+
+def _say(sim: Sim, line: str) -> None:
+    """Every running rank of the current attempt prints a line."""
+    c = sim.controller
+    for pod in c.pods.values():
+        if pod.link is None:
+            continue
+        for rank, observed in pod.link.ranks.items():
+            if observed.running and observed.attempt == c.job.attempt:
+                c.receive(pod.link.peer, Output(rank, c.job.attempt, line))  # type: ignore[arg-type]
+
+
+def test_a_restarted_rank_that_prints_before_its_first_step_keeps_its_startup_allowance(
+    tmp_path: Path,
+) -> None:
+    """R-25 in a job whose ranks report steps: a restarted rank is past its startup at its
+    first step, not at its first line (ranks print before their rendezvous, which on a busy
+    machine outlasts a short hang window: a warm restart was taken for a hang). Silent past
+    the startup allowance, it is hung."""
+    sim = booted(tmp_path, {**UNCONDITIONAL, **HANG})
+    sim.crash(1)
+    sim.tick()
+    assert sim.actions() == [("job-reschedule", "running")]
+    sim.run(0.3)
+    _say(sim, "start: resume_step=1")
+    sim.run(3.0)  # past the 2 s hang window, inside the 10 s startup allowance
+    assert sim.actions() == [("job-reschedule", "running")]
+    sim.run(8.0)  # past the startup allowance since the start
+    assert [a for a, _ in sim.actions()] == ["job-reschedule", "hang-restart"]
+
+
+def test_a_rank_of_a_script_without_steps_is_past_its_startup_at_its_first_line(
+    tmp_path: Path,
+) -> None:
+    """A script that reports no steps (no SDK) shows progress only by its output: its first
+    line starts the hang window."""
+    sim = Sim(tmp_path, job_spec(HANG), nodes=4)
+    sim.boot()
+    sim.run(0.3)
+    _say(sim, "epoch 1")
+    sim.run(2.5)  # silent for the 2 s hang window after its line
+    assert [a for a, _ in sim.actions()] == ["hang-restart"]
 
 
 def test_a_hang_waits_for_every_rank_stack_and_names_the_stopped_rank(tmp_path: Path) -> None:

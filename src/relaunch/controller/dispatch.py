@@ -78,7 +78,10 @@ def _from_launcher(c: ControllerContext, link: LauncherLink, message: Message) -
                 link.ranks[rank] = Rank(attempt, True, at, at)
             link.ranks_changed()
         case Output(rank=rank, attempt=attempt, line=line):
-            _activity(c, link, rank, attempt, now)
+            # a job whose ranks report steps (the SDK) is past its startup at a rank's first
+            # step, not its first line: ranks print before their rendezvous, which on a busy
+            # machine outlasts a short hang window (a warm restart was taken for a hang)
+            _activity(c, link, rank, attempt, now, started=not c.progress.uses_sdk)
             if c.on_output is not None:
                 c.on_output(link.pod, rank, line)
             if not c.progress.uses_sdk:
@@ -132,14 +135,21 @@ def _from_launcher(c: ControllerContext, link: LauncherLink, message: Message) -
 
 
 def _activity(
-    c: ControllerContext, link: LauncherLink, rank: int, attempt: int, now: float
+    c: ControllerContext,
+    link: LauncherLink,
+    rank: int,
+    attempt: int,
+    now: float,
+    started: bool = True,
 ) -> None:
+    """A sign of life of a rank; `started`: one that ends its startup allowance (a step, or a
+    line of a script that reports no steps): its window is the hang window from now."""
     observed = link.ranks.get(rank)
     if observed is not None and observed.attempt == attempt:
-        if not observed.progressed:  # its window is the hang window from now, not the startup's
+        if started and not observed.progressed:
             c.hang_watch.stale()
+            observed.progressed = True
         observed.last_activity = now
-        observed.progressed = True
 
 
 def _step(
