@@ -443,7 +443,7 @@ def _say(sim: Sim, line: str) -> None:
                 c.receive(pod.link.peer, Output(rank, c.job.attempt, line))  # type: ignore[arg-type]
 
 
-def test_a_restarted_rank_that_prints_before_its_first_step_keeps_its_startup_allowance(
+def test_r25_a_restarted_rank_that_prints_before_its_first_step_keeps_its_startup_allowance(
     tmp_path: Path,
 ) -> None:
     """R-25 in a job whose ranks report steps: a restarted rank is past its startup at its
@@ -462,7 +462,7 @@ def test_a_restarted_rank_that_prints_before_its_first_step_keeps_its_startup_al
     assert [a for a, _ in sim.actions()] == ["job-reschedule", "hang-restart"]
 
 
-def test_a_rank_of_a_script_without_steps_is_past_its_startup_at_its_first_line(
+def test_r25_a_rank_of_a_script_without_steps_is_past_its_startup_at_its_first_line(
     tmp_path: Path,
 ) -> None:
     """A script that reports no steps (no SDK) shows progress only by its output: its first
