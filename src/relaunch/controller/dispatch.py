@@ -78,9 +78,7 @@ def _from_launcher(c: ControllerContext, link: LauncherLink, message: Message) -
                 link.ranks[rank] = Rank(attempt, True, at, at)
             link.ranks_changed()
         case Output(rank=rank, attempt=attempt, line=line):
-            # a job whose ranks report steps (the SDK) is past its startup at a rank's first
-            # step, not its first line: ranks print before their rendezvous, which on a busy
-            # machine outlasts a short hang window (a warm restart was taken for a hang)
+            # with steps (the SDK), a rank's startup ends at its first step, not line
             _activity(c, link, rank, attempt, now, started=not c.progress.uses_sdk)
             if c.on_output is not None:
                 c.on_output(link.pod, rank, line)
