@@ -638,12 +638,15 @@ def test_a_standby_launchers_node_is_judged_alone_as_the_whole_set_judges_it(
     c.nodes[nodes[4]] = replace(c.nodes[nodes[4]], chips=1)
     del c.agents[nodes[5]]
     reconciler = c.reconciler
+    from relaunch.controller import commands
+
+    free = set(commands.free_nodes(c, set()))  # the placement policy's free nodes
+    assert free and free != set(nodes)
     for warm in (1, 0):
         c.spec = replace(c.spec, warm_spares=warm)
-        wanted = reconciler.standby_nodes()
-        assert bool(wanted) == bool(warm)
+        assert reconciler.standby_nodes() == (free if warm else set())
         for node in nodes:
-            assert reconciler._keeps_standby(node) == (node in wanted), (warm, node)
+            assert reconciler._keeps_standby(node) == (bool(warm) and node in free), (warm, node)
 
 
 def test_many_pods_taking_standby_launchers_in_one_pass_are_said_in_one_line() -> None:

@@ -263,16 +263,13 @@ class Reconciler:
         live agent and the chips for a pod, whether a pod of the job runs there or not. A pod
         rebuilt on its node (job-level rescheduling) or moved to a standby node takes the
         node's standby launcher, whose spares become its processes."""
-        c = self.c
-        if not c.spec.warm_spares:
-            return set()
-        return set(commands.free_nodes(c, set()))
+        return {node for node in self.c.nodes if self._keeps_standby(node)}
 
     def _keeps_standby(self, node: str) -> bool:
-        """Whether `node` is one of `standby_nodes`, looked at alone: a standby launcher's hello
-        asked for the whole set, and thousands of them arriving made a job's start quadratic
-        in its nodes (a simulated job of 4,096 pods took a minute to hear its standby
-        launchers, 65 a second)."""
+        """Whether `node` keeps a standby launcher (a free node's conditions: schedulable, the
+        chips for a pod, a live agent), looked at alone: a standby launcher's hello asked for
+        the whole set, and thousands of them arriving made a job's start quadratic in its
+        nodes (a simulated job of 4,096 pods took a minute to hear its standby launchers)."""
         c = self.c
         row = c.node(node)
         return (
