@@ -84,6 +84,7 @@ def waiting_stack(rank: int, state: str = "sleeping") -> RankStack:
 class FakeEngine:
     bind_host = "127.0.0.1"
     left_behind: int | None = None
+    left_behind_what: list[str] = []  # noqa: RUF012 (never written: nothing is left here)
     containers = "pods are simulated"
 
     def __init__(self) -> None:

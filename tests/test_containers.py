@@ -180,6 +180,9 @@ def test_a_cgroup_kill_takes_what_left_the_process_group(tmp_path: Path) -> None
     daemon = psutil.Process(int(pid_file.read_text()))
     assert os.getsid(daemon.pid) != os.getsid(0), "the daemon left our session"
     assert daemon.pid in pod.procs() and rank.populated()
+    # what a count of left-behind processes is, named: its cgroup, its name, its state
+    name = psutil.Process(daemon.pid).name()
+    assert cluster.root.census() == [f"node-node-0/job-1-pod-0-g1/rank-0: {name} (S)"]
     assert cluster.shutdown() == 1
     daemon.wait(5)
     assert not cluster.root.path.exists()
@@ -255,7 +258,7 @@ def test_helpers_that_leave_the_process_group_end_with_a_job_level_restart_and_t
     ]
     assert len(list(marks.glob("helper-*[0-9]"))) == 16  # 2 helpers x 4 ranks x 2 attempts
     assert live_helpers(marks) == []
-    assert result.report["left_behind"] == 0
+    assert result.report["left_behind"] == 0, result.stdout
 
 
 def test_helpers_end_with_an_abandoned_run(cluster: Cluster, marks: Path) -> None:

@@ -139,6 +139,18 @@ class Cgroup:
                 found += [int(pid) for pid in text.split()]
         return found
 
+    def census(self) -> list[str]:
+        """Each process here and below, as `cgroup: name (state)`, the cgroup relative to this
+        one, the name and state from /proc: what a count of left-behind processes means."""
+        found = []
+        for directory, _, _ in os.walk(self.path):
+            with contextlib.suppress(OSError, ValueError):
+                pids = [int(pid) for pid in (Path(directory) / "cgroup.procs").read_text().split()]
+                where = os.path.relpath(directory, self.path)
+                for pid in pids:
+                    found.append(f"{where}: {_name_and_state(pid)}")
+        return found
+
     def populated(self) -> bool:
         """Some process lives here or below (`cgroup.events`)."""
         try:
@@ -337,6 +349,16 @@ class ClusterCgroups:
         """Kill every process of the cluster and remove its cgroups; how many processes were
         still there."""
         return self.root.end()
+
+
+def _name_and_state(pid: int) -> str:
+    """`comm (state)` of a process from /proc/PID/stat, or `pid N (gone)`."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return f"pid {pid} (gone)"
+    name = stat[stat.find("(") + 1 : stat.rfind(")")]
+    return f"{name} ({stat[stat.rfind(')') + 2 :].split(' ', 1)[0]})"
 
 
 def step_out(cgroup: Cgroup, levels: int) -> None:

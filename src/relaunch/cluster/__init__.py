@@ -28,6 +28,9 @@ class Engine(Protocol):
     """After `shutdown`: how many processes the pods left in their cgroups (0 when every pod
     ended all it started; None where pods are not cgroups)."""
 
+    left_behind_what: list[str]
+    """Those processes in words (`cgroup: name (state)`), where the engine can tell."""
+
     @property
     def containers(self) -> str:
         """What a pod is on this engine (cgroups or process groups, and why), in words."""

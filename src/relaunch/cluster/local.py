@@ -95,6 +95,8 @@ class LocalCluster:
         self.left_behind: int | None = None
         """After `shutdown`: processes that were still in the cluster's cgroups once every
         launcher and agent had exited (each pod should have ended all it started: 0)."""
+        self.left_behind_what: list[str] = []
+        """Those processes, as `cgroup: name (state)` (Cgroup.census)."""
         self._network: ClusterNetwork | str | None = None
 
     @property
@@ -287,6 +289,7 @@ class LocalCluster:
             self._kill(ref)
         self._save({"agents": {}, "launchers": {}, "helpers": {}})
         if self.cgroups is not None:
+            self.left_behind_what = self.cgroups.root.census()
             self.left_behind = self.cgroups.shutdown()
         self._unwatch_all()
         network = self.network if self._network is not None else None

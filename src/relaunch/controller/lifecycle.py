@@ -206,7 +206,9 @@ def shutdown_pods(c: ControllerContext) -> None:
     if left is not None:
         c.update_job(left_behind=left)
     if left:
-        c.event(f"the pods left {left} process(es) behind in their cgroups: killed")
+        what = c.engine.left_behind_what
+        named = f": {'; '.join(what[:8])}{' ...' if len(what) > 8 else ''}" if what else ""
+        c.event(f"the pods left {left} process(es) behind in their cgroups, killed{named}")
 
 
 def stop(c: ControllerContext, reason: str) -> None:

@@ -28,9 +28,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         launcher.run()
     finally:
-        launcher.spares.retire()
-        launcher.stop(0.0)
-        launcher.close_container()
+        try:
+            launcher.spares.retire()
+            launcher.stop(0.0)
+        finally:  # whatever the stop raised: nothing the pod started outlives it
+            launcher.close_container()
 
 
 if __name__ == "__main__":

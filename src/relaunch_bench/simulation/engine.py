@@ -33,6 +33,7 @@ PEERS_NICE = 10
 class SimEngine:
     bind_host = "127.0.0.1"
     left_behind: int | None = None
+    left_behind_what: list[str] = []  # noqa: RUF012 (never written: nothing runs a rank)
     containers = "pods are simulated (no process runs a rank: bench simulation)"
     networks = "nodes are simulated: every peer on the loopback"
 

@@ -59,6 +59,7 @@ class RayCluster:
         self.left_behind: int | None = None
         """After `shutdown`: processes the pods left in their nodes' cgroups (None: a node
         without cgroups, or no answer)."""
+        self.left_behind_what: list[str] = []  # the node hosts count, they do not name
 
     @property
     def containers(self) -> str:
