@@ -8,6 +8,7 @@ import dataclasses
 import hashlib
 import io
 import json
+import pickle
 import warnings
 from pathlib import Path
 from typing import Any
@@ -205,6 +206,57 @@ def test_a_shard_written_by_an_earlier_release_still_loads(tmp_path: Path) -> No
     (directory / "rank-0.ckpt").write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
     with pytest.warns(CheckpointWarning, match="checksum"):
         assert CheckpointManager(tmp_path, rank=0).load() is None
+
+
+class _FirstFormatPickler(pickle.Pickler):
+    """How relaunch-shard-1 referred to a tensor in the pickled rest: by a persistent id."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors: list[torch.Tensor] = []
+
+    def persistent_id(self, obj: Any) -> int | None:
+        if type(obj) is not torch.Tensor:
+            return None
+        for index, seen in enumerate(self.tensors):
+            if seen is obj:
+                return index
+        self.tensors.append(obj)
+        return len(self.tensors) - 1
+
+
+def test_a_relaunch_shard_1_file_with_persistent_ids_still_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shared = torch.arange(6.0)
+    state = {"w": shared, "again": shared, "rng": tuple(range(625)), "step": 4}
+    rest = io.BytesIO()
+    pickler = _FirstFormatPickler(rest)
+    pickler.dump(state)
+    packed = shard_format.Packed(rest.getvalue(), tensors=pickler.tensors)
+    monkeypatch.setattr(shard_format, "FORMAT", "relaunch-shard-1")  # the header it wrote
+    buffer = io.BytesIO()
+    size, digest = shard_format.write(buffer, packed)
+    monkeypatch.undo()
+    directory = tmp_path / "step-000000004"
+    directory.mkdir()
+    (directory / "rank-0.ckpt").write_bytes(buffer.getvalue())
+    files = {"rank-0.ckpt": {"size": size, shard_format.HASH: digest}}
+    manifest = {"step": 4, "rank": 0, "format": "relaunch-shard-1", "files": files}
+    (directory / "rank-0.manifest.json").write_text(json.dumps(manifest))
+    loaded = CheckpointManager(tmp_path, rank=0).load()
+    assert loaded is not None and loaded.step == 4
+    _assert_same(loaded.state, state)
+    assert loaded.state["w"] is loaded.state["again"]  # one tensor, loaded once
+
+
+def test_a_shards_pickled_rest_alone_says_where_its_tensors_are(tmp_path: Path) -> None:
+    """An unpickler of the rest alone (no `read`) meets a tensor reference: a clear error, not
+    a wrong value."""
+    packed = shard_format.pack({"w": torch.ones(3), "n": 1})
+    assert len(packed.tensors) == 1
+    with pytest.raises(shard_format.ShardError, match=r"relaunch\.train\.shard\.read"):
+        pickle.loads(packed.rest)
 
 
 def test_consecutive_async_saves_reuse_one_buffer_and_each_keeps_its_own_values(

@@ -143,7 +143,7 @@ def _fsync_dir(directory: Path) -> None:
 
 def _read_shard(path: Path, fmt: str, expected: dict[str, Any]) -> Any:
     """The state in one shard file, checked against its manifest entry `expected`."""
-    if fmt == shard.FORMAT:
+    if fmt in shard.FORMATS:
         return shard.read(path, expected["size"], expected[shard.HASH])
     data = path.read_bytes()
     if len(data) != expected["size"]:
