@@ -298,3 +298,39 @@ def test_a_spare_waits_at_a_lower_priority_and_every_thread_trains_at_the_launch
     threads, nices = log.read_text().split("nice")
     assert int(threads.split()[1]) >= 2
     assert nices.strip() == f"[{ours}]"
+
+
+def test_a_launcher_whose_last_stop_raises_still_closes_its_container(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever the final stop raised, the pod's processes are killed and its cgroups removed:
+    a launcher that skipped it exited inside its cgroup, with what its ranks started there."""
+    import relaunch.launcher.__main__ as launcher_main
+
+    calls: list[str] = []
+
+    class Raising:
+        def __init__(self, *args: object) -> None:
+            self.spares = self
+
+        def run(self) -> None:
+            calls.append("run")
+
+        def retire(self) -> None:
+            calls.append("retire")
+
+        def stop(self, grace: float) -> None:
+            calls.append("stop")
+            raise OSError("the stop failed")
+
+        def close_container(self) -> None:
+            calls.append("close_container")
+
+    monkeypatch.setattr(launcher_main, "Launcher", Raising)
+    monkeypatch.setattr(launcher_main.signal, "signal", lambda *args: None)  # not pytest's own
+    monkeypatch.setattr(launcher_main.LaunchPlan, "from_json", staticmethod(lambda text: None))
+    plan = tmp_path / "plan.json"
+    plan.write_text("{}")
+    with pytest.raises(OSError, match="the stop failed"):
+        launcher_main.main(["--state-dir", str(tmp_path), "--plan", str(plan)])
+    assert calls == ["run", "retire", "stop", "close_container"]
