@@ -37,6 +37,7 @@ import os
 import re
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -132,24 +133,23 @@ class Cgroup:
 
     def procs(self) -> list[int]:
         """The processes in this cgroup and every cgroup below it."""
-        found: list[int] = []
-        for directory, _, _ in os.walk(self.path):
-            with contextlib.suppress(OSError, ValueError):
-                text = (Path(directory) / "cgroup.procs").read_text()
-                found += [int(pid) for pid in text.split()]
-        return found
+        return [pid for _, pids in self._walk() for pid in pids]
 
     def census(self) -> list[str]:
         """Each process here and below, as `cgroup: name (state)`, the cgroup relative to this
         one, the name and state from /proc: what a count of left-behind processes means."""
-        found = []
+        return [
+            f"{os.path.relpath(directory, self.path)}: {_name_and_state(pid)}"
+            for directory, pids in self._walk()
+            for pid in pids
+        ]
+
+    def _walk(self) -> Iterator[tuple[str, list[int]]]:
+        """Each cgroup here and below (a directory) with the processes in it."""
         for directory, _, _ in os.walk(self.path):
             with contextlib.suppress(OSError, ValueError):
-                pids = [int(pid) for pid in (Path(directory) / "cgroup.procs").read_text().split()]
-                where = os.path.relpath(directory, self.path)
-                for pid in pids:
-                    found.append(f"{where}: {_name_and_state(pid)}")
-        return found
+                text = (Path(directory) / "cgroup.procs").read_text()
+                yield directory, [int(pid) for pid in text.split()]
 
     def populated(self) -> bool:
         """Some process lives here or below (`cgroup.events`)."""

@@ -151,7 +151,8 @@ class _Pickler(pickle.Pickler):
         self.tensors: list[Any] = []
 
     def reducer_override(self, obj: Any) -> Any:
-        # not called for ints, strings, lists, tuples or dicts; most of what is are no tensors
+        # never called for ints, strings, lists, tuples or dicts; of what it is called for,
+        # most are no tensors
         if type(obj) not in self._kinds or not _plain_tensor(self._torch, obj):
             return NotImplemented
         index = self._index.get(id(obj))
