@@ -13,7 +13,7 @@ from relaunch import runner
 from relaunch.cluster.config import ClusterConfig, NodeSpec
 from relaunch.controller import Controller, RunOptions, lifecycle
 from relaunch.controller.clock import TICK_S
-from relaunch.diagnosis import Frame, RankStack
+from relaunch.diagnosis import Frame, RankStack, group_stacks
 from relaunch.faults.plan import parse_plan
 from relaunch.protocol.messages import (
     AgentHello,
@@ -284,7 +284,7 @@ class Sim:
                 elif isinstance(message, CaptureStacks) and pod not in self.mute_stacks:
                     link = c.pods[pod].link
                     running = [r for r, o in (link.ranks.items() if link else []) if o.running]
-                    stacks = tuple(self.stacks.get(r, waiting_stack(r)) for r in running)
+                    stacks = group_stacks(self.stacks.get(r, waiting_stack(r)) for r in running)
                     c.receive(peer, Stacks(message.request, c.job.attempt, stacks))
                 elif isinstance(message, Shutdown):
                     peer.closed = True  # the launcher stops its processes and exits

@@ -482,7 +482,11 @@ def test_a_hang_waits_for_every_rank_stack_and_names_the_stopped_rank(tmp_path: 
     (record,) = sim.records()
     assert (record.fault.kind.value, record.fault.rank, record.fault.pod) == ("hang", 2, 1)
     assert record.evidence is not None and record.evidence["culprits"] == [2]
-    assert [s["rank"] for s in record.evidence["stacks"]] == [0, 1, 2, 3]
+    # alike stacks once, with their ranks and pids; the stopped rank's alone
+    assert [(s["ranks"], s["pids"], s["state"]) for s in record.evidence["stacks"]] == [
+        ([0, 1, 3], [5000, 5001, 5003], "sleeping"),
+        ([2], [5002], "stopped"),
+    ]
     capture = [m for peer in sim.launchers.values() for m in peer.of(CaptureStacks)]
     stops = [m for peer in sim.launchers.values() for m in peer.of(Stop)]
     assert len(capture) == 2 and stops  # both pods asked, then stopped
@@ -502,7 +506,7 @@ def test_a_launcher_that_does_not_answer_delays_the_hang_by_at_most_the_capture_
     (record,) = sim.records()
     assert record.fault.kind.value == "hang"
     assert record.evidence is not None and record.evidence["missing_pods"] == [1]
-    assert [s["rank"] for s in record.evidence["stacks"]] == [0, 1]
+    assert [s["ranks"] for s in record.evidence["stacks"]] == [[0, 1]]
 
 
 def test_a_crash_during_the_stack_capture_wins_and_the_hang_is_dropped(tmp_path: Path) -> None:

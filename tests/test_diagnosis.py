@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from relaunch.cli import summary
+from relaunch.cli.common import out
 from relaunch.controller.commands import progress_interval, slow_window_unusable
 from relaunch.controller.peers import Rank
 from relaunch.diagnosis import (
@@ -20,19 +22,23 @@ from relaunch.diagnosis import (
     Group,
     RankStack,
     Recovery,
+    StackGroup,
     caused_by_peer,
     culprits,
     error_from_file,
     error_from_output,
     failure_time,
     goodput,
+    group_stacks,
     is_collateral,
+    ranks_text,
     root_cause,
     slow_pods,
     waits_in_collective,
 )
 from relaunch.faults import ErrorReport, Fault, FaultKind
 from relaunch.store import Store
+from relaunch.store.rows import hang_view
 from tests.runtime import DDP_CLUSTER, FAST_CLUSTER, ROOT, Cluster, Result, toy_job
 
 GLOO_PEER = (
@@ -308,6 +314,104 @@ def test_no_readable_stack_names_no_culprit_and_says_why() -> None:
     assert culprits([]).culprits == ()
 
 
+def test_alike_stacks_are_one_group_with_each_ranks_pid_and_unlike_ones_stay_apart() -> None:
+    groups = group_stacks(
+        [stack(3), stack(0), stack(1, "stopped", IN_DDP_BACKWARD), stack(2, frames=IN_DDP_BACKWARD)]
+    )
+    assert [(g.ranks, g.pids, g.state) for g in groups] == [
+        ((0, 3), (100, 103), "sleeping"),
+        ((1,), (101,), "stopped"),  # same frames as rank 2, another state
+        ((2,), (102,), "sleeping"),
+    ]
+    # groups from two launchers merge into one a stack, with single ranks' stacks beside them
+    merged = group_stacks(
+        [
+            *groups,
+            stack(4),
+            StackGroup((6, 5), (106, 105), "sleeping", IN_ALL_REDUCE, groups[0].text),
+        ]
+    )
+    assert (merged[0].ranks, merged[0].pids) == ((0, 3, 4, 5, 6), (100, 103, 104, 105, 106))
+    assert len(merged) == 3
+    assert group_stacks([]) == ()
+
+
+def test_a_hang_of_thousands_of_ranks_is_named_in_a_line_from_their_groups() -> None:
+    """32,768 ranks: one stopped, the rest waiting in one collective, sent as one group a pod
+    (8 ranks): the culprit is named, and the finding stays a line however many ranks wait."""
+    pods = [
+        StackGroup(
+            tuple(range(p * 8, p * 8 + 8)),
+            tuple(range(p * 8, p * 8 + 8)),
+            "sleeping",
+            IN_ALL_REDUCE,
+        )
+        for p in range(4095)
+    ]
+    last = group_stacks([stack(r) for r in range(32760, 32767)] + [stack(32767, "stopped")])
+    found = culprits([*pods, *last])
+    assert found.culprits == (32767,)
+    away = group_stacks([*pods, StackGroup((32760,), (1,), "running", IN_USER_CODE)])
+    found = culprits(away)
+    assert found.culprits == (32760,)
+    assert found.reason == (
+        "rank 32760 not in a collective (rank 32760 is in load_batch (data.py:12)) while "
+        "ranks 0-32759 (32,760) wait in one"
+    )
+
+
+def test_ranks_are_written_as_runs_with_a_count_once_there_are_many() -> None:
+    assert ranks_text([7]) == "rank 7"
+    assert ranks_text([2, 0]) == "ranks 0, 2"
+    assert ranks_text([0, 1, 3]) == "ranks 0, 1, 3"
+    assert ranks_text([0, 1, 2, 3, 5, 7, 8, 9, 10]) == "ranks 0-3, 5, 7-10 (9)"
+    assert ranks_text(list(range(4096))) == "ranks 0-4095 (4,096)"
+
+
+def test_describe_prints_alike_stacks_once_with_their_ranks_and_reads_a_record_of_one_a_rank() -> (
+    None
+):
+    """A hang's evidence as stored now (groups) and as stored before the groups (one stack a
+    rank): `describe` prints each stack once, with its ranks as runs, the culprit marked."""
+    waiting = {"state": "sleeping", "stack": "all_reduce (c10d.py:1)", "error": ""}
+    grouped = {
+        "finding": "rank 4095 stopped",
+        "capture_s": 0.4,
+        "culprits": [4095],
+        "stacks": [
+            {"ranks": list(range(4095)), "pids": list(range(4095)), **waiting},
+            {
+                "ranks": [4095],
+                "pids": [77],
+                "state": "stopped",
+                "stack": "main (t.py:9)",
+                "error": "",
+            },
+        ],
+    }
+    old = {
+        **grouped,
+        "stacks": [
+            {"rank": 0, "pid": 10, **waiting},
+            {"rank": 1, "pid": 11, "state": "stopped", "stack": "", "error": "py-spy: gone"},
+        ],
+        "culprits": [1],
+    }
+    assert hang_view(old)["stacks"] == [  # type: ignore[index]
+        {"ranks": [0], "pids": [10], **waiting},
+        {"ranks": [1], "pids": [11], "state": "stopped", "stack": "", "error": "py-spy: gone"},
+    ]
+    assert hang_view(grouped) == grouped and hang_view(None) is None
+    with out.capture() as printed:
+        summary._hang(grouped)
+        summary._hang(hang_view(old))  # type: ignore[arg-type]
+    text = printed.get()
+    assert "ranks 0-4094 (4,095) (sleeping):" in text
+    assert "rank 4095 (pid 77, stopped) <- culprit:" in text and "main (t.py:9)" in text
+    assert text.count("all_reduce (c10d.py:1)") == 2  # once a record, not once a rank
+    assert "rank 1 (pid 11, stopped) <- culprit:" in text and "py-spy: gone" in text
+
+
 def test_waiting_in_a_collective_needs_a_torch_distributed_frame() -> None:
     assert waits_in_collective(IN_ALL_REDUCE) and waits_in_collective(IN_DDP_BACKWARD)
     assert not waits_in_collective((Frame("all_reduce", "my_own_comm.py", 3),))
@@ -331,8 +435,10 @@ def test_ddp_rank_stopped_inside_a_step_is_named_with_every_rank_stack(tmp_path:
     assert first["fault"]["rank"] == 2 and first["fault"]["pod"] == 1
     hang = first["hang"]
     assert hang["culprits"] == [2]
-    assert [s["rank"] for s in hang["stacks"]] == [0, 1, 2, 3]
-    by_rank = {s["rank"]: s for s in hang["stacks"]}
+    by_rank = {rank: s for s in hang["stacks"] for rank in s["ranks"]}
+    assert sorted(by_rank) == [0, 1, 2, 3]
+    assert by_rank[2]["ranks"] == [2], "the stopped rank's stack is alike no other"
+    assert all(len(s["pids"]) == len(s["ranks"]) for s in hang["stacks"])
     assert by_rank[2]["state"] == "stopped"
     assert "train_ddp.py" in by_rank[2]["stack"]
     for rank in (0, 1, 3):

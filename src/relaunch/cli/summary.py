@@ -8,6 +8,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from relaunch.cli.common import out, visible_all
+from relaunch.diagnosis import ranks_text
 
 __all__ = ["print_summary"]
 
@@ -120,20 +121,23 @@ STACK_LINES = 8
 
 
 def _hang(hang: dict[str, Any]) -> None:
-    """A hang's finding and every rank's stack, the culprits marked."""
+    """A hang's finding and its stacks, alike ones once with their ranks, the culprits marked."""
     out.print(
         f"  {hang['finding']} (stacks captured in {hang['capture_s']:.2f} s)",
         markup=False,
         highlight=False,
     )
-    for stack in hang["stacks"]:
-        mark = " <- culprit" if stack["rank"] in hang["culprits"] else ""
-        out.print(
-            f"  rank {stack['rank']} (pid {stack['pid']}, {stack['state']}){mark}:",
-            markup=False,
-            highlight=False,
+    culprits = set(hang["culprits"])
+    for group in hang["stacks"]:
+        ranks = group["ranks"]
+        who = (
+            f"rank {ranks[0]} (pid {group['pids'][0]}, "
+            if len(ranks) == 1
+            else f"{ranks_text(ranks)} ("
         )
-        lines = stack["stack"].splitlines()[: STACK_LINES + 1] or [stack["error"] or "no stack"]
+        mark = " <- culprit" if culprits.intersection(ranks) else ""
+        out.print(f"  {who}{group['state']}){mark}:", markup=False, highlight=False)
+        lines = group["stack"].splitlines()[: STACK_LINES + 1] or [group["error"] or "no stack"]
         for line in lines:
             out.print(f"    {line}", markup=False, highlight=False)
 

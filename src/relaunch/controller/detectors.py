@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Final
 
 from relaunch.controller.peers import AgentLink, LauncherLink, Rank
 from relaunch.controller.pods import Pod, PodPhase
-from relaunch.diagnosis import RankStack
+from relaunch.diagnosis import StackGroup
 from relaunch.faults import LAUNCHER_DIED, Fault, FaultKind
 from relaunch.protocol.messages import CollectiveFailed, Exited, Heartbeat
 from relaunch.states import NodeState
@@ -73,7 +73,9 @@ class Capture:
     deadline: float
     waiting: set[int]
     """The pods whose launcher has not answered yet."""
-    stacks: list[RankStack] = field(default_factory=list)
+    stacks: list[StackGroup] = field(default_factory=list)
+    """As the launchers sent them (each launcher's alike stacks once), grouped across the pods
+    when the capture is finished."""
 
 
 @dataclass

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from relaunch.controller.detectors import Capture, Detected
-from relaunch.diagnosis import culprits
+from relaunch.diagnosis import culprits, group_stacks
 from relaunch.faults import Fault
 from relaunch.protocol.messages import CaptureStacks, Stacks
 
@@ -78,7 +78,7 @@ class HangFound:
 
 def finish(c: ControllerContext, now: float) -> HangFound | None:
     """Once every launcher answered (or the capture's deadline passed): the hang fault, naming
-    the culprit and carrying every stack; None while it waits, or when another fault came."""
+    the culprit and carrying every stack (alike ones once, with their ranks); None while it waits, or when another fault came."""
     capture = c.capture.current
     if capture is None or (capture.waiting and now < capture.deadline):
         return None
@@ -86,8 +86,8 @@ def finish(c: ControllerContext, now: float) -> HangFound | None:
     if c.job.attempt != capture.attempt or c.recoveries.waiting or c.job.status.ended:
         c.event("hang: dropped, another fault came while its stacks were captured")
         return None
-    stacks = sorted(capture.stacks, key=lambda s: s.rank)
-    finding = culprits(stacks)
+    groups = group_stacks(capture.stacks)
+    finding = culprits(groups)
     fault = capture.found.fault
     if finding.culprits:
         rank = finding.culprits[0]
@@ -101,11 +101,19 @@ def finish(c: ControllerContext, now: float) -> HangFound | None:
         "capture_s": round(now - capture.began, 3),
         "missing_pods": sorted(capture.waiting),
         "stacks": [
-            {"rank": s.rank, "pid": s.pid, "state": s.state, "stack": s.text, "error": s.error}
-            for s in stacks
+            {
+                "ranks": list(g.ranks),
+                "pids": list(g.pids),
+                "state": g.state,
+                "stack": g.text,
+                "error": g.error,
+            }
+            for g in groups
         ],
     }
+    ranks = sum(len(g.ranks) for g in groups)
     c.event(
-        f"hang: {finding.reason} (stacks of {len(stacks)} rank(s) in {now - capture.began:.2f} s)"
+        f"hang: {finding.reason} (stacks of {ranks} rank(s), {len(groups)} unlike, "
+        f"in {now - capture.began:.2f} s)"
     )
     return HangFound(fault, capture.found.source, evidence, capture.began)

@@ -4,7 +4,16 @@ Pure: what the launchers and the store observed goes in, findings come out."""
 
 from relaunch.diagnosis.errors import error_from_file, error_from_output
 from relaunch.diagnosis.goodput import CAUSES, Goodput, Recovery, goodput
-from relaunch.diagnosis.hang import Frame, HangFinding, RankStack, culprits, waits_in_collective
+from relaunch.diagnosis.hang import (
+    Frame,
+    HangFinding,
+    RankStack,
+    StackGroup,
+    culprits,
+    group_stacks,
+    ranks_text,
+    waits_in_collective,
+)
 from relaunch.diagnosis.rootcause import (
     Group,
     caused_by_peer,
@@ -32,14 +41,17 @@ __all__ = [
     "Recovery",
     "SlowLink",
     "SlowPod",
+    "StackGroup",
     "caused_by_peer",
     "culprits",
     "error_from_file",
     "error_from_output",
     "failure_time",
     "goodput",
+    "group_stacks",
     "is_collateral",
     "look_interval_s",
+    "ranks_text",
     "root_cause",
     "slow_links",
     "slow_pods",

@@ -2,15 +2,28 @@
 own code, an endless loop) its peers stop at their next collective and wait: every rank is silent,
 so silence alone cannot name the culprit. Their Python stacks can: the ranks that wait show a
 collective (or DDP's backward, whose hooks all-reduce) at the top of their stack; the culprit is
-stopped, or somewhere else."""
+stopped, or somewhere else.
+
+Ranks whose stacks are alike (most of a hung job's: they wait in one collective) are one
+`StackGroup`: sent once by their launcher, stored once with the fault, read once by a person."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-__all__ = ["COLLECTIVES", "Frame", "HangFinding", "RankStack", "culprits", "waits_in_collective"]
+__all__ = [
+    "COLLECTIVES",
+    "Frame",
+    "HangFinding",
+    "RankStack",
+    "StackGroup",
+    "culprits",
+    "group_stacks",
+    "ranks_text",
+    "waits_in_collective",
+]
 
 COLLECTIVES: Final = frozenset(
     {
@@ -52,6 +65,35 @@ class RankStack:
 
 
 @dataclass(frozen=True)
+class StackGroup:
+    """Ranks whose stacks are alike: one state, the same frames, text and error; each rank's pid
+    beside it (`pids[i]` is `ranks[i]`'s)."""
+
+    ranks: tuple[int, ...]
+    pids: tuple[int, ...]
+    state: str
+    frames: tuple[Frame, ...] = ()
+    text: str = ""
+    error: str = ""
+
+
+def group_stacks(stacks: Iterable[RankStack | StackGroup]) -> tuple[StackGroup, ...]:
+    """The stacks (one rank's, or groups already) as groups of alike ones, each group's ranks in
+    order, the groups in the order of their first rank."""
+    grouped: dict[tuple[str, tuple[Frame, ...], str, str], dict[int, int]] = {}
+    for s in stacks:
+        pairs = (
+            zip(s.ranks, s.pids, strict=True) if isinstance(s, StackGroup) else [(s.rank, s.pid)]
+        )
+        grouped.setdefault((s.state, s.frames, s.text, s.error), {}).update(pairs)
+    groups = [
+        StackGroup(tuple(sorted(pids)), tuple(pids[r] for r in sorted(pids)), *key)
+        for key, pids in grouped.items()
+    ]
+    return tuple(sorted(groups, key=lambda g: g.ranks[0]))
+
+
+@dataclass(frozen=True)
 class HangFinding:
     culprits: tuple[int, ...]
     reason: str
@@ -69,26 +111,34 @@ def waits_in_collective(frames: Sequence[Frame]) -> bool:
     return False
 
 
-def culprits(stacks: Sequence[RankStack]) -> HangFinding:
+def culprits(stacks: Sequence[RankStack | StackGroup]) -> HangFinding:
     """The ranks the others wait for: the stopped ones; else those not waiting in a collective
     while others are; else none can be named (every rank waits: a peer outside the job, the
     network, or ranks that called different collectives)."""
-    if not stacks:
+    groups = [
+        s
+        if isinstance(s, StackGroup)
+        else StackGroup((s.rank,), (s.pid,), s.state, s.frames, s.text, s.error)
+        for s in stacks
+    ]
+    if not groups:
         return HangFinding((), "no rank's stack could be captured")
-    stopped = tuple(s.rank for s in stacks if s.state in ("stopped", "tracing-stop"))
+    stopped = _ranks_of(g for g in groups if g.state in ("stopped", "tracing-stop"))
     if stopped:
         return HangFinding(
-            stopped, f"{_ranks(stopped)} stopped (SIGSTOP or a debugger); the others wait for it"
+            stopped,
+            f"{ranks_text(stopped)} stopped (SIGSTOP or a debugger); the others wait for it",
         )
-    read = [s for s in stacks if s.frames]
-    waiting = [s for s in read if waits_in_collective(s.frames)]
-    elsewhere = tuple(s.rank for s in read if not waits_in_collective(s.frames))
-    if waiting and elsewhere:
-        where = next(s for s in read if s.rank == elsewhere[0]).frames[0]
+    read = [g for g in groups if g.frames]
+    waiting = [g for g in read if waits_in_collective(g.frames)]
+    others = [g for g in read if not waits_in_collective(g.frames)]
+    if waiting and others:
+        elsewhere = _ranks_of(others)
+        where = next(g for g in others if elsewhere[0] in g.ranks).frames[0]
         return HangFinding(
             elsewhere,
-            f"{_ranks(elsewhere)} not in a collective (rank {elsewhere[0]} "
-            f"is in {where}) while {_ranks(tuple(s.rank for s in waiting))} wait in one",
+            f"{ranks_text(elsewhere)} not in a collective (rank {elsewhere[0]} "
+            f"is in {where}) while {ranks_text(_ranks_of(waiting))} wait in one",
         )
     if waiting:
         return HangFinding(
@@ -96,7 +146,7 @@ def culprits(stacks: Sequence[RankStack]) -> HangFinding:
             "every rank waits in a collective: a peer outside the job, the network, or mismatched collectives",
         )
     if not read:
-        errors = sorted({s.error for s in stacks if s.error})
+        errors = sorted({g.error for g in groups if g.error})
         return HangFinding(
             (), "no stack could be read" + (f": {'; '.join(errors)}" if errors else "")
         )
@@ -105,5 +155,23 @@ def culprits(stacks: Sequence[RankStack]) -> HangFinding:
     )
 
 
-def _ranks(ranks: tuple[int, ...]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
+def _ranks_of(groups: Iterable[StackGroup]) -> tuple[int, ...]:
+    return tuple(sorted(r for g in groups for r in g.ranks))
+
+
+def ranks_text(ranks: Sequence[int]) -> str:
+    """ "rank 3", "ranks 0, 2", or runs: "ranks 0-1023, 1025-4095 (4,095)": readable at any
+    number of ranks (a hung job's thousands of waiting ranks are a run or two)."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    runs: list[list[int]] = []
+    for rank in sorted(ranks):
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    parts = [
+        f"{a}-{b}" if b - a >= 2 else ", ".join(str(r) for r in range(a, b + 1)) for a, b in runs
+    ]
+    count = f" ({len(ranks):,})" if len(ranks) > 3 and len(parts) < len(ranks) else ""
+    return "ranks " + ", ".join(parts) + count

@@ -15,7 +15,7 @@ from typing import Any
 
 import psutil
 
-from relaunch.diagnosis import Frame, RankStack
+from relaunch.diagnosis import Frame, RankStack, StackGroup, group_stacks
 from relaunch.launcher.processes import python_process
 
 __all__ = ["capture", "py_spy"]
@@ -27,14 +27,16 @@ def py_spy() -> str | None:
     return shutil.which("py-spy", path=os.pathsep.join((here, os.environ.get("PATH", ""))))
 
 
-def capture(ranks: dict[int, int], timeout_s: float) -> list[RankStack]:
+def capture(ranks: dict[int, int], timeout_s: float) -> tuple[StackGroup, ...]:
     """The stack of each rank's Python process (`ranks`: rank -> the pid relaunch started), read
-    in parallel, each within `timeout_s`."""
+    in parallel, each within `timeout_s`; alike ones once, with their ranks."""
     if not ranks:
-        return []
+        return ()
     tool = py_spy()
     with ThreadPoolExecutor(max_workers=min(8, len(ranks))) as pool:
-        return list(pool.map(lambda item: _one(item[0], item[1], tool, timeout_s), ranks.items()))
+        return group_stacks(
+            pool.map(lambda item: _one(item[0], item[1], tool, timeout_s), ranks.items())
+        )
 
 
 def _one(rank: int, pid: int, tool: str | None, timeout_s: float) -> RankStack:

@@ -29,7 +29,7 @@ from typing import ClassVar, Final
 
 import msgspec
 
-from relaunch.diagnosis.hang import RankStack
+from relaunch.diagnosis.hang import StackGroup
 from relaunch.faults.kinds import ErrorReport
 from relaunch.protocol.codec import from_data
 from relaunch.protocol.plans import LaunchPlan, Membership
@@ -318,7 +318,9 @@ class Stacks(Message):
     KIND = "stacks"
     request: int
     attempt: int
-    stacks: tuple[RankStack, ...] = ()
+    stacks: tuple[StackGroup, ...] = ()
+    """The launcher's ranks' stacks, alike ones once (a hung pod's ranks mostly wait in one
+    collective)."""
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ __all__ = [
     "fault_from_json",
     "fault_to_json",
     "fault_view",
+    "hang_view",
 ]
 
 
@@ -130,7 +131,7 @@ class RecordRow:
         return {
             "fault": fault_view(root),
             "collateral": [fault_view(f) for f in self.collateral],
-            "hang": self.evidence if self.fault.kind is FaultKind.HANG else None,
+            "hang": hang_view(self.evidence) if self.fault.kind is FaultKind.HANG else None,
             "action": self.action.value,
             "reason": self.reason,
             "isolated_nodes": list(self.isolated),
@@ -175,6 +176,25 @@ def fault_view(f: Fault) -> dict[str, Any]:
             "at": error.at,
         },
     }
+
+
+def hang_view(evidence: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A hang's evidence as reported: its stacks in groups of alike ones, each with its ranks and
+    their pids (a record written before the groups kept one stack a rank: each is a group of
+    one)."""
+    if evidence is None:
+        return None
+    stacks = [
+        {
+            "ranks": [s["rank"]],
+            "pids": [s["pid"]],
+            **{k: v for k, v in s.items() if k not in ("rank", "pid")},
+        }
+        if "rank" in s
+        else s
+        for s in evidence.get("stacks", [])
+    ]
+    return {**evidence, "stacks": stacks}
 
 
 def fault_to_json(fault: Fault) -> str:

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from relaunch.diagnosis import Frame, RankStack
+from relaunch.diagnosis import Frame, RankStack, StackGroup, group_stacks
 from relaunch.protocol.messages import (
     AgentHello,
     Assume,
@@ -333,9 +333,10 @@ class Shard:
         elif kind == "hang":
             sim.hung = True
 
-    def stacks(self, launcher: SimLauncher) -> tuple[RankStack, ...]:
+    def stacks(self, launcher: SimLauncher) -> tuple[StackGroup, ...]:
+        """As a launcher says them: alike stacks once (its waiting ranks are alike)."""
         frames = (Frame("all_reduce", "torch/distributed/distributed_c10d.py", 2500),)
-        return tuple(
+        return group_stacks(
             RankStack(rank, 100_000 + rank, "stopped" if sim.hung else "sleeping", frames)
             for rank, sim in launcher.ranks.items()
             if sim.running

@@ -96,14 +96,28 @@ function diagnosis(records) {
       coll.map((c) => (c.rank !== null && c.rank !== undefined ? `rank ${c.rank}` : c.kind)).join(", ")));
     if (hang) {
       parts.push(h("div", { class: "error-text" }, hang.finding));
-      for (const s of hang.stacks) {
-        parts.push(h("div", {}, `rank ${s.rank} (${s.state})${hang.culprits.includes(s.rank) ? " — culprit" : ""}`));
+      for (const s of hang.stacks) {  // alike stacks once, with the ranks that share them
+        const culprit = s.ranks.some((r) => hang.culprits.includes(r));
+        parts.push(h("div", {}, `${ranksText(s.ranks)} (${s.state})${culprit ? " — culprit" : ""}`));
         parts.push(h("pre", { class: "traceback" }, s.stack || s.error || "no stack"));
       }
     }
     blocks.push(h("div", { class: "diagnosis", id: `diagnosis-${i + 1}` }, parts));
   });
   return blocks.length ? [h("h2", {}, "Root causes"), ...blocks] : [];
+}
+
+// "rank 3", "ranks 0, 2", or runs with a count: "ranks 0-1023, 1025-4095 (4,095)".
+function ranksText(ranks) {
+  if (ranks.length === 1) return `rank ${ranks[0]}`;
+  const runs = [];
+  for (const r of [...ranks].sort((a, b) => a - b)) {
+    if (runs.length && r === runs[runs.length - 1][1] + 1) runs[runs.length - 1][1] = r;
+    else runs.push([r, r]);
+  }
+  const parts = runs.map(([a, b]) => (b - a >= 2 ? `${a}-${b}` : Array.from({ length: b - a + 1 }, (_, i) => a + i).join(", ")));
+  const count = ranks.length > 3 && parts.length < ranks.length ? ` (${ranks.length.toLocaleString("en")})` : "";
+  return `ranks ${parts.join(", ")}${count}`;
 }
 
 // -- jobs list ------------------------------------------------------------------------------------
