@@ -4,8 +4,9 @@ placement, the cluster view the policy reads, a pod's environment and launch pla
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from relaunch import failpoints
@@ -17,11 +18,11 @@ from relaunch.policy.elastic import ScaleOut
 from relaunch.policy.placement import NodeCapacity, rebuild_slots
 from relaunch.policy.placement import free_nodes as _free
 from relaunch.protocol.datagrams import SdkPhase
-from relaunch.protocol.environment import PodEnvironment
+from relaunch.protocol.environment import AttemptEnvironment, PodEnvironment
 from relaunch.protocol.layout import PodDir, StateDir
 from relaunch.protocol.messages import Heal, Shutdown, Start, Stop
 from relaunch.protocol.plans import LaunchPlan
-from relaunch.spec import process_recovery_env
+from relaunch.spec import RecoverySettings, process_recovery_env
 from relaunch.store import NodeState, PodRow
 
 if TYPE_CHECKING:
@@ -257,28 +258,61 @@ def said_stopping(c: ControllerContext, pods: int, containers: str) -> None:
 
 
 def pod_environment(c: ControllerContext, row: PodRow, attempt: int) -> dict[str, str]:
-    """R-04 to R-07: what every process of the pod sees (RANK and LOCAL_RANK are the launcher's)."""
-    process_level = c.recovery.process_level
+    """R-04 to R-07: what every process of the pod sees (RANK and LOCAL_RANK are the launcher's):
+    its attempt's variables, built once an attempt, and its own."""
+    shared = _attempt_variables(
+        c.spec.name,
+        c.job_id,
+        attempt,
+        c.spec.world_size,
+        c.spec.procs_per_pod,
+        c.engine.node_address(c.pods[0].row.node),
+        c.job.master_port,
+        _shared_dir(c.layout, c.job_id),
+        c.recovery,
+    )
     return PodEnvironment(
-        job_name=c.spec.name,
-        job_id=c.job_id,
         pod=row.idx,
         node=row.node,
         generation=row.generation,
-        attempt=attempt,
-        world_size=c.spec.world_size,
-        procs_per_pod=c.spec.procs_per_pod,
-        master_addr=c.engine.node_address(c.pods[0].row.node),
-        master_port=c.job.master_port,
         schedule_cnt=row.schedule_cnt,
         proc_start_cnt=row.proc_start_cnt,
-        shared_dir=_shared_dir(c.layout, c.job_id),
-        process_recovery=process_recovery_env(c.recovery),
-        membership_file=str(PodDir(Path(row.workdir)).membership) if process_level else None,
-        recovery_wait_s=c.recovery.wait_reschedule_timeout_s if process_level else None,
-        run_id=f"{c.spec.name}-{c.job_id}",
-        max_restarts=c.recovery.job_retry_budget,
-    ).variables()
+        membership_file=(
+            str(PodDir(Path(row.workdir)).membership) if c.recovery.process_level else None
+        ),
+    ).variables(shared)
+
+
+@functools.lru_cache(maxsize=64)
+def _attempt_variables(
+    job_name: str,
+    job_id: int,
+    attempt: int,
+    world_size: int,
+    procs_per_pod: int,
+    master_addr: str,
+    master_port: int,
+    shared_dir: str,
+    recovery: RecoverySettings,
+) -> Mapping[str, str]:
+    """An attempt's variables, by what they are made of (a pod 0 moved, a new port: another)."""
+    process_level = recovery.process_level
+    return MappingProxyType(
+        AttemptEnvironment(
+            job_name=job_name,
+            job_id=job_id,
+            attempt=attempt,
+            world_size=world_size,
+            procs_per_pod=procs_per_pod,
+            master_addr=master_addr,
+            master_port=master_port,
+            shared_dir=shared_dir,
+            process_recovery=process_recovery_env(recovery),
+            recovery_wait_s=recovery.wait_reschedule_timeout_s if process_level else None,
+            run_id=f"{job_name}-{job_id}",
+            max_restarts=recovery.job_retry_budget,
+        ).variables()
+    )
 
 
 @functools.cache

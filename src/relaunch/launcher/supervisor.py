@@ -484,7 +484,7 @@ class Launcher:
                 attempt = self.attempt
                 threading.Thread(  # py-spy takes tens of ms a rank: the loop keeps serving
                     target=lambda: self.link.send(
-                        Stacks(request, attempt, tuple(capture(pids, timeout_s)))
+                        Stacks(request, attempt, capture(pids, timeout_s))
                     ),
                     daemon=True,
                 ).start()

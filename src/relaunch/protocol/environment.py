@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
-__all__ = ["Env", "PodEnvironment"]
+__all__ = ["AttemptEnvironment", "Env", "PodEnvironment"]
 
 
 class Env:
@@ -83,27 +83,22 @@ class Env:
 
 
 @dataclass(frozen=True)
-class PodEnvironment:
-    """What every process of one pod sees (RANK and LOCAL_RANK are added per process)."""
+class AttemptEnvironment:
+    """What every process of every pod of one attempt sees alike: built once an attempt, not
+    once a pod (a restart of thousands of pods starts each with it)."""
 
     job_name: str
     job_id: int
-    pod: int
-    node: str
-    generation: int
     attempt: int
     world_size: int
     procs_per_pod: int
     master_addr: str
     master_port: int
-    schedule_cnt: int
-    proc_start_cnt: int
     shared_dir: str
     process_recovery: Mapping[str, str]
     """R-07's variables for the job's strategies (spec.process_recovery_env)."""
-    membership_file: str | None = None
-    """With process-level recovery: where the launcher writes the membership."""
     recovery_wait_s: float | None = None
+    """With process-level recovery: how long a rank waits for its group's replacements."""
     run_id: str = "none"
     """TORCHELASTIC_RUN_ID (torchrun's --rdzv-id, whose default is "none")."""
     max_restarts: int = 0
@@ -119,23 +114,45 @@ class PodEnvironment:
             Env.USE_AGENT_STORE: "False",
             Env.WORLD_SIZE: str(self.world_size),
             Env.LOCAL_WORLD_SIZE: str(self.procs_per_pod),
-            Env.GROUP_RANK: str(self.pod),
             Env.MASTER_ADDR: self.master_addr,
             Env.MASTER_PORT: str(self.master_port),
             Env.RESTART_COUNT: str(self.attempt - 1),
-            Env.SCHEDULE_CNT: str(self.schedule_cnt),
-            Env.PROC_START_CNT: str(self.proc_start_cnt),
             Env.JOB: self.job_name,
             Env.JOB_ID: str(self.job_id),
-            Env.POD: str(self.pod),
-            Env.NODE: self.node,
             Env.ATTEMPT: str(self.attempt),
-            Env.GENERATION: str(self.generation),
             Env.SHARED_DIR: self.shared_dir,
         }
         env.update(self.process_recovery)
+        if self.recovery_wait_s is not None:
+            env[Env.RECOVERY_WAIT] = str(self.recovery_wait_s)
+        return env
+
+
+@dataclass(frozen=True)
+class PodEnvironment:
+    """What every process of one pod sees (RANK and LOCAL_RANK are added per process): its
+    attempt's variables, and its own."""
+
+    pod: int
+    node: str
+    generation: int
+    schedule_cnt: int
+    proc_start_cnt: int
+    membership_file: str | None = None
+    """With process-level recovery: where the launcher writes the membership."""
+
+    def variables(self, attempt: Mapping[str, str]) -> dict[str, str]:
+        """`attempt`: the attempt's variables (`AttemptEnvironment.variables`)."""
+        env = {
+            **attempt,
+            Env.GROUP_RANK: str(self.pod),
+            Env.SCHEDULE_CNT: str(self.schedule_cnt),
+            Env.PROC_START_CNT: str(self.proc_start_cnt),
+            Env.POD: str(self.pod),
+            Env.NODE: self.node,
+            Env.GENERATION: str(self.generation),
+        }
         if self.membership_file is not None:
             env[Env.MEMBERSHIP] = self.membership_file
             env[Env.POD_GENERATION] = str(self.generation)
-            env[Env.RECOVERY_WAIT] = str(self.recovery_wait_s)
         return env
