@@ -93,6 +93,38 @@ def test_a_crash_is_decided_then_every_pod_rebuilt_then_verified_by_progress(
     )
 
 
+def test_the_job_row_the_controller_keeps_is_the_stored_one_through_its_recoveries(
+    tmp_path: Path,
+) -> None:
+    """The controller writes the job's fields without reading the row back: after every write
+    of a job-level restart (status, attempt, port, seen-at, last step) and of a process-level
+    recovery (the membership), what it keeps is what the store holds."""
+
+    def same() -> None:
+        c = sim.controller
+        assert c.job == c.store.job(c.job_id)
+
+    sim = booted(tmp_path, UNCONDITIONAL)
+    same()
+    sim.crash(3)
+    sim.tick()
+    assert sim.controller.job.attempt == 2
+    same()
+    sim.run(0.5)
+    sim.train(2)
+    sim.tick()
+    assert sim.actions() == [("job-reschedule", "succeeded")]
+    same()
+    sim = booted(tmp_path / "process", PROCESS, labels=PROCESS_LABELS)
+    sim.train(5)
+    sim.tick()
+    sim.controller.membership.publish()
+    assert sim.controller.job.membership is not None
+    same()
+    sim.run(11.0)  # past the seen-at interval
+    same()
+
+
 def test_a_chip_fault_that_heals_starts_again_only_once_the_agent_healed_it(
     tmp_path: Path,
 ) -> None:
