@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from relaunch.controller.fencing import FENCE_MARGIN_S
+from relaunch.diagnosis import StackGroup
 from relaunch.policy import Action
 from relaunch.protocol.messages import (
     CaptureStacks,
@@ -22,6 +23,7 @@ from relaunch.protocol.messages import (
     Output,
     ProgressBatch,
     Shutdown,
+    Stacks,
     Start,
     Stop,
 )
@@ -539,6 +541,26 @@ def test_a_launcher_that_does_not_answer_delays_the_hang_by_at_most_the_capture_
     assert record.fault.kind.value == "hang"
     assert record.evidence is not None and record.evidence["missing_pods"] == [1]
     assert [s["ranks"] for s in record.evidence["stacks"]] == [[0, 1]]
+
+
+def test_a_launchers_malformed_stack_groups_are_dropped_and_the_hang_decided_on_the_rest(
+    tmp_path: Path,
+) -> None:
+    """Pod 1's launcher answers with a group of no rank and a group whose ranks and pids differ
+    in number: those are dropped (the controller does not fail on them), the pod counts as
+    answered, and the hang is decided on pod 0's stacks at once."""
+    sim = booted(tmp_path, HANG, labels={"grace-over-time": "30"})
+    sim.mute_stacks.add(1)
+    sim.run(2.5)
+    c = sim.controller
+    assert c.capture.current is not None and sim.records() == []
+    malformed = (StackGroup((), (), "sleeping"), StackGroup((2, 3), (5002,), "stopped"))
+    c.receive(sim.link_peer(1), Stacks(c.capture.current.request, c.job.attempt, malformed))
+    sim.tick()
+    (record,) = sim.records()
+    assert record.evidence is not None and record.evidence["missing_pods"] == []
+    assert [s["ranks"] for s in record.evidence["stacks"]] == [[0, 1]]
+    assert record.evidence["culprits"] == []  # pod 1's "stopped" was not believed
 
 
 def test_a_crash_during_the_stack_capture_wins_and_the_hang_is_dropped(tmp_path: Path) -> None:

@@ -59,7 +59,9 @@ def received(c: ControllerContext, link: LauncherLink, message: Stacks) -> None:
     capture = c.capture.current
     if capture is None or message.request != capture.request:
         return
-    capture.stacks.extend(message.stacks)
+    # a group names at least one rank, each with its pid (a launcher's malformed answer is
+    # dropped, not the controller)
+    capture.stacks.extend(g for g in message.stacks if g.ranks and len(g.ranks) == len(g.pids))
     capture.waiting.discard(link.pod)
     if not capture.waiting:
         c.hurry()
@@ -78,7 +80,8 @@ class HangFound:
 
 def finish(c: ControllerContext, now: float) -> HangFound | None:
     """Once every launcher answered (or the capture's deadline passed): the hang fault, naming
-    the culprit and carrying every stack (alike ones once, with their ranks); None while it waits, or when another fault came."""
+    the culprit and carrying every stack (alike ones once, with their ranks); None while it
+    waits, or when another fault came."""
     capture = c.capture.current
     if capture is None or (capture.waiting and now < capture.deadline):
         return None
