@@ -14,6 +14,7 @@ import pytest
 from relaunch.controller.fencing import FENCE_MARGIN_S
 from relaunch.diagnosis import StackGroup
 from relaunch.policy import Action
+from relaunch.protocol.environment import Env
 from relaunch.protocol.messages import (
     CaptureStacks,
     Exited,
@@ -125,6 +126,36 @@ def test_the_job_row_the_controller_keeps_is_the_stored_one_through_its_recoveri
     same()
     sim.run(11.0)  # past the seen-at interval
     same()
+
+
+def test_each_start_has_its_attempts_variables_and_its_pods_own(tmp_path: Path) -> None:
+    """The variables every pod of an attempt shares are built once an attempt: a restart's
+    starts carry the new attempt's (its count, its rank 0's port), each pod its own (R-04 to
+    R-07); with process-level recovery, the membership file and the replacement wait too."""
+    sim = booted(tmp_path, UNCONDITIONAL)
+    sim.crash(3)
+    sim.tick()
+    sim.run(0.5)
+    c = sim.controller
+    for attempt in (1, 2):
+        envs = {
+            pod: m.env
+            for (pod, _), peer in sim.launchers.items()
+            for m in peer.of(Start)
+            if m.attempt == attempt
+        }
+        assert sorted(envs) == [0, 1]
+        for pod, env in envs.items():
+            assert (env[Env.ATTEMPT], env[Env.RESTART_COUNT]) == (str(attempt), str(attempt - 1))
+            assert (env[Env.GROUP_RANK], env[Env.POD]) == (str(pod), str(pod))
+            assert env[Env.NODE] == f"node-{pod}" and env[Env.GENERATION] == str(attempt)
+            assert Env.MEMBERSHIP not in env and Env.RECOVERY_WAIT not in env
+        assert envs[0][Env.MASTER_PORT] == envs[1][Env.MASTER_PORT]
+    assert envs[0][Env.MASTER_PORT] == str(c.job.master_port)  # attempt 2's
+    sim = booted(tmp_path / "process", PROCESS, labels=PROCESS_LABELS)
+    env = sim.link_peer(1).of(Start)[0].env
+    assert env[Env.MEMBERSHIP].endswith("membership.json") and env[Env.POD_GENERATION] == "1"
+    assert float(env[Env.RECOVERY_WAIT]) == sim.controller.recovery.wait_reschedule_timeout_s
 
 
 def test_a_chip_fault_that_heals_starts_again_only_once_the_agent_healed_it(
