@@ -103,8 +103,11 @@ def test_a_job_training_undisturbed_is_looked_at_on_its_deadlines_not_every_tick
         sim.tick()
     assert c.pacer.steady_since is not None
     assert 4 <= len(passes) <= 2 / IDLE_PASS_S + 3, passes
-    # Something under way (a stop asked through the store) brings back a pass every TICK_S.
-    sim.store.append_plan(c.job_id, [{"kind": "process-exit", "pod": 1, "after_s": 30}])
+    # Something under way (a fault added through the store, as the API adds it: from another
+    # connection) brings back a pass every TICK_S.
+    api = Store(tmp_path / "relaunch.db")
+    api.append_plan(c.job_id, [{"kind": "process-exit", "pod": 1, "after_s": 30}])
+    api.close()
     sim.run(IDLE_PASS_S + TICK_S)  # the next idle pass reads the plan
     passes.clear()
     sim.run(1.0)
