@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import Page, expect, sync_playwright
 
+from relaunch.diagnosis import ranks_text
 from tests.runtime import UNCONDITIONAL, Server, kill_all, toy_job, wait_gone
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -82,6 +83,9 @@ def test_submit_on_the_page_and_watch_the_recovery(page: Page, tmp_path: Path) -
         # the culprit's own stack (rank 0 runs on alone and may have ended by the capture)
         culprit = hang.locator("div", has_text="rank 1 (stopped) — culprit")
         expect(culprit.locator("xpath=following-sibling::pre[1]")).to_contain_text("train_toy.py")
+        # a group of alike stacks is headed by its ranks as runs, as `describe` writes them
+        for ranks in ([4], [2, 0], [0, 1, 3], [0, 1, 2, 3, 5, 7, 8, 9, 10], list(range(4095))):
+            assert page.evaluate(f"ranksText({ranks})") == ranks_text(ranks)
         expect(page.locator("#goodput .goodput-legend")).to_contain_text("ETTR")
         expect(page.locator("#goodput .goodput-legend")).to_contain_text("recovery")
         assert page.locator("#goodput .goodput-part").count() >= 2
