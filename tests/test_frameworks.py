@@ -108,8 +108,13 @@ def test_an_unmodified_framework_script_comes_through_a_crash_a_hang_and_a_lost_
         ("isolated-job-reschedule", "succeeded"),
     ]
     starts = re.findall(r"\] start: .*", said)
-    assert len(starts) >= 4, said[-4000:]  # the first attempt and three restarts
     assert all(framework.launched in line for line in starts), starts
+    # each fault fires `after_s` from its attempt's start: on a busy machine one may strike while
+    # the framework still starts (imports, the process group), and that attempt says no `start`;
+    # the last attempt, after the third restart, trains to the end: both its ranks say so (each
+    # is its node's main process, which Accelerate's `print` speaks for)
+    after_last = said[said.rindex("[relaunch] decision: ") :]
+    assert len(re.findall(r"\] start: ", after_last)) == 2, after_last[-4000:]
     resumed = [int(n) for n in re.findall(r"\] start: .*?(?:global_step|step)=(\d+)", said)]
     # no attempt started from an older checkpoint than the one before (both ranks say it); a
     # restart may find no newer one than the last restart's (a busy machine: the framework's
