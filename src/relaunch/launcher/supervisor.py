@@ -493,8 +493,5 @@ class Launcher:
             case Assume(plan=plan):
                 self.assume(plan)
             case Shutdown(grace=grace):
-                self.stop(grace)
-                self.link.send(
-                    Stopped(self.attempt, time.time(), final=True, exited=self.stop_ended())
-                )
+                self.stop(grace)  # its answer is the close: the controller waits for that
                 self.running = False

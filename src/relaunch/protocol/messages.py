@@ -278,12 +278,12 @@ class Exited(Message):
 
 @dataclass(frozen=True)
 class Stopped(Message):
-    """A Stop (or a Shutdown: `final`) was carried out."""
+    """A Stop was carried out. (A Shutdown has no `Stopped`: the launcher's close answers it,
+    and the controller waits for that before a pod's next launcher may start.)"""
 
     KIND = "stopped"
     attempt: int
     at: float
-    final: bool = False
     exited: dict[int, tuple[int, int | None, int | None]] = field(default_factory=dict)
     """The ranks the stop ended: rank -> (its attempt, exit code, signal). A rank that failed
     before it was asked to stop is an `Exited` of its own (its failure is a fault)."""

@@ -301,9 +301,8 @@ class Shard:
             case Assume(plan=plan):
                 self.assume(launcher, SimPlan.from_plan(plan))
             case Shutdown():
-                ended = self.stop(launcher, None)
-                self.send(conn, Stopped(launcher.attempt, time.time(), final=True, exited=ended))
-                self.close(conn)
+                self.stop(launcher, None)
+                self.close(conn)  # as a launcher answers a shutdown: by its close
             case Lease():
                 pass
 
