@@ -37,6 +37,7 @@ from relaunch.protocol.messages import (
     Output,
     ProgressBatch,
     Start,
+    Started,
     Stopped,
     decode,
     encode,
@@ -334,3 +335,49 @@ def test_a_launcher_whose_last_stop_raises_still_closes_its_container(
     with pytest.raises(OSError, match="the stop failed"):
         launcher_main.main(["--state-dir", str(tmp_path), "--plan", str(plan)])
     assert calls == ["run", "retire", "stop", "close_container"]
+
+
+def test_a_shutdown_is_answered_by_the_close_with_every_rank_ended(tmp_path: Path) -> None:
+    """A real launcher told to shut down stops its ranks and closes its connection, with no
+    `Stopped` before it: the controller waits for the close (a job-level restart of 4,096 pods
+    decoded 4,095 of them for nothing)."""
+    from dataclasses import replace
+
+    from relaunch.protocol.messages import Shutdown
+
+    plan = replace(
+        _plan(tmp_path),
+        command=(sys.executable, "-c", "import time; time.sleep(120)"),
+        procs_per_pod=2,
+    )
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    controller = Controller(tmp_path)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "relaunch.launcher", "--state-dir", str(tmp_path),
+         "--plan", str(tmp_path / "plan.json")],
+    )  # fmt: skip
+    try:
+        controller.accept()
+        assert isinstance(controller.heard(1)[0], LauncherHello)
+        controller.say(Start(1, {}))
+        heard = controller.heard(2)
+        started = [m for m in heard if isinstance(m, Started)]
+        deadline = time.time() + 20
+        while not started and time.time() < deadline:
+            started = [m for m in controller.heard(len(heard) + 1) if isinstance(m, Started)]
+        assert started and sorted(started[0].pids) == [0, 1], heard
+        ranks = [psutil.Process(pid) for pid in started[0].pids.values()]
+        before = len(controller.lines)
+        controller.say(Shutdown(5.0))
+        assert controller.conn is not None
+        controller.conn.settimeout(20)
+        rest = b""
+        while chunk := controller.conn.recv(65536):  # until the launcher closes its end
+            rest += chunk
+        said = controller.lines[before:] + [decode(line) for line in rest.splitlines()]
+        assert not [m for m in said if isinstance(m, Stopped)], said
+        assert launcher.wait(timeout=20) == 0
+        assert not [r for r in ranks if r.is_running() and r.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        launcher.kill()
+        launcher.wait()
