@@ -337,6 +337,13 @@ def test_a_launcher_whose_last_stop_raises_still_closes_its_container(
     assert calls == ["run", "retire", "stop", "close_container"]
 
 
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def test_a_shutdown_is_answered_by_the_close_with_every_rank_ended(tmp_path: Path) -> None:
     """A real launcher told to shut down stops its ranks and closes its connection, with no
     `Stopped` before it: the controller waits for the close (a job-level restart of 4,096 pods
@@ -377,7 +384,7 @@ def test_a_shutdown_is_answered_by_the_close_with_every_rank_ended(tmp_path: Pat
         said = controller.lines[before:] + [decode(line) for line in rest.splitlines()]
         assert not [m for m in said if isinstance(m, Stopped)], said
         assert launcher.wait(timeout=20) == 0
-        assert not [r for r in ranks if r.is_running() and r.status() != psutil.STATUS_ZOMBIE]
+        assert not [r for r in ranks if _alive(r)]
     finally:
         launcher.kill()
         launcher.wait()
