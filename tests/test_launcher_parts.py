@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -36,6 +37,7 @@ from relaunch.protocol.messages import (
     Message,
     Output,
     ProgressBatch,
+    Shutdown,
     Start,
     Started,
     Stopped,
@@ -348,10 +350,6 @@ def test_a_shutdown_is_answered_by_the_close_with_every_rank_ended(tmp_path: Pat
     """A real launcher told to shut down stops its ranks and closes its connection, with no
     `Stopped` before it: the controller waits for the close (a job-level restart of 4,096 pods
     decoded 4,095 of them for nothing)."""
-    from dataclasses import replace
-
-    from relaunch.protocol.messages import Shutdown
-
     plan = replace(
         _plan(tmp_path),
         command=(sys.executable, "-c", "import time; time.sleep(120)"),
@@ -367,12 +365,11 @@ def test_a_shutdown_is_answered_by_the_close_with_every_rank_ended(tmp_path: Pat
         controller.accept()
         assert isinstance(controller.heard(1)[0], LauncherHello)
         controller.say(Start(1, {}))
-        heard = controller.heard(2)
-        started = [m for m in heard if isinstance(m, Started)]
         deadline = time.time() + 20
-        while not started and time.time() < deadline:
-            started = [m for m in controller.heard(len(heard) + 1) if isinstance(m, Started)]
-        assert started and sorted(started[0].pids) == [0, 1], heard
+        while not (started := [m for m in controller.lines if isinstance(m, Started)]):
+            assert time.time() < deadline, controller.lines
+            controller.heard(len(controller.lines) + 1)
+        assert sorted(started[0].pids) == [0, 1], started
         ranks = [psutil.Process(pid) for pid in started[0].pids.values()]
         before = len(controller.lines)
         controller.say(Shutdown(5.0))
