@@ -226,6 +226,57 @@ def test_r21_a_hardware_recovery_in_between_breaks_the_streak() -> None:
     assert h.streaks.unconditional == 2
 
 
+def _fell_through(
+    s: RecoverySettings, fault: Fault, h: JobHistory, c: ClusterView
+) -> tuple[JobHistory, Decision]:
+    """The controller's way with one fault: each level that does not work fails (hand-overs run
+    at once), down to a job-level restart (left running) or the job's end."""
+    h, tried = h.with_fault(fault), frozenset[Action]()
+    while True:
+        d = decide(s, fault, h, c, fault.at, tried=tried)
+        h = h.with_decision(d, fault.at)
+        if d.action.final or d.action.rebuilds_all_pods:
+            return h, d
+        if not d.action.hands_over:
+            h = h.with_outcome(False)
+        tried |= {d.action}
+
+
+@pytest.mark.parametrize(
+    "strategies",
+    [
+        "retry,recover-in-place,recover,dump,exit",
+        "retry,recover-in-place,recover,elastic-training,dump,exit",
+        "recover-in-place,exit",
+    ],
+)
+def test_r21_a_faults_failed_process_level_levels_and_its_dump_do_not_break_the_streak(
+    strategies: str,
+) -> None:
+    """Each crash first tries process-in-place (which fails), then dump or exit, then a job
+    reschedule: a fault is one fault however many levels it fell through, so the fourth crash
+    fails as a user code error. Before: the fault's own failed restart in place and its dump
+    ended the run, which never passed 1, and the job spent its whole budget (R-26)."""
+    s, c, h = process_settings(strategies), cluster(), history()
+    for i in range(3):
+        h, d = _fell_through(s, crash(at=float(i)), h, c)
+        assert d.action is Action.JOB_RESCHEDULE
+        assert h.streaks.unconditional == i + 1
+    h, d = _fell_through(s, crash(at=10.0), h, c)
+    assert d.action is Action.FAIL and "user code error (R-21)" in d.reason
+
+
+def test_r21_a_process_level_recovery_that_worked_breaks_the_streak() -> None:
+    """A crash recovered in place (progress past it) is progress: the run starts again."""
+    s, c, h = process_settings("retry,recover-in-place,dump,exit"), cluster(), history()
+    for i in range(2):
+        h, _ = _fell_through(s, crash(at=float(i)), h, c)
+    worked = decide(s, crash(at=5.0), h.with_fault(crash(at=5.0)), c, 5.0)
+    assert worked.action is Action.PROCESS_IN_PLACE
+    h = carry_out(h, worked, ok=True)
+    assert h.streaks.unconditional == 0
+
+
 def test_r21_failed_pod_rescheduling_degrades_to_job_rescheduling() -> None:
     steps = plan(settings(MODELARTS_ALL), node_lost(), history(), cluster(), 0.0)
     assert [s.action for s in steps] == [Action.POD_RESCHEDULE, Action.JOB_RESCHEDULE, Action.FAIL]

@@ -96,6 +96,11 @@ class ActiveRecovery:
     fence_until: float | None = None
     """R-14: its new launchers start no earlier (it replaces a silent node's pods)."""
     phase: RecoveryPhase = RecoveryPhase.WAITING
+    alive_since: float | None = None
+    """A script that reports no steps: when a process the recovery started first showed a sign
+    of life. It proves the recovery once the process lived on through the start window after
+    it (R-21: a traceback printed at import is no progress). Not stored: a resumed controller
+    waits for the next sign."""
 
     def to_state(self) -> dict[str, Any]:
         return {

@@ -26,7 +26,12 @@ from relaunch.controller.active import HEAL_TIMEOUT_S, ActiveRecovery, RecoveryP
 from relaunch.diagnosis import Group, is_collateral, root_cause
 from relaunch.faults import Fault, FaultKind
 from relaunch.policy import Action, Decision, decide
-from relaunch.policy.fallback import Consequence, decide_after, on_new_fault
+from relaunch.policy.fallback import (
+    FAILED_AT_START_S,
+    Consequence,
+    decide_after,
+    on_new_fault,
+)
 from relaunch.store import JobStatus, Outcome
 
 if TYPE_CHECKING:
@@ -350,25 +355,34 @@ class RecoveryDriver:
         reported_at: float | None = None,
     ) -> None:
         """A sign of progress: if it proves the active recovery worked, settle it. Nothing proves
-        a recovery still WAITING (resumed, it has not sent what it must yet)."""
+        a recovery still WAITING (resumed, it has not sent what it must yet). A step proves it
+        at once; a sign of life of a script that reports no steps (`step` None: a line) only
+        once the process lived on through the start window after it (`check`): a rank that
+        prints its traceback and dies at import has not recovered anything (R-21)."""
         active = self.active
         c = self.c
         if active is None or attempt != c.job.attempt or active.phase is not RecoveryPhase.RUNNING:
             return
         if not action_for(active.action).worked(active, rank, started_at, step, reported_at):
             return
+        if step is None:
+            if active.alive_since is None:
+                active.alive_since = c.clock.now()
+            return
         self.succeeded(c.clock.now())
 
-    def succeeded(self, now: float) -> None:
+    def succeeded(self, now: float, resumed_at: float | None = None) -> None:
+        """The recovery worked; progress resumed at `resumed_at` (now if not said)."""
         active = self.active
         if active is None:
             return
         c = self.c
-        self.settle(active, Outcome.SUCCEEDED, now)
+        resumed_at = now if resumed_at is None else resumed_at
+        self.settle(active, Outcome.SUCCEEDED, resumed_at)
         c.update_job(status=JobStatus.RUNNING)
         self.hang_stop = False
         c.event(
-            f"{active.action.value} worked: progress resumed {now - active.fault.at:.2f} s "
+            f"{active.action.value} worked: progress resumed {resumed_at - active.fault.at:.2f} s "
             "after the fault"
         )
         failpoints.reach("recovered")
@@ -402,6 +416,10 @@ class RecoveryDriver:
         replacement that made no progress within the decision's wait did not join (R-32)."""
         active = self.active
         if active is None:
+            return
+        alive = active.alive_since
+        if alive is not None and now >= alive + FAILED_AT_START_S:
+            self.succeeded(now, resumed_at=alive)  # a sign of life, and no exit since
             return
         why = action_for(active.action).tick(self.c, active, now)
         if why is not None:

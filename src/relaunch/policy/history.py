@@ -27,6 +27,14 @@ class RecoveryRecord:
     isolated: tuple[str, ...] = ()
     succeeded: bool | None = None
     """None while it runs; True once progress resumed; False when it did not work."""
+    fault_id: int = 0
+    """The stored fault's id: the records of one fault share it (0: not stored, the fault
+    itself tells them apart)."""
+
+    def same_fault(self, other: RecoveryRecord) -> bool:
+        if self.fault_id or other.fault_id:
+            return self.fault_id == other.fault_id
+        return self.fault == other.fault
 
 
 @dataclass(frozen=True)
@@ -103,24 +111,50 @@ class JobHistory:
 
 
 def _streaks(records: tuple[RecoveryRecord, ...]) -> Streaks:
-    """Trailing runs: unconditional reschedules of software faults, and hang restarts. Records
-    that changed nothing (ignore), and relaunch's own outages, do not break a run; any other
-    recovery does."""
-    relevant = [
-        r
-        for r in records
-        if r.action is not Action.IGNORE and r.fault.kind is not FaultKind.CONTROLLER_OUTAGE
-    ]
-    unconditional = 0
-    for r in reversed(relevant):
-        if r.action is Action.JOB_RESCHEDULE and r.cause is Cause.SOFTWARE:
-            unconditional += 1
+    """Trailing runs of faults (R-21, R-24): a fault is one fault however many levels it fell
+    through, and counts by the level it ended at (its last record but a hand-over, dump or
+    exit). A software fault that ended in a job reschedule extends the unconditional run; one
+    that ended in a hang restart, the hang run. A fault only recorded (ignore), relaunch's own
+    outage, and a software fault whose process-level recovery did not work and that went no
+    further (a newer failure of the same broken attempt ended it, or it is the fault being
+    decided) neither extend nor break a run: the job made no progress in between. Any other
+    fault breaks both: a recovery that worked, or one with a node or chip at fault."""
+    unconditional = hang = 0
+    counting_unconditional = counting_hang = True
+    for decisive in _decisive_records(records):
+        if _neutral(decisive):
+            continue
+        if decisive.action is Action.JOB_RESCHEDULE and decisive.cause is Cause.SOFTWARE:
+            unconditional += counting_unconditional
         else:
-            break
-    hang = 0
-    for r in reversed(relevant):
-        if r.action is Action.HANG_RESTART:
-            hang += 1
+            counting_unconditional = False
+        if decisive.action is Action.HANG_RESTART:
+            hang += counting_hang
         else:
+            counting_hang = False
+        if not (counting_unconditional or counting_hang):
             break
     return Streaks(unconditional=unconditional, hang=hang)
+
+
+def _decisive_records(records: tuple[RecoveryRecord, ...]) -> list[RecoveryRecord]:
+    """Each fault's decisive record (its last one that is not a hand-over), newest fault first;
+    a fault whose records are all hand-overs is left out."""
+    decisive: list[RecoveryRecord] = []
+    seen: list[RecoveryRecord] = []
+    for record in reversed(records):
+        if any(record.same_fault(s) for s in seen):
+            continue
+        seen.append(record)
+        mine = [r for r in records if r.same_fault(record)]
+        last = next((r for r in reversed(mine) if not r.action.hands_over), None)
+        if last is not None:
+            decisive.append(last)
+    return decisive
+
+
+def _neutral(r: RecoveryRecord) -> bool:
+    """A record that neither extends nor breaks a run (see _streaks)."""
+    if r.action is Action.IGNORE or r.fault.kind is FaultKind.CONTROLLER_OUTAGE:
+        return True
+    return r.action.process_level and r.cause is Cause.SOFTWARE and r.succeeded is not True

@@ -198,6 +198,7 @@ class RecordTable(PodTable):
                 consumes=frozenset(r.consumed),
                 isolated=r.isolated,
                 succeeded=None if r.outcome is Outcome.RUNNING else r.outcome is Outcome.SUCCEEDED,
+                fault_id=r.fault_id,
             )
             for r in self.records(job_id)
         )

@@ -1,0 +1,124 @@
+"""R-21 at the joints of the ladder: "three unconditional reschedules in a row, the fourth fails"
+holds whatever levels each fault falls through first (process-level in place, dump, a warm
+spare, elastic scale-in), and a finer recovery has worked only when the job made progress past
+its fault. The script of these tests fails at import on every start, as a user's broken script
+does: each rank prints its traceback's lines and exits 1. On the controller simulator with its
+fake clock (tests/controller_sim.py); the same script runs end to end in test_runtime_e2e.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from relaunch.protocol.messages import Exited, Output
+from relaunch.store import JobStatus
+from tests.controller_sim import Sim, job_spec
+
+RETRY_8 = {"fault-tolerance/job-retry-num": "8", "fault-tolerance/job-unconditional-retry": "true"}
+MINDCLUSTER = {"process-recover-enable": "on", "pod-rescheduling": "on"}
+
+LADDERS: dict[str, tuple[dict[str, str], dict[str, str], dict[str, Any]]] = {
+    "plain": (RETRY_8, {}, {}),
+    "process-level": (
+        {**RETRY_8, "recover-strategy": "retry,recover-in-place,recover,dump,exit"},
+        MINDCLUSTER,
+        {},
+    ),
+    "elastic": (
+        {
+            **RETRY_8,
+            "recover-strategy": "retry,recover-in-place,recover,elastic-training,dump,exit",
+        },
+        MINDCLUSTER,
+        {},
+    ),
+    "warm-spares": (
+        {**RETRY_8, "recover-strategy": "retry,recover-in-place,recover,dump,exit"},
+        MINDCLUSTER,
+        {"warm_spares": 1},
+    ),
+}
+
+
+def broken_script_sim(tmp: Path, ladder: str) -> Sim:
+    annotations, labels, spec = LADDERS[ladder]
+    sim = Sim(tmp, job_spec(annotations, labels=labels, replicas=2, **spec), nodes=4)
+    sim.boot()
+    return sim
+
+
+def fail_at_import(sim: Sim, seconds: float = 120.0, broken: set[int] | None = None) -> None:
+    """Every rank that starts (of `broken`, all when None) prints its traceback and exits 1, a
+    tick after it started; the others print a line every tick (a script that reports no
+    steps)."""
+    crashed: set[tuple[int, int, float]] = set()
+    end = sim.clock.now() + seconds
+    while sim.clock.now() < end and not sim.controller.job.status.ended:
+        sim.tick()
+        c = sim.controller
+        for pod in list(c.pods.values()):
+            link = pod.link
+            if link is None:
+                continue
+            for rank, observed in list(link.ranks.items()):
+                key = (rank, observed.attempt, observed.started_at)
+                if not observed.running or key in crashed:
+                    continue
+                if broken is not None and rank not in broken:
+                    c.receive(link.peer, Output(rank, observed.attempt, "working"))
+                    continue
+                crashed.add(key)
+                for line in ("Traceback (most recent call last):", "ImportError: no module"):
+                    c.receive(link.peer, Output(rank, observed.attempt, line))
+                c.receive(link.peer, Exited(rank, observed.attempt, 1, None, sim.clock.now()))
+
+
+@pytest.mark.parametrize("ladder", sorted(LADDERS))
+def test_r21_three_in_a_row_then_fail_on_every_ladder(tmp_path: Path, ladder: str) -> None:
+    """The always-failing script: exactly three job-level restarts, then the job fails as a user
+    code error, however many finer levels each fault tried before its job-level restart."""
+    sim = broken_script_sim(tmp_path, ladder)
+    fail_at_import(sim)
+    job = sim.controller.job
+    records = sim.records()
+    actions = [(r.action.value, r.outcome.value) for r in records]
+    assert job.status is JobStatus.FAILED, actions
+    assert [a for a, _ in actions].count("job-reschedule") == 3, actions
+    assert actions[-1] == ("fail", "failed"), actions
+    assert "user code error (R-21)" in job.reason, job.reason
+
+
+@pytest.mark.parametrize("ladder", ["process-level", "warm-spares", "elastic"])
+def test_r21_a_process_level_recovery_without_progress_has_not_worked(
+    tmp_path: Path, ladder: str
+) -> None:
+    """A rank restarted in place that prints and dies at import did not recover its fault: no
+    process-level record of the broken script is settled succeeded."""
+    sim = broken_script_sim(tmp_path, ladder)
+    fail_at_import(sim)
+    process = [r for r in sim.records() if r.action.process_level]
+    assert process, "the process-level ladder was never tried"
+    finer = [r for r in process if not r.action.hands_over]
+    assert all(r.outcome.value == "failed" for r in finer), [
+        (r.action.value, r.outcome.value) for r in process
+    ]
+
+
+@pytest.mark.parametrize("ladder", ["process-level", "warm-spares", "elastic"])
+def test_r21_one_rank_broken_at_import_is_no_process_level_success(
+    tmp_path: Path, ladder: str
+) -> None:
+    """One rank dies at import on every start while its peers run and print: its restart in
+    place prints a traceback, which is no progress past the fault. Before: each restart
+    counted as worked at its first line, the next exit was a new fault, and the restarts went
+    on until max_restarts (32,767), never reaching job level."""
+    sim = broken_script_sim(tmp_path, ladder)
+    fail_at_import(sim, broken={3})
+    records = sim.records()
+    actions = [(r.action.value, r.outcome.value) for r in records]
+    assert sim.controller.job.status is JobStatus.FAILED, actions
+    assert ("process-in-place", "succeeded") not in actions, actions
+    assert [a for a, _ in actions].count("job-reschedule") == 3, actions
+    assert "user code error (R-21)" in sim.controller.job.reason
