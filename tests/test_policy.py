@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from relaunch.faults import EscalationRules, Fault, FaultKind
+from relaunch.faults import ErrorReport, EscalationRules, Fault, FaultKind
 from relaunch.policy import (
     Action,
     Budget,
@@ -275,6 +275,39 @@ def test_r21_a_process_level_recovery_that_worked_breaks_the_streak() -> None:
     assert worked.action is Action.PROCESS_IN_PLACE
     h = carry_out(h, worked, ok=True)
     assert h.streaks.unconditional == 0
+
+
+def _four_in_a_row(fault: Fault) -> Decision:
+    s, c, h = settings(UNCONDITIONAL), cluster(), history()
+    for i in range(3):
+        h = carry_out(h, decide(s, replace(fault, at=float(i)), h, c, float(i)))
+    return decide(s, replace(fault, at=10.0), h, c, 10.0)
+
+
+def test_r21_the_final_reason_names_the_root_causes_error() -> None:
+    """The fourth failure's reason says what the failed rank's own error says."""
+    error = ErrorReport("KeyError", "'lr'", "Traceback ...", 0.0, "error-file")
+    d = _four_in_a_row(replace(crash(), error=error))
+    assert d.action is Action.FAIL
+    assert d.reason.endswith("user code error (R-21): KeyError: 'lr'"), d.reason
+
+
+@pytest.mark.parametrize(
+    ("message", "cause"),
+    [
+        ("[Errno 28] No space left on device: '/ckpt/step-40'", "the disk is full"),
+        ("[Errno 122] Disk quota exceeded", "the disk quota is spent"),
+    ],
+)
+def test_r21_a_full_disk_is_named_as_the_cause_not_the_users_code(message: str, cause: str) -> None:
+    """A checkpoint disk that stayed full failed every start: the job still ends at the fourth
+    (no restart frees a disk), but its reason names the disk. Before: "user code error (R-21)",
+    the ENOSPC shown only below it as the root cause."""
+    error = ErrorReport("OSError", message, "Traceback ...", 0.0, "output")
+    d = _four_in_a_row(replace(crash(), error=error))
+    assert d.action is Action.FAIL
+    assert cause in d.reason and message in d.reason and "R-21" in d.reason
+    assert "user code error" not in d.reason
 
 
 def test_r21_failed_pod_rescheduling_degrades_to_job_rescheduling() -> None:

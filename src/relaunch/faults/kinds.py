@@ -65,6 +65,22 @@ class ErrorReport:
     def summary(self) -> str:
         return f"{self.type}: {self.message}" if self.type else self.message
 
+    def environment_cause(self) -> str | None:
+        """What of the machine the error names, where it names something no restart of the
+        user's code changes (a full disk, a spent quota); None: nothing."""
+        text = f"{self.type} {self.message}"
+        for marks, cause in _ENVIRONMENT_ERRORS:
+            if any(mark in text for mark in marks):
+                return cause
+        return None
+
+
+_ENVIRONMENT_ERRORS: Final = (
+    (("[Errno 28]", "No space left on device"), "the disk is full"),
+    (("[Errno 122]", "Disk quota exceeded"), "the disk quota is spent"),
+)
+"""errno's ENOSPC and EDQUOT as Python prints them (OSError: [Errno 28] No space left on ...)."""
+
 
 @dataclass(frozen=True)
 class Fault:

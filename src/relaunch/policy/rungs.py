@@ -428,10 +428,7 @@ def _job_reschedule(c: Context) -> Answer:
     if s.unconditional_retry:
         streak = c.history.streaks.unconditional
         if streak >= IN_A_ROW_LIMIT:
-            return Blocked(
-                f"failed again after {streak} unconditional reschedules in a row with no node or "
-                "chip fault found: user code error (R-21)"
-            )
+            return Blocked(_in_a_row_reason(c.fault, streak))
     if s.fault_retry_times > 0:
         if not s.unconditional_retry and c.cluster.all_pods_failed_at_start:
             return Blocked("every pod failed right after start: not retried (R-41)")
@@ -442,6 +439,24 @@ def _job_reschedule(c: Context) -> Answer:
         "non-zero exit with no hardware fault: rebuild the whole job (R-21, R-41)",
         pods=everything,
         consumes=frozenset(consumes),
+    )
+
+
+def _in_a_row_reason(fault: Fault, streak: int) -> str:
+    """R-21's end, naming what the failed rank's own error names: the user's code, or the part
+    of the machine no restart frees (a full disk: not the user's code, though no node or chip
+    fault was found)."""
+    error = fault.error
+    said = f": {error.summary()}" if error is not None else ""
+    cause = error.environment_cause() if error is not None else None
+    if cause is not None:
+        return (
+            f"failed again after {streak} unconditional reschedules in a row: {cause}{said}; "
+            "free it, then run the job again (R-21)"
+        )
+    return (
+        f"failed again after {streak} unconditional reschedules in a row with no node or chip "
+        f"fault found: user code error (R-21){said}"
     )
 
 
