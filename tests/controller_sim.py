@@ -24,6 +24,7 @@ from relaunch.protocol.messages import (
     Healed,
     Heartbeat,
     LauncherHello,
+    LinkReport,
     Message,
     ProcReport,
     Progress,
@@ -201,6 +202,9 @@ class Sim:
         """Nodes whose agent no longer sends heartbeats."""
         self.links_down: set[str] = set()
         """Nodes whose agents say their data link is down."""
+        self.link_reports: dict[str, LinkReport] = {}
+        """What each node's agent says of its data link's last outage, in every heartbeat (as
+        an agent repeats it): a flap's end carries its length."""
         self.link_rtt_ms: dict[str, float] = {}
         """Each node's data-link round trip, as its heartbeats say (none: not measured)."""
         self.launchers: dict[tuple[int, int], FakePeer] = {}
@@ -244,7 +248,10 @@ class Sim:
                 chips = tuple(self.chip_faults.get(node, ()))
                 down = node in self.links_down
                 rtt = self.link_rtt_ms.get(node)
-                beat = Heartbeat(node, self.clock.now(), chips, link_down=down, data_rtt_ms=rtt)
+                link = self.link_reports.get(node)
+                beat = Heartbeat(
+                    node, self.clock.now(), chips, link, link_down=down, data_rtt_ms=rtt
+                )
                 c.receive(peer, beat)
         self._launch()
         self._answer()

@@ -234,3 +234,154 @@ def test_an_operator_retry_resumed_keeps_its_schedule_and_its_attempts(tmp_path:
     sim.train(7)
     sim.tick()
     assert sim.actions() == [("operator-retry", "succeeded")]
+
+
+# -- a fault only recorded while a recovery runs, then the controller killed --------------------
+
+HANG = {**UNCONDITIONAL, "fault-tolerance/hang-retry": "true"}
+POD_LEVEL = {**UNCONDITIONAL, "fault-tolerance/pod-retry-num": "2"}
+ISOLATED = {"fault-tolerance/job-retry-num": "4"}
+
+
+def _operator_retry(sim: Sim) -> None:
+    collective_failed(sim, 0, 6, 0, 1)
+
+
+LEVELS = {
+    # level: (annotations, labels, extra spec, how the fault comes)
+    "operator-retry": (PROCESS, PROCESS_LABELS, {"env": OP_ENV}, _operator_retry),
+    "process-retry": (PROCESS, PROCESS_LABELS, {}, uce),
+    "process-in-place": (PROCESS, PROCESS_LABELS, {}, lambda sim: sim.crash(3)),
+    "process-reschedule": (PROCESS, PROCESS_LABELS, {}, lambda sim: sim.kill_node("node-1")),
+    "in-place": (
+        UNCONDITIONAL,
+        {},
+        {},
+        lambda sim: sim.chip_fault("node-1", 0, "80E18005", heals=True),
+    ),
+    "hang-restart": (HANG, {}, {"hang_detect_seconds": 2}, lambda sim: sim.run(2.5)),
+    "pod-reschedule": (POD_LEVEL, {}, {}, lambda sim: sim.kill_node("node-1")),
+    "isolated-job-reschedule": (ISOLATED, {}, {}, lambda sim: sim.kill_node("node-1")),
+    "job-reschedule": (UNCONDITIONAL, {}, {}, lambda sim: sim.crash(3)),
+}
+
+
+def alive(sim: Sim, seconds: float) -> None:
+    """Time passes with every running rank printing a line a tick: alive, and no step (a job
+    that reports steps proves a recovery by a step only)."""
+    from relaunch.protocol.messages import Output
+
+    end = sim.clock.now() + seconds
+    while sim.clock.now() < end:
+        sim.tick()
+        for pod in sim.controller.pods.values():
+            link = pod.link
+            for rank, observed in link.ranks.items() if link is not None else ():
+                if observed.running:
+                    sim.controller.receive(link.peer, Output(rank, observed.attempt, "..."))
+
+
+def starts_sent(sim: Sim) -> list[tuple[str, int, tuple[int, ...] | None]]:
+    """Every Start on the wire, before and after a controller's restart: (pod and generation,
+    attempt, ranks)."""
+    return [
+        ("-".join(name.split("-")[1:3]), m.attempt, m.ranks)
+        for name, m in sim.wire
+        if name.startswith("launcher-") and isinstance(m, Start)
+    ]
+
+
+@pytest.mark.parametrize("level", list(LEVELS))
+def test_a_recovery_with_a_fault_recorded_during_it_is_resumed_after_a_kill(
+    tmp_path: Path, level: str
+) -> None:
+    """While a recovery runs, a fault is only recorded (a node no pod uses is lost: `ignore`),
+    and then the controller is killed. The resumed controller carries the same recovery on:
+    one record of it, settled by the job's progress, nothing started twice. Before: the resume
+    looked at the newest record only, found the ignore, and left the recovery `running` for
+    ever with no one carrying it on (seen under operator-level recovery: the ranks then gave
+    up on their group, and the job went down the ladder to a restart)."""
+    from tests.controller_sim import job_spec
+
+    annotations, labels, spec, fault = LEVELS[level]
+    spec = {"hang_detect_seconds": 60, **spec}
+    sim = Sim(tmp_path, job_spec(annotations, labels=labels, **spec), nodes=5)
+    sim.boot()
+    sim.train(5)
+    sim.tick()
+    fault(sim)
+    alive(sim, 0.5)
+    assert sim.actions() == [(level, "running")]
+    sim.kill_node("node-4")  # a standby node: lost while the recovery runs, recorded only
+    alive(sim, 1.5)
+    assert sim.actions() == [(level, "running"), ("ignore", "succeeded")]
+    sim.restart_controller()
+    alive(sim, 3.5)  # the adoption window, and the recovery carried on
+    active = sim.controller.recoveries.active
+    assert active is not None and active.action.value == level, sim.events[-5:]
+    if level == "operator-retry":
+        alive(sim, 2.0)  # the re-issue goes out once the hold is over
+    sim.train(7)
+    sim.tick()
+    assert sim.actions() == [(level, "succeeded"), ("ignore", "succeeded")], sim.events[-8:]
+    sent = starts_sent(sim)
+    assert len(sent) == len(set(sent)), sent  # nothing started twice
+
+
+@pytest.mark.parametrize("kill", ["decision", "link-down", "link-back", "re-issue"])
+def test_an_operator_retry_through_a_flap_is_resumed_from_a_kill_at_each_point(
+    tmp_path: Path, kill_at: list[str], kill: str
+) -> None:
+    """R-29 through a real flap's shape: node-1's data link goes down, two ranks' collective
+    fails, the link comes back within R-12's 20 s (its outage then recorded only: `ignore`), the
+    collective is issued again. The controller killed at each point (once its decision is
+    stored, while the link is down, just after the link-back is recorded, with the re-issue
+    out) resumes with the one operator retry, settled by the next step: nothing stopped or
+    started, no group formed anew for a rollback, no step run twice. Before: killed after the
+    link-back's record, the resumed controller took the ignore for the newest recovery, the
+    retry stayed `running` for ever, and the ranks gave up on their group."""
+    from relaunch.protocol.messages import LinkReport, Stop
+
+    sim = booted(tmp_path, PROCESS, labels=PROCESS_LABELS, env=OP_ENV, hang_detect_seconds=60)
+    sim.train(6)
+    sim.tick()
+    down_at = sim.clock.now()
+    sim.links_down = {"node-1"}
+    sim.tick()
+    if kill == "decision":
+        kill_at.append("decision-stored")
+    collective_failed(sim, 3, 7, 1, 1)
+    collective_failed(sim, 0, 7, 1, 1)
+    if kill == "decision":
+        die_in(sim)
+        sim.restart_controller()
+    sim.run(1.0)
+    assert sim.actions() == [("operator-retry", "running")]
+    if kill == "link-down":
+        sim.restart_controller()
+    sim.run(2.5)
+    sim.links_down = set()
+    sim.link_reports["node-1"] = LinkReport(1, down_at, sim.clock.now() - down_at, "carrier lost")
+    sim.tick()
+    sim.tick()
+    assert sim.actions() == [("operator-retry", "running"), ("ignore", "succeeded")]
+    if kill == "link-back":
+        sim.restart_controller()
+    sim.run(3.5)
+    orders = [
+        m.membership.operator
+        for name, m in sim.wire
+        if isinstance(m, MembershipUpdate) and m.membership.operator is not None
+    ]
+    assert orders and orders[-1][:2] == (7, 1), sim.events[-6:]
+    if kill == "re-issue":
+        sim.restart_controller()
+        sim.run(3.0)
+    sim.train(7)
+    sim.tick()
+    assert sim.actions() == [("operator-retry", "succeeded"), ("ignore", "succeeded")]
+    assert starts_sent(sim) == [("0-g1", 1, None), ("1-g1", 1, None)]  # the boot's, only
+    assert not any(isinstance(m, Stop) for _, m in sim.wire)
+    assert not any(
+        isinstance(m, MembershipUpdate) and m.membership.retry for _, m in sim.wire
+    )  # no rollback (process-retry)

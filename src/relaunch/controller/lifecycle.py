@@ -11,6 +11,7 @@ from relaunch.controller.clock import TICK_S
 from relaunch.controller.commands import master_port, request_heal, slow_window_unusable, stop_grace
 from relaunch.controller.listener import Listener
 from relaunch.faults import Fault, FaultKind
+from relaunch.policy import Action
 from relaunch.protocol.messages import Shutdown
 from relaunch.protocol.wire import write_controller_address
 from relaunch.store import JobRow, JobStatus, NodeState, Outcome
@@ -157,8 +158,13 @@ def adopted(c: ControllerContext, now: float) -> None:
 def _resume_active(c: ControllerContext) -> None:
     """The recovery a killed controller left under way, as it stored it (controller.active):
     one still WAITING sends what it had not sent once the adoption window is over; one RUNNING
-    asks again for what the killed controller asked and never heard the answer of."""
+    asks again for what the killed controller asked and never heard the answer of. Faults only
+    recorded while it ran (`ignore`, stored after it) are passed over: they leave the recovery
+    under way alone (policy.fallback, ALONGSIDE), so it is the newest record of any other
+    action."""
     for record in reversed(c.store.records(c.job_id)):
+        if record.action is Action.IGNORE:
+            continue
         if record.outcome is Outcome.RUNNING:
             active = ActiveRecovery(
                 record.id,
