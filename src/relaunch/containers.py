@@ -37,7 +37,7 @@ import os
 import re
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -135,13 +135,27 @@ class Cgroup:
         """The processes in this cgroup and every cgroup below it."""
         return [pid for _, pids in self._walk() for pid in pids]
 
-    def census(self) -> list[str]:
-        """Each process here and below, as `cgroup: name (state)`, the cgroup relative to this
-        one, the name and state from /proc: what a count of left-behind processes means."""
+    def census(self, besides: Collection[int] = (), settle_s: float = 0.0) -> list[str]:
+        """Each process here and below that lives on, as `cgroup: name (state)`, the cgroup
+        relative to this one, the name and state from /proc: what a count of left-behind
+        processes means. Not `besides` (processes the caller ends and waits for itself), not
+        one that is gone or dead (a zombie: the kernel lists none, a process in its exit may
+        be read as one), and not one that ends on its own within `settle_s`: a process in the
+        middle of its exit is still listed, running (R), until the kernel has torn it down."""
+        deadline = time.monotonic() + settle_s
+        while True:
+            found = [
+                (directory, pid)
+                for directory, pids in self._walk()
+                for pid in pids
+                if pid not in besides and _lives(pid)
+            ]
+            if not found or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
         return [
             f"{os.path.relpath(directory, self.path)}: {_name_and_state(pid)}"
-            for directory, pids in self._walk()
-            for pid in pids
+            for directory, pid in found
         ]
 
     def _walk(self) -> Iterator[tuple[str, list[int]]]:
@@ -349,6 +363,15 @@ class ClusterCgroups:
         """Kill every process of the cluster and remove its cgroups; how many processes were
         still there."""
         return self.root.end()
+
+
+def _lives(pid: int) -> bool:
+    """The process has not ended: it is there, and neither a zombie (Z) nor dead (X)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2 :][:1] not in ("Z", "X")
 
 
 def _name_and_state(pid: int) -> str:

@@ -56,6 +56,11 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
+def _pid_of(ref: Any) -> int:
+    """The pid a remembered process (a pid, or [pid, start time]) had."""
+    return int(ref) if isinstance(ref, int) else int(ref[0])
+
+
 def kill_tree(pid: int, wait: bool = True) -> None:
     """SIGKILL a process and every descendant, whatever session or group they are in; then wait
     (5 s at most) until they are gone, unless told not to."""
@@ -152,12 +157,16 @@ class LocalCluster:
         tmp.replace(self.pid_file)
 
     def _ours(self, ref: Any) -> psutil.Process | None:
-        """The live process `ref` (a pid, or [pid, start time]) names, if it is still ours."""
+        """The live process `ref` (a pid, or [pid, start time]) names, if it is still ours: its
+        pid and start time are the remembered ones. Only a pid remembered without its start
+        time is also asked for its command line. A process in the middle of its exit reads as
+        having none (the kernel has released its memory), and was taken for another's: it was
+        neither killed nor waited for, and was then counted as left behind in its cgroup."""
         try:
             pid, started = (ref, None) if isinstance(ref, int) else (int(ref[0]), float(ref[1]))
             process = psutil.Process(pid)
-            if started is not None and abs(process.create_time() - started) > 0.5:
-                return None
+            if started is not None:
+                return process if abs(process.create_time() - started) <= 0.5 else None
             if str(self.state_dir) not in " ".join(process.cmdline()):
                 return None
             return process
@@ -281,16 +290,17 @@ class LocalCluster:
         what the pods left behind (`left_behind`), then kill it and remove the cgroups; then
         the nodes' networks (whatever an earlier run left of them too)."""
         pids = self._pids()
-        for ref in [
-            *pids["helpers"].values(),
-            *pids["launchers"].values(),
-            *pids["agents"].values(),
-        ]:
+        refs = [*pids["helpers"].values(), *pids["launchers"].values(), *pids["agents"].values()]
+        for ref in refs:
             self._kill(ref)
         self._save({"agents": {}, "launchers": {}, "helpers": {}})
         if self.cgroups is not None:
-            self.left_behind_what = self.cgroups.root.census()
-            self.left_behind = self.cgroups.shutdown()
+            # the cluster's own agents and launchers are not what the pods left behind, even
+            # one still in its exit; a rank's process ending on its own is given a moment
+            own = {_pid_of(ref) for ref in refs}
+            self.left_behind_what = self.cgroups.root.census(besides=own, settle_s=1.0)
+            self.left_behind = len(self.left_behind_what)
+            self.cgroups.shutdown()
         self._unwatch_all()
         network = self.network if self._network is not None else None
         network = network or ClusterNetwork.existing(self.state_dir)

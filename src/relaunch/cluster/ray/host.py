@@ -82,12 +82,16 @@ class NodeHost:
     def kill_all(self) -> int | None:
         """Kill what relaunch started here; with cgroups, how many processes the pods left
         behind (killed with the node's cgroup, which is then removed)."""
-        for pid in self.children.values():
+        own = set(self.children.values())
+        for pid in own:
             kill_tree(pid)
         self.children.clear()
         if self.cgroups is None:
             return None
-        left = self.cgroups.node(self.node).end()
+        node = self.cgroups.node(self.node)
+        # what relaunch started here is not what the pods left, even one still in its exit
+        left = len(node.census(besides=own, settle_s=1.0))
+        node.end()
         # the cluster's own cgroup goes with its last node (the others' hosts end theirs at the
         # same time: whichever finds it empty removes it)
         self.cgroups.root.remove()
