@@ -223,6 +223,51 @@ def test_every_bad_option_is_reported_at_once() -> None:
     assert result.stderr.count("\n  - ") == 5
 
 
+def test_a_missing_script_is_reported_with_the_options_problems_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 49: a missing script and `--nnodes 1:2` reported only the script; every problem
+    goes in one answer, as `relaunch validate` promises."""
+    monkeypatch.chdir(ROOT)
+    result = CliRunner().invoke(
+        app, ["validate", "--nnodes", "1:2", "--max-restarts", "500", "nothere.py"]
+    )
+    assert result.exit_code == 2, (result.stdout, result.stderr)
+    said = " ".join(result.stderr.split())
+    for problem in ("SCRIPT: 'nothere.py'", "--nnodes: '1:2'", "--max-restarts"):
+        assert problem in said, said
+
+
+UNDERSCORED = {
+    "--nproc_per_node": ("--nproc-per-node", "2", "procs_per_pod", 2),
+    "--max_restarts": ("--max-restarts", "5", "job_retry_budget", 5),
+    "--monitor_interval": ("--monitor-interval", "0.5", "monitor_interval_s", 0.5),
+    "--hang_detect_seconds": ("--hang-detect-seconds", "7", "hang_detect_s", 7),
+    "--warm_spares": ("--warm-spares", "1", "warm_spares", 1),
+    "--pod_retry_num": ("--pod-retry-num", "2", "pod_retry_budget", 2),
+}
+
+
+@pytest.mark.parametrize("underscored", sorted(UNDERSCORED))
+def test_torchruns_underscore_spellings_are_taken_for_every_option(
+    underscored: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torchrun takes `--max_restarts` as it takes `--max-restarts`; so does relaunch, for every
+    option of more than one word (before: `--nproc_per_node` only)."""
+    monkeypatch.chdir(ROOT)
+    dashed, value, key, expected = UNDERSCORED[underscored]
+    shown = []
+    for option in (dashed, underscored):
+        result = CliRunner().invoke(
+            app, ["validate", "--json", "--nnodes", "2", option, value, DDP]
+        )
+        assert result.exit_code == 0, (option, result.stdout, result.stderr)
+        shown.append(json.loads(result.stdout))
+    assert shown[0] == shown[1]
+    found = shown[0].get(key, shown[0].get("recovery", {}).get(key))
+    assert found == expected, shown[0]
+
+
 def test_resume_takes_a_job_not_a_script(tmp_path: Path) -> None:
     result = relaunch("run", "--resume", "--state-dir", str(tmp_path), "--nnodes", "2", DDP)
     assert result.returncode == 2

@@ -22,6 +22,8 @@ __all__ = [
 ]
 
 _TORCHRUN_OPTIONS = frozenset({"--nnodes", "--nproc-per-node", "--nproc_per_node", "--standalone"})
+"""Options that say the command line is in torchrun's form. Every option of more than one word
+is taken in torchrun's two spellings, `--max-restarts` and `--max_restarts`."""
 _JOB_FILE_SUFFIXES = (".yaml", ".yml", ".json")
 
 
@@ -70,13 +72,18 @@ MaxRestartsOption = Annotated[
     int | None,
     typer.Option(
         "--max-restarts",
+        "--max_restarts",
         help="torchrun form: job-level restarts (fault-tolerance/job-retry-num; 0: none). "
         "Default 3.",
     ),
 ]
 MonitorOption = Annotated[
     float | None,
-    typer.Option("--monitor-interval", help="torchrun form: seconds between process checks."),
+    typer.Option(
+        "--monitor-interval",
+        "--monitor_interval",
+        help="torchrun form: seconds between process checks.",
+    ),
 ]
 NameOption = Annotated[
     str | None,
@@ -86,6 +93,7 @@ PodRetryOption = Annotated[
     int | None,
     typer.Option(
         "--pod-retry-num",
+        "--pod_retry_num",
         help="torchrun form: pod-level reschedules (fault-tolerance/pod-retry-num).",
     ),
 ]
@@ -109,11 +117,17 @@ HangRetryOption = Annotated[
 ]
 HangSecondsOption = Annotated[
     float | None,
-    typer.Option("--hang-detect-seconds", help="torchrun form: silence that makes a hang."),
+    typer.Option(
+        "--hang-detect-seconds",
+        "--hang_detect_seconds",
+        help="torchrun form: silence that makes a hang.",
+    ),
 ]
 WarmSparesOption = Annotated[
     int | None,
-    typer.Option("--warm-spares", help="torchrun form: warm spare processes per pod."),
+    typer.Option(
+        "--warm-spares", "--warm_spares", help="torchrun form: warm spare processes per pod."
+    ),
 ]
 AnnotationOption = Annotated[
     list[str] | None,
@@ -189,12 +203,9 @@ def launch_document(
             )
         return None
     source = f"relaunch {ctx.info_name} (torchrun form)"
-    problems = _script_problems(first, options)
-    if problems:
-        raise SpecError(source, problems)
-    assert first is not None
+    problems = _script_problems(first, options)  # reported with the options' own, at once
     launch = Launch(
-        script=str(first),
+        script=str(first) if first is not None else "",
         args=tuple(ctx.args),
         nnodes=options.nnodes or "1",
         nproc_per_node=options.nproc_per_node or "1",
@@ -210,7 +221,8 @@ def launch_document(
         labels=tuple(options.label or ()),
         env=tuple(options.env or ()),
     )
-    raw, problems = launch_job(launch)
+    raw, shaping = launch_job(launch)
+    problems.extend(shaping)
     try:
         parse_job(raw, source=source)
     except SpecError as error:

@@ -134,6 +134,7 @@ def _settings_json(
         "replicas": job.replicas,
         "procs_per_pod": job.procs_per_pod,
         "chips_per_pod": job.chips_per_pod,
+        "warm_spares": job.warm_spares,
         "command": list(job.command),
         "labels": dict(job.labels),
         "recovery": asdict(job.recovery),
