@@ -119,6 +119,7 @@ class FakeEngine:
         return 29500
 
     networks = "nodes are simulated"
+    nodes_share_cores = False
 
     def pod_environment(self, node: str) -> dict[str, str]:
         return {}

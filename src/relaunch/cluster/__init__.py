@@ -32,6 +32,12 @@ class Engine(Protocol):
     """Those processes in words (`cgroup: name (state)`), where the engine can tell."""
 
     @property
+    def nodes_share_cores(self) -> bool:
+        """Every node of the cluster is this one machine (the embedded cluster): the pods of all
+        nodes share its cores, as the processes of one torchrun host do."""
+        ...
+
+    @property
     def containers(self) -> str:
         """What a pod is on this engine (cgroups or process groups, and why), in words."""
         ...

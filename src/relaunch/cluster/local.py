@@ -367,6 +367,9 @@ class LocalCluster:
             return free_port()
         return network.free_port(node)
 
+    nodes_share_cores = True
+    """The embedded cluster's nodes are this machine."""
+
     def pod_environment(self, node: str) -> dict[str, str]:
         """What the ranks of a pod on `node` need to find their peers: gloo and NCCL bind the
         data link (a namespace's host name resolves to no address of its own)."""

@@ -374,6 +374,7 @@ def launch_plan(c: ControllerContext, row: PodRow) -> LaunchPlan:
         adopt_grace_s=c.cluster.adopt_grace_s,
         workdir=row.workdir,
         env={**c.engine.pod_environment(row.node), **c.spec.env},
+        host_processes=c.spec.world_size if c.engine.nodes_share_cores else c.spec.procs_per_pod,
         warm_spares=c.spec.warm_spares,
         progress_interval_s=progress_interval(
             c.hang_s, c.spec.replicas, c.cluster.slow_window_s, row.idx

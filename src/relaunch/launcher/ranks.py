@@ -56,9 +56,10 @@ def pod_environment(
     """What every process of the pod sees, before its rank is set (`relay`: how the SDK reaches
     the launcher)."""
     child_env = {**os.environ, **plan.env, **env}
-    if plan.procs_per_pod > 1:
-        # torchrun's rule: several processes on a node share its cores, one OpenMP thread
-        # each unless the job says otherwise (spares too: torch reads it when imported)
+    if (plan.host_processes or plan.procs_per_pod) > 1:
+        # torchrun's rule: several processes on a host share its cores, one OpenMP thread
+        # each unless the job (or the user's environment) says otherwise; spares too: torch
+        # reads it when imported. On the embedded cluster every node is this machine.
         child_env.setdefault("OMP_NUM_THREADS", "1")
     child_env.update(
         {

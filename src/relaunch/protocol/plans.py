@@ -36,6 +36,10 @@ class LaunchPlan:
     adopt_grace_s: float
     workdir: str
     env: dict[str, str] = field(default_factory=dict)
+    host_processes: int = 0
+    """The job's processes that share the node's cores: its pod's, or, where every node is one
+    machine (the embedded cluster), the whole job's. Over one, each takes one OpenMP thread
+    unless the job says otherwise, as under torchrun (0: the pod's, a plan written before)."""
     warm_spares: int = 0
     """Processes kept started (Python up, torch imported) for process-level restarts."""
     spares_at_once: bool = True

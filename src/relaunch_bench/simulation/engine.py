@@ -36,6 +36,7 @@ class SimEngine:
     left_behind_what: list[str] = []  # noqa: RUF012 (never written: nothing runs a rank)
     containers = "pods are simulated (no process runs a rank: bench simulation)"
     networks = "nodes are simulated: every peer on the loopback"
+    nodes_share_cores = False
 
     def __init__(self, state_dir: Path, shards: int, step_s: float, steps: int) -> None:
         self.origin = time.time()

@@ -208,6 +208,10 @@ class RayCluster:
     def free_port(self, node: str) -> int:
         return int(self._call(node, "free_port") or free_port())
 
+    nodes_share_cores = False
+    """A Ray cluster's nodes are hosts of their own (a test's on one machine too: its pods'
+    processes set OMP_NUM_THREADS by their pod's count, as on separate hosts)."""
+
     @property
     def networks(self) -> str:
         return (
