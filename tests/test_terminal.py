@@ -71,3 +71,28 @@ def test_a_hangup_stops_the_job_in_order_and_exits_129(cluster: Cluster) -> None
     report = json.loads((cluster.dir / "report.json").read_text())
     assert report["status"] == "Stopped" and "SIGHUP" in report["reason"]
     assert not wait_gone(Path(cluster.state), timeout=5)
+
+
+def test_a_job_its_terminals_hangup_stopped_is_carried_on_by_resume(cluster: Cluster) -> None:
+    """Issue 49: a closed terminal is an accident, not a decision. The run it stopped (129)
+    is carried on by `relaunch run --resume` from its checkpoints, as after an outage of
+    relaunch's own: no restart spent, the steps done kept. Before: --resume answered exit 2
+    ("an unfinished job")."""
+    proc = start_and_wait(cluster, toy_job(AUTO, steps=120), step=20)
+    proc.send_signal(signal.SIGHUP)
+    proc.communicate(timeout=30)
+    assert proc.returncode == 129
+    stopped = json.loads((cluster.dir / "report.json").read_text())
+    assert stopped["status"] == "Stopped" and stopped["last_step"] >= 20
+    result = cluster.resume()
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = result.report
+    assert report["status"] == "Succeeded" and report["last_step"] == 120
+    [record] = report["recoveries"]
+    assert record["fault"]["kind"] == "controller-outage" and "SIGHUP" in record["fault"]["detail"]
+    assert record["action"] == "job-reschedule" and record["consumed_budget"] == []
+    assert report["restarts_used"] == 0
+    first = relaunch("logs", "e2e", "--pod", "0", "--rank", "0", "--state-dir", str(cluster.state))
+    starts = [line for line in first.stdout.decode().splitlines() if "resume_step=" in line]
+    assert starts and not starts[-1].endswith("resume_step=0"), starts  # from its checkpoint
+    assert not wait_gone(Path(cluster.state), timeout=5)

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-__all__ = ["JobStatus", "NodeState", "Outcome"]
+__all__ = ["HANGUP", "JobStatus", "NodeState", "Outcome"]
+
+HANGUP = "(SIGHUP)"
+"""How the reason of a job stopped by a hangup (its run's terminal closed) ends: such a job is
+not ended for good, `relaunch run --resume` restarts it from its checkpoints."""
 
 
 class NodeState(StrEnum):

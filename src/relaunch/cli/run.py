@@ -57,6 +57,7 @@ from relaunch.files import read_document
 from relaunch.protocol.layout import StateDir
 from relaunch.report import build_report
 from relaunch.spec import parse_job
+from relaunch.states import HANGUP
 from relaunch.store import JobRow, JobStatus, Store
 
 JobFileArgument = Annotated[
@@ -148,8 +149,10 @@ def run(
         table, rules = service.table_from(fault_table)
         store = Store(StateDir(directory).db)
         document = launch_document(ctx, job_file, LaunchOptions.of(ctx))
+        hangup = False
         if resume:
             job_id, trial = _unfinished(store, job_file, document).id, None
+            hangup = store.reopen_after_hangup(job_id, time.time())
         else:
             request = _NewRun(job_file, cluster_file, faults_file, fault_table, startup_s, document)
             cluster_raw = _cluster_settings(cluster_file, nodes_count, chips_per_node)
@@ -159,7 +162,7 @@ def run(
     except RelaunchError as error:
         held.close()
         raise _refused(error) from None
-    options = RunOptions(startup_s=startup_s, table=table, rules=rules)
+    options = RunOptions(startup_s=startup_s, table=table, rules=rules, after_hangup=hangup)
     try:
         status = _execute(store, directory, job_id, resume, options, quiet, trial)
     finally:
@@ -404,7 +407,7 @@ def _exit_code(status: JobStatus, reason: str) -> int:
         return 0
     if status is JobStatus.STOPPED and reason.endswith("(SIGTERM)"):
         return 143
-    if status is JobStatus.STOPPED and reason.endswith("(SIGHUP)"):
+    if status is JobStatus.STOPPED and reason.endswith(HANGUP):
         return 129
     if status is JobStatus.STOPPED and reason.endswith("(Ctrl-C)"):
         return 130
@@ -481,12 +484,24 @@ def _unfinished(store: Store, ref: Path | None, document: tuple[dict[str, Any], 
             "relaunch run --resume",
             [Problem("SCRIPT", str(ref), "the job's name or id, with --resume")],
         )
-    jobs = [j for j in store.jobs() if j.status.active]
+    jobs = [j for j in store.jobs() if j.status.active or _hung_up(j)]
     if ref is not None:
         jobs = [j for j in jobs if j.name == str(ref) or str(j.id) == str(ref)]
     if not jobs:
         raise InputError(
             "relaunch run --resume",
-            [Problem("JOB", str(ref or ""), "an unfinished job in this state directory")],
+            [
+                Problem(
+                    "JOB",
+                    str(ref or ""),
+                    "an unfinished job in this state directory (or one its terminal's "
+                    "hangup stopped)",
+                )
+            ],
         )
     return jobs[-1]
+
+
+def _hung_up(job: JobRow) -> bool:
+    """Stopped because its run's terminal closed: an accident, which --resume carries on."""
+    return job.status is JobStatus.STOPPED and job.reason.endswith(HANGUP)

@@ -59,6 +59,10 @@ class RunOptions:
     table: FaultCodeTable = DEFAULT_TABLE
     rules: EscalationRules = field(default_factory=EscalationRules)
     resume: bool = False
+    after_hangup: bool = False
+    """A resume of a job its terminal's hangup stopped (SIGHUP): its pods and agents were
+    stopped with it, so the job is rebuilt from its checkpoints as after an outage longer than
+    the adopt grace: relaunch's own, no restart spent."""
 
 
 @dataclass

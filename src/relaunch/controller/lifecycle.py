@@ -95,6 +95,8 @@ def resume(c: ControllerContext, now: float) -> None:
     c.recoveries.waiting = True  # faults the dead controller stored and did not decide
     seen = job.controller_seen_at
     c.adoption.away_s = now - seen if seen is not None else 0.0
+    if c.options.after_hangup:  # nothing of it runs: past any adopt grace
+        c.adoption.away_s = max(c.adoption.away_s, c.cluster.adopt_grace_s + 1.0)
     c.update_job(controller_seen_at=now)
     c.adoption.resuming = True
     c.adoption.until = now + max(2.0, 3 * c.cluster.heartbeat_interval_s)
@@ -141,17 +143,21 @@ def adopted(c: ControllerContext, now: float) -> None:
         c.adoption.until = now + max(5.0, 4 * c.cluster.heartbeat_timeout_s)
     if not missing:
         return
-    c.event(
-        f"{len(missing)} pod(s) did not come back: the controller was away {c.adoption.away_s:.0f} s, "
-        f"longer than adopt_grace_s ({grace:g} s), and they ended themselves; restarting the "
-        "job from its checkpoints"
-    )
     seen = (c.job.controller_seen_at or now) - c.adoption.away_s
-    outage = Fault(
-        FaultKind.CONTROLLER_OUTAGE,
-        seen + grace,
-        detail=f"controller away {c.adoption.away_s:.0f} s (adopt_grace_s {grace:g} s)",
-    )
+    if c.options.after_hangup:
+        c.event(
+            "the job was stopped when the terminal of its run closed (SIGHUP): restarting it "
+            "from its checkpoints, no restart spent"
+        )
+        detail = "stopped by a hangup of its run's terminal (SIGHUP), resumed"
+    else:
+        c.event(
+            f"{len(missing)} pod(s) did not come back: the controller was away "
+            f"{c.adoption.away_s:.0f} s, longer than adopt_grace_s ({grace:g} s), and they "
+            "ended themselves; restarting the job from its checkpoints"
+        )
+        detail = f"controller away {c.adoption.away_s:.0f} s (adopt_grace_s {grace:g} s)"
+    outage = Fault(FaultKind.CONTROLLER_OUTAGE, min(seen + grace, now), detail=detail)
     c.recoveries.fault(outage, f"outage:{c.job.attempt}:{seen:.3f}")
 
 

@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from typing import Any
 
+from relaunch.states import HANGUP
 from relaunch.store.database import Database
 from relaunch.store.rows import JobRow, JobStatus, NodeRow, NodeState, PodRow
 
@@ -96,6 +97,16 @@ class JobTable(Database):
         cursor = self._execute(
             "UPDATE jobs SET status = ?, attempt_started_at = ? WHERE id = ? AND status = ?",
             (JobStatus.RUNNING.value, now, job_id, JobStatus.PENDING.value),
+        )
+        return cursor.rowcount == 1
+
+    def reopen_after_hangup(self, job_id: int, now: float) -> bool:
+        """Stopped by a hangup (SIGHUP: its run's terminal closed) -> Running again, for
+        `relaunch run --resume`; False if the job was not stopped so."""
+        cursor = self._execute(
+            "UPDATE jobs SET status = ?, reason = '', ended_at = NULL, stop_requested = NULL, "
+            "controller_seen_at = ? WHERE id = ? AND status = ? AND reason LIKE ?",
+            (JobStatus.RUNNING.value, now, job_id, JobStatus.STOPPED.value, f"%{HANGUP}"),
         )
         return cursor.rowcount == 1
 
