@@ -21,7 +21,8 @@ from tests.runtime import DDP_CLUSTER, ROOT, Cluster, Result
 DDP = ROOT / "examples" / "ddp" / "train_ddp.py"
 SDK_ALLREDUCE = ROOT / "tests" / "scripts" / "sdk_allreduce.py"
 FLAP = [{"kind": "network", "at_step": 50, "pod": 1, "duration_s": 10}]
-RETRY = "MaxCnt:10, HoldTime:2000, IntervalTime:1000"
+RETRY = "MaxCnt:8, HoldTime:5000, IntervalTime:1000"
+"""docs/training-sdk.md's example, which promises to ride out this file's 10 s flap."""
 
 
 @pytest.fixture(autouse=True)

@@ -493,6 +493,27 @@ def test_r29_operator_retry_reads_mindclusters_variables_and_their_defaults() ->
     assert settings(PROCESS["annotations"], PROCESS["labels"]).operator_retry is None
 
 
+def test_r29_the_docs_operator_retry_example_rides_out_the_flap_it_promises() -> None:
+    """Issue 49: docs/training-sdk.md promised that its example rides out a 10 s flap, and its
+    settings (MaxCnt:3, HoldTime:5000, IntervalTime:1000) spent their re-issues while the link
+    was down (7 s). The example, as written there, is what tests/test_operator_retry.py runs
+    through a real 10 s flap; its sizing rule holds for it."""
+    import re
+    from pathlib import Path
+
+    from relaunch.protocol.operator import parse_params
+    from tests.test_operator_retry import RETRY
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "training-sdk.md").read_text()
+    [example] = re.findall(r'HCCL_OP_RETRY_PARAMS: "([^"]+)"', doc)
+    assert example == RETRY  # the settings the real flap test runs
+    retry = parse_params(example)
+    assert retry is not None and retry.rides_out_s > 10
+    assert f"rides out {retry.rides_out_s:g} s" in doc
+    too_short = parse_params("MaxCnt:3, HoldTime:5000, IntervalTime:1000")
+    assert too_short is not None and too_short.rides_out_s < 10
+
+
 @pytest.mark.parametrize(
     ("name", "value"),
     [

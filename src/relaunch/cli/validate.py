@@ -185,7 +185,8 @@ def _levels(r: RecoverySettings) -> Table:
         on if retry is not None else off,
         (
             f"{retry.max_count} re-issue(s), the first {retry.hold_s:g} s after the failure, "
-            f"{retry.interval_s:g} s apart; only for collectives the SDK's keeper issues "
+            f"{retry.interval_s:g} s apart: rides out a link down up to {retry.rides_out_s:g} s "
+            "(HoldTime + (MaxCnt - 1) x IntervalTime); only for collectives the SDK's keeper issues "
             "(DDP's buckets, keeper.all_reduce): a script without it never gets this level"
         )
         if retry is not None

@@ -37,6 +37,14 @@ class OperatorRetry:
     hold_s: float = 5.0
     interval_s: float = 1.0
 
+    @property
+    def rides_out_s(self) -> float:
+        """The longest link outage the re-issues outlast, for a collective that fails as the
+        link goes down: the last re-issue goes HoldTime + (MaxCnt - 1) x IntervalTime after
+        the failure, and a re-issue due while a link is down is skipped and counts. A longer
+        outage spends them, and the ladder goes on (process-retry, R-30)."""
+        return self.hold_s + (self.max_count - 1) * self.interval_s
+
 
 def _pairs(text: str, keys: tuple[str, ...]) -> dict[str, str] | None:
     """`KEY:VALUE, KEY:VALUE` as a dict, each key once and known; None if it is not that."""
