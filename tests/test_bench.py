@@ -11,6 +11,7 @@ import sysconfig
 from pathlib import Path
 
 import psutil
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = {
@@ -198,3 +199,30 @@ def test_the_bench_faults_land_between_checkpoints_and_the_save_rows_on_one() ->
         job = mttr._job("ddp", level, None)
         assert job["metadata"]["labels"]["process-recover-enable"] == "on", level
         assert "--slow-save-at" in job["spec"]["command"] or not level.endswith("@save")
+
+
+def test_a_failed_bench_run_keeps_its_state_and_says_its_last_lines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 49: a bench row that failed ("the run failed") kept no reason, no state directory
+    and no records. A run whose job fails keeps its directory (records, logs, job, its run's
+    output) and says where, with the run's last lines. The job here: a command that is not
+    there, on a fresh embedded cluster, no restart."""
+    from relaunch_bench.jobs import FAILED_RUNS_ENV, cluster, keep_failed, run_job
+
+    monkeypatch.setenv(FAILED_RUNS_ENV, str(tmp_path / "kept"))
+    run = tmp_path / "run"
+    run.mkdir()
+    job = {
+        "kind": "job",
+        "metadata": {"name": "bench-fails"},
+        "spec": {"replicas": 1, "procs_per_pod": 1, "command": "no-such-program-here"},
+    }
+    report, _ = run_job(run, job, [], cluster(2, 1), timeout=120)
+    assert report is None  # the job failed
+    said = keep_failed(run, "process-in-place+spare")
+    [kept] = (tmp_path / "kept").iterdir()
+    assert f"kept in {kept}" in said and "process-in-place+spare" in kept.name
+    assert "last lines:" in said and "no-such-program-here" in said, said
+    assert (kept / "state" / "relaunch.db").is_file() and (kept / "run.log").is_file()
+    assert list((kept / "state" / "jobs").glob("*/pods/*/logs/rank-0.log"))

@@ -4,9 +4,14 @@ on a fresh embedded cluster."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import stat
 import statistics
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Callable
 from importlib.resources import files
 from pathlib import Path
@@ -133,3 +138,33 @@ def run_job(
         return None, measured
     report: dict[str, Any] = json.loads(report_path.read_text())
     return report, measured
+
+
+FAILED_RUNS_ENV = "RELAUNCH_BENCH_FAILED"
+"""Where a failed bench run's directory is kept (default: the temporary directory's
+relaunch-bench-failed/)."""
+
+LAST_LINES = 8
+"""How many of a failed run's last lines (its events, relaunch's records) are said."""
+
+
+def keep_failed(tmp: Path, what: str) -> str:
+    """A failed run's directory (its state: records, logs, the job and fault plan; its run's
+    output) copied where it stays, and its last lines: what the bench says of the failure, so
+    that the next one can be read. Sockets and other special files are left out."""
+    root = Path(
+        os.environ.get(FAILED_RUNS_ENV) or Path(tempfile.gettempdir()) / "relaunch-bench-failed"
+    )
+    name = "".join(ch if ch.isalnum() or ch in "-+." else "-" for ch in what)
+    kept = root / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}-{os.getpid()}"
+    shutil.copytree(tmp, kept, copy_function=_copy_regular, dirs_exist_ok=True)
+    log = tmp / "run.log"
+    lines = log.read_text(errors="replace").splitlines()[-LAST_LINES:] if log.exists() else []
+    said = "; ".join(line.strip() for line in lines if line.strip())
+    return f"kept in {kept}; last lines: {said or '(none)'}"
+
+
+def _copy_regular(src: str, dst: str) -> str:
+    if stat.S_ISREG(os.stat(src, follow_symlinks=False).st_mode):
+        shutil.copy2(src, dst)
+    return dst

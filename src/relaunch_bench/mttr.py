@@ -23,6 +23,7 @@ from relaunch_bench.jobs import (
     TOY,
     Progress,
     cluster,
+    keep_failed,
     only_record,
     run_job,
 )
@@ -204,7 +205,7 @@ def relaunch_once(
             if report
             else "the run failed"
         )
-        return Sample(False, note=f"recoveries: {shown}")
+        return Sample(False, note=f"recoveries: {shown}; {keep_failed(tmp, level)}")
     measured = timeline.crash_sample(path)
     if measured is not None:
         # from the moment the rank decided to exit (its timeline) to relaunch's decision

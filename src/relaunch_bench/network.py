@@ -32,7 +32,7 @@ from relaunch.cluster.local import free_port, kill_tree
 from relaunch.cluster.network import DATA_IF, ClusterNetwork, enter_namespace
 from relaunch.protocol.links import Cut, LinkFaultKind
 from relaunch_bench import timeline
-from relaunch_bench.jobs import DDP, FAULT_STEP, Progress, cluster, run_job
+from relaunch_bench.jobs import DDP, FAULT_STEP, Progress, cluster, keep_failed, run_job
 from relaunch_bench.mttr import PROCESS_ANNOTATIONS, PROCESS_LABELS
 
 STEPS = 300
@@ -131,7 +131,8 @@ def relaunch_once(
     report, seen = run_job(tmp, job, faults, NODES, timeout=600, during=_incarnations)
     wall = time.time() - began
     if report is None:
-        return {"ok": False, "wall_s": round(wall, 2), "note": "the run failed"}
+        kept = keep_failed(tmp, f"network-{name or 'fault-free'}")
+        return {"ok": False, "wall_s": round(wall, 2), "note": f"the run failed; {kept}"}
     redone, restarts = _steps(path)
     if process:  # rank 0 does not restart: count every rank's starts
         logs = "\n".join(p.read_text() for p in (tmp / "state" / "jobs").glob("*/pods/*/logs/*"))

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from relaunch_bench import timeline, torchrun
-from relaunch_bench.jobs import DDP, Progress, cluster, run_job
+from relaunch_bench.jobs import DDP, Progress, cluster, keep_failed, run_job
 from relaunch_bench.mttr import HANG_GRACE_WARM_S, PROCESS_ANNOTATIONS, PROCESS_LABELS
 from relaunch_bench.peers import (
     NVRX_HEARTBEAT_S,
@@ -155,7 +155,7 @@ def relaunch_series(
     report, _ = run_job(tmp, job, faults, nodes, timeout=3600)
     result = SeriesResult("relaunch", name, finished=report is not None)
     if report is None:
-        result.note = "the run failed"
+        result.note = f"the run failed; {keep_failed(tmp, f'series-{name}')}"
         return result
     records = report["recoveries"]
     faults_at = sorted({r["fault_at"] for r in records})
