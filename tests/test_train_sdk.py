@@ -453,3 +453,41 @@ def test_fencing_a_stale_generation_cannot_write_or_commit_a_checkpoint(
     monkeypatch.setenv("RELAUNCH_GENERATION", "2")
     manager.save(20, {"w": 3})  # the new generation writes as usual
     assert manager.steps() == [20, 11, 10]
+
+
+def test_the_last_step_held_back_is_sent_when_the_keeper_ends_the_process() -> None:
+    """Issue 49: a job that completed step 160 reported 159. The DDP example ends by the keeper's
+    exit (os._exit, which skips atexit, where the step held back by the report interval is
+    sent): its last step never reached relaunch. The keeper's exit sends it first."""
+    name = f"relaunch-test-exit-{os.getpid()}"
+    receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    receiver.bind("\0" + name)
+    receiver.settimeout(30)
+    code = textwrap.dedent(
+        """
+        from types import SimpleNamespace
+        from relaunch.train import report_progress
+        from relaunch.train.group import ProcessGroupKeeper
+        for step in range(1, 161):
+            report_progress(step)  # the first at once, the rest held back by the interval
+        ProcessGroupKeeper.exit(SimpleNamespace(close=lambda: None), 0)
+        """
+    )
+    env = {
+        **os.environ,
+        "RELAUNCH_PROGRESS_SOCKET": "@" + name,
+        "RELAUNCH_URGENT_SOCKET": "@" + name,
+        "RELAUNCH_PROGRESS_EVERY_S": "60",
+        "RANK": "0",
+    }
+    done = subprocess.run([sys.executable, "-c", code], env=env, timeout=60, check=False)
+    assert done.returncode == 0
+    steps = []
+    receiver.settimeout(0.5)
+    with contextlib.suppress(TimeoutError):
+        while True:
+            parsed = parse_datagram(receiver.recv(64))
+            if parsed is not None:
+                steps.append(parsed[1])
+    receiver.close()
+    assert steps == [1, 160], steps

@@ -39,7 +39,7 @@ from typing import Any, ClassVar, TypeVar
 from relaunch.protocol.environment import Env
 from relaunch.protocol.layout import FENCE_FILE
 from relaunch.train import overlap, rng, shard
-from relaunch.train.progress import SdkPhase, report_phase
+from relaunch.train.progress import SdkPhase, flush_progress, report_phase
 
 __all__ = [
     "FENCE_FILE",
@@ -482,4 +482,5 @@ class CheckpointManager:
                 )
             except Exception as error:  # the process exits either way
                 print(f"relaunch: dying gasp failed: {error}", file=sys.stderr, flush=True)
+        flush_progress()  # os._exit skips atexit, which would send the last step
         os._exit(143)

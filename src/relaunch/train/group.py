@@ -60,7 +60,7 @@ from relaunch.train.distributed import (
     step_snapshot,
 )
 from relaunch.train.following import GroupLost, Member, changed_membership, wait_for_membership
-from relaunch.train.progress import SdkPhase, report_phase
+from relaunch.train.progress import SdkPhase, flush_progress, report_phase
 from relaunch.train.sockets import shut_down, tcp_sockets
 
 __all__ = ["GroupLost", "Membership", "ProcessGroupKeeper", "read_membership"]
@@ -494,6 +494,7 @@ class ProcessGroupKeeper:
         (seen with torch 2.13 on CPU: an exit 134 after a clean finish); ending here skips them.
         Call it last, after checkpoints are written (CheckpointManager.wait())."""
         self.close()
+        flush_progress()  # os._exit skips atexit, which would send the last step
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

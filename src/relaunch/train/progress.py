@@ -21,6 +21,7 @@ __all__ = [
     "JobEnv",
     "SdkPhase",
     "env",
+    "flush_progress",
     "report_collective_failure",
     "report_phase",
     "report_progress",
@@ -113,6 +114,14 @@ def report_collective_failure(step: int, collective: int, generation: int, why: 
     of step `step`, in generation `generation` of the group. A step not sent yet goes first."""
     _flush_pending(urgent=True)
     _send(collective_failure_datagram(_rank(), step, collective, generation, why), urgent=True)
+
+
+def flush_progress() -> None:
+    """Send the step held back by the report interval now. At a normal exit it goes by itself
+    (atexit); a process that ends by os._exit (the keeper's exit, a dying gasp) skips atexit
+    and calls this first, or its last step is never heard (a job that completed step 160
+    reported 159)."""
+    _flush_pending(urgent=True)
 
 
 @atexit.register
