@@ -4,6 +4,7 @@ their own that `make peers` makes: minutes of installs, not a test's business.)"
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from relaunch_bench.peers import (
     _row,
     _torchft_sample,
     peer_python,
+    peer_ratio_spreads,
     peer_ratios,
     peer_rows,
 )
@@ -108,7 +110,31 @@ def test_each_faults_ratio_is_relaunch_over_the_best_peer_measured() -> None:
     markdown = report.markdown(
         {"mttr": [], "hang": [], "ratios": {}, "peers": rows, "peer_ratios": peer_ratios(rows)}
     )
-    assert "relaunch / the best peer (stall): crash, one rank" in markdown
+    assert "relaunch / the best peer (stall" in markdown
+    assert "crash, one rank (process-in-place+spare / torchft) 0.2" in markdown
+
+
+def test_each_ratio_is_said_with_its_spread_over_the_runs() -> None:
+    """Issue 49: the one-rank crash ratio came out 0.41 in one run of the bench and 0.21 in
+    another; a ratio is said with the spread of its runs: relaunch's fastest against the
+    peer's slowest, to relaunch's slowest against the peer's fastest."""
+    rows = [
+        {"fault": "crash", "system": "relaunch process-in-place+spare", "stall_s": 0.3,
+         "samples": [0.2, 0.3, 0.5]},
+        {"fault": "crash", "system": "torchft (1 s heartbeat)", "stall_s": 1.0,
+         "samples": [0.8, 1.0, 2.0]},
+        {"fault": "hang", "system": "relaunch hang-restart", "stall_s": 5.0, "samples": [5.0]},
+    ]  # fmt: skip
+    assert peer_ratio_spreads(rows) == {
+        "crash, one rank (process-in-place+spare / torchft)": (0.1, 0.62)
+    }
+    result = {
+        "mttr": [], "hang": [], "ratios": {}, "peers": rows, "peer_ratios": peer_ratios(rows),
+        "peer_ratio_spreads": peer_ratio_spreads(rows),
+    }  # fmt: skip
+    assert "crash, one rank (process-in-place+spare / torchft) 0.3 (runs: 0.1-0.62)" in (
+        report.markdown(json.loads(json.dumps(result)))  # as read back from bench.json
+    )
 
 
 def test_a_launcher_that_restarts_every_rank_is_read_off_rank_0s_timeline(tmp_path: Path) -> None:

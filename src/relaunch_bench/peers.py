@@ -512,40 +512,66 @@ def peer_rows(
     return [asdict(r) for r in rows]
 
 
-def peer_ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """relaunch's stall over the best peer's, per fault (where both were measured): a crash
-    twice, one rank replaced against torchft's survivor and every rank restarted against the
-    launchers that restart every rank."""
+def _ratio_pairs(
+    rows: list[dict[str, Any]],
+) -> dict[str, tuple[dict[str, Any] | None, dict[str, Any] | None]]:
+    """Each ratio's two rows: relaunch's and the best peer's (the smallest stall measured), per
+    fault: a crash twice, one rank replaced against torchft's survivor and every rank restarted
+    against the launchers that restart every rank."""
 
-    def stall(fault: str, prefixes: tuple[str, ...]) -> float | None:
+    def best(fault: str, prefixes: tuple[str, ...]) -> dict[str, Any] | None:
         found = [
-            r["stall_s"]
+            r
             for r in rows
             if r["fault"] == fault and r["system"].startswith(prefixes) and r["stall_s"]
         ]
-        return min(found) if found else None
+        return min(found, key=lambda r: r["stall_s"]) if found else None
 
-    pairs = {
+    return {
         "crash, one rank (process-in-place+spare / torchft)": (
-            stall("crash", ("relaunch process-in-place",)),
-            stall("crash", ("torchft",)),
+            best("crash", ("relaunch process-in-place",)),
+            best("crash", ("torchft",)),
         ),
         "crash, every rank (job-reschedule+spare / best of torchrun, NVRx, DLRover)": (
-            stall("crash", ("relaunch job-reschedule",)),
-            stall("crash", RESTART_ALL),
+            best("crash", ("relaunch job-reschedule",)),
+            best("crash", RESTART_ALL),
         ),
         "hang (hang-restart / best peer)": (
-            stall("hang", ("relaunch",)),
-            stall("hang", ("torchft", *RESTART_ALL)),
+            best("hang", ("relaunch",)),
+            best("hang", ("torchft", *RESTART_ALL)),
         ),
         "lost node (process-reschedule+spare / best peer)": (
-            stall("lost-node", ("relaunch",)),
-            stall("lost-node", ("torchft", *RESTART_ALL)),
+            best("lost-node", ("relaunch",)),
+            best("lost-node", ("torchft", *RESTART_ALL)),
         ),
         "link flap 10 s (operator-retry / best peer)": (
-            stall("link-flap", ("relaunch",)),
-            stall("link-flap", ("torchft", *RESTART_ALL)),
+            best("link-flap", ("relaunch",)),
+            best("link-flap", ("torchft", *RESTART_ALL)),
         ),
+    }
+
+
+def peer_ratio_spreads(rows: list[dict[str, Any]]) -> dict[str, tuple[float, float]]:
+    """Each ratio's spread over the runs: from relaunch's fastest run against the peer's
+    slowest to relaunch's slowest against the peer's fastest (a ratio of medians alone moved
+    from 0.21 to 0.41 between two runs of the bench)."""
+    spreads = {}
+    for name, (ours, theirs) in _ratio_pairs(rows).items():
+        if ours is None or theirs is None:
+            continue
+        a = [v for v in ours.get("samples") or [ours["stall_s"]] if v]
+        b = [v for v in theirs.get("samples") or [theirs["stall_s"]] if v]
+        if a and b:
+            spreads[name] = (round(min(a) / max(b), 2), round(max(a) / min(b), 2))
+    return spreads
+
+
+def peer_ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """relaunch's stall over the best peer's, per fault (where both were measured), as
+    `_ratio_pairs` pairs them: the ratio of the two rows' medians."""
+    pairs = {
+        name: (ours["stall_s"] if ours else None, theirs["stall_s"] if theirs else None)
+        for name, (ours, theirs) in _ratio_pairs(rows).items()
     }
     ratios = {k: round(a / b, 2) for k, (a, b) in pairs.items() if a is not None and b}
     detected = [

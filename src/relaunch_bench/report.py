@@ -163,13 +163,25 @@ def markdown(result: dict[str, Any]) -> str:
             lines += ["", f"relaunch's lost time / the best peer's: {result['series_ratio']}"]
         if key == "peers" and result.get("peer_ratios"):
             lines.append("")
+            spreads = result.get("peer_ratio_spreads") or {}
             lines.append(
-                "relaunch / the best peer (stall): "
-                + ", ".join(f"{k} {v}" for k, v in result["peer_ratios"].items())
+                "relaunch / the best peer (stall, the median's ratio and its spread over the "
+                "runs): "
+                + ", ".join(
+                    f"{k} {v}{_spread(spreads.get(k))}" for k, v in result["peer_ratios"].items()
+                )
             )
     if result.get("overhead"):
         lines += ["", "Controller overhead:", "", *table(result["overhead"], OVERHEAD_COLUMNS)]
     return "\n".join(lines) + "\n"
+
+
+def _spread(found: Any) -> str:
+    """` (runs: LOW-HIGH)` of a ratio's spread, as stored (a pair; a list once in JSON)."""
+    if not found:
+        return ""
+    low, high = found
+    return f" (runs: {low}-{high})"
 
 
 def chart(rows: list[Row], scale: list[dict[str, Any]], path: Path) -> None:

@@ -18,7 +18,7 @@ from relaunch_bench.jobs import Progress
 from relaunch_bench.mttr import SIZES, Row, hang_rows, mttr_rows, ratios, size_rows
 from relaunch_bench.network import network_rows
 from relaunch_bench.overhead import overhead_rows
-from relaunch_bench.peers import peer_ratios, peer_rows
+from relaunch_bench.peers import peer_ratio_spreads, peer_ratios, peer_rows
 from relaunch_bench.reliability import RELIABILITY_LEVELS, reliability_rows
 from relaunch_bench.scale import scale_rows
 from relaunch_bench.series import series_ratio, series_rows
@@ -89,6 +89,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         "network": [],
         **measured,
         "peer_ratios": peer_ratios(measured.get("peers", [])),
+        "peer_ratio_spreads": peer_ratio_spreads(measured.get("peers", [])),
         "series_ratio": series_ratio(measured.get("series", [])),
         "seconds": round(time.time() - started, 1),
     }
