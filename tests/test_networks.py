@@ -6,6 +6,7 @@ layout, the fault commands and the fault plan's checks are pure and run everywhe
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import threading
@@ -475,3 +476,75 @@ def test_a_degraded_link_is_found_slow_and_its_pod_moved(cluster: Cluster) -> No
     assert "data link is slow" in records[0]["fault"]["detail"]
     assert records[0]["isolated_nodes"] == ["node-1"]
     assert out.read_text().strip()  # it finished (bit-identity after a move: test_ddp_exactly_once)
+
+
+@pytest.mark.parametrize("sends", [True, False])
+def test_a_flap_row_counts_only_where_the_cut_link_carried_the_systems_traffic(
+    tmp_path: Path, sends: bool
+) -> None:
+    """Issue 49: torchft's flap row measured 65.4 s in one run and 0.03 s in another. The bench
+    now reads the cut link's counters: a system whose traffic goes over node-1's data link
+    (here: a sender on node-1 to node-0's data address until the cut) carried it before the
+    flap and nothing while it was down; one that sends nothing there did not, and its row is
+    not counted."""
+    import socket
+    import threading
+
+    from relaunch_bench.jobs import FAULT_STEP
+    from relaunch_bench.network import LinkTraffic, _fault_at_step, data_link_bytes
+
+    _needs_namespaces()
+    opened = ClusterNetwork.open(tmp_path)
+    assert isinstance(opened, ClusterNetwork), opened
+    net = opened
+    stop = threading.Event()
+    try:
+        for node in ("node-0", "node-1"):
+            net.ensure_node(node)
+        assert data_link_bytes(net, "node-1") is not None
+        target = (net.layout.data_address("node-0"), 9)
+        sent = threading.Event()
+
+        def send() -> None:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+                while not stop.is_set():
+                    with contextlib.suppress(OSError):  # the link is down: nowhere to go
+                        sock.sendto(b"x" * 1400, target)
+                        sent.set()
+                    stop.wait(0.001)
+
+        sender = threading.Thread(target=lambda: net.in_namespace("node-1", send), daemon=True)
+        timeline = tmp_path / "timeline.txt"
+        agent = subprocess.Popen(["sleep", "60"])
+        if sends:
+            sender.start()
+            assert sent.wait(10)
+
+        def stepped() -> None:  # rank 0 passes the fault's step a moment later
+            stop.wait(0.5)
+            timeline.write_text(f"step {FAULT_STEP} {time.time()}\n")
+
+        threading.Thread(target=stepped, daemon=True).start()
+        traffic = _fault_at_step(net, {"kind": "network", "duration_s": 1.0}, timeline, [agent])
+        deadline = time.monotonic() + 30
+        while traffic.during_bytes is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # the flap's end reads the counters before it undoes the cut
+        agent.kill()
+        agent.wait()
+        assert isinstance(traffic, LinkTraffic) and traffic.during_bytes is not None
+        assert traffic.carried is sends, traffic.describe()
+        if not sends:
+            assert "carried none of this system's collectives" in traffic.describe()
+    finally:
+        stop.set()
+        net.remove()
+    assert_nothing_left(tmp_path)
+
+
+def test_link_traffic_counts_a_link_that_carried_and_then_stopped() -> None:
+    from relaunch_bench.network import CARRIED_BYTES_PER_S, LinkTraffic
+
+    assert LinkTraffic(50_000.0, 0).carried
+    assert not LinkTraffic(CARRIED_BYTES_PER_S / 2, 0).carried  # it carried nothing
+    assert not LinkTraffic(50_000.0, 10_000_000).carried  # traffic did not stop
+    assert not LinkTraffic(None, 0).carried and "could not be read" in LinkTraffic().describe()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import statistics
 import subprocess
@@ -25,6 +26,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -250,11 +252,15 @@ def torchft_once(name: str | None, tmp: Path, python: Path) -> dict[str, Any]:
             procs.append(_in_namespace(args, fd, log, replica_env, tmp))
             os.close(fd)
         replicas = procs[1:]
+        traffic = None
         if name is not None:
-            _fault_at_step(network, FAULTS[name], tmp / "timeline.txt", replicas, replica=0)
+            traffic = _fault_at_step(
+                network, FAULTS[name], tmp / "timeline.txt", replicas, replica=0
+            )
         codes = [replica.wait(timeout=600) for replica in replicas]
         stall, out = _longest_gaps(tmp / "timeline.txt")
         return {
+            "link": traffic,
             "ok": not any(codes),
             "wall_s": round(time.time() - began, 2),
             "what": (
@@ -331,8 +337,9 @@ def launchers_once(
             args = agent(index, node, master, port, network)
             agents.append(_in_namespace(args, fd, log, env, tmp))
             os.close(fd)
+        traffic = None
         if name is not None:
-            _fault_at_step(network, FAULTS[name], path, agents)
+            traffic = _fault_at_step(network, FAULTS[name], path, agents)
         codes = [agent.wait(timeout=600) for agent in agents]
         wall = time.time() - began
         redone, restarts = _steps(path)
@@ -345,6 +352,7 @@ def launchers_once(
             "redone": redone,
             "restarts": restarts,
             "what": what,
+            "link": traffic,
         }
     except subprocess.TimeoutExpired:
         return {"ok": False, "note": "the agents did not finish in 600 s"}
@@ -372,20 +380,76 @@ def _in_namespace(
     )  # fmt: skip
 
 
+CARRIED_BYTES_PER_S = 10_000.0
+"""Below this, a data link carried none of a system's collectives before a fault cut it (a
+gloo all-reduce of the bench's model at its step rate moves hundreds of kB a second; a fresh
+idle link, its neighbour discoveries, about 1 kB a second)."""
+
+
+@dataclass
+class LinkTraffic:
+    """What the cut link carried: its bytes a second from the start of the run to the cut, and
+    its bytes while cut (None: not read). A flap row counts only where the cut link carried the
+    system's collectives, and traffic on it stopped while it was down: a row that moved 2,000-
+    fold between two runs (torchft's survivor, 65.4 s then 0.03 s) is no measurement unless
+    the flap cut what that system sends."""
+
+    before_bytes_per_s: float | None = None
+    during_bytes: int | None = None
+
+    @property
+    def carried(self) -> bool:
+        before, during = self.before_bytes_per_s, self.during_bytes
+        if before is None or during is None:
+            return False
+        return before >= CARRIED_BYTES_PER_S and during < before
+
+    def describe(self) -> str:
+        if self.before_bytes_per_s is None or self.during_bytes is None:
+            return "the cut link's traffic could not be read"
+        said = (
+            f"the cut link carried {self.before_bytes_per_s / 1000:.1f} kB/s before the flap, "
+            f"{self.during_bytes} B while down"
+        )
+        return said if self.carried else f"{said}: it carried none of this system's collectives"
+
+
+def data_link_bytes(network: ClusterNetwork, node: str) -> int | None:
+    """The bytes `node`'s data link has sent and received (its counters, read in its namespace
+    through iproute2's JSON); None where they cannot be read."""
+    done = subprocess.run(
+        ["ip", "-n", network.layout.namespace(node), "-s", "-j", "link", "show", "dev", DATA_IF],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    try:
+        stats = json.loads(done.stdout)[0]["stats64"]
+        return int(stats["rx"]["bytes"]) + int(stats["tx"]["bytes"])
+    except (ValueError, LookupError, TypeError):
+        return None
+
+
 def _fault_at_step(
     network: ClusterNetwork,
     fault: dict[str, Any],
     path: Path,
     agents: list[Any],
     replica: int | None = None,
-) -> None:
+) -> LinkTraffic:
     """Apply `fault` to node-1 once rank 0 (torchft: `replica`) passed FAULT_STEP; undo it after
-    its duration."""
-    deadline = time.time() + 120
+    its duration. What node-1's data link carried before and during it: filled in by the time
+    the fault is undone."""
+    traffic = LinkTraffic()
+    began, first = time.time(), data_link_bytes(network, "node-1")
+    deadline = began + 120
     while time.time() < deadline and all(a.poll() is None for a in agents):
         if _stepped_past(path, FAULT_STEP, replica):
             break
         time.sleep(0.05)
+    cut_at, at_cut = time.time(), data_link_bytes(network, "node-1")
+    if first is not None and at_cut is not None and cut_at > began:
+        traffic.before_bytes_per_s = (at_cut - first) / (cut_at - began)
     kind = {
         "network": LinkFaultKind.DOWN,
         "partition": LinkFaultKind.PARTITION,
@@ -397,10 +461,14 @@ def _fault_at_step(
     if duration is not None:
 
         def undo() -> None:
+            before_undo = data_link_bytes(network, "node-1")
+            if at_cut is not None and before_undo is not None:
+                traffic.during_bytes = before_undo - at_cut
             with contextlib.suppress(OSError):
                 network.apply("node-1", kind, cut, fault.get("rate_mbit"), undo=True)
 
         threading.Timer(duration, undo).start()
+    return traffic
 
 
 def _stepped_past(path: Path, step: int, replica: int | None) -> bool:
@@ -473,10 +541,16 @@ def fault_rows(
             "what": measured.get("what") or measured.get("note", "failed"),
             "wall_s": measured.get("wall_s"),
             "fault_free_wall_s": clean.get("wall_s"),
+            "link": _link_said(measured.get("link")),
+            "link_carried": measured["link"].carried if measured.get("link") else None,
         }
         say(f"network: {system}, {name}: {row}")
         rows.append(row)
     return rows
+
+
+def _link_said(traffic: LinkTraffic | None) -> str | None:
+    return traffic.describe() if traffic is not None else None
 
 
 def _once(system: str, variant: str, name: str | None, tmp: Path) -> dict[str, Any]:

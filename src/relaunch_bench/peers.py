@@ -436,6 +436,16 @@ def flap_rows(say: Progress, relaunch: bool = True) -> list[PeerRow]:
         # torchft's survivor trains on alone while the cut replica is out (faster than two):
         # its cost is the survivor's stall, not the time against a fault-free run
         lost = measured["stall_s"] if variant == "torchft" else measured["lost_s"]
+        link = measured.get("link") or (
+            "its collective failed on the cut link (the operator retry's record)"
+            if variant == "operator"
+            else None
+        )
+        if measured.get("link_carried") is False:  # the flap cut nothing this system sends
+            rows.append(
+                PeerRow(system, "link-flap", repeats=1, failures=1, note=f"not counted: {link}")
+            )
+            continue
         rows.append(
             PeerRow(
                 system,
@@ -451,7 +461,8 @@ def flap_rows(say: Progress, relaunch: bool = True) -> list[PeerRow]:
                     if variant == "torchft"
                     else "time lost against a fault-free run"
                 )
-                + f"; {measured['what']}",
+                + f"; {measured['what']}"
+                + (f"; {link}" if link else ""),
                 samples=[lost] if lost is not None else [],
             )
         )
