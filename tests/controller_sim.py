@@ -90,6 +90,8 @@ class FakeEngine:
 
     def __init__(self) -> None:
         self.calls: list[tuple[Any, ...]] = []
+        self.plans: list[LaunchPlan] = []
+        """Every pod's launch plan, in the order the launchers were started."""
         self.dead: set[str] = set()
 
     def start_agent(self, node: NodeSpec, interval: float, grace: float, blip_s: float) -> int:
@@ -98,6 +100,7 @@ class FakeEngine:
 
     def start_pod(self, plan: LaunchPlan) -> int:
         self.calls.append(("start_pod", plan.pod, plan.generation, plan.node))
+        self.plans.append(plan)
         return 1
 
     def assumed(self, job: int, node: str, pod: int, generation: int) -> None:
@@ -120,6 +123,8 @@ class FakeEngine:
 
     networks = "nodes are simulated"
     nodes_share_cores = False
+    chips_are_gpus = False
+    chips = "chips are simulated"
 
     def pod_environment(self, node: str) -> dict[str, str]:
         return {}

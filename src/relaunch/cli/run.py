@@ -51,6 +51,8 @@ from relaunch.cli.launch import (
     launch_document,
 )
 from relaunch.cli.summary import print_summary
+from relaunch.cluster.config import parse_cluster
+from relaunch.cluster.nvml import SIMULATE_CHIPS_ENV, chips_problem, gpu_count
 from relaunch.controller import Controller, RunOptions
 from relaunch.errors import MISSING, InputError, Problem, RelaunchError, StateDirBusy
 from relaunch.files import read_document
@@ -106,6 +108,17 @@ EngineOption = Annotated[
 ]
 
 
+SimulateChipsOption = Annotated[
+    bool,
+    typer.Option(
+        "--simulate-chips",
+        help="Simulated chips on the embedded cluster even where this machine has NVIDIA GPUs "
+        "(no pod is given a GPU). Without it, the chips are the machine's GPUs where it has "
+        "any, and a cluster of more chips than GPUs is refused.",
+    ),
+]
+
+
 @app.command(cls=TorchrunForm)
 def run(
     ctx: typer.Context,
@@ -120,6 +133,7 @@ def run(
     nodes_count: NodesOption = None,
     chips_per_node: ChipsOption = None,
     quiet: QuietOption = False,
+    simulate_chips: SimulateChipsOption = False,
     engine: EngineOption = "embedded",
     address: AddressOption = None,
     ray_select: RaySelectOption = None,
@@ -143,6 +157,8 @@ def run(
     --nnodes 2 --nproc-per-node 4 train.py --epochs 3` (everything after the script is the
     script's)."""
     engine = _engine_checked(engine, address, ray_select)
+    if simulate_chips:  # the engine and the agents it starts read it
+        os.environ[SIMULATE_CHIPS_ENV] = "1"
     directory = state_dir_of(state_dir)
     held = _lock(directory)
     try:
@@ -156,6 +172,8 @@ def run(
         else:
             request = _NewRun(job_file, cluster_file, faults_file, fault_table, startup_s, document)
             cluster_raw = _cluster_settings(cluster_file, nodes_count, chips_per_node)
+            if engine == "embedded":
+                _check_chips(cluster_raw, cluster_file)
             job_id, trial = _submit(
                 store, directory, request, cluster_raw, engine, address, ray_select
             )
@@ -381,6 +399,7 @@ class _Echo:
         out.print(
             f"[bold cyan]\\[relaunch][/] {escape(controller.engine.networks)}", highlight=False
         )
+        out.print(f"[bold cyan]\\[relaunch][/] {escape(controller.engine.chips)}", highlight=False)
 
 
 _STOPPING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
@@ -505,3 +524,15 @@ def _unfinished(store: Store, ref: Path | None, document: tuple[dict[str, Any], 
 def _hung_up(job: JobRow) -> bool:
     """Stopped because its run's terminal closed: an accident, which --resume carries on."""
     return job.status is JobStatus.STOPPED and job.reason.endswith(HANGUP)
+
+
+def _check_chips(cluster_raw: Any, cluster_file: Path | None) -> None:
+    """On the embedded cluster the chips are this machine's GPUs where it has any: a cluster of
+    more chips than it has is refused before anything starts (nvml.chips_problem)."""
+    cluster = parse_cluster(cluster_raw, source=str(cluster_file or "the cluster"))
+    problem = chips_problem(sum(n.chips for n in cluster.nodes), gpu_count())
+    if problem is not None:
+        raise InputError(
+            "relaunch run",
+            [Problem("chips", sum(n.chips for n in cluster.nodes), problem)],
+        )

@@ -32,6 +32,18 @@ class Engine(Protocol):
     """Those processes in words (`cgroup: name (state)`), where the engine can tell."""
 
     @property
+    def chips_are_gpus(self) -> bool:
+        """A node's chips are the machine's NVIDIA GPUs (node by node: ClusterConfig's
+        first_gpu), and each pod is given its own with CUDA_VISIBLE_DEVICES; False where chips
+        are simulated, or where the engine's hosts give each process its GPUs themselves."""
+        ...
+
+    @property
+    def chips(self) -> str:
+        """What a node's chips are on this engine (GPUs, or simulated and why), in words."""
+        ...
+
+    @property
     def nodes_share_cores(self) -> bool:
         """Every node of the cluster is this one machine (the embedded cluster): the pods of all
         nodes share its cores, as the processes of one torchrun host do."""

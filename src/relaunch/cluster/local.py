@@ -26,6 +26,7 @@ data address, and a fault plan's link faults are real. Elsewhere every node shar
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import select
@@ -40,6 +41,7 @@ import psutil
 
 from relaunch.cluster.config import NodeSpec
 from relaunch.cluster.network import DATA_IF, ClusterNetwork, enter_namespace
+from relaunch.cluster.nvml import SIMULATE_CHIPS_ENV, gpu_count
 from relaunch.containers import Cgroup, ClusterCgroups
 from relaunch.protocol.layout import PodDir, StateDir
 from relaunch.protocol.links import Cut, LinkFaultKind
@@ -369,6 +371,23 @@ class LocalCluster:
 
     nodes_share_cores = True
     """The embedded cluster's nodes are this machine."""
+
+    @functools.cached_property
+    def chips_are_gpus(self) -> bool:
+        """This machine has NVIDIA GPUs (NVML sees them), and chips are not simulated: `relaunch
+        run` refused a cluster of more chips than it has (nvml.chips_problem)."""
+        return bool(gpu_count())
+
+    @property
+    def chips(self) -> str:
+        if self.chips_are_gpus:
+            return (
+                "chips are this machine's GPUs, node by node; each pod sees its own only "
+                "(CUDA_VISIBLE_DEVICES)"
+            )
+        if os.environ.get(SIMULATE_CHIPS_ENV) == "1":
+            return "chips are simulated (--simulate-chips): no pod is given a GPU"
+        return "chips are simulated: NVML sees no GPU on this machine"
 
     def pod_environment(self, node: str) -> dict[str, str]:
         """What the ranks of a pod on `node` need to find their peers: gloo and NCCL bind the

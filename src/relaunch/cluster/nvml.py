@@ -5,8 +5,9 @@ relaunch.faults.gpu_codes."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 from relaunch.faults.gpu_codes import GpuReading
 
@@ -110,11 +111,48 @@ def _same(nvml: Any, one: Any, other: Any) -> bool:
         return False
 
 
-def open_gpus(first: int, count: int) -> tuple[NvmlChips | None, str]:
-    """This machine's GPUs `first` .. `first + count - 1` through NVML, or None and why not (no
-    nvidia-ml-py, no driver, fewer GPUs than that): the agent then simulates its chips."""
+SIMULATE_CHIPS_ENV: Final = "RELAUNCH_SIMULATE_CHIPS"
+"""`1`: the embedded cluster's chips are simulated even where NVML sees GPUs (`relaunch run
+--simulate-chips`): no pod is given a GPU, and no job is refused for the machine's GPUs."""
+
+
+def gpu_count() -> int | None:
+    """How many GPUs NVML sees on this machine; None where it cannot look (no nvidia-ml-py, no
+    driver) or where chips are to be simulated (SIMULATE_CHIPS_ENV)."""
+    if os.environ.get(SIMULATE_CHIPS_ENV) == "1":
+        return None
     try:
         import pynvml  # type: ignore[import-untyped]
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        return int(pynvml.nvmlDeviceGetCount())
+    except pynvml.NVMLError:
+        return None
+
+
+def chips_problem(total_chips: int, gpus: int | None) -> str | None:
+    """Why a cluster of `total_chips` chips cannot run on this machine's `gpus` GPUs (None: it
+    can): on the embedded cluster every chip is one of the machine's GPUs, node by node, where
+    the machine has GPUs at all. Pure."""
+    if not gpus or total_chips <= gpus:
+        return None
+    return (
+        f"the cluster's {total_chips} chips would be GPUs 0-{total_chips - 1} of this machine, "
+        f"which has {gpus}: give the nodes fewer chips (chips_per_node), or run on simulated "
+        "chips with --simulate-chips"
+    )
+
+
+def open_gpus(first: int, count: int) -> tuple[NvmlChips | None, str]:
+    """This machine's GPUs `first` .. `first + count - 1` through NVML, or None and why not (no
+    nvidia-ml-py, no driver, fewer GPUs than that, or SIMULATE_CHIPS_ENV): the agent then
+    simulates its chips."""
+    if os.environ.get(SIMULATE_CHIPS_ENV) == "1":
+        return None, "simulated (--simulate-chips)"
+    try:
+        import pynvml
     except ImportError:
         return None, "nvidia-ml-py is not installed"
     try:

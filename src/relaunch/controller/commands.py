@@ -359,6 +359,30 @@ def slow_window_unusable(hang_s: float, replicas: int, slow_window_s: float) -> 
     )
 
 
+def pod_chips(c: ControllerContext, row: PodRow) -> tuple[int, ...]:
+    """The chips of its node a pod has (the node's own indices): the pods on a node take its
+    chips in pod order, `chips_per_pod` each, as a device plugin or Slurm's gres would give a
+    container its own."""
+    on_node = sorted(
+        {p.index for p in c.pods.values() if p.row.node == row.node and p.index != row.idx}
+        | {row.idx}
+    )
+    per = c.spec.chips_per_pod
+    slot = on_node.index(row.idx)
+    return tuple(range(slot * per, (slot + 1) * per))
+
+
+def visible_devices(c: ControllerContext, node: str, chips: tuple[int, ...]) -> dict[str, str]:
+    """CUDA_VISIBLE_DEVICES and NVIDIA_VISIBLE_DEVICES naming the machine's GPUs that `chips`
+    of `node` are, where the engine's chips are GPUs (none where they are simulated): a pod's
+    ranks see their own GPUs only, and LOCAL_RANK picks among them as on a real host."""
+    spec = next((n for n in c.cluster.nodes if n.name == node), None)
+    if not c.engine.chips_are_gpus or spec is None:
+        return {}
+    gpus = ",".join(str(spec.first_gpu + chip) for chip in chips if chip < spec.chips)
+    return {"CUDA_VISIBLE_DEVICES": gpus, "NVIDIA_VISIBLE_DEVICES": gpus} if gpus else {}
+
+
 def launch_plan(c: ControllerContext, row: PodRow) -> LaunchPlan:
     """The one way a pod's launcher is described (a standby launcher's derives from it)."""
     return LaunchPlan(
@@ -373,7 +397,11 @@ def launch_plan(c: ControllerContext, row: PodRow) -> LaunchPlan:
         monitor_interval_s=c.recovery.monitor_interval_s,
         adopt_grace_s=c.cluster.adopt_grace_s,
         workdir=row.workdir,
-        env={**c.engine.pod_environment(row.node), **c.spec.env},
+        env={
+            **c.engine.pod_environment(row.node),
+            **visible_devices(c, row.node, pod_chips(c, row)),
+            **c.spec.env,
+        },
         host_processes=c.spec.world_size if c.engine.nodes_share_cores else c.spec.procs_per_pod,
         warm_spares=c.spec.warm_spares,
         progress_interval_s=progress_interval(

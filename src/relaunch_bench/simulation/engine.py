@@ -37,6 +37,8 @@ class SimEngine:
     containers = "pods are simulated (no process runs a rank: bench simulation)"
     networks = "nodes are simulated: every peer on the loopback"
     nodes_share_cores = False
+    chips_are_gpus = False
+    chips = "chips are simulated"
 
     def __init__(self, state_dir: Path, shards: int, step_s: float, steps: int) -> None:
         self.origin = time.time()

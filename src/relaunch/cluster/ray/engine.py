@@ -209,6 +209,9 @@ class RayCluster:
         return int(self._call(node, "free_port") or free_port())
 
     nodes_share_cores = False
+    chips_are_gpus = False
+    chips = "chips are the Ray nodes' own GPUs, which Ray gives each worker"
+    """Ray gives each worker its GPUs itself (CUDA_VISIBLE_DEVICES)."""
     """A Ray cluster's nodes are hosts of their own (a test's on one machine too: its pods'
     processes set OMP_NUM_THREADS by their pod's count, as on separate hosts)."""
 
