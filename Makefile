@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint typecheck unit clean peers
+.PHONY: run test lint typecheck unit clean peers gpu-checks
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
@@ -69,6 +69,11 @@ $(PEERS)/dlrover/.installed:
 	  $(PEERS)/dlrover/lib/python3.*/site-packages/dlrover/trainer/torch/elastic_run.py
 	grep -q '"", 0, None)' $(PEERS)/dlrover/lib/python3.*/site-packages/dlrover/trainer/torch/elastic_run.py
 	@touch $@
+
+# The GPU checks in one run (at most 8 minutes), on a machine with an NVIDIA GPU and its own
+# CUDA torch: the pods' own GPUs, the NVML readings, the DDP example over NCCL (issue 46).
+gpu-checks:
+	bash benchmarks/gpu-checks.sh
 
 clean:
 	rm -rf $(VENV) $(PEERS) .relaunch .pytest_cache .mypy_cache .ruff_cache

@@ -15,6 +15,8 @@ from typing import Any
 import psutil
 import yaml
 
+from relaunch.cluster.config import parse_cluster
+from relaunch.cluster.nvml import simulate_args
 from relaunch.store import Store
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,11 +140,12 @@ class Cluster:
         startup_s: float | None = 8,
     ) -> list[str]:
         """`relaunch run` for `job`; `startup_s` None leaves the allowance to the job's spec."""
+        nodes = parse_cluster(cluster or FAST_CLUSTER).nodes
         args = [
             sys.executable, "-m", "relaunch", "run", str(self.write("job.yaml", job)),
             "--cluster", str(self.write("cluster.yaml", cluster or FAST_CLUSTER)),
             "--state-dir", str(self.state), "--report", str(self.dir / "report.json"),
-            "-q", *extra,
+            "-q", *simulate_args(sum(n.chips for n in nodes)), *extra,
         ]  # fmt: skip
         if startup_s is not None:
             args += ["--startup-seconds", str(startup_s)]

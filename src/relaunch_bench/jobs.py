@@ -19,7 +19,9 @@ from typing import Any
 
 import yaml
 
+from relaunch.cluster.config import parse_cluster
 from relaunch.cluster.local import kill_tree
+from relaunch.cluster.nvml import simulate_args
 
 Progress = Callable[[str], None]
 
@@ -119,6 +121,7 @@ def run_job(
         sys.executable, "-m", "relaunch", "run", str(tmp / "job.yaml"), "--faults", str(tmp / "faults.yaml"),
         "--cluster", str(tmp / "cluster.yaml"), "--state-dir", str(tmp / "state"),
         "--report", str(tmp / "report.json"), "--startup-seconds", "120", "-q", *extra_args,
+        *simulate_args(sum(n.chips for n in parse_cluster(cluster).nodes)),
     ]  # fmt: skip
     with open(tmp / "run.log", "wb") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=tmp)

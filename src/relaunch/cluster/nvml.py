@@ -140,9 +140,18 @@ def chips_problem(total_chips: int, gpus: int | None) -> str | None:
         return None
     return (
         f"the cluster's {total_chips} chips would be GPUs 0-{total_chips - 1} of this machine, "
-        f"which has {gpus}: give the nodes fewer chips (chips_per_node), or run on simulated "
-        "chips with --simulate-chips"
+        f"which has {gpus}: give the cluster fewer nodes or chips (--nodes, --chips-per-node, "
+        "or its file), or run on simulated chips with --simulate-chips (its pods then share "
+        "the GPUs)"
     )
+
+
+def simulate_args(total_chips: int) -> tuple[str, ...]:
+    """`relaunch run`'s `--simulate-chips` where this machine has GPUs, but fewer than a
+    cluster's chips (its pods then share them, as before pods owned their GPUs): for the tests
+    and the bench, whose clusters are sized for any machine."""
+    gpus = gpu_count()
+    return ("--simulate-chips",) if chips_problem(total_chips, gpus) is not None else ()
 
 
 def open_gpus(first: int, count: int) -> tuple[NvmlChips | None, str]:

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The GPU checks in one run, for a short loan of a machine with an NVIDIA GPU (issue 46): run it
+# from the repository's root there, `bash benchmarks/gpu-checks.sh [OUT]`, within 8 minutes.
+#
+# 1. what the machine has (nvidia-smi, torch's CUDA, NVML's count);
+# 2. a pod sees its chips, and only them: a one-pod job on a cluster of one node of one chip
+#    runs with CUDA_VISIBLE_DEVICES naming GPU 0, torch sees exactly that GPU; a cluster of more
+#    chips than the machine has GPUs is refused (exit 2) before anything starts;
+# 3. the GPU tests: tests/test_pod_gpus.py, tests/test_gpus.py (NVML on the real GPU) and
+#    tests/test_gpu_nccl.py (the DDP example over NCCL through every level, bit-identical).
+#
+# The machine's own python3 runs it (with its CUDA torch): relaunch from src/, and the packages
+# its image lacks from .whl/ where they were carried (pip download --no-deps --only-binary
+# :all: --python-version 3.12 pydantic pydantic-core annotated-types typing-inspection msgspec
+# py-spy fastapi starlette uvicorn).
+set -u
+out=${1:-${OUT:-/tmp/relaunch-gpu-checks}}
+mkdir -p "$out"
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root" || exit 1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-deps --no-index .whl/*.whl 2>&1 | tail -3
+fi
+export PYTHONPATH="$root/src:$root${PYTHONPATH:+:$PYTHONPATH}"
+began=$(date +%s)
+say() { echo "[gpu-checks $(( $(date +%s) - began )) s] $*"; }
+
+say "1. the machine"
+nvidia-smi -L 2>&1 | head -8
+python3 - <<'PY' 2>&1 | tee "$out/machine.txt"
+import torch
+from relaunch.cluster.nvml import gpu_count
+print(f"torch {torch.__version__}, CUDA available {torch.cuda.is_available()}, "
+      f"{torch.cuda.device_count()} device(s); NVML counts {gpu_count()}")
+PY
+
+say "2. a pod sees its chips, and only them"
+work=$(mktemp -d)
+cat > "$work/sees.py" <<'PY'
+import os, torch
+print(f"sees CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r} "
+      f"NVIDIA_VISIBLE_DEVICES={os.environ.get('NVIDIA_VISIBLE_DEVICES')!r} "
+      f"devices={torch.cuda.device_count()} LOCAL_RANK={os.environ['LOCAL_RANK']}", flush=True)
+torch.ones(1, device=f"cuda:{os.environ['LOCAL_RANK']}")
+PY
+printf 'nodes: 1\nchips_per_node: 1\nheartbeat_interval_s: 0.2\nheartbeat_timeout_s: 1.0\n' > "$work/one-chip.yaml"
+python3 -m relaunch run --nnodes 1 --nproc-per-node 1 --max-restarts 0 --cluster "$work/one-chip.yaml" \
+  --state-dir "$work/state" --report "$out/one-chip-report.json" "$work/sees.py" \
+  > "$out/one-chip.txt" 2>&1
+echo "exit $?" >> "$out/one-chip.txt"
+grep -E "sees |chips are|exit " "$out/one-chip.txt"
+python3 -m relaunch run --nnodes 2 --nproc-per-node 1 --state-dir "$work/refused" "$work/sees.py" \
+  > "$out/refused.txt" 2>&1
+echo "exit $?" >> "$out/refused.txt"
+tail -4 "$out/refused.txt"
+rm -rf "$work"
+
+say "3. the GPU tests"
+timeout 390 python3 -m pytest -q -p no:cacheprovider -o addopts="" --durations=12 \
+  tests/test_pod_gpus.py tests/test_gpus.py tests/test_gpu_nccl.py > "$out/pytest.txt" 2>&1
+echo "pytest exit $?" >> "$out/pytest.txt"
+tail -25 "$out/pytest.txt"
+say "done"
