@@ -88,7 +88,7 @@ def test_a_cluster_of_more_chips_than_gpus_is_refused_before_anything_starts(
 ) -> None:
     """On a machine of one GPU, four nodes of two chips would be GPUs 0-7: exit 2, saying so,
     nothing stored; with --simulate-chips the chips are simulated and the check is not made."""
-    import relaunch.cli.run as run_command
+    import relaunch.cli.engines as run_command
 
     monkeypatch.setattr(run_command, "gpu_count", lambda: 1)
     monkeypatch.chdir(Path(__file__).resolve().parents[1])

@@ -2,15 +2,34 @@
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 
 from relaunch.cli.common import EXIT_INVALID, err, out
 from relaunch.cluster.config import parse_cluster
-from relaunch.errors import EngineError
+from relaunch.cluster.nvml import chips_problem, gpu_count
+from relaunch.errors import EngineError, InputError, Problem
 
-__all__ = ["engine_name", "ray_cluster", "ray_module", "stop_trial"]
+__all__ = [
+    "SimulateChipsOption",
+    "check_chips",
+    "engine_name",
+    "ray_cluster",
+    "ray_module",
+    "stop_trial",
+]
+
+SimulateChipsOption = Annotated[
+    bool,
+    typer.Option(
+        "--simulate-chips",
+        help="Simulated chips on the embedded cluster even where this machine has NVIDIA GPUs "
+        "(no pod is given a GPU). Without it, the chips are the machine's GPUs where it has "
+        "any, and a cluster of more chips than GPUs is refused.",
+    ),
+]
 
 
 def engine_name(given: str) -> str:
@@ -71,3 +90,15 @@ def ray_cluster(
 def stop_trial(trial: Any) -> None:
     if trial is not None:
         trial.stop()
+
+
+def check_chips(cluster_raw: Any, cluster_file: Path | None) -> None:
+    """On the embedded cluster the chips are this machine's GPUs where it has any: a cluster of
+    more chips than it has is refused before anything starts (nvml.chips_problem)."""
+    cluster = parse_cluster(cluster_raw, source=str(cluster_file or "the cluster"))
+    problem = chips_problem(sum(n.chips for n in cluster.nodes), gpu_count())
+    if problem is not None:
+        raise InputError(
+            "relaunch run",
+            [Problem("chips", sum(n.chips for n in cluster.nodes), problem)],
+        )

@@ -30,7 +30,13 @@ from relaunch.cli.common import (
     state_dir_of,
     visible,
 )
-from relaunch.cli.engines import engine_name, ray_cluster, stop_trial
+from relaunch.cli.engines import (
+    SimulateChipsOption,
+    check_chips,
+    engine_name,
+    ray_cluster,
+    stop_trial,
+)
 from relaunch.cli.launch import (
     AnnotationOption,
     EnvOption,
@@ -50,9 +56,9 @@ from relaunch.cli.launch import (
     WarmSparesOption,
     launch_document,
 )
+from relaunch.cli.resume import unfinished
 from relaunch.cli.summary import print_summary
-from relaunch.cluster.config import parse_cluster
-from relaunch.cluster.nvml import SIMULATE_CHIPS_ENV, chips_problem, gpu_count
+from relaunch.cluster.nvml import SIMULATE_CHIPS_ENV
 from relaunch.controller import Controller, RunOptions
 from relaunch.errors import MISSING, InputError, Problem, RelaunchError, StateDirBusy
 from relaunch.files import read_document
@@ -108,17 +114,6 @@ EngineOption = Annotated[
 ]
 
 
-SimulateChipsOption = Annotated[
-    bool,
-    typer.Option(
-        "--simulate-chips",
-        help="Simulated chips on the embedded cluster even where this machine has NVIDIA GPUs "
-        "(no pod is given a GPU). Without it, the chips are the machine's GPUs where it has "
-        "any, and a cluster of more chips than GPUs is refused.",
-    ),
-]
-
-
 @app.command(cls=TorchrunForm)
 def run(
     ctx: typer.Context,
@@ -156,30 +151,23 @@ def run(
     cluster or on Ray. Either from a job file, or as torchrun would run a script: `relaunch run
     --nnodes 2 --nproc-per-node 4 train.py --epochs 3` (everything after the script is the
     script's)."""
-    engine = _engine_checked(engine, address, ray_select)
-    if simulate_chips:  # the engine and the agents it starts read it
-        os.environ[SIMULATE_CHIPS_ENV] = "1"
+    engine = _engine_checked(engine, address, ray_select, simulate_chips)
     directory = state_dir_of(state_dir)
     held = _lock(directory)
     try:
         table, rules = service.table_from(fault_table)
         store = Store(StateDir(directory).db)
         document = launch_document(ctx, job_file, LaunchOptions.of(ctx))
-        hangup = False
         if resume:
-            job_id, trial = _unfinished(store, job_file, document).id, None
-            hangup = store.reopen_after_hangup(job_id, time.time())
+            job_id, trial = unfinished(store, job_file, document).id, None
         else:
             request = _NewRun(job_file, cluster_file, faults_file, fault_table, startup_s, document)
-            cluster_raw = _cluster_settings(cluster_file, nodes_count, chips_per_node)
-            if engine == "embedded":
-                _check_chips(cluster_raw, cluster_file)
-            job_id, trial = _submit(
-                store, directory, request, cluster_raw, engine, address, ray_select
-            )
+            raw = _cluster_settings(cluster_file, nodes_count, chips_per_node)
+            job_id, trial = _submit(store, directory, request, raw, engine, address, ray_select)
     except RelaunchError as error:
         held.close()
         raise _refused(error) from None
+    hangup = resume and store.reopen_after_hangup(job_id, time.time())  # a closed terminal's
     options = RunOptions(startup_s=startup_s, table=table, rules=rules, after_hangup=hangup)
     try:
         status = _execute(store, directory, job_id, resume, options, quiet, trial)
@@ -189,12 +177,16 @@ def run(
     raise typer.Exit(_finished(store, directory, job_id, status, report))
 
 
-def _engine_checked(engine: str, address: str | None, ray_select: str | None) -> str:
+def _engine_checked(
+    engine: str, address: str | None, ray_select: str | None, simulate_chips: bool
+) -> str:
     """The engine's name; --address and --ray-select only with Ray (exit 2 otherwise)."""
     name = engine_name(engine)
     if name == "embedded" and (address or ray_select):
         err.print("[bold red]error:[/] --address and --ray-select need --engine ray")
         raise typer.Exit(EXIT_INVALID)
+    if simulate_chips:  # the engine and the agents it starts read it
+        os.environ[SIMULATE_CHIPS_ENV] = "1"
     return name
 
 
@@ -285,6 +277,8 @@ def _submit(
     engine_spec, trial = None, None
     if engine == "ray":
         cluster_raw, engine_spec, trial = ray_cluster(cluster_raw, address, ray_select)
+    else:  # the embedded cluster's chips are this machine's GPUs, where it has any
+        check_chips(cluster_raw, request.cluster_file)
     try:
         job_id = _stored(store, directory, request, raw, source, cluster_raw, plan, engine_spec)
     except BaseException:
@@ -494,45 +488,3 @@ class _LiveView:
                 str(p.idx), p.node, str(p.generation), str(p.schedule_cnt), str(p.proc_start_cnt)
             )
         self.live.update(view, refresh=True)
-
-
-def _unfinished(store: Store, ref: Path | None, document: tuple[dict[str, Any], str] | None) -> Any:
-    """The unfinished job `ref` names (the newest, without one) to resume."""
-    if document is not None:
-        raise InputError(
-            "relaunch run --resume",
-            [Problem("SCRIPT", str(ref), "the job's name or id, with --resume")],
-        )
-    jobs = [j for j in store.jobs() if j.status.active or _hung_up(j)]
-    if ref is not None:
-        jobs = [j for j in jobs if j.name == str(ref) or str(j.id) == str(ref)]
-    if not jobs:
-        raise InputError(
-            "relaunch run --resume",
-            [
-                Problem(
-                    "JOB",
-                    str(ref or ""),
-                    "an unfinished job in this state directory (or one its terminal's "
-                    "hangup stopped)",
-                )
-            ],
-        )
-    return jobs[-1]
-
-
-def _hung_up(job: JobRow) -> bool:
-    """Stopped because its run's terminal closed: an accident, which --resume carries on."""
-    return job.status is JobStatus.STOPPED and job.reason.endswith(HANGUP)
-
-
-def _check_chips(cluster_raw: Any, cluster_file: Path | None) -> None:
-    """On the embedded cluster the chips are this machine's GPUs where it has any: a cluster of
-    more chips than it has is refused before anything starts (nvml.chips_problem)."""
-    cluster = parse_cluster(cluster_raw, source=str(cluster_file or "the cluster"))
-    problem = chips_problem(sum(n.chips for n in cluster.nodes), gpu_count())
-    if problem is not None:
-        raise InputError(
-            "relaunch run",
-            [Problem("chips", sum(n.chips for n in cluster.nodes), problem)],
-        )
