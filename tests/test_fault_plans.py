@@ -294,7 +294,11 @@ def test_plan_hang_is_reported_fired_only_when_it_did(cluster: Cluster) -> None:
     result = cluster.run(job, faults, startup_s=None)
     assert result.returncode == 0, result.stdout + result.stderr
     plan = {e["index"]: e for e in result.report["fault_plan"]}
-    assert plan[0]["state"] == "not fired" and "rank 1 has exited" in plan[0]["note"]
+    # not fired: rank 1 has exited, or (the hang-restart of a script that reports no steps is
+    # proven only once its ranks lived on through the start window: R-21) the job ended first
+    note = plan[0]["note"]
+    assert plan[0]["state"] == "not fired", plan[0]
+    assert "rank 1 has exited" in note or "waited for an earlier fault" in note, note
     assert plan[1]["state"] == "fired"
     assert result.actions[:1] == ["hang-restart"], result.stdout
 
