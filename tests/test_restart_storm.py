@@ -122,3 +122,43 @@ def test_r21_one_rank_broken_at_import_is_no_process_level_success(
     assert ("process-in-place", "succeeded") not in actions, actions
     assert [a for a, _ in actions].count("job-reschedule") == 3, actions
     assert "user code error (R-21)" in sim.controller.job.reason
+
+
+def test_r21_a_script_broken_at_import_under_process_level_recovery_end_to_end(
+    tmp_path: Path,
+) -> None:
+    """One real run of the issue's case: a script that raises at import on every start, 2 pods,
+    job-retry-num 8 with unconditional retry, MindCluster's process-level recovery on. Exactly
+    three job-level restarts, each fault trying process-in-place and dump first, then the job
+    fails naming the user's code and its error. Before: 38 to 43 records, the whole budget of
+    8 spent, "restart budget spent (R-26)"."""
+    from tests.runtime import Cluster
+
+    script = tmp_path / "broken.py"
+    script.write_text("print('starting', flush=True)\nimport no_such_module_anywhere\n")
+    job = {
+        "kind": "job",
+        "metadata": {
+            "name": "broken",
+            "annotations": {
+                **LADDERS["process-level"][0],
+            },
+            "labels": {**MINDCLUSTER, "fault-scheduling": "grace", "grace-over-time": "1"},
+        },
+        "spec": {
+            "replicas": 2,
+            "procs_per_pod": 1,
+            "chips_per_pod": 1,
+            "command": f"python {script}",
+            "hang_detect_seconds": 5,
+        },
+    }
+    result = Cluster(tmp_path).run(job, timeout=300)
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    report = result.report
+    assert report["restarts_used"] == 3
+    assert result.actions.count("job-reschedule") == 3 and result.actions[-1] == "fail"
+    assert "user code error (R-21)" in report["reason"]
+    assert "ModuleNotFoundError" in report["reason"]
+    process = [r for r in report["recoveries"] if r["action"] == "process-in-place"]
+    assert process and all(r["outcome"] == "failed" for r in process)
