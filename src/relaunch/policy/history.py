@@ -31,10 +31,10 @@ class RecoveryRecord:
     """The stored fault's id: the records of one fault share it (0: not stored, the fault
     itself tells them apart)."""
 
-    def same_fault(self, other: RecoveryRecord) -> bool:
-        if self.fault_id or other.fault_id:
-            return self.fault_id == other.fault_id
-        return self.fault == other.fault
+    @property
+    def fault_key(self) -> object:
+        """What the records of one fault share: its stored id, or the fault itself."""
+        return self.fault_id or self.fault
 
 
 @dataclass(frozen=True)
@@ -139,18 +139,13 @@ def _streaks(records: tuple[RecoveryRecord, ...]) -> Streaks:
 
 def _decisive_records(records: tuple[RecoveryRecord, ...]) -> list[RecoveryRecord]:
     """Each fault's decisive record (its last one that is not a hand-over), newest fault first;
-    a fault whose records are all hand-overs is left out."""
-    decisive: list[RecoveryRecord] = []
-    seen: list[RecoveryRecord] = []
+    a fault whose records are all hand-overs is left out. One pass, newest record first."""
+    decisive: dict[object, RecoveryRecord | None] = {}
     for record in reversed(records):
-        if any(record.same_fault(s) for s in seen):
-            continue
-        seen.append(record)
-        mine = [r for r in records if r.same_fault(record)]
-        last = next((r for r in reversed(mine) if not r.action.hands_over), None)
-        if last is not None:
-            decisive.append(last)
-    return decisive
+        key = record.fault_key
+        if decisive.get(key) is None:
+            decisive[key] = None if record.action.hands_over else record
+    return [r for r in decisive.values() if r is not None]
 
 
 def _neutral(r: RecoveryRecord) -> bool:
