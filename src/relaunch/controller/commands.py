@@ -383,6 +383,12 @@ def visible_devices(c: ControllerContext, node: str, chips: tuple[int, ...]) -> 
     return {"CUDA_VISIBLE_DEVICES": gpus, "NVIDIA_VISIBLE_DEVICES": gpus} if gpus else {}
 
 
+def plan_environment(c: ControllerContext, node: str, chips: tuple[int, ...]) -> dict[str, str]:
+    """What a launcher on `node` gives its processes beyond its pod's own: the engine's, the
+    GPUs `chips` are, and the job's environment, which wins."""
+    return {**c.engine.pod_environment(node), **visible_devices(c, node, chips), **c.spec.env}
+
+
 def launch_plan(c: ControllerContext, row: PodRow) -> LaunchPlan:
     """The one way a pod's launcher is described (a standby launcher's derives from it)."""
     return LaunchPlan(
@@ -397,11 +403,7 @@ def launch_plan(c: ControllerContext, row: PodRow) -> LaunchPlan:
         monitor_interval_s=c.recovery.monitor_interval_s,
         adopt_grace_s=c.cluster.adopt_grace_s,
         workdir=row.workdir,
-        env={
-            **c.engine.pod_environment(row.node),
-            **visible_devices(c, row.node, pod_chips(c, row)),
-            **c.spec.env,
-        },
+        env=plan_environment(c, row.node, pod_chips(c, row)),
         host_processes=c.spec.world_size if c.engine.nodes_share_cores else c.spec.procs_per_pod,
         warm_spares=c.spec.warm_spares,
         progress_interval_s=progress_interval(

@@ -326,11 +326,7 @@ class Reconciler:
                 "generation": 0,
                 "node": node,
                 # the first chips of its node: the pod it is kept for is the node's first
-                "env": {
-                    **c.engine.pod_environment(node),
-                    **commands.visible_devices(c, node, tuple(range(c.spec.chips_per_pod))),
-                    **c.spec.env,
-                },
+                "env": commands.plan_environment(c, node, tuple(range(c.spec.chips_per_pod))),
                 "first_rank": 0,
                 "workdir": str(c.layout.job(c.job_id).standby(node).path),
                 "warm_spares": c.spec.warm_spares,
