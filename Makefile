@@ -37,7 +37,19 @@ $(CHROMIUM):
 	$(SUDO) apt-get update -qq
 	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends chromium >/dev/null
 
-unit: $(STAMP) $(CHROMIUM)
+# The Slurm engine's tests start a real Slurm cluster of Debian's daemons (tests/test_slurm.py,
+# relaunch.cluster.slurm_trial): installed here when missing, where this is root with apt (the
+# tests need root anyway, and say so when they skip).
+SLURMD := /usr/sbin/slurmd
+.PHONY: slurm
+slurm: $(SLURMD)
+$(SLURMD):
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    --no-install-recommends slurmd slurmctld slurm-client munge >/dev/null; \
+	else echo "note: not root with apt: the Slurm tests will skip (they need Debian's slurmd, slurmctld, slurm-client, munge)"; fi
+
+unit: $(STAMP) $(CHROMIUM) $(SLURMD)
 	$(BIN)/pytest -q
 
 # Sets up and runs everything CI runs: lint, types, tests.

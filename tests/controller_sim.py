@@ -103,6 +103,13 @@ class FakeEngine:
         self.plans.append(plan)
         return 1
 
+    def agent_heard(self, node: str, peer: Any, message: Any) -> None:
+        """The engine starts pods itself: nothing to keep of what agents say."""
+
+    def isolate_node(self, node: str, reason: str) -> str | None:
+        """No scheduler owns the nodes here: relaunch's own record is the isolation."""
+        return None
+
     def assumed(self, job: int, node: str, pod: int, generation: int) -> None:
         self.calls.append(("assumed", node, pod, generation))
 

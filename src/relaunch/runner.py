@@ -117,7 +117,12 @@ def make_engine(
     cluster: ClusterConfig,
     remove_node: Callable[[str], None] | None = None,
 ) -> Engine:
-    """The engine a job was submitted to: the embedded cluster, or Ray at the stored address."""
+    """The engine a job was submitted to: the embedded cluster, Ray at the stored address, or
+    the Slurm allocation this runs in (a requeued job's new one, on resume)."""
+    if stored and stored.get("kind") == "slurm":
+        from relaunch.cluster.slurm import Allocation, SlurmCluster
+
+        return SlurmCluster(directory, Allocation.from_environment())
     if not stored or stored.get("kind") != "ray":
         return LocalCluster(directory)
     from relaunch.cluster.ray import RayCluster  # only with the `ray` extra

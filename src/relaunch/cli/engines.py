@@ -1,4 +1,5 @@
-"""Which engine runs a job: the embedded cluster, or Ray (an address, or a local trial cluster)."""
+"""Which engine runs a job: the embedded cluster, Ray (an address, or a local trial cluster), or
+the Slurm allocation it runs in."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ __all__ = [
     "engine_name",
     "ray_cluster",
     "ray_module",
+    "slurm_cluster",
     "stop_trial",
 ]
 
@@ -33,10 +35,32 @@ SimulateChipsOption = Annotated[
 
 
 def engine_name(given: str) -> str:
-    if given not in ("embedded", "ray"):
-        err.print(f"[bold red]error:[/] --engine {given}: choose embedded or ray", highlight=False)
+    if given not in ("embedded", "ray", "slurm"):
+        err.print(
+            f"[bold red]error:[/] --engine {given}: choose embedded, ray or slurm", highlight=False
+        )
         raise typer.Exit(EXIT_INVALID)
     return given
+
+
+def slurm_cluster(cluster_raw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The job's nodes in the Slurm allocation this runs in: every allocated node, in Slurm's
+    order (the job's pods take the first, the rest are its standby nodes), each with the cluster
+    settings' chips per node. Returns the cluster settings and the engine's stored settings."""
+    from relaunch.cluster.slurm import Allocation
+
+    allocation = Allocation.from_environment()
+    shape = parse_cluster(cluster_raw, source="cluster settings")
+    chips = shape.nodes[0].chips if shape.nodes else 2
+    settings = dict(cluster_raw) if isinstance(cluster_raw, dict) else {}
+    settings["nodes"] = [{"name": name, "chips": chips} for name in allocation.nodes]
+    settings.pop("chips_per_node", None)
+    out.print(
+        f"[bold cyan]\\[relaunch][/] Slurm job {allocation.job_id}: {len(allocation.nodes)} "
+        f"node(s) ({', '.join(allocation.nodes)}), the controller on {allocation.batch_host}",
+        highlight=False,
+    )
+    return settings, {"kind": "slurm", "job_id": allocation.job_id}
 
 
 def ray_module() -> Any:

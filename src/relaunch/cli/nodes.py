@@ -50,13 +50,20 @@ def nodes(
     server: ServerOption = None,
     token: TokenOption = None,
     engine: Annotated[
-        str, typer.Option("--engine", help="embedded, or ray: the Ray cluster's nodes.")
+        str,
+        typer.Option(
+            "--engine",
+            help="embedded; ray: the Ray cluster's nodes; slurm: this allocation's nodes.",
+        ),
     ] = "embedded",
     address: AddressOption = None,
     ray_select: RaySelectOption = None,
 ) -> None:
-    """List the nodes: state, chips, chip health, isolation (with --engine ray, the Ray nodes and
-    their relaunch state)."""
+    """List the nodes: state, chips, chip health, isolation (with --engine ray or slurm, the
+    engine's nodes with its state of each beside relaunch's)."""
+    if engine_name(engine) == "slurm":
+        _slurm_nodes_table(state_dir)
+        return
     if engine_name(engine) == "ray":
         if address is None:
             err.print("[bold red]error:[/] --engine ray needs --address (the Ray cluster)")
@@ -93,6 +100,64 @@ def _ray_nodes_table(address: str, select: str | None, state_dir: Path | None) -
             row.reason if row else "not used by relaunch yet",
         )
     out.print(view)
+
+
+def _slurm_nodes_table(state_dir: Path | None) -> None:
+    from relaunch.cluster.slurm import Allocation, node_states
+
+    try:
+        allocation = Allocation.from_environment()
+        said = node_states(list(allocation.nodes))
+    except EngineError as error:
+        say_error(error)
+        raise typer.Exit(EXIT_INVALID) from None
+    known = {n.name: n for n in open_store(state_dir).nodes()}
+    view = Table(show_edge=False)
+    for column in ("node", "slurm", "slurm reason", "address", "relaunch", "reason"):
+        view.add_column(column)
+    for name in allocation.nodes:
+        node, row = said.get(name), known.get(name)
+        view.add_row(
+            name,
+            node.state if node else "unknown to Slurm",
+            (node.reason if node else "") or "-",
+            node.address if node else "-",
+            row.state.value if row else "-",
+            row.reason if row else "not used by relaunch yet",
+        )
+    out.print(view)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def agent(
+    node: Annotated[str, typer.Option("--node", help="This node's name in the job's cluster.")],
+    controller: Annotated[str, typer.Option("--controller", help="The controller's HOST:PORT.")],
+    state_dir: StateDirOption = None,
+    chips: Annotated[int, typer.Option("--chips", help="Chips on this node.")] = 2,
+    address: Annotated[
+        str, typer.Option("--address", help="This node's address its peers reach.")
+    ] = "",
+) -> None:
+    """Run a node agent here by hand: it connects to the controller, reports this node's health
+    and starts the pods placed on it (what Slurm's steps run; docs/slurm.md)."""
+    from relaunch.cli.common import state_dir_of
+    from relaunch.cluster import agent as node_agent
+
+    node_agent.main(
+        [
+            "--state-dir",
+            str(state_dir_of(state_dir)),
+            "--node",
+            node,
+            "--chips",
+            str(chips),
+            "--controller",
+            controller,
+            "--address",
+            address,
+            "--hosts-pods",
+        ]
+    )
 
 
 def _node_verb(

@@ -35,6 +35,7 @@ from relaunch.cli.engines import (
     check_chips,
     engine_name,
     ray_cluster,
+    slurm_cluster,
     stop_trial,
 )
 from relaunch.cli.launch import (
@@ -109,7 +110,8 @@ EngineOption = Annotated[
     typer.Option(
         "--engine",
         help="embedded: the embedded cluster; ray: a Ray cluster (--address, or a local "
-        "trial cluster shaped by --cluster).",
+        "trial cluster shaped by --cluster); slurm: the Slurm allocation this runs in "
+        "(sbatch, salloc: docs/slurm.md).",
     ),
 ]
 
@@ -182,7 +184,7 @@ def _engine_checked(
 ) -> str:
     """The engine's name; --address and --ray-select only with Ray (exit 2 otherwise)."""
     name = engine_name(engine)
-    if name == "embedded" and (address or ray_select):
+    if name != "ray" and (address or ray_select):
         err.print("[bold red]error:[/] --address and --ray-select need --engine ray")
         raise typer.Exit(EXIT_INVALID)
     if simulate_chips:  # the engine and the agents it starts read it
@@ -277,6 +279,8 @@ def _submit(
     engine_spec, trial = None, None
     if engine == "ray":
         cluster_raw, engine_spec, trial = ray_cluster(cluster_raw, address, ray_select)
+    elif engine == "slurm":
+        cluster_raw, engine_spec = slurm_cluster(cluster_raw)
     else:  # the embedded cluster's chips are this machine's GPUs, where it has any
         check_chips(cluster_raw, request.cluster_file)
     try:

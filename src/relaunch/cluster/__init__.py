@@ -1,16 +1,18 @@
 """Cluster engines: where pods run. `local` is the embedded default; `ray` runs the same agents
-and launchers on the nodes of a Ray cluster (optional: `pip install relaunch[ray]`).
+and launchers on the nodes of a Ray cluster (optional: `pip install relaunch[ray]`); `slurm`
+runs them inside a Slurm allocation, each node's agent a step that starts its node's pods.
 
 The controller talks to an engine only through :class:`Engine`; nothing here imports Ray.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from relaunch.cluster.config import NodeSpec
     from relaunch.protocol.links import Cut, LinkFaultKind
+    from relaunch.protocol.messages import AgentHello, Heartbeat
     from relaunch.protocol.plans import LaunchPlan
 
 __all__ = ["Engine"]
@@ -64,7 +66,18 @@ class Engine(Protocol):
         ...
 
     def start_pod(self, plan: LaunchPlan) -> int:
-        """Start a pod's launcher on `plan.node` in `plan.workdir`; its pid."""
+        """Start a pod's launcher on `plan.node` in `plan.workdir`; its pid (-1 where the node's
+        agent starts it: cluster.hosted)."""
+        ...
+
+    def agent_heard(self, node: str, peer: Any, message: AgentHello | Heartbeat) -> None:
+        """What a node's agent said (its hello, each heartbeat), as the controller read it:
+        where agents start their node's pods, the connection that reaches them."""
+        ...
+
+    def isolate_node(self, node: str, reason: str) -> str | None:
+        """relaunch isolated `node`: told to the scheduler that owns it, where there is one
+        (Slurm drains it); why it could not be, said once by the caller."""
         ...
 
     def assumed(self, job: int, node: str, pod: int, generation: int) -> None:

@@ -21,7 +21,13 @@ but not on the data link (the node is cut from its peers), is the link down: sai
 every heartbeat (`link_down`), reported as a fault once down for the blip window (R-12), and with
 its duration once it is back. The fault plan does not say so: the agent sees it.
 
-Run as `python -m relaunch.cluster.agent`.
+An agent on a machine of its own (`--hosts-pods`: started by a Slurm step, or by hand with
+`relaunch agent --controller HOST:PORT`) also starts its node's pods when the controller sends it
+their plans (`cluster.podhost`), says the node's address and a free port with its hello and its
+heartbeats (MASTER_ADDR and MASTER_PORT where rank 0 is there), and kills its pods when told the
+node crashes (`Crash`, the fault plan's node-down) or when the job ends.
+
+Run as `python -m relaunch.cluster.agent`, or `relaunch agent`.
 """
 
 from __future__ import annotations
@@ -39,11 +45,13 @@ from pathlib import Path
 from relaunch.cluster.linkwatch import LinkWatch
 from relaunch.cluster.network import ClusterNetwork
 from relaunch.cluster.nvml import NvmlChips, open_gpus
+from relaunch.cluster.podhost import PodHost
 from relaunch.containers import Cgroup, ClusterCgroups, reap_pods, step_out
 from relaunch.faults.gpu_codes import PERSISTENT, GpuReading, gpu_fault_codes, most_serious
 from relaunch.protocol.messages import (
     AgentHello,
     ChipReport,
+    Crash,
     Heal,
     Healed,
     Heartbeat,
@@ -53,8 +61,9 @@ from relaunch.protocol.messages import (
     LinkReport,
     Message,
     Shutdown,
+    StartPod,
 )
-from relaunch.protocol.wire import Connection, controller_address
+from relaunch.protocol.wire import Connection, controller_address, write_controller_address
 
 
 @dataclass
@@ -79,7 +88,17 @@ class Agent:
         gpus: NvmlChips | None = None,
         cgroups: ClusterCgroups | None = None,
         watch: LinkWatch | None = None,
+        host: PodHost | None = None,
+        controller: tuple[str, int] | None = None,
+        address: str = "",
     ) -> None:
+        self.host = host
+        """Where the agent starts its node's pods itself (see the module docstring)."""
+        if host is not None and host.cgroups is not None:
+            cgroups = host.cgroups
+        self.controller = controller
+        """The controller's address as given (`--controller`); None: the state directory's."""
+        self.address = address
         self.gpus = gpus
         self.watch = watch
         self.cgroups = cgroups
@@ -122,7 +141,10 @@ class Agent:
             )
             chips = tuple(self.faults.values())
             rtt = self.watch.rtt_ms() if self.watch is not None else None
-            return Heartbeat(self.node, now, chips, link, link_down=down, data_rtt_ms=rtt)
+            port = self.host.free_port() if self.host is not None else 0
+            return Heartbeat(
+                self.node, now, chips, link, link_down=down, data_rtt_ms=rtt, free_port=port
+            )
 
     def _seen_link(self, now: float) -> LinkReport | None:
         """What the link watch saw: an outage that ended (with its duration), or one under way
@@ -255,23 +277,45 @@ class Agent:
             time.sleep(self.interval)
             self.reap()
 
+    def hello(self, conn: Connection) -> AgentHello:
+        if self.host is None:
+            return AgentHello(self.node, self.chips)
+        address = self.address or conn.local_address()
+        return AgentHello(self.node, self.chips, True, address, self.host.free_port())
+
+    def hosted(self, message: Message) -> None:
+        """What the controller asks of an agent that hosts its node's pods."""
+        assert self.host is not None
+        match message:
+            case StartPod(plan=plan):
+                self.host.start(plan)
+            case Crash():
+                self.host.crash()
+                os._exit(1)
+
     def serve(self) -> None:
         alone_since = time.time()
         while True:
-            address = controller_address(self.state_dir)
+            address = self.controller or controller_address(self.state_dir)
             conn = None
             if address is not None:
                 try:
                     conn = Connection.connect(*address)
                 except OSError:
                     conn = None
-            if conn is not None and conn.send(AgentHello(self.node, self.chips)):
+            if conn is not None and conn.send(self.hello(conn)):
                 done = threading.Event()
 
                 def read(c: Connection = conn, done: threading.Event = done) -> None:
                     for message in c:
                         if isinstance(message, Shutdown):
+                            if self.host is not None:
+                                left = self.host.end()
+                                print(f"agent {self.node}: the pods left {left} process(es)")
                             os._exit(0)
+                        if isinstance(message, StartPod | Crash) and self.host is not None:
+                            self.hosted(message)
+                            continue
                         self.handle(c, message)
                         if isinstance(message, InjectChipFault | Heal):
                             self.beat(c)  # a chip failed or healed: said at once
@@ -307,6 +351,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--network", action="store_true", help="the node is a network namespace: watch its links"
     )
+    parser.add_argument(
+        "--hosts-pods", action="store_true", help="start this node's pods when the controller asks"
+    )
+    parser.add_argument(
+        "--controller", type=controller_argument, help="HOST:PORT (default: the state directory's)"
+    )
+    parser.add_argument("--address", default="", help="the node's address for its peers")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     gpus, why = (None, "simulated (--simulate-chips)")
@@ -315,6 +366,15 @@ def main(argv: list[str] | None = None) -> None:
     print(f"agent {args.node}: {args.chips} chip(s): {why}", flush=True)
     cgroups = ClusterCgroups(Cgroup(args.cgroups)) if args.cgroups is not None else None
     watch = LinkWatch(args.state_dir, args.node, args.interval) if args.network else None
+    host = None
+    if args.hosts_pods:
+        args.state_dir.mkdir(parents=True, exist_ok=True)
+        host = PodHost(args.state_dir, args.node)
+        print(f"agent {args.node}: pods are {host.containers}", flush=True)
+        if args.controller is not None and controller_address(args.state_dir) is None:
+            # this machine's launchers find the controller where the agent was told it is
+            host, port = args.controller
+            write_controller_address(args.state_dir, host, port, pid=0)
     agent = Agent(
         args.state_dir,
         args.node,
@@ -325,8 +385,19 @@ def main(argv: list[str] | None = None) -> None:
         gpus,
         cgroups,
         watch,
+        host,
+        args.controller,
+        args.address,
     )
     agent.run()
+
+
+def controller_argument(text: str) -> tuple[str, int]:
+    """HOST:PORT, as `relaunch agent --controller` takes it."""
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"{text!r}: give the controller as HOST:PORT")
+    return host.strip("[]"), int(port)
 
 
 if __name__ == "__main__":

@@ -219,6 +219,13 @@ class LocalCluster:
         self._remember("launchers", f"{plan.job}/{plan.pod}/{plan.generation}/{plan.node}", pid)
         return pid
 
+    def agent_heard(self, node: str, peer: Any, message: Any) -> None:
+        """The engine starts pods itself: nothing to keep of what agents say."""
+
+    def isolate_node(self, node: str, reason: str) -> str | None:
+        """No scheduler owns the nodes here: relaunch's own record is the isolation."""
+        return None
+
     def assumed(self, job: int, node: str, pod: int, generation: int) -> None:
         """The standby launcher on `node` became the launcher of `pod` (see Launcher.assume)."""
         pids = self._pids()

@@ -20,13 +20,13 @@ Each level says four things:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Final
 
 from relaunch.controller import commands
 from relaunch.controller.active import OperatorState
 from relaunch.faults import Fault, FaultKind
 from relaunch.policy import Action, Decision, PodChange
-from relaunch.store import JobStatus, NodeState, PodRow
+from relaunch.store import JobStatus, NodeRow, NodeState, PodRow
 
 if TYPE_CHECKING:
     from relaunch.controller.active import ActiveRecovery
@@ -367,6 +367,17 @@ def published(c: ControllerContext, active: ActiveRecovery) -> bool:
 # -- the desired-state changes the levels share -------------------------------------------------
 
 
+LOST_AND_ISOLATED: Final = "lost and isolated"
+"""How a lost node's reason begins once a decision isolated it (it stays lost)."""
+
+
+def isolated(row: NodeRow) -> bool:
+    """A decision isolated the node (lost or not)."""
+    return row.state is NodeState.ISOLATED or (
+        row.state is NodeState.LOST and row.reason.startswith(LOST_AND_ISOLATED)
+    )
+
+
 def isolate(c: ControllerContext, d: Decision, now: float) -> None:
     if not d.isolate_nodes:
         return
@@ -380,7 +391,7 @@ def isolate(c: ControllerContext, d: Decision, now: float) -> None:
             )
         else:
             c.store.set_node_state(
-                node, NodeState.LOST, f"lost and isolated: {d.assessment.fault.describe()}"
+                node, NodeState.LOST, f"{LOST_AND_ISOLATED}: {d.assessment.fault.describe()}"
             )
         c.refresh_node(node)
 

@@ -47,6 +47,7 @@ def dispatch(c: ControllerContext, peer: Peer, message: Message | None) -> None:
             c.hurry()  # a torn-down launcher lets its pod's replacement start
         case AgentHello(node=node):
             c.agents[node] = AgentLink(peer, node, c.clock.now())
+            c.engine.agent_heard(node, peer, message)
         case LauncherHello():
             _launcher_hello(c, peer, message)
             c.hurry()  # its pod's processes start in this pass, not the next
@@ -55,6 +56,8 @@ def dispatch(c: ControllerContext, peer: Peer, message: Message | None) -> None:
             if agent is not None and agent.peer is peer:
                 agent.last_heartbeat = c.clock.now()
                 _chip_health(c, agent, message)
+                if message.free_port:
+                    c.engine.agent_heard(message.node, peer, message)
         case Healed(request=request, ok=ok):
             c.recoveries.healed(request, ok)
         case Injected():

@@ -4,7 +4,8 @@ One frozen dataclass per message; `encode` and `decode` are the only places they
 line on the wire is `{"t": KIND, ...fields}`, its kind first). Who sends what:
 
     agent -> controller      AgentHello, Heartbeat, Healed, Injected
-    controller -> agent      InjectChipFault, InjectNetworkFault, Heal, Shutdown
+    controller -> agent      InjectChipFault, InjectNetworkFault, Heal, Shutdown, and to an
+                             agent that hosts its node's pods: StartPod, Crash
     launcher -> controller   LauncherHello, Started, Output, ProgressBatch, Exited, Stopped,
                              Usage, Injected, Stacks, CollectiveFailed
     controller -> launcher   Start, Stop, Shutdown, InjectProcessFault, MembershipUpdate, Assume,
@@ -39,6 +40,7 @@ __all__ = [
     "CaptureStacks",
     "ChipReport",
     "CollectiveFailed",
+    "Crash",
     "Exited",
     "Heal",
     "Healed",
@@ -60,6 +62,7 @@ __all__ = [
     "Shutdown",
     "Stacks",
     "Start",
+    "StartPod",
     "Started",
     "Stop",
     "Stopped",
@@ -88,6 +91,16 @@ class AgentHello(Message):
     KIND = "agent-hello"
     node: str
     chips: int
+    hosts_pods: bool = False
+    """The agent starts its node's pods when the controller sends it their plans (`StartPod`):
+    an agent on a machine of its own (Slurm's steps, `relaunch agent` by hand). False: the
+    engine starts them (the embedded cluster, Ray's node hosts)."""
+    address: str = ""
+    """The node's address its peers reach (MASTER_ADDR when rank 0 is there); "" : the
+    engine knows it."""
+    free_port: int = 0
+    """A TCP port free on the node when the agent said so (MASTER_PORT; refreshed in every
+    heartbeat)."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +141,8 @@ class Heartbeat(Message):
     """The node's data-link round trip as its agent's probes of its neighbours find it (the
     median over them of each one's 90th percentile; None: no real link): a degraded link
     queues them."""
+    free_port: int = 0
+    """An agent that hosts its node's pods: a TCP port free on the node now (0: none said)."""
 
 
 @dataclass(frozen=True)
@@ -179,6 +194,23 @@ class Shutdown(Message):
 
     KIND = "shutdown"
     grace: float = 0.0
+
+
+@dataclass(frozen=True)
+class StartPod(Message):
+    """To an agent that hosts its node's pods: start the launcher `plan` describes (a pod's,
+    or a standby launcher), in the pod's cgroup where the node has them."""
+
+    KIND = "start-pod"
+    plan: LaunchPlan
+
+
+@dataclass(frozen=True)
+class Crash(Message):
+    """To an agent that hosts its node's pods: the fault plan's node-down. Every process of
+    the node's pods is killed and the agent exits at once, as a node that dies does."""
+
+    KIND = "crash"
 
 
 # -- pod launcher ---------------------------------------------------------------------------------
@@ -396,7 +428,7 @@ _KINDS: Final[dict[str, type[Message]]] = {
         AgentHello, Heartbeat, Healed, InjectChipFault, InjectNetworkFault, Heal, Injected,
         Shutdown, LauncherHello, Started, Output, ProgressBatch, Exited, Stopped, Usage, Start,
         Stop, InjectProcessFault, MembershipUpdate, Assume, CaptureStacks, Stacks, Lease,
-        CollectiveFailed,
+        CollectiveFailed, StartPod, Crash,
     )
 }  # fmt: skip
 

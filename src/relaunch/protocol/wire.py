@@ -72,6 +72,10 @@ class Connection:
         sock.settimeout(None)
         return cls(sock, doorbell=sock.getpeername()[:2])
 
+    def local_address(self) -> str:
+        """This end's address: the one the peer reaches this host by."""
+        return str(self._sock.getsockname()[0])
+
     def send(self, message: Message, *, urgent: bool | None = None) -> bool:
         """False if the peer is gone; never raises for a closed connection. A connection to the
         controller rings its doorbell after a message that is `urgent` (by default: one that is

@@ -19,6 +19,7 @@ import threading
 import time
 import zlib
 from pathlib import Path
+from typing import Any
 
 from relaunch.cluster.config import NodeSpec
 from relaunch.protocol.links import Cut, LinkFaultKind
@@ -103,6 +104,13 @@ class SimEngine:
             except subprocess.TimeoutExpired:
                 shard.kill()
                 shard.wait()
+
+    def agent_heard(self, node: str, peer: Any, message: Any) -> None:
+        """The engine starts pods itself: nothing to keep of what agents say."""
+
+    def isolate_node(self, node: str, reason: str) -> str | None:
+        """No scheduler owns the nodes here: relaunch's own record is the isolation."""
+        return None
 
     def lost_nodes(self) -> set[str]:
         return set(self.killed)  # as the embedded cluster sees its agent processes end

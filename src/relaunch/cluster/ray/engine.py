@@ -166,6 +166,13 @@ class RayCluster:
         )
         return int(pid or -1)
 
+    def agent_heard(self, node: str, peer: Any, message: Any) -> None:
+        """The engine starts pods itself: nothing to keep of what agents say."""
+
+    def isolate_node(self, node: str, reason: str) -> str | None:
+        """No scheduler owns the nodes here: relaunch's own record is the isolation."""
+        return None
+
     def assumed(self, job: int, node: str, pod: int, generation: int) -> None:
         self._call(node, "rekey", f"{job}/-1/0", f"{job}/{pod}/{generation}")
 

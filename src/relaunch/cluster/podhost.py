@@ -1,0 +1,112 @@
+"""A node's pods started by its own agent: what an agent on a machine of its own does (a Slurm
+step, `relaunch agent` started by hand), where no engine process on that machine can fork them.
+
+The controller sends the agent each pod's plan (`StartPod`); the agent writes it into the pod's
+directory and starts the pod's launcher there, in a session of its own, in the pod's cgroup from
+its first instruction where the node has cgroup v2 (as the embedded cluster does), with the
+node's environment less what the batch system set for the agent's own step (`SLURM_*`: a rank
+that saw them would take itself for a Slurm task, as Lightning does). A crash (`Crash`, the fault
+plan's node-down) kills every process of the node's pods at once; the end kills what is left and
+counts what the pods left behind in their cgroups.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Final
+
+from relaunch.cluster.local import free_port, kill_tree
+from relaunch.containers import Cgroup, ClusterCgroups
+from relaunch.protocol.layout import PodDir
+from relaunch.protocol.plans import LaunchPlan
+
+__all__ = ["PodHost", "pod_host_environment"]
+
+STRIPPED_PREFIXES: Final = ("SLURM_", "SLURMD_", "SRUN_")
+"""What the agent's own step was given and a pod must not see."""
+
+
+def pod_host_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a hosted pod's launcher starts with: the agent's, less its step's."""
+    env = dict(os.environ if environ is None else environ)
+    return {k: v for k, v in env.items() if not k.startswith(STRIPPED_PREFIXES)}
+
+
+class PodHost:
+    """Starts and kills the launchers of one node's pods, from that node's agent."""
+
+    def __init__(self, state_dir: Path, node: str) -> None:
+        self.state_dir = state_dir
+        self.node = node
+        probed = ClusterCgroups.probe(state_dir)
+        self.cgroups = probed if isinstance(probed, ClusterCgroups) else None
+        self.containers = (
+            f"cgroups under {self.cgroups.node(node).path}"
+            if self.cgroups is not None
+            else f"process groups ({probed})"
+        )
+        self.launchers: dict[tuple[int, int, int], int] = {}
+        """(job, pod, generation) -> the pid of its launcher (-1: a standby launcher)."""
+        self.lock = threading.Lock()
+
+    def start(self, plan: LaunchPlan) -> int:
+        """The launcher of `plan`, started now; its pid."""
+        pod = PodDir(Path(plan.workdir))
+        pod.path.mkdir(parents=True, exist_ok=True)
+        pod.plan.write_text(plan.to_json())
+        cgroup: Cgroup | None = None
+        extra: list[str] = []
+        if self.cgroups is not None:
+            cgroup, extra = self.cgroups.launcher_placement(
+                self.node, plan.job, plan.pod, plan.generation
+            )
+        with open(pod.launcher_log, "a") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "relaunch.launcher", "--state-dir", str(self.state_dir),
+                 "--plan", str(pod.plan), *extra],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its pod outlives a restarted agent, as on local
+                env=pod_host_environment(),
+                preexec_fn=cgroup.join if cgroup is not None else None,
+            )  # fmt: skip
+        with self.lock:
+            self.launchers[(plan.job, plan.pod, plan.generation)] = proc.pid
+        threading.Thread(target=proc.wait, daemon=True).start()  # reaped when it exits
+        return proc.pid
+
+    @staticmethod
+    def free_port() -> int:
+        return free_port("0.0.0.0")
+
+    def crash(self) -> None:
+        """The node dies: every process of its pods killed at once, nothing waited for."""
+        if self.cgroups is not None:
+            self.cgroups.node(self.node).kill()
+        with self.lock:
+            pids = list(self.launchers.values())
+        for pid in pids:
+            kill_tree(pid, wait=False)
+
+    def end(self) -> int | None:
+        """Kill what is left of the node's pods; with cgroups, how many processes they left
+        behind (their launchers gone: the controller ended them first), and the cgroups gone."""
+        with self.lock:
+            pids = list(self.launchers.values())
+            self.launchers.clear()
+        for pid in pids:
+            kill_tree(pid)
+        if self.cgroups is None:
+            return None
+        left = 0
+        for pod in self.cgroups.pods(self.node):
+            with contextlib.suppress(OSError):
+                left += len(pod.census(settle_s=1.0))
+                pod.end()
+        return left

@@ -1,0 +1,294 @@
+"""SlurmCluster: the Engine inside a Slurm allocation (`sbatch` or `salloc`).
+
+`relaunch run --engine slurm` runs where the batch script runs (the allocation's first node): the
+controller there, and one node agent per allocated node, each **its own step** (`srun --nodes=1
+--ntasks=1 --nodelist=NODE --overlap`). One step per node, not one step of all nodes: a step
+whose node is lost may end with it, and a step of all nodes would take every other node's agent
+(and so every pod) down with it; Slurm's `--no-kill` keeps the allocation, not the step. A node's
+agent starts that node's pods itself (`--hosts-pods`, cluster.hosted and cluster.podhost): as
+cgroups on its node where it can make them, with torchrun's environment and MASTER_ADDR on rank
+0's node's address (the address the agent reaches the controller from, Slurm's NodeAddr).
+
+The nodes the job does not need are its standby nodes, as on every engine (the cluster's nodes
+are the allocation's; the job's pods take the first ones).
+
+A node is lost when its agent falls silent (the heartbeat, as everywhere), when its agent's step
+ends (its `srun` exits: seen at once), or when Slurm says so: DOWN, DRAIN, FAIL or not responding
+in `scontrol show node` (polled every `poll_s`). A node relaunch isolates is drained in Slurm
+(`scontrol update NodeName=... State=DRAIN Reason="relaunch: ..."`), where the user may; where
+not, the engine says why once (`isolate_node`).
+
+The job's state directory must be on a filesystem every node sees (the pods' plans, logs and
+checkpoints are there), as Slurm jobs' working directories are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from relaunch.cluster.config import NodeSpec
+from relaunch.cluster.hosted import HostedPods
+from relaunch.cluster.nvml import SIMULATE_CHIPS_ENV, gpu_count
+from relaunch.errors import EngineError
+from relaunch.protocol.links import Cut, LinkFaultKind
+from relaunch.protocol.messages import AgentHello, Heartbeat
+from relaunch.protocol.plans import LaunchPlan
+from relaunch.protocol.wire import controller_address
+
+__all__ = ["Allocation", "SlurmCluster", "SlurmNode", "node_states", "parse_nodes"]
+
+AGENT_STEP: Final = "relaunch-agent"
+"""The name of every agent's step (`squeue -s`), with its node's after a dash."""
+LOST_STATES: Final = ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING", "POWER_DOWN", "POWERED_DOWN")
+"""Slurm node states (or flags) under which relaunch takes a node for lost."""
+CALL_TIMEOUT_S: Final = 10.0
+
+
+@dataclass(frozen=True)
+class SlurmNode:
+    """A node as `scontrol show node` says it."""
+
+    name: str
+    state: str
+    """Slurm's state with its flags, as it says it (IDLE, MIXED+DRAIN, DOWN*, ...)."""
+    reason: str
+    address: str
+
+    @property
+    def lost(self) -> bool:
+        """Slurm takes the node out (down, drained or draining, failed, not responding)."""
+        flags = re.split(r"[+]", self.state.rstrip("*~#!%$@^-"))
+        return self.state.endswith("*") or any(flag in LOST_STATES for flag in flags)
+
+
+def parse_nodes(text: str) -> dict[str, SlurmNode]:
+    """`scontrol show node -o`'s lines, by node name (pure)."""
+    found = {}
+    for line in text.splitlines():
+        fields = _fields(line)
+        name = fields.get("NodeName")
+        if name:
+            found[name] = SlurmNode(
+                name,
+                fields.get("State", "UNKNOWN"),
+                fields.get("Reason", ""),
+                fields.get("NodeAddr", name),
+            )
+    return found
+
+
+def _fields(line: str) -> dict[str, str]:
+    """KEY=VALUE pairs of one line; a value runs to the next ` KEY=` (Reason has spaces)."""
+    pairs = re.findall(r"(\w+)=(.*?)(?=\s+\w+=|$)", line.strip())
+    return dict(pairs)
+
+
+def _slurm(args: list[str], timeout: float = CALL_TIMEOUT_S) -> str:
+    """A Slurm command's output; EngineError naming it where it fails."""
+    try:
+        done = subprocess.run(args, capture_output=True, text=True, timeout=timeout, check=False)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise EngineError(f"`{' '.join(args)}` did not answer: {error}") from None
+    if done.returncode != 0:
+        raise EngineError(f"`{' '.join(args)}` failed: {done.stderr.strip() or done.returncode}")
+    return done.stdout
+
+
+def node_states(names: list[str] | None = None) -> dict[str, SlurmNode]:
+    """What Slurm says of `names` (every node where None) now."""
+    return parse_nodes(
+        _slurm(["scontrol", "show", "node", "-o", *([",".join(names)] if names else [])])
+    )
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """The Slurm allocation relaunch runs in: its job id, its nodes in order, the batch host."""
+
+    job_id: str
+    nodes: tuple[str, ...]
+    batch_host: str
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str] | None = None) -> Allocation:
+        """The allocation of this `sbatch` script or `salloc` shell; EngineError outside one."""
+        env = os.environ if environ is None else environ
+        job_id, node_list = env.get("SLURM_JOB_ID"), env.get("SLURM_JOB_NODELIST")
+        if not job_id or not node_list:
+            raise EngineError(
+                "--engine slurm runs inside a Slurm allocation (SLURM_JOB_ID and "
+                "SLURM_JOB_NODELIST are not set): run it from an sbatch script or an salloc "
+                "shell, see docs/slurm.md"
+            )
+        if shutil.which("srun") is None or shutil.which("scontrol") is None:
+            raise EngineError("--engine slurm needs Slurm's srun and scontrol on PATH")
+        nodes = tuple(_slurm(["scontrol", "show", "hostnames", node_list]).split())
+        batch_host = env.get("SLURMD_NODENAME") or nodes[0]
+        return cls(job_id, nodes, batch_host)
+
+
+class SlurmCluster:
+    """The engine inside a Slurm allocation (see the module docstring)."""
+
+    def __init__(self, state_dir: Path, allocation: Allocation, poll_s: float = 1.0) -> None:
+        self.state_dir = state_dir
+        self.allocation = allocation
+        self.hosted = HostedPods()
+        known = node_states(list(allocation.nodes))
+        self.slurm_addresses = {name: node.address for name, node in known.items()}
+        self.bind_host = self.slurm_addresses.get(allocation.batch_host, "0.0.0.0")
+        """The batch host's NodeAddr: the address every node reaches the controller by."""
+        self.steps: dict[str, subprocess.Popen[bytes]] = {}
+        self._lost: set[str] = {name for name in allocation.nodes if name not in known}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.slurm_said: dict[str, SlurmNode] = known
+        self.poll_s = poll_s
+        self._watcher = threading.Thread(target=self._watch, daemon=True)
+        self._watcher.start()
+        self.left_behind: int | None = None
+        self.left_behind_what: list[str] = []
+        gpus = gpu_count()
+        self.chips_are_gpus = bool(gpus)
+        self.chips = (
+            f"chips are each node's GPUs ({gpus} here on {allocation.batch_host})"
+            if gpus
+            else "chips are simulated (no NVIDIA GPU seen on the batch host)"
+        )
+
+    containers = "pods are cgroups on their node where its agent can make them (see its log)"
+    networks = "nodes use the allocation's own network; a network fault is simulated"
+    nodes_share_cores = False
+
+    # -- node loss --------------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        """Slurm's word on the allocation's nodes, every poll_s."""
+        while not self._stop.wait(self.poll_s):
+            try:
+                said = node_states(list(self.allocation.nodes))
+            except EngineError:
+                continue  # slurmctld restarting: no verdict this time
+            with self._lock:
+                self.slurm_said = said
+                self._lost |= {name for name, node in said.items() if node.lost}
+
+    def _step_ended(self, node: str, step: subprocess.Popen[bytes]) -> None:
+        step.wait()
+        if not self._stop.is_set() and self.steps.get(node) is step:
+            with self._lock:
+                self._lost.add(node)
+            self.hosted.forget(node)
+
+    def lost_nodes(self) -> set[str]:
+        with self._lock:
+            return set(self._lost)
+
+    # -- the engine interface -----------------------------------------------------------------------
+
+    def start_agent(self, node: NodeSpec, interval: float, grace: float, blip_s: float) -> int:
+        address = controller_address(self.state_dir)
+        if address is None:
+            raise EngineError("the controller has no address yet: agents cannot be started")
+        log = self.state_dir / "logs" / f"agent-{node.name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        command = [
+            "srun", f"--jobid={self.allocation.job_id}", "--nodes=1", "--ntasks=1",
+            f"--nodelist={node.name}", "--overlap", "--kill-on-bad-exit=0", "--cpu-bind=none",
+            f"--job-name={AGENT_STEP}-{node.name}", "--input=none",
+            sys.executable, "-m", "relaunch.cluster.agent", "--state-dir", str(self.state_dir),
+            "--node", node.name, "--chips", str(node.chips), "--interval", str(interval),
+            "--grace", str(grace), "--blip", str(blip_s), "--hosts-pods",
+            "--controller", f"{address[0]}:{address[1]}",
+            *(["--simulate-chips"] if os.environ.get(SIMULATE_CHIPS_ENV) == "1" else []),
+        ]  # fmt: skip
+        with open(log, "a") as out:
+            step = subprocess.Popen(
+                command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        self.steps[node.name] = step
+        threading.Thread(target=self._step_ended, args=(node.name, step), daemon=True).start()
+        return step.pid
+
+    def agent_heard(self, node: str, peer: object, message: AgentHello | Heartbeat) -> None:
+        self.hosted.heard(node, peer, message)  # type: ignore[arg-type]
+
+    def start_pod(self, plan: LaunchPlan) -> int:
+        return self.hosted.start_pod(plan)
+
+    def assumed(self, job: int, node: str, pod: int, generation: int) -> None:
+        """The agent's standby launcher is the pod's now: nothing for the engine to rename."""
+
+    def kill_node(self, node: str) -> None:
+        """The fault plan's node-down: the node's agent kills its pods and exits, which ends its
+        step (its srun exits: the node is lost). Where the agent is gone, its step is cancelled."""
+        if not self.hosted.crash(node):
+            self._cancel_steps(only=node)
+
+    def isolate_node(self, node: str, reason: str) -> str | None:
+        """Drain `node` in Slurm with relaunch's reason; why not, where Slurm refused."""
+        try:
+            _slurm(["scontrol", "update", f"NodeName={node}", "State=DRAIN",
+                    f"Reason=relaunch: {reason}"[:200]])  # fmt: skip
+        except EngineError as error:
+            return str(error)
+        return None
+
+    def node_address(self, node: str) -> str:
+        return self.hosted.address(node, self.slurm_addresses.get(node, node))
+
+    def free_port(self, node: str) -> int:
+        return self.hosted.free_port(node)
+
+    def pod_environment(self, node: str) -> dict[str, str]:
+        return {}
+
+    def inject_link_fault(
+        self,
+        node: str,
+        kind: LinkFaultKind,
+        duration_s: float | None,
+        cut: Cut | None = None,
+        rate_mbit: float | None = None,
+    ) -> str | None:
+        return "the Slurm engine does not own its nodes' links"
+
+    def shutdown(self) -> None:
+        """The agents were told to end (they kill what their pods left); their steps are waited
+        for, and any still there cancelled: no step of relaunch's outlives the job."""
+        self._stop.set()
+        for step in self.steps.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                step.wait(timeout=10)
+        self._cancel_steps()
+        for step in self.steps.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                step.wait(timeout=10)
+
+    def agent_steps(self) -> dict[str, str]:
+        """relaunch's agent steps in the allocation now: step id -> name (`squeue -s`)."""
+        text = _slurm(["squeue", "-h", "-s", "-j", self.allocation.job_id, "-o", "%i %j"])
+        steps = {}
+        for line in text.splitlines():
+            step_id, _, name = line.strip().partition(" ")
+            if name.startswith(AGENT_STEP):
+                steps[step_id] = name
+        return steps
+
+    def _cancel_steps(self, only: str | None = None) -> None:
+        with contextlib.suppress(EngineError):
+            for step_id, name in self.agent_steps().items():
+                if only is None or name == f"{AGENT_STEP}-{only}":
+                    with contextlib.suppress(EngineError):
+                        _slurm(["scancel", step_id])

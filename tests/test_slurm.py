@@ -1,0 +1,134 @@
+"""The Slurm engine: `relaunch run --engine slurm` inside an allocation of a real Slurm cluster.
+
+The cluster is Debian's Slurm started by the test (`cluster.slurm_trial`: its own munged,
+slurmctld and one slurmd per node, each node a network namespace); the job is submitted with
+`sbatch` as a user would, from a batch script written from docs/slurm.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from relaunch.cli import app
+from relaunch.cluster.slurm import Allocation, parse_nodes
+from relaunch.cluster.slurm_trial import TrialSlurm, unavailable
+from relaunch.containers import cluster_root
+from relaunch.errors import EngineError
+from tests.runtime import DDP_CLUSTER, DDP_FAULTS, ROOT, Result, ddp_job
+
+NODES = ["n1", "n2", "n3", "n4"]
+"""Two for the job's pods, two standby nodes, as the embedded tests' four nodes."""
+EMBEDDED_ACTIONS = ["job-reschedule", "in-place", "pod-reschedule", "hang-restart"]
+"""What the embedded cluster decides for the DDP example's fault plan (test_sdk_bit_identical)."""
+
+SCONTROL = (
+    "NodeName=n1 Arch=x86_64 CoresPerSocket=1 CPUAlloc=0 NodeAddr=10.9.0.2 NodeHostName=vm "
+    "State=IDLE ThreadsPerCore=1 Reason=\n"
+    "NodeName=n2 Arch=x86_64 NodeAddr=10.9.0.3 State=MIXED+DRAIN "
+    "Reason=relaunch: isolated: node-lost (node n2) [root@2026-11-27T10:00:00]\n"
+    "NodeName=n3 NodeAddr=10.9.0.4 State=DOWN* Reason=Not responding\n"
+    "NodeName=n4 NodeAddr=10.9.0.5 State=ALLOCATED\n"
+)
+
+
+def test_scontrol_nodes_parsed_with_slurms_states_as_lost_or_not() -> None:
+    nodes = parse_nodes(SCONTROL)
+    assert [n.address for n in nodes.values()] == ["10.9.0.2", "10.9.0.3", "10.9.0.4", "10.9.0.5"]
+    assert {name: n.lost for name, n in nodes.items()} == {
+        "n1": False,
+        "n2": True,  # draining: Slurm takes it out
+        "n3": True,
+        "n4": False,
+    }
+    assert nodes["n2"].reason.startswith("relaunch: isolated: node-lost (node n2)")
+
+
+def test_outside_an_allocation_the_slurm_engine_says_how_to_run_it(tmp_path: Path) -> None:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+    with pytest.raises(EngineError, match="inside a Slurm allocation"):
+        Allocation.from_environment(environ)
+    runner = CliRunner()
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(ddp_job(tmp_path / "hash.txt", 10)))
+    result = runner.invoke(
+        app,
+        ["run", "--engine", "slurm", str(job), "--state-dir", str(tmp_path / "state")],
+        env={"SLURM_JOB_ID": "", "SLURM_JOB_NODELIST": ""},
+    )
+    assert result.exit_code == 2, result.output
+    assert "sbatch script or an salloc shell" in result.output
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TrialSlurm]:
+    why = unavailable()
+    if why is not None:
+        pytest.skip(f"needs a trial Slurm cluster: {why}")
+    trial = TrialSlurm(tmp_path_factory.mktemp("slurm"), NODES).start()
+    yield trial
+    trial.stop()
+
+
+def batch_script(tmp: Path, job: dict[str, Any], faults: list[dict[str, Any]]) -> Path:
+    """The job, its fault plan and the cluster's timings as files, and the sbatch script that
+    runs them (docs/slurm.md's, with the trial cluster's data interface for gloo)."""
+    (tmp / "job.yaml").write_text(yaml.safe_dump(job))
+    (tmp / "faults.yaml").write_text(yaml.safe_dump({"faults": faults}))
+    cluster = {k: v for k, v in DDP_CLUSTER.items() if k != "nodes"}
+    (tmp / "cluster.yaml").write_text(yaml.safe_dump(cluster))
+    script = tmp / "job.sh"
+    script.write_text(
+        f"""#!/bin/bash
+#SBATCH --nodes={len(NODES)}
+#SBATCH --output={tmp / "out.txt"}
+export PATH={Path(sys.executable).parent}:$PATH
+export GLOO_SOCKET_IFNAME=mgmt0
+cd {ROOT}
+python -m relaunch run --engine slurm {tmp / "job.yaml"} --cluster {tmp / "cluster.yaml"} \\
+    --faults {tmp / "faults.yaml"} --state-dir {tmp / "state"} --report {tmp / "report.json"} \\
+    --startup-seconds 60 --quiet
+"""
+    )
+    return script
+
+
+def sbatch(slurm: TrialSlurm, script: Path, timeout: float = 400) -> int:
+    """Submit and wait for the job's end (`sbatch --wait`); its exit code."""
+    done = subprocess.run(
+        ["sbatch", "--wait", str(script)], env=slurm.env, capture_output=True, text=True,
+        timeout=timeout, check=False,
+    )  # fmt: skip
+    return done.returncode
+
+
+def test_ddp_example_on_slurm_same_decisions_bit_identical_nothing_left(
+    slurm: TrialSlurm, tmp_path: Path, unbroken: str
+) -> None:
+    """The DDP example's faults (a crash, a chip fault that heals, a lost node, a hang) inside a
+    Slurm allocation: the embedded cluster's decisions, one record each, every one worked; the
+    parameters bit-identical to a fault-free run; the lost node drained in Slurm with
+    relaunch's reason; no step of relaunch's, no cgroup and no process left after the job."""
+    out = tmp_path / "hash.txt"
+    code = sbatch(slurm, batch_script(tmp_path, ddp_job(out, 10), DDP_FAULTS))
+    log = (tmp_path / "out.txt").read_text()
+    report = json.loads((tmp_path / "report.json").read_text())
+    result = Result(code, report, log, "", tmp_path / "state")
+    assert code == 0, log
+    assert result.actions == EMBEDDED_ACTIONS, log
+    assert all(r["outcome"] == "succeeded" for r in report["recoveries"]), log
+    assert out.read_text().strip() == unbroken, log
+    assert "n2 relaunch: lost and isolated: node-lost" in slurm.slurm(["sinfo", "-R", "-h", "-o", "%n %E"]).stdout
+    assert slurm.slurm(["squeue", "-h", "-s"]).stdout.strip() == ""
+    root = cluster_root(tmp_path / "state")
+    assert root is None or not root.path.exists()
+    slurm.slurm(["scontrol", "update", "NodeName=n2", "State=RESUME"])
