@@ -127,7 +127,10 @@ def test_ddp_example_on_slurm_same_decisions_bit_identical_nothing_left(
     assert result.actions == EMBEDDED_ACTIONS, log
     assert all(r["outcome"] == "succeeded" for r in report["recoveries"]), log
     assert out.read_text().strip() == unbroken, log
-    assert "n2 relaunch: lost and isolated: node-lost" in slurm.slurm(["sinfo", "-R", "-h", "-o", "%n %E"]).stdout
+    assert (
+        "n2 relaunch: lost and isolated: node-lost"
+        in slurm.slurm(["sinfo", "-R", "-h", "-o", "%n %E"]).stdout
+    )
     assert slurm.slurm(["squeue", "-h", "-s"]).stdout.strip() == ""
     root = cluster_root(tmp_path / "state")
     assert root is None or not root.path.exists()
