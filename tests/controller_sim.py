@@ -103,6 +103,8 @@ class FakeEngine:
         self.plans.append(plan)
         return 1
 
+    nodes_come_back = False
+
     def agent_heard(self, node: str, peer: Any, message: Any) -> None:
         """The engine starts pods itself: nothing to keep of what agents say."""
 

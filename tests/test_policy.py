@@ -334,6 +334,19 @@ def test_r22_needs_a_standby_node() -> None:
     assert d.action is Action.FAIL and "no healthy node" in d.reason
 
 
+def test_r44_a_fail_for_want_of_nodes_says_so_and_one_for_a_spent_budget_does_not() -> None:
+    wanting = first(settings(AUTO), node_lost(), cluster(standby=0))
+    assert wanting.action is Action.FAIL and wanting.wants_nodes
+    spent = settings({**AUTO, "fault-tolerance/job-retry-num": "1"})
+    earlier = first(spent, node_lost("node-0"), cluster(standby=1))
+    used = carry_out(history(2), earlier)
+    d = first(spent, node_lost(at=10.0), cluster(standby=0), used)
+    assert d.action is Action.FAIL and not d.wants_nodes, d.reason
+    assert "budget spent" in d.reason
+    software = first(settings(AUTO), crash())
+    assert software.action is Action.FAIL and not software.wants_nodes
+
+
 def test_r22_fault_on_a_node_the_job_does_not_use_isolates_it_without_recovery() -> None:
     d = first(settings(AUTO), node_lost("node-2"))
     assert d.action is Action.IGNORE and d.isolate_nodes == ("node-2",)

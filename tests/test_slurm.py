@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
+import re
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from tests.runtime import DDP_CLUSTER, DDP_FAULTS, ROOT, Result, ddp_job
 
 NODES = ["n1", "n2", "n3", "n4"]
 """Two for the job's pods, two standby nodes, as the embedded tests' four nodes."""
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 EMBEDDED_ACTIONS = ["job-reschedule", "in-place", "pod-reschedule", "hang-restart"]
 """What the embedded cluster decides for the DDP example's fault plan (test_sdk_bit_identical)."""
 
@@ -79,7 +81,14 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TrialSlurm]:
     trial.stop()
 
 
-def batch_script(tmp: Path, job: dict[str, Any], faults: list[dict[str, Any]]) -> Path:
+def batch_script(
+    tmp: Path,
+    job: dict[str, Any],
+    faults: list[dict[str, Any]],
+    nodes: int = len(NODES),
+    body: str = "relaunch run --engine slurm $JOB $FILES --startup-seconds 60 --quiet",
+    header: str = "",
+) -> Path:
     """The job, its fault plan and the cluster's timings as files, and the sbatch script that
     runs them (docs/slurm.md's, with the trial cluster's data interface for gloo)."""
     (tmp / "job.yaml").write_text(yaml.safe_dump(job))
@@ -89,26 +98,28 @@ def batch_script(tmp: Path, job: dict[str, Any], faults: list[dict[str, Any]]) -
     script = tmp / "job.sh"
     script.write_text(
         f"""#!/bin/bash
-#SBATCH --nodes={len(NODES)}
+#SBATCH --nodes={nodes}
 #SBATCH --output={tmp / "out.txt"}
+#SBATCH --open-mode=append
+{header}
 export PATH={Path(sys.executable).parent}:$PATH
 export GLOO_SOCKET_IFNAME=mgmt0
 cd {ROOT}
-python -m relaunch run --engine slurm {tmp / "job.yaml"} --cluster {tmp / "cluster.yaml"} \\
-    --faults {tmp / "faults.yaml"} --state-dir {tmp / "state"} --report {tmp / "report.json"} \\
-    --startup-seconds 60 --quiet
+JOB={tmp / "job.yaml"}
+STATE={tmp / "state"}
+FILES="--cluster {tmp / "cluster.yaml"} --faults {tmp / "faults.yaml"} --state-dir $STATE \\
+    --report {tmp / "report.json"}"
+{body}
 """
     )
     return script
 
 
-def sbatch(slurm: TrialSlurm, script: Path, timeout: float = 400) -> int:
-    """Submit and wait for the job's end (`sbatch --wait`); its exit code."""
-    done = subprocess.run(
-        ["sbatch", "--wait", str(script)], env=slurm.env, capture_output=True, text=True,
-        timeout=timeout, check=False,
-    )  # fmt: skip
-    return done.returncode
+def sbatch(slurm: TrialSlurm, script: Path) -> int:
+    """Submit the script and wait for its job's end; the job's exit code."""
+    job_id = slurm.slurm(["sbatch", "--parsable", str(script)]).stdout.strip().split(";")[0]
+    fields = wait_for_job(slurm, job_id, lambda f: f.get("JobState") in ENDED)
+    return int(fields["ExitCode"].split(":")[0])
 
 
 def test_ddp_example_on_slurm_same_decisions_bit_identical_nothing_left(
@@ -134,4 +145,80 @@ def test_ddp_example_on_slurm_same_decisions_bit_identical_nothing_left(
     assert slurm.slurm(["squeue", "-h", "-s"]).stdout.strip() == ""
     root = cluster_root(tmp_path / "state")
     assert root is None or not root.path.exists()
+    slurm.slurm(["scontrol", "update", "NodeName=n2", "State=RESUME"])
+
+
+def job_state(slurm: TrialSlurm, job_id: str) -> dict[str, str]:
+    """`scontrol show job`'s fields of `job_id`."""
+    line = slurm.slurm(["scontrol", "show", "job", "-o", job_id]).stdout
+    return dict(re.findall(r"(\w+)=(\S*)", line))
+
+
+def wait_for_job(slurm: TrialSlurm, job_id: str, done: Any, timeout: float = 400) -> dict[str, str]:
+    """Poll the job until `done(fields)`; its fields then."""
+    deadline = time.monotonic() + timeout
+    while True:
+        fields = job_state(slurm, job_id)
+        if done(fields):
+            return fields
+        assert time.monotonic() < deadline, fields
+        time.sleep(0.5)
+
+
+def test_controller_killed_and_resumed_inside_the_allocation_keeps_job_and_records(
+    slurm: TrialSlurm, tmp_path: Path, unbroken: str
+) -> None:
+    """The controller killed (SIGKILL) after a crash was recovered, then `relaunch run
+    --resume` in the same batch script: the agents' steps and the pods carry on, the job ends
+    bit-identical with its one record, and nothing of relaunch's is left in the allocation."""
+    out = tmp_path / "hash.txt"
+    faults = [{"kind": "process-exit", "at_step": 20, "pod": 1, "rank": 1, "exit_code": 1}]
+    logs = f"{tmp_path}/state/jobs/*/pods/*/logs/*.log"
+    body = f"""relaunch run --engine slurm $JOB $FILES --startup-seconds 60 --quiet &
+controller=$!
+until grep -qs "step 60" {logs}; do sleep 0.2; done
+kill -9 $controller
+relaunch run --resume --state-dir $STATE --report {tmp_path / "report.json"} --quiet"""
+    code = sbatch(slurm, batch_script(tmp_path, ddp_job(out, 10), faults, body=body))
+    log = (tmp_path / "out.txt").read_text()
+    assert code == 0, log
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert [r["action"] for r in report["recoveries"]] == ["job-reschedule"], log
+    assert "controller resumed job" in log, log
+    assert out.read_text().strip() == unbroken, log
+    assert slurm.slurm(["squeue", "-h", "-s"]).stdout.strip() == ""
+
+
+def test_r44_no_spare_left_the_job_stops_requeues_and_resumes_from_its_checkpoint(
+    slurm: TrialSlurm, tmp_path: Path, unbroken: str
+) -> None:
+    """Two nodes for two pods, and one lost: no level has a node left, so the job stops
+    `(waiting for nodes)` and relaunch exits 3; the batch script (docs/slurm.md's) requeues
+    its job on that code, and in the new allocation (the drained node left out) `relaunch run
+    --resume` rebuilds the job from its checkpoints: bit-identical, no restart spent."""
+    out = tmp_path / "hash.txt"
+    faults = [{"kind": "node-down", "at_step": 70, "pod": 1}]
+    body = """if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then
+  relaunch run --resume --state-dir $STATE --report REPORT --quiet
+else
+  relaunch run --engine slurm $JOB $FILES --startup-seconds 60 --quiet
+fi
+code=$?
+if [ $code -eq 3 ]; then scontrol requeue $SLURM_JOB_ID; fi
+exit $code""".replace("REPORT", str(tmp_path / "report.json"))
+    script = batch_script(tmp_path, ddp_job(out, 10), faults, 2, body, "#SBATCH --requeue")
+    submitted = slurm.slurm(["sbatch", "--parsable", str(script)]).stdout.strip()
+    job_id = submitted.split(";")[0]
+    wait_for_job(slurm, job_id, lambda f: f.get("Restarts") == "1")
+    # Slurm holds a requeued job back for a while (its BeginTime; 2 min 24 s measured here)
+    slurm.slurm(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
+    fields = wait_for_job(slurm, job_id, lambda f: f.get("JobState") in ENDED)
+    log = (tmp_path / "out.txt").read_text()
+    assert fields["JobState"] == "COMPLETED", log
+    assert "(waiting for nodes)" in log and "stopped for want of nodes" in log, log
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert [r["action"] for r in report["recoveries"]] == ["fail", "job-reschedule"], log
+    assert report["recoveries"][-1]["outcome"] == "succeeded", log
+    assert out.read_text().strip() == unbroken, log
+    assert "n2" not in fields["NodeList"], fields
     slurm.slurm(["scontrol", "update", "NodeName=n2", "State=RESUME"])

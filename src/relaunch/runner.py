@@ -33,7 +33,8 @@ from relaunch.faults.plan import PlannedFault, parse_plan
 from relaunch.protocol.layout import StateDir
 from relaunch.service import create_pods, stored_job, table_from
 from relaunch.spec import JobSpec
-from relaunch.store import JobRow, JobStatus, Store
+from relaunch.states import WANTS_NODES
+from relaunch.store import JobRow, JobStatus, NodeState, Store
 
 __all__ = [
     "Interrupted",
@@ -154,6 +155,10 @@ def run_job(
     was submitted to (`engine`: on this one instead; the bench's simulated cluster)."""
     row = store.job(job_id)
     job, cluster, plan = _stored(store, job_id)
+    stored_engine = row.spec.get("engine") or {}
+    if engine is None and stored_engine.get("kind") == "slurm":
+        again = options is not None and options.resumed_from == WANTS_NODES  # a new allocation
+        engine, cluster = _slurm_engine(store, directory, cluster, again)
     store.ensure_nodes([(n.name, n.chips) for n in cluster.nodes])
     if options is None:
         table, rules = table_from(row.spec.get("fault_table"))
@@ -185,6 +190,25 @@ def run_job(
         controller.stop("stopped by the user (Ctrl-C)")
         status = JobStatus.STOPPED
     return status
+
+
+def _slurm_engine(
+    store: Store, directory: Path, cluster: ClusterConfig, requeued: bool
+) -> tuple[Engine, ClusterConfig]:
+    """The engine of the Slurm allocation this runs in and the job's cluster there: its nodes
+    are the allocation's (a requeued job's new ones); a node of the job's that this allocation
+    does not hold is lost to it. In a requeued job's allocation (`requeued`: the job stopped
+    for want of nodes), a node relaunch had lost is one Slurm gives it again: Ready."""
+    from relaunch.cluster.slurm import Allocation, SlurmCluster
+
+    allocation = Allocation.from_environment()
+    for node in store.nodes():
+        if node.name not in allocation.nodes and node.state is not NodeState.LOST:
+            reason = f"not in the allocation of Slurm job {allocation.job_id}"
+            store.set_node_state(node.name, NodeState.LOST, reason)
+        elif node.name in allocation.nodes and node.state is NodeState.LOST and requeued:
+            store.set_node_state(node.name, NodeState.READY, "allocated again by Slurm")
+    return SlurmCluster(directory, allocation), allocation.cluster(cluster)
 
 
 class Interrupted(KeyboardInterrupt):

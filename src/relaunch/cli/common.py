@@ -35,6 +35,9 @@ err = Console(stderr=True)
 
 
 EXIT_INVALID = 2
+EXIT_WANTS_NODES = 3
+"""`relaunch run`'s exit when its job stopped for want of nodes (states.WANTS_NODES): an sbatch
+script requeues its job on it, and the requeued job resumes (docs/slurm.md)."""
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 """Characters a terminal acts on instead of showing: ESC (colours, a title change, a clear

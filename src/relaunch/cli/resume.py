@@ -1,5 +1,5 @@
-"""`relaunch run --resume`: which job it carries on (one whose controller died, or one its
-terminal's hangup stopped)."""
+"""`relaunch run --resume`: which job it carries on (one whose controller died, one its
+terminal's hangup stopped, or one stopped for want of nodes)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Any
 
 from relaunch.errors import InputError, Problem
-from relaunch.states import HANGUP
+from relaunch.states import RESUMABLE_ENDS
 from relaunch.store import JobRow, JobStatus, Store
 
-__all__ = ["hung_up", "unfinished"]
+__all__ = ["resumable", "unfinished"]
 
 
 def unfinished(store: Store, ref: Path | None, document: tuple[dict[str, Any], str] | None) -> Any:
@@ -20,7 +20,7 @@ def unfinished(store: Store, ref: Path | None, document: tuple[dict[str, Any], s
             "relaunch run --resume",
             [Problem("SCRIPT", str(ref), "the job's name or id, with --resume")],
         )
-    jobs = [j for j in store.jobs() if j.status.active or hung_up(j)]
+    jobs = [j for j in store.jobs() if j.status.active or resumable(j)]
     if ref is not None:
         jobs = [j for j in jobs if j.name == str(ref) or str(j.id) == str(ref)]
     if not jobs:
@@ -38,6 +38,7 @@ def unfinished(store: Store, ref: Path | None, document: tuple[dict[str, Any], s
     return jobs[-1]
 
 
-def hung_up(job: JobRow) -> bool:
-    """Stopped because its run's terminal closed: an accident, which --resume carries on."""
-    return job.status is JobStatus.STOPPED and job.reason.endswith(HANGUP)
+def resumable(job: JobRow) -> bool:
+    """Stopped because its run's terminal closed (an accident), or for want of nodes on an
+    engine whose nodes come back: --resume carries it on."""
+    return job.status is JobStatus.STOPPED and job.reason.endswith(RESUMABLE_ENDS)

@@ -18,6 +18,7 @@ from rich.table import Table
 from relaunch import runner, service
 from relaunch.cli.common import (
     EXIT_INVALID,
+    EXIT_WANTS_NODES,
     AddressOption,
     FaultTableOption,
     RaySelectOption,
@@ -66,7 +67,7 @@ from relaunch.files import read_document
 from relaunch.protocol.layout import StateDir
 from relaunch.report import build_report
 from relaunch.spec import parse_job
-from relaunch.states import HANGUP
+from relaunch.states import HANGUP, WANTS_NODES
 from relaunch.store import JobRow, JobStatus, Store
 
 JobFileArgument = Annotated[
@@ -169,8 +170,8 @@ def run(
     except RelaunchError as error:
         held.close()
         raise _refused(error) from None
-    hangup = resume and store.reopen_after_hangup(job_id, time.time())  # a closed terminal's
-    options = RunOptions(startup_s=startup_s, table=table, rules=rules, after_hangup=hangup)
+    ended = store.reopen_to_resume(job_id, time.time()) if resume else None  # stopped, resumable
+    options = RunOptions(startup_s=startup_s, table=table, rules=rules, resumed_from=ended)
     try:
         status = _execute(store, directory, job_id, resume, options, quiet, trial)
     finally:
@@ -419,9 +420,12 @@ def _stop_on_signal(signum: int, frame: Any) -> None:
 
 
 def _exit_code(status: JobStatus, reason: str) -> int:
-    """0 succeeded, 1 failed or stopped, 130 / 143 / 129 stopped by Ctrl-C / SIGTERM / SIGHUP."""
+    """0 succeeded, 1 failed or stopped, 130 / 143 / 129 stopped by Ctrl-C / SIGTERM / SIGHUP,
+    3 stopped for want of nodes (EXIT_WANTS_NODES: a Slurm job requeues itself on it)."""
     if status is JobStatus.SUCCEEDED:
         return 0
+    if status is JobStatus.STOPPED and reason.endswith(WANTS_NODES):
+        return EXIT_WANTS_NODES
     if status is JobStatus.STOPPED and reason.endswith("(SIGTERM)"):
         return 143
     if status is JobStatus.STOPPED and reason.endswith(HANGUP):

@@ -46,6 +46,13 @@ class Engine(Protocol):
         ...
 
     @property
+    def nodes_come_back(self) -> bool:
+        """Nodes lost or isolated are replaced by the scheduler when the job is queued again (a
+        requeued Slurm job gets a new allocation): a job with no node left for its last level
+        stops to be resumed rather than failing (R-44)."""
+        ...
+
+    @property
     def nodes_share_cores(self) -> bool:
         """Every node of the cluster is this one machine (the embedded cluster): the pods of all
         nodes share its cores, as the processes of one torchrun host do."""
@@ -76,8 +83,9 @@ class Engine(Protocol):
         ...
 
     def isolate_node(self, node: str, reason: str) -> str | None:
-        """relaunch isolated `node`: told to the scheduler that owns it, where there is one
-        (Slurm drains it); why it could not be, said once by the caller."""
+        """relaunch took `node` out (isolated it, or lost it): told to the scheduler that owns
+        it, where there is one (Slurm drains it); why it could not be, said once by the
+        caller."""
         ...
 
     def assumed(self, job: int, node: str, pod: int, generation: int) -> None:

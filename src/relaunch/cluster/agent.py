@@ -296,7 +296,8 @@ class Agent:
     def serve(self) -> None:
         alone_since = time.time()
         while True:
-            address = self.controller or controller_address(self.state_dir)
+            # the state directory's first: a resumed controller listens on a port of its own
+            address = controller_address(self.state_dir) or self.controller
             conn = None
             if address is not None:
                 try:

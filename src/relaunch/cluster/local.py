@@ -219,6 +219,8 @@ class LocalCluster:
         self._remember("launchers", f"{plan.job}/{plan.pod}/{plan.generation}/{plan.node}", pid)
         return pid
 
+    nodes_come_back = False
+
     def agent_heard(self, node: str, peer: Any, message: Any) -> None:
         """The engine starts pods itself: nothing to keep of what agents say."""
 

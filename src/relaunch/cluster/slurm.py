@@ -32,11 +32,11 @@ import subprocess
 import sys
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Final
 
-from relaunch.cluster.config import NodeSpec
+from relaunch.cluster.config import ClusterConfig, NodeSpec
 from relaunch.cluster.hosted import HostedPods
 from relaunch.cluster.nvml import SIMULATE_CHIPS_ENV, gpu_count
 from relaunch.errors import EngineError
@@ -136,6 +136,12 @@ class Allocation:
         batch_host = env.get("SLURMD_NODENAME") or nodes[0]
         return cls(job_id, nodes, batch_host)
 
+    def cluster(self, stored: ClusterConfig) -> ClusterConfig:
+        """The job's cluster in this allocation: its nodes, each with the chips the job's nodes
+        had (a requeued job's allocation may hold other nodes than its first one's)."""
+        chips = stored.nodes[0].chips if stored.nodes else 2
+        return replace(stored, nodes=tuple(NodeSpec(name, chips) for name in self.nodes))
+
 
 class SlurmCluster:
     """The engine inside a Slurm allocation (see the module docstring)."""
@@ -169,6 +175,8 @@ class SlurmCluster:
     containers = "pods are cgroups on their node where its agent can make them (see its log)"
     networks = "nodes use the allocation's own network; a network fault is simulated"
     nodes_share_cores = False
+    nodes_come_back = True
+    """A job requeued (`scontrol requeue`) gets a new allocation of healthy nodes."""
 
     # -- node loss --------------------------------------------------------------------------------
 

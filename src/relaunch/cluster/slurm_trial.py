@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Final
@@ -222,10 +223,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     trial = TrialSlurm(Path(args[0]).resolve(), args[1:]).start()
     print(f"up: export SLURM_CONF={trial.conf}", flush=True)
+    ended = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, lambda *_: ended.set())  # also where a shell ignored SIGINT
     try:
-        signal.pause()
-    except KeyboardInterrupt:
-        pass
+        while not ended.wait(1.0):
+            pass
     finally:
         trial.stop()
 

@@ -20,13 +20,14 @@ Each level says four things:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Final
+from typing import TYPE_CHECKING, ClassVar
 
 from relaunch.controller import commands
 from relaunch.controller.active import OperatorState
 from relaunch.faults import Fault, FaultKind
 from relaunch.policy import Action, Decision, PodChange
-from relaunch.store import JobStatus, NodeRow, NodeState, PodRow
+from relaunch.states import WANTS_NODES
+from relaunch.store import JobStatus, NodeState, PodRow
 
 if TYPE_CHECKING:
     from relaunch.controller.active import ActiveRecovery
@@ -114,6 +115,10 @@ class Fail(LevelAction):
 
     def change(self, c: ControllerContext, d: Decision, now: float, port: int = 0) -> None:
         isolate(c, d, now)
+        if d.wants_nodes and c.engine.nodes_come_back:  # R-44: requeued, it resumes
+            reason = f"{d.reason}; stopped to be resumed when nodes come back {WANTS_NODES}"
+            c.update_job(status=JobStatus.STOPPED, reason=reason, ended_at=now)
+            return
         c.update_job(status=JobStatus.FAILED, reason=d.reason, ended_at=now)
 
 
@@ -367,17 +372,6 @@ def published(c: ControllerContext, active: ActiveRecovery) -> bool:
 # -- the desired-state changes the levels share -------------------------------------------------
 
 
-LOST_AND_ISOLATED: Final = "lost and isolated"
-"""How a lost node's reason begins once a decision isolated it (it stays lost)."""
-
-
-def isolated(row: NodeRow) -> bool:
-    """A decision isolated the node (lost or not)."""
-    return row.state is NodeState.ISOLATED or (
-        row.state is NodeState.LOST and row.reason.startswith(LOST_AND_ISOLATED)
-    )
-
-
 def isolate(c: ControllerContext, d: Decision, now: float) -> None:
     if not d.isolate_nodes:
         return
@@ -391,7 +385,7 @@ def isolate(c: ControllerContext, d: Decision, now: float) -> None:
             )
         else:
             c.store.set_node_state(
-                node, NodeState.LOST, f"{LOST_AND_ISOLATED}: {d.assessment.fault.describe()}"
+                node, NodeState.LOST, f"lost and isolated: {d.assessment.fault.describe()}"
             )
         c.refresh_node(node)
 

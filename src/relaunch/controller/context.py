@@ -59,10 +59,11 @@ class RunOptions:
     table: FaultCodeTable = DEFAULT_TABLE
     rules: EscalationRules = field(default_factory=EscalationRules)
     resume: bool = False
-    after_hangup: bool = False
-    """A resume of a job its terminal's hangup stopped (SIGHUP): its pods and agents were
-    stopped with it, so the job is rebuilt from its checkpoints as after an outage longer than
-    the adopt grace: relaunch's own, no restart spent."""
+    resumed_from: str | None = None
+    """A resume of a job stopped to be resumed (states.RESUMABLE_ENDS: its terminal's hangup,
+    or for want of nodes): its pods and agents were stopped with it, so the job is rebuilt from
+    its checkpoints as after an outage longer than the adopt grace: relaunch's own, no restart
+    spent. None: a resume of a job whose controller died."""
 
 
 @dataclass

@@ -14,6 +14,7 @@ from relaunch.faults import Fault, FaultKind
 from relaunch.policy import Action
 from relaunch.protocol.messages import Shutdown
 from relaunch.protocol.wire import write_controller_address
+from relaunch.states import WANTS_NODES
 from relaunch.store import JobRow, JobStatus, NodeState, Outcome
 
 if TYPE_CHECKING:
@@ -95,7 +96,7 @@ def resume(c: ControllerContext, now: float) -> None:
     c.recoveries.waiting = True  # faults the dead controller stored and did not decide
     seen = job.controller_seen_at
     c.adoption.away_s = now - seen if seen is not None else 0.0
-    if c.options.after_hangup:  # nothing of it runs: past any adopt grace
+    if c.options.resumed_from is not None:  # nothing of it runs: past any adopt grace
         c.adoption.away_s = max(c.adoption.away_s, c.cluster.adopt_grace_s + 1.0)
     c.update_job(controller_seen_at=now)
     c.adoption.resuming = True
@@ -144,7 +145,13 @@ def adopted(c: ControllerContext, now: float) -> None:
     if not missing:
         return
     seen = (c.job.controller_seen_at or now) - c.adoption.away_s
-    if c.options.after_hangup:
+    if c.options.resumed_from == WANTS_NODES:
+        c.event(
+            "the job was stopped for want of nodes: restarting it from its checkpoints on the "
+            "nodes it has now, no restart spent"
+        )
+        detail = "stopped for want of nodes, resumed"
+    elif c.options.resumed_from is not None:
         c.event(
             "the job was stopped when the terminal of its run closed (SIGHUP): restarting it "
             "from its checkpoints, no restart spent"

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from relaunch import failpoints
 from relaunch.controller import commands
-from relaunch.controller.actions import action_for, isolated
+from relaunch.controller.actions import action_for
 from relaunch.controller.peers import LauncherLink
 from relaunch.controller.pods import LAUNCH_RETRY_S, Pod, PodPhase
 from relaunch.protocol.messages import Assume, MembershipUpdate, Shutdown, Start, Stop
@@ -55,8 +55,8 @@ class Reconciler:
         """(attempt, when its last pod got its start), for the `partial` attempt."""
         self.fence_said: int | None = None
         """The record whose wait for a silent node's lease was said (once each)."""
-        self.isolation_told: set[str] = set()
-        """Nodes whose isolation this controller told the engine (Slurm drains them)."""
+        self.taken_out_told: set[str] = set()
+        """Nodes this controller told the engine it took out (Slurm drains them)."""
         try:  # a restarted controller keeps the fence
             written = json.loads(self.c.layout.job(self.c.job_id).fence.read_text())
             self.fenced = {int(k): int(v) for k, v in written["generations"].items()}
@@ -67,7 +67,7 @@ class Reconciler:
     def converge(self, now: float) -> None:
         c = self.c
         self.startable = 0  # until this pass finds the attempt may start
-        self._tell_isolated()
+        self._tell_taken_out()
         if c.job.status.ended or now < c.adoption.until:
             return
         self._write_fence()
@@ -107,17 +107,26 @@ class Reconciler:
         if all(p.link is not None and p.link.started_attempt >= attempt for p in pods):
             self.everywhere = (attempt, now)
 
-    def _tell_isolated(self) -> None:
-        """A node isolated since the last pass is told to the engine, outside the record's
-        transaction that isolated it (Slurm drains it); where it could not be, said once."""
+    def _tell_taken_out(self) -> None:
+        """A node of the cluster isolated or lost since the last pass is told to the engine,
+        outside the record's transaction that isolated it (Slurm drains it, so that a requeued
+        job is not given it again); where it could not be, said once."""
         c = self.c
-        for name, row in c.nodes.items():
-            if name in self.isolation_told or not isolated(row):
+        for spec in c.cluster.nodes:
+            row = c.nodes.get(spec.name)
+            if row is None or spec.name in self.taken_out_told:
                 continue
-            self.isolation_told.add(name)
-            why = c.engine.isolate_node(name, row.reason or "isolated")
+            if row.state not in (NodeState.ISOLATED, NodeState.LOST):
+                continue
+            self.taken_out_told.add(spec.name)
+            said = row.reason
+            if not said.startswith(("lost", "isolated")):
+                said = f"{row.state.value.lower()}: {said}"
+            why = c.engine.isolate_node(spec.name, said)
             if why is not None:
-                c.event(f"node {name} is isolated by relaunch only; the engine could not: {why}")
+                c.event(
+                    f"node {spec.name} is taken out by relaunch only; the engine could not: {why}"
+                )
 
     def _retire(self, pod: Pod, shutdown: Shutdown, now: float) -> int:
         """A launcher of an older generation is told to shut down; 1 if one was."""

@@ -213,6 +213,9 @@ class Decision:
     """What the policy would choose if this action fails (or, for dump / exit, what follows)."""
     passed_over: tuple[str, ...] = ()
     """Why the finer levels that would have applied did not run (a spent budget, R-37, R-31)."""
+    wants_nodes: bool = False
+    """A `fail` only for want of healthy nodes (R-22 had no room): where nodes come back (a
+    requeued Slurm job), the job stops to be resumed instead of failing (R-44)."""
 
     def summary(self) -> str:
         text = f"{self.action.value}: {self.reason}"

@@ -103,6 +103,7 @@ def _decision(
             counters=c.history.counters,
             budgets_left=_budgets_left(c, frozenset()),
             streaks=c.history.streaks,
+            wants_nodes=any(b.wants_nodes for b in blocked),
         )
     counters = _counters_after(action, c.history.counters, proposal.pods)
     decision = Decision(

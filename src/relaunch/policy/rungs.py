@@ -46,6 +46,8 @@ class Proposal:
 @dataclass(frozen=True)
 class Blocked:
     reason: str
+    wants_nodes: bool = False
+    """Blocked only for want of healthy nodes: more nodes would let it run."""
 
 
 Answer = Proposal | Blocked | None
@@ -376,10 +378,13 @@ def _isolated_job_reschedule(c: Context) -> Answer:
     slots = c.cluster.rebuild_slots(without=c.node)
     if slots is not None and slots < len(c.cluster.pods):
         return Blocked(
-            f"no room to rebuild the job without {c.node}: {slots} pod slot(s) left (R-22)"
+            f"no room to rebuild the job without {c.node}: {slots} pod slot(s) left (R-22)",
+            wants_nodes=True,
         )
     if slots is None and len(c.cluster.standby_nodes) < len(c.cluster.pods_on(c.node)):
-        return Blocked(f"no healthy node to replace {c.node} (R-22 needs a standby node)")
+        return Blocked(
+            f"no healthy node to replace {c.node} (R-22 needs a standby node)", wants_nodes=True
+        )
     return Proposal(
         f"isolate {c.node}; rebuild the whole job on healthy nodes (R-22)",
         pods=tuple(p.index for p in c.cluster.pods),

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from typing import Any
 
-from relaunch.states import HANGUP
+from relaunch.states import RESUMABLE_ENDS
 from relaunch.store.database import Database
 from relaunch.store.rows import JobRow, JobStatus, NodeRow, NodeState, PodRow
 
@@ -100,15 +100,25 @@ class JobTable(Database):
         )
         return cursor.rowcount == 1
 
-    def reopen_after_hangup(self, job_id: int, now: float) -> bool:
-        """Stopped by a hangup (SIGHUP: its run's terminal closed) -> Running again, for
-        `relaunch run --resume`; False if the job was not stopped so."""
-        cursor = self._execute(
-            "UPDATE jobs SET status = ?, reason = '', ended_at = NULL, stop_requested = NULL, "
-            "controller_seen_at = ? WHERE id = ? AND status = ? AND reason LIKE ?",
-            (JobStatus.RUNNING.value, now, job_id, JobStatus.STOPPED.value, f"%{HANGUP}"),
-        )
-        return cursor.rowcount == 1
+    def reopen_to_resume(self, job_id: int, now: float) -> str | None:
+        """Stopped to be resumed (a hangup of its run's terminal, or for want of nodes:
+        RESUMABLE_ENDS) -> Running again, for `relaunch run --resume`; how it had ended, or
+        None if the job was not stopped so."""
+        with self.transaction():
+            row = self._execute(
+                "SELECT status, reason FROM jobs WHERE id = ?", (job_id,)
+            ).fetchone()
+            if row is None or row[0] != JobStatus.STOPPED.value:
+                return None
+            end = next((e for e in RESUMABLE_ENDS if str(row[1]).endswith(e)), None)
+            if end is None:
+                return None
+            self._execute(
+                "UPDATE jobs SET status = ?, reason = '', ended_at = NULL, stop_requested = NULL, "
+                "controller_seen_at = ? WHERE id = ?",
+                (JobStatus.RUNNING.value, now, job_id),
+            )
+            return end
 
     def request_stop(self, job_id: int, reason: str, now: float) -> JobStatus:
         """A pending job stops at once; a running one is marked and its controller stops it."""

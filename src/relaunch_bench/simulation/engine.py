@@ -105,6 +105,8 @@ class SimEngine:
                 shard.kill()
                 shard.wait()
 
+    nodes_come_back = False
+
     def agent_heard(self, node: str, peer: Any, message: Any) -> None:
         """The engine starts pods itself: nothing to keep of what agents say."""
 
