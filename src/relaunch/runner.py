@@ -26,6 +26,7 @@ import psutil
 
 from relaunch.cluster import Engine
 from relaunch.cluster.config import ClusterConfig
+from relaunch.cluster.hosted import AgentsCluster
 from relaunch.cluster.local import LocalCluster
 from relaunch.controller import Controller, RunOptions
 from relaunch.errors import RelaunchError, StateDirBusy
@@ -124,6 +125,8 @@ def make_engine(
         from relaunch.cluster.slurm import Allocation, SlurmCluster
 
         return SlurmCluster(directory, Allocation.from_environment())
+    if stored and stored.get("kind") == "agents":
+        return AgentsCluster(str(stored["host"]), int(stored["port"]))
     if not stored or stored.get("kind") != "ray":
         return LocalCluster(directory)
     from relaunch.cluster.ray import RayCluster  # only with the `ray` extra

@@ -17,7 +17,8 @@ from relaunch.api import TOKEN_FILE
 from relaunch.errors import InputError
 from relaunch.protocol.environment import Env
 from relaunch.protocol.layout import StateDir
-from relaunch.store import JobRow, Store
+from relaunch.states import HANGUP, WANTS_NODES
+from relaunch.store import JobRow, JobStatus, Store
 
 if TYPE_CHECKING:
     from relaunch.api.client import Client
@@ -113,7 +114,11 @@ def duration(seconds: float) -> str:
 
 AddressOption = Annotated[
     str | None,
-    typer.Option("--address", help="With --engine ray: the running Ray cluster to use."),
+    typer.Option(
+        "--address",
+        help="With --engine ray: the running Ray cluster to use; with --engine agents: "
+        "HOST:PORT the controller listens on, which the agents were given.",
+    ),
 ]
 RaySelectOption = Annotated[
     str | None,
@@ -202,3 +207,19 @@ def remote(call: Callable[[], Any]) -> Any:
         for problem in error.problems:
             err.print(f"  - {problem}", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(EXIT_INVALID) from None
+
+
+def exit_code(status: JobStatus, reason: str) -> int:
+    """0 succeeded, 1 failed or stopped, 130 / 143 / 129 stopped by Ctrl-C / SIGTERM / SIGHUP,
+    3 stopped for want of nodes (EXIT_WANTS_NODES: a Slurm job requeues itself on it)."""
+    if status is JobStatus.SUCCEEDED:
+        return 0
+    if status is JobStatus.STOPPED and reason.endswith(WANTS_NODES):
+        return EXIT_WANTS_NODES
+    if status is JobStatus.STOPPED and reason.endswith("(SIGTERM)"):
+        return 143
+    if status is JobStatus.STOPPED and reason.endswith(HANGUP):
+        return 129
+    if status is JobStatus.STOPPED and reason.endswith("(Ctrl-C)"):
+        return 130
+    return 1

@@ -15,6 +15,7 @@ from relaunch.errors import EngineError, InputError, Problem
 
 __all__ = [
     "SimulateChipsOption",
+    "agents_engine",
     "check_chips",
     "engine_name",
     "ray_cluster",
@@ -35,12 +36,25 @@ SimulateChipsOption = Annotated[
 
 
 def engine_name(given: str) -> str:
-    if given not in ("embedded", "ray", "slurm"):
+    if given not in ("embedded", "ray", "slurm", "agents"):
         err.print(
-            f"[bold red]error:[/] --engine {given}: choose embedded, ray or slurm", highlight=False
+            f"[bold red]error:[/] --engine {given}: choose embedded, ray, slurm or agents",
+            highlight=False,
         )
         raise typer.Exit(EXIT_INVALID)
     return given
+
+
+def agents_engine(address: str | None) -> dict[str, Any]:
+    """The stored settings of `--engine agents --address HOST:PORT`: where the controller
+    listens for the agents an operator started (`relaunch agent --controller HOST:PORT`)."""
+    host, _, port = (address or "").rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InputError(
+            "relaunch run",
+            [Problem("--address", address, "HOST:PORT the agents were given (--engine agents)")],
+        )
+    return {"kind": "agents", "host": host.strip("[]"), "port": int(port)}
 
 
 def slurm_cluster(cluster_raw: Any) -> tuple[dict[str, Any], dict[str, Any]]:

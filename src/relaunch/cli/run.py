@@ -18,13 +18,13 @@ from rich.table import Table
 from relaunch import runner, service
 from relaunch.cli.common import (
     EXIT_INVALID,
-    EXIT_WANTS_NODES,
     AddressOption,
     FaultTableOption,
     RaySelectOption,
     StateDirOption,
     app,
     err,
+    exit_code,
     fail_input,
     out,
     say_error,
@@ -33,6 +33,7 @@ from relaunch.cli.common import (
 )
 from relaunch.cli.engines import (
     SimulateChipsOption,
+    agents_engine,
     check_chips,
     engine_name,
     ray_cluster,
@@ -67,7 +68,6 @@ from relaunch.files import read_document
 from relaunch.protocol.layout import StateDir
 from relaunch.report import build_report
 from relaunch.spec import parse_job
-from relaunch.states import HANGUP, WANTS_NODES
 from relaunch.store import JobRow, JobStatus, Store
 
 JobFileArgument = Annotated[
@@ -183,10 +183,11 @@ def run(
 def _engine_checked(
     engine: str, address: str | None, ray_select: str | None, simulate_chips: bool
 ) -> str:
-    """The engine's name; --address and --ray-select only with Ray (exit 2 otherwise)."""
+    """The engine's name; --address only with Ray or agents, --ray-select only with Ray (exit 2
+    otherwise)."""
     name = engine_name(engine)
-    if name != "ray" and (address or ray_select):
-        err.print("[bold red]error:[/] --address and --ray-select need --engine ray")
+    if (name not in ("ray", "agents") and address) or (name != "ray" and ray_select):
+        err.print("[bold red]error:[/] --address needs --engine ray or agents, --ray-select ray")
         raise typer.Exit(EXIT_INVALID)
     if simulate_chips:  # the engine and the agents it starts read it
         os.environ[SIMULATE_CHIPS_ENV] = "1"
@@ -219,7 +220,7 @@ def _finished(
     if report is not None:
         report.write_text(json.dumps(summary, indent=2))
     _start_queued(directory)
-    return _exit_code(status, store.job(job_id).reason)
+    return exit_code(status, store.job(job_id).reason)
 
 
 @dataclass(frozen=True)
@@ -282,6 +283,8 @@ def _submit(
         cluster_raw, engine_spec, trial = ray_cluster(cluster_raw, address, ray_select)
     elif engine == "slurm":
         cluster_raw, engine_spec = slurm_cluster(cluster_raw)
+    elif engine == "agents":
+        engine_spec = agents_engine(address)
     else:  # the embedded cluster's chips are this machine's GPUs, where it has any
         check_chips(cluster_raw, request.cluster_file)
     try:
@@ -417,22 +420,6 @@ def _stop_on_signal(signum: int, frame: Any) -> None:
             os.dup2(devnull, fd)
         os.close(devnull)
     raise runner.Interrupted(signal.Signals(signum).name)
-
-
-def _exit_code(status: JobStatus, reason: str) -> int:
-    """0 succeeded, 1 failed or stopped, 130 / 143 / 129 stopped by Ctrl-C / SIGTERM / SIGHUP,
-    3 stopped for want of nodes (EXIT_WANTS_NODES: a Slurm job requeues itself on it)."""
-    if status is JobStatus.SUCCEEDED:
-        return 0
-    if status is JobStatus.STOPPED and reason.endswith(WANTS_NODES):
-        return EXIT_WANTS_NODES
-    if status is JobStatus.STOPPED and reason.endswith("(SIGTERM)"):
-        return 143
-    if status is JobStatus.STOPPED and reason.endswith(HANGUP):
-        return 129
-    if status is JobStatus.STOPPED and reason.endswith("(Ctrl-C)"):
-        return 130
-    return 1
 
 
 def _warn_abandoned(old: JobRow, name: str, directory: Path) -> None:

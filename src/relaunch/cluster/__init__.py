@@ -26,6 +26,12 @@ class Engine(Protocol):
         """The address the controller listens on: one every node can reach."""
         ...
 
+    @property
+    def listen_port(self) -> int:
+        """The port the controller listens on (0: any free one; its address is written to the
+        state directory, where the agents and launchers find it)."""
+        ...
+
     left_behind: int | None
     """After `shutdown`: how many processes the pods left in their cgroups (0 when every pod
     ended all it started; None where pods are not cgroups)."""

@@ -7,6 +7,11 @@ agent's connection from its hello, sends it the plan of every pod to start there
 plan for a node whose agent has not said hello yet waits for it), and knows the node's address
 and a free port from what the agent last said (MASTER_ADDR, MASTER_PORT). A node-down is a
 `Crash` to the agent (see cluster.podhost).
+
+`AgentsCluster` is the engine of a fixed set of machines without a scheduler: an operator starts
+`relaunch agent --controller HOST:PORT --node NAME` on each machine of the cluster file, and the
+controller listens on that HOST:PORT (`relaunch run --engine agents --address HOST:PORT`). The
+Slurm engine is the same engine whose agents `srun` starts (cluster.slurm).
 """
 
 from __future__ import annotations
@@ -14,11 +19,13 @@ from __future__ import annotations
 import threading
 from typing import Protocol
 
+from relaunch.cluster.config import NodeSpec
 from relaunch.cluster.local import free_port
+from relaunch.protocol.links import Cut, LinkFaultKind
 from relaunch.protocol.messages import AgentHello, Crash, Heartbeat, Message, StartPod
 from relaunch.protocol.plans import LaunchPlan
 
-__all__ = ["HostedPods"]
+__all__ = ["AgentsCluster", "HostedPods"]
 
 
 class AgentPeer(Protocol):
@@ -79,3 +86,70 @@ class HostedPods:
     def free_port(self, node: str) -> int:
         """The port the node's agent last said was free (a port free here where it said none)."""
         return self.ports.get(node) or free_port()
+
+
+class AgentsCluster:
+    """The engine of machines whose agents an operator started (see the module docstring)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.bind_host = host
+        self.listen_port = port
+        """The controller's port, fixed: the agents were given it."""
+        self.hosted = HostedPods()
+        self.left_behind: int | None = None
+        self.left_behind_what: list[str] = []
+
+    containers = "pods are cgroups on their node where its agent can make them (see its log)"
+    chips_are_gpus = False
+    chips = "chips are what each node's agent reads (its GPUs through NVML, or simulated)"
+    nodes_share_cores = False
+    nodes_come_back = False
+
+    @property
+    def networks(self) -> str:
+        return "nodes use their own networks; a network fault is simulated (the agent reports it)"
+
+    def start_agent(self, node: NodeSpec, interval: float, grace: float, blip_s: float) -> int:
+        """The operator starts each machine's agent: nothing to start here."""
+        return -1
+
+    def agent_heard(self, node: str, peer: object, message: AgentHello | Heartbeat) -> None:
+        self.hosted.heard(node, peer, message)  # type: ignore[arg-type]
+
+    def start_pod(self, plan: LaunchPlan) -> int:
+        return self.hosted.start_pod(plan)
+
+    def assumed(self, job: int, node: str, pod: int, generation: int) -> None:
+        """The agent's standby launcher is the pod's now: nothing for the engine to rename."""
+
+    def kill_node(self, node: str) -> None:
+        """The fault plan's node-down: the node's agent kills its pods and exits."""
+        self.hosted.crash(node)
+
+    def isolate_node(self, node: str, reason: str) -> str | None:
+        return None  # no scheduler owns the machines: relaunch's record is the isolation
+
+    def lost_nodes(self) -> set[str]:
+        return set()  # a silent agent is the controller's to find (the heartbeat timeout)
+
+    def node_address(self, node: str) -> str:
+        return self.hosted.address(node, node)
+
+    def free_port(self, node: str) -> int:
+        return self.hosted.free_port(node)
+
+    def pod_environment(self, node: str) -> dict[str, str]:
+        return {}
+
+    def inject_link_fault(
+        self,
+        node: str,
+        kind: LinkFaultKind,
+        duration_s: float | None,
+        cut: Cut | None = None,
+        rate_mbit: float | None = None,
+    ) -> str | None:
+        return "relaunch does not own these machines' links"
+
+    def shutdown(self) -> None:
+        """The agents were told to end (they kill what their pods left, and exit)."""

@@ -220,6 +220,7 @@ class LocalCluster:
         return pid
 
     nodes_come_back = False
+    listen_port = 0
 
     def agent_heard(self, node: str, peer: Any, message: Any) -> None:
         """The engine starts pods itself: nothing to keep of what agents say."""

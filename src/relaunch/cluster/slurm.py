@@ -37,12 +37,9 @@ from pathlib import Path
 from typing import Final
 
 from relaunch.cluster.config import ClusterConfig, NodeSpec
-from relaunch.cluster.hosted import HostedPods
+from relaunch.cluster.hosted import AgentsCluster
 from relaunch.cluster.nvml import SIMULATE_CHIPS_ENV, gpu_count
 from relaunch.errors import EngineError
-from relaunch.protocol.links import Cut, LinkFaultKind
-from relaunch.protocol.messages import AgentHello, Heartbeat
-from relaunch.protocol.plans import LaunchPlan
 from relaunch.protocol.wire import controller_address
 
 __all__ = ["Allocation", "SlurmCluster", "SlurmNode", "node_states", "parse_nodes"]
@@ -143,17 +140,17 @@ class Allocation:
         return replace(stored, nodes=tuple(NodeSpec(name, chips) for name in self.nodes))
 
 
-class SlurmCluster:
+class SlurmCluster(AgentsCluster):
     """The engine inside a Slurm allocation (see the module docstring)."""
 
     def __init__(self, state_dir: Path, allocation: Allocation, poll_s: float = 1.0) -> None:
+        known = node_states(list(allocation.nodes))
+        addresses = {name: node.address for name, node in known.items()}
+        # the batch host's NodeAddr: the address every node reaches the controller by
+        super().__init__(addresses.get(allocation.batch_host, "0.0.0.0"), 0)
         self.state_dir = state_dir
         self.allocation = allocation
-        self.hosted = HostedPods()
-        known = node_states(list(allocation.nodes))
-        self.slurm_addresses = {name: node.address for name, node in known.items()}
-        self.bind_host = self.slurm_addresses.get(allocation.batch_host, "0.0.0.0")
-        """The batch host's NodeAddr: the address every node reaches the controller by."""
+        self.slurm_addresses = addresses
         self.steps: dict[str, subprocess.Popen[bytes]] = {}
         self._lost: set[str] = {name for name in allocation.nodes if name not in known}
         self._lock = threading.Lock()
@@ -162,8 +159,6 @@ class SlurmCluster:
         self.poll_s = poll_s
         self._watcher = threading.Thread(target=self._watch, daemon=True)
         self._watcher.start()
-        self.left_behind: int | None = None
-        self.left_behind_what: list[str] = []
         gpus = gpu_count()
         self.chips_are_gpus = bool(gpus)
         self.chips = (
@@ -172,9 +167,6 @@ class SlurmCluster:
             else "chips are simulated (no NVIDIA GPU seen on the batch host)"
         )
 
-    containers = "pods are cgroups on their node where its agent can make them (see its log)"
-    networks = "nodes use the allocation's own network; a network fault is simulated"
-    nodes_share_cores = False
     nodes_come_back = True
     """A job requeued (`scontrol requeue`) gets a new allocation of healthy nodes."""
 
@@ -229,15 +221,6 @@ class SlurmCluster:
         threading.Thread(target=self._step_ended, args=(node.name, step), daemon=True).start()
         return step.pid
 
-    def agent_heard(self, node: str, peer: object, message: AgentHello | Heartbeat) -> None:
-        self.hosted.heard(node, peer, message)  # type: ignore[arg-type]
-
-    def start_pod(self, plan: LaunchPlan) -> int:
-        return self.hosted.start_pod(plan)
-
-    def assumed(self, job: int, node: str, pod: int, generation: int) -> None:
-        """The agent's standby launcher is the pod's now: nothing for the engine to rename."""
-
     def kill_node(self, node: str) -> None:
         """The fault plan's node-down: the node's agent kills its pods and exits, which ends its
         step (its srun exits: the node is lost). Where the agent is gone, its step is cancelled."""
@@ -255,22 +238,6 @@ class SlurmCluster:
 
     def node_address(self, node: str) -> str:
         return self.hosted.address(node, self.slurm_addresses.get(node, node))
-
-    def free_port(self, node: str) -> int:
-        return self.hosted.free_port(node)
-
-    def pod_environment(self, node: str) -> dict[str, str]:
-        return {}
-
-    def inject_link_fault(
-        self,
-        node: str,
-        kind: LinkFaultKind,
-        duration_s: float | None,
-        cut: Cut | None = None,
-        rate_mbit: float | None = None,
-    ) -> str | None:
-        return "the Slurm engine does not own its nodes' links"
 
     def shutdown(self) -> None:
         """The agents were told to end (they kill what their pods left); their steps are waited

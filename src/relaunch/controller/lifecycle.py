@@ -28,7 +28,7 @@ AGENTS_START_S: Final = 15.0
 
 def listen(c: ControllerContext) -> Listener:
     """Accept agents and launchers; the controller's loop reads their messages (Controller.drain)."""
-    listener = Listener(c.engine.bind_host)
+    listener = Listener(c.engine.bind_host, c.engine.listen_port)
     c.listener = listener
     host, port = listener.address
     write_controller_address(c.layout.path, host, port, pid=os.getpid())

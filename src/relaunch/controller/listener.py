@@ -27,10 +27,10 @@ ACCEPT_QUEUE = 65535
 
 
 class Listener:
-    def __init__(self, host: str) -> None:
+    def __init__(self, host: str, port: int = 0) -> None:
         self.server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.server.bind((host, 0))
+        self.server.bind((host, port))
         # every launcher of a large job connects at once after a job-level recovery or a
         # controller's restart: a full accept queue drops their SYNs, and each dropped one
         # waits a second before it tries again (the kernel caps this at net.core.somaxconn)
