@@ -11,6 +11,7 @@ import json
 import os
 import re
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +27,7 @@ from relaunch.cluster.slurm_trial import TrialSlurm, unavailable
 from relaunch.containers import cluster_root
 from relaunch.errors import EngineError
 from tests.runtime import DDP_CLUSTER, DDP_FAULTS, ROOT, Result, ddp_job
+from tests.test_networks import Incarnations
 
 NODES = ["n1", "n2", "n3", "n4"]
 """Two for the job's pods, two standby nodes, as the embedded tests' four nodes."""
@@ -88,12 +90,13 @@ def batch_script(
     nodes: int = len(NODES),
     body: str = "relaunch run --engine slurm $JOB $FILES --startup-seconds 60 --quiet",
     header: str = "",
+    cluster_settings: dict[str, Any] | None = None,
 ) -> Path:
     """The job, its fault plan and the cluster's timings as files, and the sbatch script that
     runs them (docs/slurm.md's, with the trial cluster's data interface for gloo)."""
     (tmp / "job.yaml").write_text(yaml.safe_dump(job))
     (tmp / "faults.yaml").write_text(yaml.safe_dump({"faults": faults}))
-    cluster = {k: v for k, v in DDP_CLUSTER.items() if k != "nodes"}
+    cluster = {k: v for k, v in DDP_CLUSTER.items() if k != "nodes"} | (cluster_settings or {})
     (tmp / "cluster.yaml").write_text(yaml.safe_dump(cluster))
     script = tmp / "job.sh"
     script.write_text(
@@ -222,3 +225,59 @@ exit $code""".replace("REPORT", str(tmp_path / "report.json"))
     assert out.read_text().strip() == unbroken, log
     assert "n2" not in fields["NodeList"], fields
     slurm.slurm(["scontrol", "update", "NodeName=n2", "State=RESUME"])
+
+
+class SlurmJob:
+    """A submitted job as `Incarnations.watch` polls a process: running until it ends."""
+
+    def __init__(self, slurm: TrialSlurm, job_id: str) -> None:
+        self.slurm, self.job_id = slurm, job_id
+
+    def poll(self) -> int | None:
+        return 0 if job_state(self.slurm, self.job_id).get("JobState") in ENDED else None
+
+
+def test_r14_a_node_cut_off_is_fenced_before_its_replacement_starts_and_slurm_keeps_the_job(
+    slurm: TrialSlurm, tmp_path: Path, unbroken: str
+) -> None:
+    """Pod 1's node cut off from every other node (its link down) but running: the controller
+    finds it silent and moves its pod; the cut pod hears nothing for its lease (4 s) and stops
+    its rank before the replacement starts (R-14); Slurm, which marks the node down too, keeps
+    the job (`--no-kill`); the job ends bit-identical."""
+    out = tmp_path / "hash.txt"
+    script = batch_script(
+        tmp_path, ddp_job(out, 10), [], header="#SBATCH --no-kill",
+        cluster_settings={"adopt_grace_s": 4},
+    )  # fmt: skip
+    job_id = slurm.slurm(["sbatch", "--parsable", str(script)]).stdout.strip().split(";")[0]
+    seen = Incarnations(tmp_path / "state")
+    watcher = threading.Thread(target=seen.watch, args=(SlurmJob(slurm, job_id),), daemon=True)
+    watcher.start()
+    logs = tmp_path / "state" / "jobs" / "1" / "pods"
+    deadline = time.monotonic() + 120
+    while "step 40" not in _read(logs / "pod-0-g1" / "logs"):
+        assert time.monotonic() < deadline, (tmp_path / "out.txt").read_text()
+        time.sleep(0.2)
+    node = json.loads((logs / "pod-1-g1" / "launch.json").read_text())["node"]
+    slurm.cut_node(node)
+    try:
+        fields = wait_for_job(slurm, job_id, lambda f: f.get("JobState") in ENDED)
+    finally:
+        slurm.cut_node(node, cut=False)
+    watcher.join(timeout=10)
+    log = (tmp_path / "out.txt").read_text()
+    assert fields["JobState"] == "COMPLETED", log
+    report = json.loads((tmp_path / "report.json").read_text())
+    records = report["recoveries"]
+    assert [(r["action"], r["fault"]["kind"]) for r in records] == [
+        ("pod-reschedule", "node-lost")
+    ], log
+    old, new = seen.seen["1"], seen.seen["2"]
+    assert old[1] < new[0], f"the old incarnation ran until {old[1]}, the new one from {new[0]}"
+    assert "no word from the controller" in (logs / "pod-1-g1" / "launcher.log").read_text()
+    assert out.read_text().strip() == unbroken, log
+    slurm.slurm(["scontrol", "update", f"NodeName={node}", "State=RESUME"])
+
+
+def _read(directory: Path) -> str:
+    return "".join(p.read_text() for p in directory.glob("*.log")) if directory.exists() else ""

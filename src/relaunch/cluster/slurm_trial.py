@@ -188,6 +188,16 @@ class TrialSlurm:
                 os.killpg(daemon.pid, signal.SIGKILL)
             daemon.wait()
 
+    def cut_node(self, node: str, cut: bool = True) -> None:
+        """The node cut off from every other (its management link's switch port down), but
+        running: silent to the controller and to slurmctld alike; `cut=False` joins it again."""
+        assert self.network is not None
+        layout = self.network.layout
+        state = "down" if cut else "up"
+        subprocess.run(
+            ["ip", "-n", layout.switch, "link", "set", f"m{layout.nodes[node]}", state], check=True
+        )
+
     def _kill_in_namespace(self, node: str) -> None:
         if self.network is None:
             return
