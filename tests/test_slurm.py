@@ -209,7 +209,8 @@ fi
 code=$?
 if [ $code -eq 3 ]; then scontrol requeue $SLURM_JOB_ID; fi
 exit $code""".replace("REPORT", str(tmp_path / "report.json"))
-    script = batch_script(tmp_path, ddp_job(out, 10), faults, 2, body, "#SBATCH --requeue")
+    header = "#SBATCH --requeue\n#SBATCH --no-kill"
+    script = batch_script(tmp_path, ddp_job(out, 10), faults, 2, body, header)
     submitted = slurm.slurm(["sbatch", "--parsable", str(script)]).stdout.strip()
     job_id = submitted.split(";")[0]
     wait_for_job(slurm, job_id, lambda f: f.get("Restarts") == "1")
