@@ -28,6 +28,7 @@ from relaunch.containers import cluster_root
 from relaunch.errors import EngineError
 from tests.runtime import DDP_CLUSTER, DDP_FAULTS, ROOT, Result, ddp_job
 from tests.test_networks import Incarnations
+from tests.test_process_recovery import assert_kept, process_job, starts
 
 NODES = ["n1", "n2", "n3", "n4"]
 """Two for the job's pods, two standby nodes, as the embedded tests' four nodes."""
@@ -74,13 +75,22 @@ def test_outside_an_allocation_the_slurm_engine_says_how_to_run_it(tmp_path: Pat
 
 
 @pytest.fixture(scope="module")
-def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TrialSlurm]:
+def trial_slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TrialSlurm]:
     why = unavailable()
     if why is not None:
         pytest.skip(f"needs a trial Slurm cluster: {why}")
     trial = TrialSlurm(tmp_path_factory.mktemp("slurm"), NODES).start()
     yield trial
     trial.stop()
+
+
+@pytest.fixture
+def slurm(trial_slurm: TrialSlurm) -> Iterator[TrialSlurm]:
+    """The module's Slurm cluster; the nodes a test's job drained are returned after it."""
+    yield trial_slurm
+    drained = trial_slurm.slurm(["sinfo", "-h", "-R", "-o", "%n"]).stdout.split()
+    for node in drained:
+        trial_slurm.slurm(["scontrol", "update", f"NodeName={node}", "State=RESUME"])
 
 
 def batch_script(
@@ -148,7 +158,6 @@ def test_ddp_example_on_slurm_same_decisions_bit_identical_nothing_left(
     assert slurm.slurm(["squeue", "-h", "-s"]).stdout.strip() == ""
     root = cluster_root(tmp_path / "state")
     assert root is None or not root.path.exists()
-    slurm.slurm(["scontrol", "update", "NodeName=n2", "State=RESUME"])
 
 
 def job_state(slurm: TrialSlurm, job_id: str) -> dict[str, str]:
@@ -225,7 +234,6 @@ exit $code""".replace("REPORT", str(tmp_path / "report.json"))
     assert report["recoveries"][-1]["outcome"] == "succeeded", log
     assert out.read_text().strip() == unbroken, log
     assert "n2" not in fields["NodeList"], fields
-    slurm.slurm(["scontrol", "update", "NodeName=n2", "State=RESUME"])
 
 
 class SlurmJob:
@@ -277,8 +285,56 @@ def test_r14_a_node_cut_off_is_fenced_before_its_replacement_starts_and_slurm_ke
     assert old[1] < new[0], f"the old incarnation ran until {old[1]}, the new one from {new[0]}"
     assert "no word from the controller" in (logs / "pod-1-g1" / "launcher.log").read_text()
     assert out.read_text().strip() == unbroken, log
-    slurm.slurm(["scontrol", "update", f"NodeName={node}", "State=RESUME"])
 
 
 def _read(directory: Path) -> str:
     return "".join(p.read_text() for p in directory.glob("*.log")) if directory.exists() else ""
+
+
+PROCESS_FAULTS = [
+    {"kind": "memory-uce", "at_step": 30, "pod": 0, "code": "80E01801", "heals": True},
+    {"kind": "process-exit", "at_step": 60, "pod": 0, "rank": 1, "exit_code": 1},
+    {"kind": "node-down", "at_step": 90, "pod": 1},
+]
+"""One fault per process level, as the embedded cluster's tests decide each
+(test_process_recovery: R-30, R-31, R-32)."""
+
+
+def test_each_process_level_on_slurm_as_on_the_embedded_cluster(
+    slurm: TrialSlurm, tmp_path: Path
+) -> None:
+    """The DDP example with process-level recovery (2 pods x 2 ranks): a memory UCE retried
+    online by every rank, a crashed rank restarted in place, a lost node's pod moved while the
+    other keeps running; one record each, each worked, the untouched ranks never restarted."""
+    out = tmp_path / "hash.txt"
+    job = process_job(out, extra="--step-seconds 0.1")
+    code = sbatch(slurm, batch_script(tmp_path, job, PROCESS_FAULTS))
+    log = (tmp_path / "out.txt").read_text()
+    assert code == 0, log
+    report = json.loads((tmp_path / "report.json").read_text())
+    records = report["recoveries"]
+    assert [r["action"] for r in records] == [
+        "process-retry", "process-in-place", "process-reschedule",
+    ], log  # fmt: skip
+    assert all(r["outcome"] == "succeeded" for r in records), log
+    assert report["restarts_used"] == 0, log
+    found = starts(Result(code, report, log, "", tmp_path / "state"))
+    assert_kept(found, [0])  # rank 0: one process from start to end
+    assert out.read_text().strip()
+
+
+def test_a_slow_pod_on_slurm_moves_to_the_standby_node(slurm: TrialSlurm, tmp_path: Path) -> None:
+    """Pod 1 made 6 times slower at step 20: found slow from its busy share and moved to a
+    standby node (pod-level rescheduling), as on the embedded cluster (test_diagnosis)."""
+    job = ddp_job(tmp_path / "hash.txt", 10)
+    job["spec"]["command"] = job["spec"]["command"].replace("--steps 120", "--steps 200")
+    faults = [{"kind": "slow", "at_step": 20, "pod": 1, "factor": 6}]
+    script = batch_script(
+        tmp_path, job, faults, cluster_settings={"slow_window_s": 3, "slow_margin": 0.3}
+    )
+    code = sbatch(slurm, script)
+    log = (tmp_path / "out.txt").read_text()
+    assert code == 0, log
+    first = json.loads((tmp_path / "report.json").read_text())["recoveries"][0]
+    assert (first["fault"]["kind"], first["fault"]["pod"]) == ("slow", 1), log
+    assert (first["action"], first["outcome"]) == ("pod-reschedule", "succeeded"), log
