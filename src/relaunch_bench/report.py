@@ -97,6 +97,15 @@ PEER_COLUMNS = {
     "lost_steps": "lost steps", "ranks_restarted": "ranks restarted", "detected": "detected",
     "note": "note",
 }  # fmt: skip
+SLURM_COLUMNS = {
+    "system": "system",
+    "fault": "fault",
+    "ok": "recovered",
+    "stall_s": "stall s (fault to the next step)",
+    "lost_steps": "steps lost",
+    "note": "note",
+}
+
 SECTIONS = (
     ("peers", "Side by side with the specialists (2 ranks, the DDP example's job)", PEER_COLUMNS),
     ("series", "Goodput under a fault series (a fault a minute, DDP, 2 ranks)", SERIES_COLUMNS),
@@ -113,6 +122,7 @@ SECTIONS = (
     ("reliability", "Restart reliability", RELIABILITY_COLUMNS),
     ("slow", "Slow pod detection (DDP, 2 pods, record only)", SLOW_COLUMNS),
     ("network", "Link faults on real networks (DDP, 2 pods x 1 rank)", NETWORK_COLUMNS),
+    ("slurm", "Inside a Slurm allocation (3 nodes, 2 ranks, a trial Slurm cluster)", SLURM_COLUMNS),
 )
 
 
@@ -159,6 +169,8 @@ def markdown(result: dict[str, Any]) -> str:
     for key, title, columns in SECTIONS:
         if result.get(key):
             lines += ["", f"{title}:", "", *table(result[key], columns)]
+        if key == "slurm" and result.get("slurm"):
+            lines += ["", "relaunch / NVRx inside Slurm (stall): " + slurm_ratios(result["slurm"])]
         if key == "series" and result.get("series_ratio") is not None:
             lines += ["", f"relaunch's lost time / the best peer's: {result['series_ratio']}"]
         if key == "peers" and result.get("peer_ratios"):
@@ -174,6 +186,16 @@ def markdown(result: dict[str, Any]) -> str:
     if result.get("overhead"):
         lines += ["", "Controller overhead:", "", *table(result["overhead"], OVERHEAD_COLUMNS)]
     return "\n".join(lines) + "\n"
+
+
+def slurm_ratios(rows: list[dict[str, Any]]) -> str:
+    """relaunch's stall over NVRx's, per fault, where both recovered."""
+    said = []
+    for fault in dict.fromkeys(r["fault"] for r in rows):
+        stall = {r["system"]: r.get("stall_s") for r in rows if r["fault"] == fault and r["ok"]}
+        ours, theirs = stall.get("relaunch"), stall.get("NVRx")
+        said.append(f"{fault} {round(ours / theirs, 2)}" if ours and theirs else f"{fault} -")
+    return ", ".join(said)
 
 
 def _spread(found: Any) -> str:

@@ -25,10 +25,11 @@ from relaunch_bench.series import series_ratio, series_rows
 from relaunch_bench.simulation import SIM_LEVELS, growth, simulation_rows
 from relaunch_bench.simulation import SIZES as SIM_SIZES
 from relaunch_bench.slow import FACTORS, slow_rows
+from relaunch_bench.slurm import slurm_rows
 
 SECTIONS = (
     "mttr", "hang", "peers", "series", "scale", "simulation", "sizes", "overhead", "checkpoint",
-    "reliability", "slow", "network",
+    "reliability", "slow", "network", "slurm",
 )  # fmt: skip
 
 
@@ -87,6 +88,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         "reliability": [],
         "slow": [],
         "network": [],
+        "slurm": [],
         **measured,
         "peer_ratios": peer_ratios(measured.get("peers", [])),
         "peer_ratio_spreads": peer_ratio_spreads(measured.get("peers", [])),
@@ -147,6 +149,8 @@ def _sections(
         )
     if "network" in sections:
         measured["network"] = network_rows(quick, say)
+    if "slurm" in sections:
+        measured["slurm"] = slurm_rows(say)
     return measured
 
 

@@ -77,13 +77,8 @@ class TrialSlurm:
             self._write_conf()
             self._daemon("slurmctld", ["slurmctld", "-D", "-f", str(self.conf)])
             for node in self.nodes:
-                (self.home / "spool" / node).mkdir(parents=True, exist_ok=True)
-                namespace = NETNS_DIR / network.layout.namespace(node)
-                self._daemon(
-                    f"slurmd-{node}",
-                    ["nsenter", f"--net={namespace}", "slurmd", "-D", "-f", str(self.conf), "-N", node],
-                )  # fmt: skip
-            self._wait_idle(time.monotonic() + timeout)
+                self.start_node(node)
+            self.wait_idle(timeout)
         except BaseException:
             self.stop()
             raise
@@ -160,8 +155,22 @@ class TrialSlurm:
                 env=self.env, start_new_session=True,
             )  # fmt: skip
 
-    def _wait_idle(self, deadline: float) -> None:
+    def start_node(self, node: str) -> None:
+        """`node`'s slurmd, in its namespace (again, after `kill_node`); not waited for."""
+        assert self.network is not None
+        daemon = self.daemons.get(f"slurmd-{node}")
+        if daemon is not None and daemon.poll() is None:
+            return
+        (self.home / "spool" / node).mkdir(parents=True, exist_ok=True)
+        namespace = NETNS_DIR / self.network.layout.namespace(node)
+        self._daemon(
+            f"slurmd-{node}",
+            ["nsenter", f"--net={namespace}", "slurmd", "-D", "-f", str(self.conf), "-N", node],
+        )  # fmt: skip
+
+    def wait_idle(self, timeout: float = 60.0) -> None:
         """Until every node is idle in `sinfo`."""
+        deadline = time.monotonic() + timeout
         while True:
             done = self.slurm(["sinfo", "-h", "-N", "-o", "%N %t"], check=False)
             states = dict(line.split() for line in done.stdout.splitlines() if line.strip())

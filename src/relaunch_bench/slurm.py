@@ -1,0 +1,174 @@
+"""Slurm, side by side: a crash and a lost node inside one Slurm allocation of three nodes, under
+relaunch (`relaunch run --engine slurm`, two pods and a standby node) and under NVIDIA's
+`ft_launcher` as its deployment guide starts it under Slurm (one per node, `srun
+--ntasks-per-node=1`, `--nnodes 2:3` so that the third node joins as the spare), on a trial
+Slurm cluster of this machine (relaunch.cluster.slurm_trial). Both run the same script
+(plain_ddp.py: a step every STEP_S, a checkpoint every 5) and take the same fault at the same
+step: rank 1 crashes (the script's `--crash-at-step`), or node n2 dies (its slurmd and every
+process in its namespace killed, when rank 0 reports FAULT_STEP). One ruler for both: the stall
+from the fault to the first step after it, off the script's timeline (`timeline.read`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from relaunch.cluster.local import free_port
+from relaunch.cluster.slurm_trial import TrialSlurm, unavailable
+from relaunch_bench import timeline
+from relaunch_bench.jobs import FAULT_STEP, Progress
+from relaunch_bench.peers import (
+    NVRX_HEARTBEAT_S,
+    PLAIN_DDP,
+    PeerSample,
+    _launcher_sample,
+    peer_environment,
+    peer_python,
+)
+
+__all__ = ["slurm_rows"]
+
+NODES = ["n1", "n2", "n3"]
+LOST = "n2"
+"""The node a lost-node run kills: neither system's rendezvous or controller host (n1)."""
+STEPS = 80
+TIMEOUT_S = 300.0
+CLUSTER = {
+    "chips_per_node": 2,
+    "heartbeat_interval_s": 0.2,
+    "heartbeat_timeout_s": 1.5,
+    "adopt_grace_s": 10,
+}
+
+
+def slurm_rows(say: Progress) -> list[dict[str, Any]]:
+    """One sample per system and fault, on one trial Slurm cluster (rows with a note where a
+    system could not run: no Slurm, not root, NVRx not installed)."""
+    why = unavailable()
+    if why is not None:
+        say(f"slurm: skipped: {why}")
+        return [{"system": s, "fault": f, "ok": False, "note": why} for s in ("relaunch", "NVRx")
+                for f in ("crash", "lost-node")]  # fmt: skip
+    home = Path(tempfile.mkdtemp(prefix="relaunch-bench-slurm-"))
+    trial = TrialSlurm(home / "slurm", NODES).start()
+    rows = []
+    try:
+        nvrx = peer_python("nvrx")
+        for fault in ("crash", "lost-node"):
+            for system in ("relaunch", "NVRx"):
+                tmp = home / f"{system}-{fault}"
+                tmp.mkdir()
+                if system == "NVRx" and isinstance(nvrx, str):
+                    sample = PeerSample(False, note=nvrx)
+                else:
+                    sample = _once(trial, system, fault, tmp, nvrx)
+                    _node_back(trial)
+                say(f"slurm: {system} {fault}: {sample.stall_s} s {sample.note}")
+                rows.append({"system": system, "fault": fault, **sample.__dict__})
+    finally:
+        trial.stop()
+        shutil.rmtree(home, ignore_errors=True)
+    return rows
+
+
+def _once(trial: TrialSlurm, system: str, fault: str, tmp: Path, nvrx: Path | str) -> PeerSample:
+    line = tmp / "timeline.txt"
+    script = ["--steps", str(STEPS), "--ckpt-dir", str(tmp / "ckpt"), "--timeline", str(line)]
+    if fault == "crash":
+        script += ["--crash-at-step", str(FAULT_STEP)]
+    if system == "relaunch":
+        body = _relaunch_body(tmp, script)
+    else:
+        assert isinstance(nvrx, Path)
+        body = _nvrx_body(trial, nvrx, script)
+    batch = tmp / "job.sh"
+    batch.write_text(
+        f"#!/bin/bash\n#SBATCH --nodes={len(NODES)}\n#SBATCH --no-kill\n"
+        f"#SBATCH --output={tmp / 'out.txt'}\nexport GLOO_SOCKET_IFNAME=mgmt0\n"
+        f"cd {tmp}\n{body}\n"
+    )
+    job_id = trial.slurm(["sbatch", "--parsable", str(batch)]).stdout.strip().split(";")[0]
+    deadline = time.monotonic() + TIMEOUT_S
+    killed = fault != "lost-node"
+    while not _ended(trial, job_id):
+        if not killed and _step(line) >= FAULT_STEP:
+            trial.kill_node(LOST)
+            with open(line, "a") as marks:  # the strike, on the script's own ruler
+                marks.write(f"crash {_step(line)} {time.time():.6f}\n")
+            killed = True
+        if time.monotonic() > deadline:
+            trial.slurm(["scancel", job_id], check=False)
+            return PeerSample(False, note=f"did not end within {TIMEOUT_S:g} s")
+        time.sleep(0.05)
+    return _launcher_sample(line, "crash", _state(trial, job_id) == "COMPLETED")
+
+
+def _relaunch_body(tmp: Path, script: list[str]) -> str:
+    job = {
+        "kind": "job",
+        "metadata": {
+            "name": "slurm-bench",
+            "annotations": {
+                "fault-tolerance/job-retry-num": "4",
+                "fault-tolerance/job-unconditional-retry": "true",
+                "fault-tolerance/pod-retry-num": "2",
+            },
+        },
+        "spec": {
+            "replicas": 2,
+            "procs_per_pod": 1,
+            "chips_per_pod": 2,
+            "command": " ".join([sys.executable, str(PLAIN_DDP), *script]),
+            "monitor_interval": 0.1,
+        },
+    }
+    (tmp / "job.json").write_text(json.dumps(job))
+    (tmp / "cluster.json").write_text(json.dumps(CLUSTER))
+    return (
+        f"{sys.executable} -m relaunch run --engine slurm {tmp / 'job.json'} --cluster "
+        f"{tmp / 'cluster.json'} --state-dir {tmp / 'state'} --startup-seconds 60 --quiet"
+    )
+
+
+def _nvrx_body(trial: TrialSlurm, python: Path, script: list[str]) -> str:
+    """ft_launcher on every node, started by srun, rendezvous on the first node's address."""
+    assert trial.network is not None
+    head = f"{trial.network.layout.mgmt_address(NODES[0])}:{free_port()}"
+    env = peer_environment(python.parent)
+    launcher = [
+        "srun", f"--ntasks={len(NODES)}", "--ntasks-per-node=1", "--no-kill",
+        "--kill-on-bad-exit=0", f"env PATH={env['PATH']} PYTHONUNBUFFERED=1",
+        str(python.parent / "ft_launcher"), "--nnodes", f"2:{len(NODES)}",
+        "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", head,
+        "--rdzv-id", "bench", "--max-restarts", "3", "--monitor-interval", "0.1",
+        "--ft-enable-nic-monitor", "false", "--ft-initial-rank-heartbeat-timeout", "60",
+        "--ft-rank-heartbeat-timeout", str(NVRX_HEARTBEAT_S), str(PLAIN_DDP), "--nvrx", *script,
+    ]  # fmt: skip
+    return " ".join(launcher)
+
+
+def _step(line: Path) -> int:
+    return max((s for e, s, _ in timeline.read(line) if e == "step"), default=0)
+
+
+def _state(trial: TrialSlurm, job_id: str) -> str:
+    said = trial.slurm(["scontrol", "show", "job", "-o", job_id], check=False).stdout
+    return next((f.split("=", 1)[1] for f in said.split() if f.startswith("JobState=")), "")
+
+
+def _ended(trial: TrialSlurm, job_id: str) -> bool:
+    return _state(trial, job_id) not in ("", "PENDING", "RUNNING", "CONFIGURING", "COMPLETING")
+
+
+def _node_back(trial: TrialSlurm) -> None:
+    """The lost node started again and returned to service, drained nodes resumed."""
+    trial.start_node(LOST)
+    for node in NODES:
+        trial.slurm(["scontrol", "update", f"NodeName={node}", "State=RESUME"], check=False)
+    trial.wait_idle()
