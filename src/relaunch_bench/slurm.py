@@ -38,7 +38,7 @@ NODES = ["n1", "n2", "n3"]
 LOST = "n2"
 """The node a lost-node run kills: neither system's rendezvous or controller host (n1)."""
 STEPS = 80
-TIMEOUT_S = 300.0
+TIMEOUT_S = 150.0
 CLUSTER = {
     "chips_per_node": 2,
     "heartbeat_interval_s": 0.2,
@@ -142,15 +142,27 @@ def _nvrx_body(trial: TrialSlurm, python: Path, script: list[str]) -> str:
     head = f"{trial.network.layout.mgmt_address(NODES[0])}:{free_port()}"
     env = peer_environment(python.parent)
     launcher = [
-        "srun", f"--ntasks={len(NODES)}", "--ntasks-per-node=1", "--no-kill",
-        "--kill-on-bad-exit=0", f"env PATH={env['PATH']} PYTHONUNBUFFERED=1",
         str(python.parent / "ft_launcher"), "--nnodes", f"2:{len(NODES)}",
         "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", head,
-        "--rdzv-id", "bench", "--max-restarts", "3", "--monitor-interval", "0.1",
-        "--ft-enable-nic-monitor", "false", "--ft-initial-rank-heartbeat-timeout", "60",
+        "--rdzv-conf", "is_host=$HOST", "--local-addr", "$ADDR", "--rdzv-id", "bench",
+        "--max-restarts", "3",
+        "--monitor-interval", "0.1", "--ft-enable-nic-monitor", "false",
+        "--ft-initial-rank-heartbeat-timeout", "60",
         "--ft-rank-heartbeat-timeout", str(NVRX_HEARTBEAT_S), str(PLAIN_DDP), "--nvrx", *script,
     ]  # fmt: skip
-    return " ".join(launcher)
+    # the first task hosts the rendezvous (its node's address is the endpoint), and each node's
+    # address is its own: said outright, as the trial's nodes share one host name that resolves
+    # to none of their addresses (on a real cluster each node's name resolves to its own)
+    task = (
+        f"export PATH={env['PATH']} PYTHONUNBUFFERED=1; "
+        "if [ $SLURM_PROCID -eq 0 ]; then HOST=1; else HOST=0; fi; "
+        "ADDR=$(ip -4 -o addr show mgmt0 | awk '\\''{print $4}'\\'' | cut -d/ -f1); exec "
+        + " ".join(launcher)
+    )
+    return (
+        f"srun --ntasks={len(NODES)} --ntasks-per-node=1 --no-kill --kill-on-bad-exit=0 "
+        f"bash -c '{task}'"
+    )
 
 
 def _step(line: Path) -> int:
