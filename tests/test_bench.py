@@ -226,3 +226,15 @@ def test_a_failed_bench_run_keeps_its_state_and_says_its_last_lines(
     assert "last lines:" in said and "no-such-program-here" in said, said
     assert (kept / "state" / "relaunch.db").is_file() and (kept / "run.log").is_file()
     assert list((kept / "state" / "jobs").glob("*/pods/*/logs/rank-0.log"))
+
+
+def test_the_slurm_sections_ratio_is_relaunchs_stall_over_nvrxs_where_both_recovered() -> None:
+    from relaunch_bench.report import slurm_ratios
+
+    rows = [
+        {"system": "relaunch", "fault": "crash", "ok": True, "stall_s": 6.0},
+        {"system": "NVRx", "fault": "crash", "ok": True, "stall_s": 12.0},
+        {"system": "relaunch", "fault": "lost-node", "ok": True, "stall_s": 27.0},
+        {"system": "NVRx", "fault": "lost-node", "ok": False, "stall_s": None},
+    ]
+    assert slurm_ratios(rows) == "crash 0.5, lost-node -"
