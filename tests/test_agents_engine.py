@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -56,6 +57,12 @@ def test_agents_started_by_hand_on_two_machines_run_the_ddp_example_through_a_cr
             subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment)
         )
     try:
+        # both agents up and waiting before the controller exists, as an operator starts them
+        deadline = time.monotonic() + 60
+        while not all("ready;" in _said(tmp_path, name) for name in MACHINES):
+            assert all(a.poll() is None for a in agents), [_said(tmp_path, n) for n in MACHINES]
+            assert time.monotonic() < deadline, [_said(tmp_path, n) for n in MACHINES]
+            time.sleep(0.1)
         cluster = {**DDP_CLUSTER, "nodes": [{"name": n, "chips": 2} for n in MACHINES]}
         faults = [{"kind": "process-exit", "at_step": 30, "pod": 1, "rank": 1, "exit_code": 1}]
         out = tmp_path / "hash.txt"
@@ -78,3 +85,7 @@ def test_agents_started_by_hand_on_two_machines_run_the_ddp_example_through_a_cr
         for agent in agents:
             agent.kill()
             agent.wait()
+
+
+def _said(tmp_path: Path, machine: str) -> str:
+    return (tmp_path / f"agent-{machine}.log").read_text()

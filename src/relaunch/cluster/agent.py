@@ -374,8 +374,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"agent {args.node}: pods are {host.containers}", flush=True)
         if args.controller is not None and controller_address(args.state_dir) is None:
             # this machine's launchers find the controller where the agent was told it is
-            host, port = args.controller
-            write_controller_address(args.state_dir, host, port, pid=0)
+            controller_host, controller_port = args.controller
+            write_controller_address(args.state_dir, controller_host, controller_port, pid=0)
     agent = Agent(
         args.state_dir,
         args.node,
@@ -390,6 +390,9 @@ def main(argv: list[str] | None = None) -> None:
         args.controller,
         args.address,
     )
+    if host is not None:
+        where = "{}:{}".format(*args.controller) if args.controller else "its state directory's"
+        print(f"agent {args.node}: ready; the controller is at {where}", flush=True)
     agent.run()
 
 
