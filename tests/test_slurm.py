@@ -26,7 +26,7 @@ from relaunch.cluster.slurm import Allocation, parse_nodes
 from relaunch.cluster.slurm_trial import TrialSlurm, unavailable
 from relaunch.containers import cluster_root
 from relaunch.errors import EngineError
-from tests.runtime import DDP_CLUSTER, DDP_FAULTS, ROOT, Result, ddp_job
+from tests.runtime import DDP_CLUSTER, DDP_FAULTS, ROOT, Result, ddp_job, wait_gone
 from tests.test_networks import Incarnations
 from tests.test_process_recovery import assert_kept, process_job, starts
 
@@ -143,7 +143,11 @@ def test_ddp_example_on_slurm_same_decisions_bit_identical_nothing_left(
     parameters bit-identical to a fault-free run; the lost node drained in Slurm with
     relaunch's reason; no step of relaunch's, no cgroup and no process left after the job."""
     out = tmp_path / "hash.txt"
-    code = sbatch(slurm, batch_script(tmp_path, ddp_job(out, 10), DDP_FAULTS))
+    body = """relaunch run --engine slurm $JOB $FILES --startup-seconds 60 --quiet
+code=$?
+COLUMNS=200 relaunch nodes --engine slurm --state-dir $STATE
+exit $code"""
+    code = sbatch(slurm, batch_script(tmp_path, ddp_job(out, 10), DDP_FAULTS, body=body))
     log = (tmp_path / "out.txt").read_text()
     report = json.loads((tmp_path / "report.json").read_text())
     result = Result(code, report, log, "", tmp_path / "state")
@@ -158,6 +162,10 @@ def test_ddp_example_on_slurm_same_decisions_bit_identical_nothing_left(
     assert slurm.slurm(["squeue", "-h", "-s"]).stdout.strip() == ""
     root = cluster_root(tmp_path / "state")
     assert root is None or not root.path.exists()
+    assert not wait_gone(tmp_path / "state", timeout=5)
+    # `relaunch nodes --engine slurm`, inside the allocation: Slurm's state beside relaunch's
+    row = next(line for line in log.splitlines() if line.strip().startswith("n2 "))
+    assert "DRAIN" in row and "Lost" in row and "relaunch: lost and isolated" in row, row
 
 
 def job_state(slurm: TrialSlurm, job_id: str) -> dict[str, str]:
