@@ -113,8 +113,8 @@ class AgentsCluster:
         """The operator starts each machine's agent: nothing to start here."""
         return -1
 
-    def agent_heard(self, node: str, peer: object, message: AgentHello | Heartbeat) -> None:
-        self.hosted.heard(node, peer, message)  # type: ignore[arg-type]
+    def agent_heard(self, node: str, peer: AgentPeer, message: AgentHello | Heartbeat) -> None:
+        self.hosted.heard(node, peer, message)
 
     def start_pod(self, plan: LaunchPlan) -> int:
         return self.hosted.start_pod(plan)
