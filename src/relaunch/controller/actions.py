@@ -233,7 +233,7 @@ class OperatorRetry(LevelAction):
             return None
         op.order = c.membership.publish(operator=(op.step, op.collective, attempt))
         op.ordered_at = now
-        c.recoveries.enter(active, active.phase)  # a resumed controller counts it
+        c.recoveries.save(active)  # a resumed controller counts it
         return None
 
     def absorbs(

@@ -11,7 +11,7 @@ from relaunch.controller.detectors import hang_look, launcher_faults, lost_nodes
 from relaunch.controller.pods import Pod, PodPhase
 from relaunch.diagnosis import MIN_LOOKS, slow_links, slow_pods
 from relaunch.faults import Fault, FaultKind
-from relaunch.store import JobStatus, NodeState, Outcome
+from relaunch.store import JobStatus, NodeState
 
 if TYPE_CHECKING:
     from relaunch.controller.context import ControllerContext
@@ -250,8 +250,6 @@ def done(c: ControllerContext, now: float) -> None:
                 ended += 1
     if ended != (len(c.pods) - len(parked)) * c.spec.procs_per_pod:
         return
-    active = c.recoveries.active
-    if active is not None:
-        c.recoveries.settle(active, Outcome.SUCCEEDED, now)
+    c.recoveries.succeeded(now)  # every rank exited 0: the recovery under way worked
     c.update_job(status=JobStatus.SUCCEEDED, reason="every rank exited 0", ended_at=now)
     c.event(f"job {c.spec.name} succeeded")

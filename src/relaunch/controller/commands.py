@@ -228,8 +228,7 @@ def request_heal(c: ControllerContext, active: ActiveRecovery) -> str | None:
     recovery cannot work when no heal can be asked (the caller fails it), else None."""
     node = active.fault.node or ""
     agent = c.agents.get(node)
-    c.recoveries.heal_requests += 1
-    heal = HealRequest(c.recoveries.heal_requests, node, c.clock.now() + HEAL_TIMEOUT_S)
+    heal = HealRequest(c.recoveries.next_heal_request(), node, c.clock.now() + HEAL_TIMEOUT_S)
     active.heal = heal
     if agent is None:  # nobody to heal it: a network fault heals itself when the link returns
         heal.ok = active.fault.kind is FaultKind.NETWORK

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from relaunch.cluster import Engine
 from relaunch.cluster.config import ClusterConfig
-from relaunch.controller.active import ActiveRecovery, RecoveryPhase
+from relaunch.controller.active import ActiveRecovery
 from relaunch.controller.clock import Clock
 from relaunch.controller.detectors import HangWatch, SlowWatch, StackCaptures
 from relaunch.controller.listener import Listener
@@ -33,7 +33,7 @@ from relaunch.protocol.messages import Injected
 from relaunch.protocol.plans import Membership
 from relaunch.spec import JobSpec
 from relaunch.spec.settings import RecoverySettings
-from relaunch.store import JobRow, NodeRow, Outcome, PodRow, Store
+from relaunch.store import JobRow, NodeRow, PodRow, RecordRow, Store
 
 __all__ = [
     "ControllerContext",
@@ -81,7 +81,6 @@ class Recoveries(Protocol):
     active: ActiveRecovery | None
     waiting: bool
     hang_stop: bool
-    heal_requests: int
 
     def fault(
         self,
@@ -99,7 +98,13 @@ class Recoveries(Protocol):
 
     def carry_on(self, active: ActiveRecovery) -> None: ...
 
-    def enter(self, active: ActiveRecovery, phase: RecoveryPhase) -> None: ...
+    def save(self, active: ActiveRecovery) -> None: ...
+
+    def resume(self, records: list[RecordRow]) -> None: ...
+
+    def next_heal_request(self) -> int: ...
+
+    def succeeded(self, now: float, resumed_at: float | None = None) -> None: ...
 
     def progressed(
         self,
@@ -108,10 +113,6 @@ class Recoveries(Protocol):
         attempt: int,
         step: int | None,
         reported_at: float | None = None,
-    ) -> None: ...
-
-    def settle(
-        self, active: ActiveRecovery, outcome: Outcome, resumed_at: float | None = None
     ) -> None: ...
 
     def healed(self, request: int, ok: bool) -> None: ...

@@ -6,16 +6,15 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Final
 
-from relaunch.controller.active import ActiveRecovery, RecoveryPhase
+from relaunch.controller.active import RecoveryPhase
 from relaunch.controller.clock import TICK_S
 from relaunch.controller.commands import master_port, request_heal, slow_window_unusable, stop_grace
 from relaunch.controller.listener import Listener
 from relaunch.faults import Fault, FaultKind
-from relaunch.policy import Action
 from relaunch.protocol.messages import Shutdown
 from relaunch.protocol.wire import write_controller_address
 from relaunch.states import WANTS_NODES
-from relaunch.store import JobRow, JobStatus, NodeState, Outcome
+from relaunch.store import JobRow, JobStatus, NodeState
 
 if TYPE_CHECKING:
     from relaunch.controller.context import ControllerContext
@@ -92,7 +91,7 @@ def resume(c: ControllerContext, now: float) -> None:
     """Take over a job whose controller died: re-adopt the pods and agents that come back
     (`adopted` decides, once they have or the window has passed, what the others mean)."""
     job = c.job
-    _resume_active(c)
+    c.recoveries.resume(c.store.records(c.job_id))
     c.recoveries.waiting = True  # faults the dead controller stored and did not decide
     seen = job.controller_seen_at
     c.adoption.away_s = now - seen if seen is not None else 0.0
@@ -166,33 +165,6 @@ def adopted(c: ControllerContext, now: float) -> None:
         detail = f"controller away {c.adoption.away_s:.0f} s (adopt_grace_s {grace:g} s)"
     outage = Fault(FaultKind.CONTROLLER_OUTAGE, min(seen + grace, now), detail=detail)
     c.recoveries.fault(outage, f"outage:{c.job.attempt}:{seen:.3f}")
-
-
-def _resume_active(c: ControllerContext) -> None:
-    """The recovery a killed controller left under way, as it stored it (controller.active):
-    one still WAITING sends what it had not sent once the adoption window is over; one RUNNING
-    asks again for what the killed controller asked and never heard the answer of. Faults only
-    recorded while it ran (`ignore`, stored after it) are passed over: they leave the recovery
-    under way alone (policy.fallback, ALONGSIDE), so it is the newest record of any other
-    action."""
-    for record in reversed(c.store.records(c.job_id)):
-        if record.action is Action.IGNORE:
-            continue
-        if record.outcome is Outcome.RUNNING:
-            active = ActiveRecovery(
-                record.id,
-                record.fault,
-                record.fault_id,
-                record.action,
-                frozenset(record.tried),
-                record.started_at,
-                phase=RecoveryPhase(record.phase),
-            )
-            active.restore(record.state)
-            if active.heal is not None:  # its requests go on from the stored one's number
-                c.recoveries.heal_requests = max(c.recoveries.heal_requests, active.heal.request)
-            c.recoveries.active = active
-        break
 
 
 def finish(c: ControllerContext, job: JobRow) -> None:

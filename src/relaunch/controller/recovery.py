@@ -10,7 +10,8 @@
                      already tried)
 
 Each arrow that writes is one store transaction, so a controller killed anywhere resumes from the
-store with every fault decided exactly once. Nothing here blocks: a heal is a request whose answer
+store with every fault decided exactly once. The recovery's phases are controller.active's: this
+driver asks it for each change (`recorded`, `move`, `save`), and never writes one itself. Nothing here blocks: a heal is a request whose answer
 (or its absence by a deadline) is an observation like any other.
 """
 
@@ -20,6 +21,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from relaunch import failpoints
+from relaunch.controller import active as phases
 from relaunch.controller import commands
 from relaunch.controller.actions import action_for
 from relaunch.controller.active import HEAL_TIMEOUT_S, ActiveRecovery, RecoveryPhase
@@ -32,7 +34,7 @@ from relaunch.policy.fallback import (
     decide_after,
     on_new_fault,
 )
-from relaunch.store import JobStatus, Outcome
+from relaunch.store import JobStatus, RecordRow
 
 if TYPE_CHECKING:
     from relaunch.controller.context import ControllerContext
@@ -107,7 +109,7 @@ class RecoveryDriver:
                 self.group, self.members = Group(fault_id, fault, attempt), [fault]
             waiting, tried = fault_id, frozenset[Action]()
             if active is not None and fallback is not None and not alongside:
-                self.settle(active, Outcome.FAILED)
+                self._settle(active, RecoveryPhase.FAILED)
                 if fallback.consequence is Consequence.FALL_BACK:
                     waiting, tried = active.fault_id, fallback.tried
             c.store.add_pending(c.job_id, waiting, sorted(tried))
@@ -153,7 +155,7 @@ class RecoveryDriver:
             return
         c = self.c
         with c.store.transaction():
-            self.settle(active, Outcome.FAILED)
+            self._settle(active, RecoveryPhase.FAILED)
             c.store.add_pending(c.job_id, active.fault_id, sorted(active.tried | {active.action}))
         c.event(f"{active.action.value}: {why}")
         self.waiting = True
@@ -193,7 +195,6 @@ class RecoveryDriver:
                 # (two ranks' failures of one collective, heard in one pass)
                 with c.store.transaction():
                     c.store.make_collateral(c.job_id, fault_id, active.fault_id)
-                    self.enter(active, active.phase)
                 c.event(f"{active.action.value}: {fault.describe()}")
                 continue
             if active is not None and (  # a newer fault outranks a recovery under way
@@ -202,7 +203,7 @@ class RecoveryDriver:
                 ).consequence
                 is not Consequence.ALONGSIDE
             ):
-                self.settle(active, Outcome.FAILED)
+                self._settle(active, RecoveryPhase.FAILED)
             self._climb(fault, fault_id, tried, now, ranks)
             ranks = None  # the next fault's decision looks again: this one changed things
 
@@ -249,9 +250,8 @@ class RecoveryDriver:
             action = decision.action
             self.hang_stop = fault.kind is FaultKind.HANG
             if action.final or action.hands_over:
-                outcome = Outcome.FAILED if action is Action.FAIL else Outcome.SUCCEEDED
                 after = tried | {action} if action.hands_over else None
-                self.record(decision, fault_id, tried, now, outcome, still_waiting=after)
+                self.record(decision, fault_id, tried, now, still_waiting=after)
                 if action.hands_over:
                     tried |= {action}
                     continue
@@ -277,7 +277,7 @@ class RecoveryDriver:
         active.base_generation = current.generation if current is not None else 0
         active.fence_until = c.leases.fence_until(fault)
         level.plan(c, decision, active)
-        active.record_id = self.record(decision, fault_id, tried, now, Outcome.RUNNING, active)
+        self.record(decision, fault_id, tried, now, active)
         failpoints.reach("decision-stored")
         self.active = active
         self.carry_on(active)
@@ -289,12 +289,32 @@ class RecoveryDriver:
         if why is not None:  # a heal nobody can answer fails it at once
             self.failed(why)
         elif self.active is active:
-            self.enter(active, RecoveryPhase.RUNNING)
+            phases.move(self.c.store, active, RecoveryPhase.RUNNING)
 
-    def enter(self, active: ActiveRecovery, phase: RecoveryPhase) -> None:
-        """The one place a recovery moves between phases (and its state is stored)."""
-        active.phase = phase
-        self.c.store.set_recovery_state(active.record_id, phase.value, active.to_state())
+    def save(self, active: ActiveRecovery) -> None:
+        """What changed inside the recovery's phase, stored for a resumed controller."""
+        phases.save(self.c.store, active)
+
+    def resume(self, records: list[RecordRow]) -> None:
+        """The recovery a killed controller left under way, as it stored it: one still WAITING
+        sends what it had not sent once the adoption window is over (`carry_on`); one RUNNING
+        waits for the same proof. Faults only recorded while it ran (`ignore`, stored after it)
+        are passed over: they leave the recovery under way alone (policy.fallback, ALONGSIDE),
+        so it is the newest record of any other action."""
+        for record in reversed(records):
+            if record.action is Action.IGNORE:
+                continue
+            if RecoveryPhase(record.phase).live:
+                active = ActiveRecovery.resumed(record)
+                if active.heal is not None:  # its requests go on from the stored one's number
+                    self.heal_requests = max(self.heal_requests, active.heal.request)
+                self.active = active
+            return
+
+    def next_heal_request(self) -> int:
+        """The number of a new heal request (an answer to an older one is dropped)."""
+        self.heal_requests += 1
+        return self.heal_requests
 
     def record(
         self,
@@ -302,21 +322,29 @@ class RecoveryDriver:
         fault_id: int,
         tried: frozenset[Action],
         now: float,
-        outcome: Outcome,
         active: ActiveRecovery | None = None,
         still_waiting: frozenset[Action] | None = None,
     ) -> int:
         """Store a record, the desired-state change its action makes, whether its fault still
         waits for a decision (`still_waiting`: the actions tried by then) and, for a recovery
-        that runs, its plan (WAITING), together."""
+        that runs, its plan (WAITING), together. A final decision is done at once (ignore:
+        SUCCEEDED, fail: FAILED), a hand-over (dump, exit) too (HANDED_OVER)."""
         c = self.c
         budgets = decision.budgets_left
         # what the change needs of the engine, asked before the transaction holds the store:
         # a port on the node rank 0 will be on (where the decision moves pod 0, if it does)
         rank0_node = dict(decision.targets).get(0)
         port = commands.master_port(c, rank0_node) if decision.action.level.new_attempt else 0
+        action = decision.action
+        if active is not None:
+            phase = RecoveryPhase.WAITING
+        elif action.hands_over:
+            phase = RecoveryPhase.HANDED_OVER
+        else:
+            phase = RecoveryPhase.FAILED if action is Action.FAIL else RecoveryPhase.SUCCEEDED
         with c.store.transaction():
-            record_id = c.store.add_record(
+            record_id = phases.recorded(
+                c.store,
                 c.job_id,
                 fault_id,
                 decision,
@@ -325,19 +353,10 @@ class RecoveryDriver:
                 if budgets
                 else {},
                 now,
-                outcome,
+                phase,
+                active,
             )
-            action_for(decision.action).change(c, decision, now, port)
-            if active is not None:
-                c.store.set_recovery_state(
-                    record_id, RecoveryPhase.WAITING.value, active.to_state()
-                )
-            else:  # final (ignore, fail) or handed over (dump, exit): done at once
-                phase = RecoveryPhase.HANDED_OVER if decision.action.hands_over else None
-                phase = phase or (
-                    RecoveryPhase.FAILED if outcome is Outcome.FAILED else RecoveryPhase.SUCCEEDED
-                )
-                c.store.set_recovery_state(record_id, phase.value, {})
+            action_for(action).change(c, decision, now, port)
             if still_waiting is None:
                 c.store.drop_pending(c.job_id, fault_id)
             else:
@@ -378,7 +397,7 @@ class RecoveryDriver:
             return
         c = self.c
         resumed_at = now if resumed_at is None else resumed_at
-        self.settle(active, Outcome.SUCCEEDED, resumed_at)
+        self._settle(active, RecoveryPhase.SUCCEEDED, resumed_at)
         c.update_job(status=JobStatus.RUNNING)
         self.hang_stop = False
         c.event(
@@ -387,16 +406,12 @@ class RecoveryDriver:
         )
         failpoints.reach("recovered")
 
-    def settle(
-        self, active: ActiveRecovery, outcome: Outcome, resumed_at: float | None = None
+    def _settle(
+        self, active: ActiveRecovery, phase: RecoveryPhase, resumed_at: float | None = None
     ) -> None:
-        """RUNNING -> SUCCEEDED or FAILED: its record settled (the MTTR, when progress resumed),
-        and no longer the recovery under way."""
-        self.c.store.settle_record(
-            active.record_id, outcome, resumed_at=resumed_at, fault_at=active.fault.at
-        )
-        phase = RecoveryPhase.SUCCEEDED if outcome is Outcome.SUCCEEDED else RecoveryPhase.FAILED
-        self.enter(active, phase)
+        """To SUCCEEDED or FAILED: its record settled (the MTTR, when progress resumed), and no
+        longer the recovery under way."""
+        phases.move(self.c.store, active, phase, resumed_at)
         if self.active is active:
             self.active = None
 

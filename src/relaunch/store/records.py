@@ -97,14 +97,17 @@ class RecordTable(PodTable):
         tried: Sequence[Action],
         budgets: Mapping[str, int],
         started_at: float,
+        phase: str,
         outcome: Outcome,
+        state: Mapping[str, Any],
     ) -> int:
         """A recovery record: the decision taken for a fault, what had been tried before it,
-        the budgets left after it, and (until it is settled) how it went."""
+        the budgets left after it, its phase and the outcome that follows from it, and what a
+        resumed controller needs to carry it on (written by controller.active only)."""
         row = self._one(
             "INSERT INTO recoveries (job_id, fault_id, action, cause, reason, pods, isolated, consumed, "
-            "tried, counters, budgets, started_at, outcome) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+            "tried, counters, budgets, started_at, phase, outcome, state) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
             (
                 job_id,
                 fault_id,
@@ -118,30 +121,36 @@ class RecordTable(PodTable):
                 json.dumps([[c.schedule_cnt, c.proc_start_cnt] for c in decision.counters]),
                 json.dumps(dict(budgets)),
                 started_at,
+                phase,
                 outcome.value,
+                json.dumps(dict(state)),
             ),
         )
         assert row is not None
         return int(row["id"])
 
-    def settle_record(
+    def set_recovery_phase(
         self,
         record_id: int,
+        phase: str,
         outcome: Outcome,
+        state: Mapping[str, Any],
         resumed_at: float | None = None,
         fault_at: float | None = None,
     ) -> None:
+        """A recovery's new phase with the outcome that follows from it, its state, and when
+        progress resumed (its MTTR): one statement (written by controller.active only)."""
         mttr = None if resumed_at is None or fault_at is None else round(resumed_at - fault_at, 3)
         self._execute(
-            "UPDATE recoveries SET outcome = ?, resumed_at = ?, mttr_s = ? WHERE id = ?",
-            (outcome.value, resumed_at, mttr, record_id),
+            "UPDATE recoveries SET phase = ?, outcome = ?, state = ?, resumed_at = ?, mttr_s = ? "
+            "WHERE id = ?",
+            (phase, outcome.value, json.dumps(dict(state)), resumed_at, mttr, record_id),
         )
 
-    def set_recovery_state(self, record_id: int, phase: str, state: Mapping[str, Any]) -> None:
-        """Where a recovery under way is, and what a resumed controller needs to carry it on."""
+    def save_recovery_state(self, record_id: int, state: Mapping[str, Any]) -> None:
+        """What a resumed controller needs to carry a recovery on; its phase unchanged."""
         self._execute(
-            "UPDATE recoveries SET phase = ?, state = ? WHERE id = ?",
-            (phase, json.dumps(state), record_id),
+            "UPDATE recoveries SET state = ? WHERE id = ?", (json.dumps(dict(state)), record_id)
         )
 
     def records(self, job_id: int) -> list[RecordRow]:
