@@ -8,6 +8,7 @@ import dataclasses
 import hashlib
 import io
 import json
+import os
 import pickle
 import warnings
 from pathlib import Path
@@ -188,24 +189,44 @@ def test_a_forged_header_is_refused_before_anything_is_allocated(why: str, messa
         shard_format.read_buffer(data, "not checked before the header")
 
 
-def test_a_shard_written_by_an_earlier_release_still_loads(tmp_path: Path) -> None:
-    """Before relaunch-shard-1 a shard was torch.save bytes with a SHA-256 in its manifest."""
-    state = {"w": torch.arange(4.0), "step": 9}
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    data = buffer.getvalue()
-    directory = tmp_path / "step-000000009"
-    directory.mkdir()
+class _Detonator:
+    """Unpickling it runs code: a checkpoint loader must never get that far with it."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path.touch, (Path(os.environ["DETONATED"]),))
+
+
+@pytest.mark.parametrize("fmt", ["torch", "pickle"])
+def test_a_0_1_shard_that_unpickles_is_refused_and_never_unpickled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str
+) -> None:
+    """0.1.0 wrote torch.save / pickle bytes with a SHA-256 in the manifest: loading them would
+    run whatever code they carry, so they are refused by name (a warning; the next older
+    checkpoint, or none) even when their checksum matches."""
+    mark = tmp_path / "detonated"
+    monkeypatch.setenv("DETONATED", str(mark))
+    state = {"w": torch.arange(4.0), "step": 9, "payload": _Detonator()}
+    if fmt == "torch":
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        data = buffer.getvalue()
+    else:
+        data = pickle.dumps(state)
+    directory = tmp_path / "ckpt" / "step-000000009"
+    directory.mkdir(parents=True)
     (directory / "rank-0.ckpt").write_bytes(data)
     files = {"rank-0.ckpt": {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}}
-    manifest = {"step": 9, "rank": 0, "format": "torch", "files": files}
+    manifest = {"step": 9, "rank": 0, "format": fmt, "files": files}
     (directory / "rank-0.manifest.json").write_text(json.dumps(manifest))
-    loaded = CheckpointManager(tmp_path, rank=0).load()
-    assert loaded is not None and loaded.step == 9
-    _assert_same(loaded.state, state)
-    (directory / "rank-0.ckpt").write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
-    with pytest.warns(CheckpointWarning, match="checksum"):
-        assert CheckpointManager(tmp_path, rank=0).load() is None
+    with pytest.warns(CheckpointWarning, match=f"format '{fmt}', which relaunch no longer reads"):
+        assert CheckpointManager(tmp_path / "ckpt", rank=0).load() is None
+    assert not mark.exists()
+    # the file does detonate when unpickled: the check above could fail
+    if fmt == "torch":
+        torch.load(io.BytesIO(data), weights_only=False)
+    else:
+        pickle.loads(data)
+    assert mark.exists()
 
 
 class _FirstFormatPickler(pickle.Pickler):

@@ -1,4 +1,4 @@
-"""Fault model: section 3 of RECOVERY_RULES.md (R-08..R-13)."""
+"""Fault model: R-08..R-13 of docs/recovery-rules.md."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The recovery ladder, rule by rule: sections 4, 5 and 6 of RECOVERY_RULES.md.
+"""The recovery ladder, rule by rule: the rules of docs/recovery-rules.md, each test named after its rule.
 
 Each test drives `decide` (or `plan`, the whole way down) through one transition of the ladder.
 """

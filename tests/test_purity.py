@@ -1,5 +1,5 @@
 """The pure core stays pure: spec, faults and policy do no I/O, read no clock and import no engine,
-store or CLI (ARCHITECTURE.md). Checked on the source and at run time."""
+store or CLI (docs/architecture.md). Checked on the source and at run time."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Job spec: section 1 of RECOVERY_RULES.md (R-01..R-03) and R-07's injected environment."""
+"""Job spec: R-01..R-03 of docs/recovery-rules.md and R-07's injected environment."""
 
 from __future__ import annotations
 

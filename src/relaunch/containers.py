@@ -239,18 +239,6 @@ class Cgroup:
                     total += int(value)
         return total
 
-    def stall_seconds(self, resource: str) -> float | None:
-        """Time some process here waited for `resource` ("cpu", "io", "memory"): the `some`
-        total of its pressure file."""
-        try:
-            for line in (self.path / f"{resource}.pressure").read_text().splitlines():
-                if line.startswith("some "):
-                    total = line.rpartition("total=")[2]
-                    return int(total) / 1e6
-        except (OSError, ValueError):
-            return None
-        return None
-
 
 PRIVATE_MOUNT: Final = Path("/run/relaunch/cgroup2")
 """Where relaunch mounts the unified hierarchy itself when none is visible in a private mount

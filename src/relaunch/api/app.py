@@ -1,7 +1,7 @@
 """The server's application: the REST API in the shape of ModelArts' training-job API, the
 dashboard and `/metrics`, over the same store as `relaunch run`.
 
-Thin, as ARCHITECTURE.md asks: the Guard checks every request first; routes check what they are
+Thin, as docs/architecture.md says: the Guard checks every request first; routes check what they are
 given and call the service (relaunch.service); the runner and its controller act on what the
 store says. Every error is JSON with the problems `relaunch validate` prints (api.errors).
 """

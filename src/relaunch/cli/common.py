@@ -30,6 +30,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",
 )
 out = Console(width=None if sys.stdout.isatty() else 120)
 err = Console(stderr=True)

@@ -16,7 +16,21 @@ class Clock(Protocol):
         """Seconds since the epoch (the same clock the agents and launchers stamp with)."""
         ...
 
+    def monotonic(self) -> float:
+        """Seconds that only go forward (for gaps between reads, never stored)."""
+        ...
+
+    def sleep(self, seconds: float) -> None:
+        """Wait (a fake clock moves on instead)."""
+        ...
+
 
 class SystemClock:
     def now(self) -> float:
         return time.time()
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)

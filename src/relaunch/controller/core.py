@@ -15,7 +15,6 @@ from an engine, so that the loop runs the same under unit tests with fakes as in
 from __future__ import annotations
 
 import queue
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -53,10 +52,6 @@ HEARTBEAT_WRITTEN_EVERY_S: Final = 5.0
 heartbeat"), all in one transaction (or every heartbeat interval, when that is longer)."""
 SEEN_EVERY_S: Final = 0.5
 """How often the controller writes that it is alive (a resume tells how long it was away)."""
-
-
-Closed = None
-"""What the inbox carries when a peer's connection closed."""
 
 
 class Controller:
@@ -225,13 +220,13 @@ class Controller:
                 if woken and not received:  # a bell may overtake its message between hosts
                     received = self.listener.poll(READ_EVERY_S)
             else:
-                since = time.monotonic() - self.pacer.read_at
+                since = self.clock.monotonic() - self.pacer.read_at
                 gap = self.pacer.read_gap()
                 if since < gap:  # gather what arrives meanwhile into one read
-                    time.sleep(gap - since)
+                    self.clock.sleep(gap - since)
                     wait = max(0.0, wait - (gap - since))
                 received = self.listener.poll(wait if self.inbox.empty() else 0.0)
-            self.pacer.read_at = time.monotonic()
+            self.pacer.read_at = self.clock.monotonic()
             rounds = 0
             while received:
                 for conn, message in received:

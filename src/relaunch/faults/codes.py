@@ -57,10 +57,6 @@ class HandlingLevel(IntEnum):
             return Severity.MAJOR
         return Severity.CRITICAL
 
-    @property
-    def isolates_chip(self) -> bool:
-        return self >= HandlingLevel.PRE_SEPARATE_NPU
-
 
 _NAMES: dict[HandlingLevel, str] = {
     HandlingLevel.NOT_HANDLE_FAULT: "NotHandleFault",

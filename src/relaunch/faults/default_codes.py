@@ -1,6 +1,6 @@
 """The fault codes relaunch knows out of the box (R-09, R-11).
 
-The codes named in RECOVERY_RULES.md, plus a selection of Ascend NPU codes with the handling
+The codes named in docs/recovery-rules.md (and the source documents it cites), plus a selection of Ascend NPU codes with the handling
 level MindCluster's device plugin assigns them in its public default table, plus the NVIDIA GPU
 codes of relaunch.faults.gpu_codes (Xids and NVML conditions). Descriptions are
 ours. Users extend or override this table with `--fault-table FILE`.

@@ -5,7 +5,7 @@ one of three ways: it does not apply to this fault (None), it would apply but so
 (a :class:`Blocked` with the reason, e.g. a spent budget), or it proposes itself (a
 :class:`Proposal`). :func:`decide` takes the first proposal; the reasons of blocked rungs explain a
 ``fail``. Actions that already failed for this fault are passed in ``tried`` and skipped, which is
-how every degradation of RECOVERY_RULES.md falls out of one ordering:
+how every degradation of docs/recovery-rules.md falls out of one ordering:
 
     ignore
     operator-retry                                                            (R-29)

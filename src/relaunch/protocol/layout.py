@@ -108,10 +108,6 @@ class StateDir:
         return self.path / "run.lock"
 
     @property
-    def runner_pid(self) -> Path:
-        return self.path / "runner.pid"
-
-    @property
     def runner_log(self) -> Path:
         return self.path / "runner.log"
 

@@ -17,13 +17,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import hashlib
-import io
 import json
 import os
 import pickle
 import re
-import shutil
 import signal
 import sys
 import threading
@@ -90,17 +87,6 @@ class Checkpoint:
     path: Path
 
 
-def _legacy_state(data: bytes, fmt: str) -> Any:
-    """A shard of an earlier release: `torch.save` or pickle bytes."""
-    if fmt == "torch":
-        import torch
-
-        return torch.load(io.BytesIO(data), weights_only=False)
-    if fmt == "pickle":
-        return pickle.loads(data)
-    raise ValueError(f"unknown checkpoint format {fmt!r}")
-
-
 TMP_MARK = ".tmp-"
 """Temporary files are `.NAME.tmp-PID` beside their target until they are renamed into place."""
 
@@ -143,14 +129,12 @@ def _fsync_dir(directory: Path) -> None:
 
 def _read_shard(path: Path, fmt: str, expected: dict[str, Any]) -> Any:
     """The state in one shard file, checked against its manifest entry `expected`."""
-    if fmt in shard.FORMATS:
-        return shard.read(path, expected["size"], expected[shard.HASH])
-    data = path.read_bytes()
-    if len(data) != expected["size"]:
-        raise ValueError(f"{path.name} is {len(data)} bytes, the manifest says {expected['size']}")
-    if hashlib.sha256(data).hexdigest() != expected["sha256"]:
-        raise ValueError(f"{path.name} does not match its checksum")
-    return _legacy_state(data, fmt)
+    if fmt not in shard.FORMATS:  # 0.1.0's torch.save / pickle shards: never unpickled unchecked
+        raise ValueError(
+            f"{path.name} is in format {fmt!r}, which relaunch no longer reads (it reads "
+            f"{', '.join(shard.FORMATS)})"
+        )
+    return shard.read(path, expected["size"], expected[shard.HASH])
 
 
 def _wait_at_exit(manager: weakref.ref[CheckpointManager]) -> None:
@@ -399,10 +383,6 @@ class CheckpointManager:
                 )
             return None
         return Checkpoint(step, state, directory)
-
-    def remove_all(self) -> None:
-        shutil.rmtree(self.directory, ignore_errors=True)
-        self.directory.mkdir(parents=True, exist_ok=True)
 
     # -- dying gasp ---------------------------------------------------------------------------------
 

@@ -1,0 +1,57 @@
+"""`relaunch --help` reads at 80 columns: each command's description is wrapped only where the
+column is full (a docstring's own line breaks are not kept), and nothing runs past the edge."""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import pytest
+from typer.testing import CliRunner
+
+from relaunch.cli import app
+
+WIDTH = 80
+
+
+def help_text(*args: str) -> str:
+    result = CliRunner().invoke(app, [*args, "--help"], env={"COLUMNS": str(WIDTH)}, color=False)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def command_rows(text: str) -> dict[str, list[str]]:
+    """The Commands panel: each command's description, as the lines it was wrapped into."""
+    panel = text.split("Commands ", 1)[1].split("╰", 1)[0]
+    rows: dict[str, list[str]] = {}
+    name = ""
+    for line in panel.splitlines()[1:]:
+        inner = line.strip("│").rstrip()
+        entry = re.match(r"^ (\S+)(\s+)(\S.*)$", inner)
+        if entry:
+            name = entry.group(1)
+            rows[name] = [entry.group(3)]
+        elif name and inner.strip():
+            rows[name].append(inner.strip())
+    return rows
+
+
+def test_the_command_list_wraps_only_where_the_column_is_full() -> None:
+    text = help_text()
+    assert all(len(line) <= WIDTH for line in text.splitlines())
+    rows = command_rows(text)
+    assert {"run", "validate", "logs", "nodes", "agent", "describe"} <= set(rows)
+    column = max(len(line) for lines in rows.values() for line in lines)
+    for name, lines in rows.items():
+        for line, following in itertools.pairwise(lines):
+            next_word = following.split()[0]
+            assert len(line) + 1 + len(next_word) > column, (
+                f"{name}: the line {line!r} breaks before {next_word!r} with room left"
+            )
+
+
+@pytest.mark.parametrize("command", ["run", "validate", "logs", "nodes", "agent", "bench"])
+def test_each_commands_help_fits_80_columns(command: str) -> None:
+    text = help_text(command)
+    assert all(len(line) <= WIDTH for line in text.splitlines())
+    assert "Usage: relaunch " + command in text
