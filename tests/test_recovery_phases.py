@@ -21,7 +21,7 @@ from relaunch.controller.active import (
 )
 from relaunch.faults import Cause, Fault, FaultKind
 from relaunch.faults.assessment import Assessment
-from relaunch.policy import Action, Decision
+from relaunch.policy import Action, Decision, JobHistory
 from relaunch.states import Outcome
 from relaunch.store import Store
 
@@ -207,3 +207,31 @@ def test_no_module_but_the_state_machine_writes_a_phase() -> None:
         isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "set_recovery_phase"
         for n in ast.walk(owner_tree)
     )
+
+
+@pytest.mark.parametrize("action", list(Action))
+@pytest.mark.parametrize("worked", [True, False])
+def test_the_tests_history_reads_as_the_store_builds_it(
+    store: Store, action: Action, worked: bool
+) -> None:
+    """JobHistory.with_decision / with_outcome, which the policy's tests build histories with,
+    give every action's record the same outcome as the controller's store: recorded in its
+    first phase, then (for one that runs) settled the way it went."""
+    job, _ = stored(store, None)
+    fault_id = store.add_fault(job, fault(), 12.0, "decided")
+    assert fault_id is not None
+    made = decision(action)
+    runs = action.done_when_recorded is None
+    plan = ActiveRecovery(0, fault(), fault_id, action, frozenset(), 12.0) if runs else None
+    recorded(store, job, fault_id, made, [], {}, 12.0, phases.first_phase(action, runs), plan)
+    tests_history = JobHistory(pods=1).with_decision(made, 12.0)
+    assert store.history(job, pods=[]).records[-1].succeeded == (
+        tests_history.records[-1].succeeded
+    )
+    if plan is None:
+        return
+    move(store, plan, R)
+    move(store, plan, S if worked else F, 13.0 if worked else None)
+    tests_history = tests_history.with_outcome(worked)
+    assert store.history(job, pods=[]).records[-1].succeeded is worked
+    assert tests_history.records[-1].succeeded is worked

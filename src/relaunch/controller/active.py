@@ -41,6 +41,7 @@ __all__ = [
     "IllegalTransition",
     "OperatorState",
     "RecoveryPhase",
+    "first_phase",
     "move",
     "recorded",
     "save",
@@ -214,6 +215,16 @@ class ActiveRecovery:
         self.pods = tuple(state.get("pods", ()))
         self.base_generation = int(state.get("base_generation", 0))
         self.fence_until = state.get("fence_until")
+
+
+def first_phase(action: Action, runs: bool) -> RecoveryPhase:
+    """The phase a decision's record is stored in: WAITING for a recovery that runs (with its
+    plan); one done at once as `Action.done_when_recorded` says (dump / exit: HANDED_OVER)."""
+    if runs:
+        return RecoveryPhase.WAITING
+    if action.hands_over:
+        return RecoveryPhase.HANDED_OVER
+    return RecoveryPhase.SUCCEEDED if action.done_when_recorded else RecoveryPhase.FAILED
 
 
 def recorded(

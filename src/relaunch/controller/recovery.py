@@ -336,12 +336,7 @@ class RecoveryDriver:
         rank0_node = dict(decision.targets).get(0)
         port = commands.master_port(c, rank0_node) if decision.action.level.new_attempt else 0
         action = decision.action
-        if active is not None:
-            phase = RecoveryPhase.WAITING
-        elif action.hands_over:
-            phase = RecoveryPhase.HANDED_OVER
-        else:
-            phase = RecoveryPhase.FAILED if action is Action.FAIL else RecoveryPhase.SUCCEEDED
+        phase = phases.first_phase(action, runs=active is not None)
         with c.store.transaction():
             record_id = phases.recorded(
                 c.store,

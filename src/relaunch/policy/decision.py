@@ -65,6 +65,15 @@ class Action(StrEnum):
         return LEVELS[self].final
 
     @property
+    def done_when_recorded(self) -> bool | None:
+        """How its record reads the moment it is stored: an action done at once worked (ignore,
+        and dump / exit, which hand over) or did not (fail); None for one that runs until
+        progress proves it. The store's records and JobHistory.with_decision both follow it."""
+        if self is Action.FAIL:
+            return False
+        return True if self.final or self.hands_over else None
+
+    @property
     def rebuilds_all_pods(self) -> bool:
         return LEVELS[self].other_pods is PodChange.RESCHEDULED
 

@@ -58,7 +58,8 @@ class JobHistory:
         return replace(self, faults=(*self.faults, fault))
 
     def with_decision(self, decision: Decision, at: float) -> JobHistory:
-        """Record a decision being carried out; its counters take effect."""
+        """Record a decision being carried out; its counters take effect. The record reads as
+        the store's does (tests/test_recovery_phases.py compares them)."""
         record = RecoveryRecord(
             at=at,
             fault=decision.assessment.fault,
@@ -67,7 +68,7 @@ class JobHistory:
             pods=decision.pods,
             consumes=decision.consumes,
             isolated=decision.isolate_nodes,
-            succeeded=True if decision.action.final else None,
+            succeeded=decision.action.done_when_recorded,
         )
         counters = decision.counters or self.counters
         return replace(self, records=(*self.records, record), counters=counters)
