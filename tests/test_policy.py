@@ -910,9 +910,9 @@ def test_every_level_is_declared_once_decided_by_a_rung_and_carried_out_by_an_ac
     from relaunch.controller.actions import ACTIONS
     from relaunch.policy import LEVELS, RUNGS, PodChange
 
-    assert set(LEVELS) == set(Action)
+    assert list(LEVELS) == list(Action)  # one order: the ladder's
     assert set(ACTIONS) == set(Action)
-    assert {action for action, _ in RUNGS} | {Action.FAIL} == set(Action)
+    assert [action for action, _ in RUNGS] == [a for a in Action if a is not Action.FAIL]
     for action, level in LEVELS.items():
         assert ACTIONS[action].action is action
         assert ACTIONS[action].new_attempt is level.new_attempt
@@ -921,6 +921,49 @@ def test_every_level_is_declared_once_decided_by_a_rung_and_carried_out_by_an_ac
         assert level.new_attempt is (level.other_pods is not PodChange.KEPT)
         assert not (level.process_level and level.new_attempt)
         assert not (level.final and (level.new_attempt or level.process_level))
+        assert level.recovering >= level.new_attempt  # a new attempt is a recovery under way
+
+
+def test_what_follows_from_the_level_declarations() -> None:
+    """Issue 47's one declaration per level: R-43's reschedules, the runs in a row (R-21,
+    R-24), the job's status while a level runs and the controller's classes all read LEVELS;
+    a level declared without a class is refused when the controller loads."""
+    from relaunch.controller import actions
+    from relaunch.policy import LEVELS, Streak
+    from relaunch.report import RESCHEDULES
+
+    assert {
+        Action.PROCESS_RESCHEDULE,
+        Action.POD_RESCHEDULE,
+        Action.ISOLATED_JOB_RESCHEDULE,
+        Action.JOB_RESCHEDULE,
+    } == RESCHEDULES
+    assert {a: LEVELS[a].streak for a in Action if LEVELS[a].streak} == {
+        Action.HANG_RESTART: Streak.HANG,
+        Action.JOB_RESCHEDULE: Streak.UNCONDITIONAL,
+    }
+    assert {a for a in Action if LEVELS[a].recovering} == {
+        Action.PROCESS_RESCHEDULE,
+        Action.SCALE_IN,
+        Action.HANG_RESTART,
+        Action.IN_PLACE,
+        Action.POD_RESCHEDULE,
+        Action.ISOLATED_JOB_RESCHEDULE,
+        Action.JOB_RESCHEDULE,
+    }
+
+    class Twice(actions.LevelAction):
+        action = Action.JOB_RESCHEDULE
+
+    try:
+        with pytest.raises(TypeError, match="two classes carry out job-reschedule"):
+            actions._registered()
+    finally:
+        del Twice
+        import gc
+
+        gc.collect()
+    assert actions._registered().keys() == set(Action)
 
 
 def test_r04_r05_counters_follow_what_each_level_does_to_a_container() -> None:

@@ -76,14 +76,7 @@ def build_report(store: Store, job_id: int, now: float | None = None) -> dict[st
     }
 
 
-RESCHEDULES = frozenset(
-    {
-        Action.JOB_RESCHEDULE,
-        Action.ISOLATED_JOB_RESCHEDULE,
-        Action.POD_RESCHEDULE,
-        Action.PROCESS_RESCHEDULE,
-    }
-)
+RESCHEDULES = frozenset(a for a in Action if a.level.reschedules)
 """The levels that put pods (or processes) on other nodes or in new containers."""
 
 

@@ -1,7 +1,8 @@
-"""What each recovery level does, one small class per level, in a registry keyed by the policy's
-`Action`. Adding a level is adding its entry to the policy's LEVELS (what it is and what it
-changes to each container), its rung in policy.rungs (when it applies) and a class here (what it
-sends); tests/test_policy.py checks that the three cover the same levels.
+"""What each recovery level does, one small class per level, registered by the `Action` it
+declares. Adding a level is one declaration, its entry of the policy's LEVELS (policy.rungs:
+what it is, what it changes to each container, the job's status while it runs, the run it
+extends, its rung and its place in the ladder), and one class here (what it sends); the
+registry refuses to load unless the classes cover LEVELS exactly.
 
 Each level says four things:
 
@@ -20,12 +21,14 @@ Each level says four things:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING, ClassVar, Final
 
 from relaunch.controller import commands
 from relaunch.controller.active import OperatorState
 from relaunch.faults import Fault, FaultKind
-from relaunch.policy import Action, Decision, PodChange
+from relaunch.policy import LEVELS, Action, Decision, PodChange
 from relaunch.states import WANTS_NODES
 from relaunch.store import JobStatus, NodeState, PodRow
 
@@ -62,6 +65,8 @@ class LevelAction:
             move_pods(c, d, moved=moved)
         if level.new_attempt:
             new_attempt(c, now, port)
+        if level.recovering:
+            c.update_job(status=JobStatus.RECOVERING)
 
     def plan(self, c: ControllerContext, d: Decision, active: ActiveRecovery) -> None:
         """Fill in what the recovery needs from its decision (no side effect)."""
@@ -283,10 +288,6 @@ class ProcessReschedule(LevelAction):
 
     action = Action.PROCESS_RESCHEDULE
 
-    def change(self, c: ControllerContext, d: Decision, now: float, port: int = 0) -> None:
-        super().change(c, d, now, port)
-        c.update_job(status=JobStatus.RECOVERING)
-
     def plan(self, c: ControllerContext, d: Decision, active: ActiveRecovery) -> None:
         active.pods = d.pods
         active.ranks = tuple(r for pod in d.pods for r in c.ranks_of(pod))
@@ -303,10 +304,6 @@ class ScaleIn(LevelAction):
     """R-33: the lost pods are parked; the others go on with fewer replicas."""
 
     action = Action.SCALE_IN
-
-    def change(self, c: ControllerContext, d: Decision, now: float, port: int = 0) -> None:
-        super().change(c, d, now, port)
-        c.update_job(status=JobStatus.RECOVERING)
 
     def plan(self, c: ControllerContext, d: Decision, active: ActiveRecovery) -> None:
         active.pods = d.pods
@@ -418,22 +415,32 @@ def move_pods(c: ControllerContext, d: Decision, moved: set[int]) -> None:
 def new_attempt(c: ControllerContext, now: float, port: int) -> None:
     """The job's next attempt, its rank 0 listening on `port` (asked of the engine before the
     record's transaction began: a Ray node answers in its own time)."""
-    c.update_job(
-        status=JobStatus.RECOVERING,
-        attempt=c.job.attempt + 1,
-        attempt_started_at=now,
-        master_port=port,
-    )
+    c.update_job(attempt=c.job.attempt + 1, attempt_started_at=now, master_port=port)
 
 
-ACTIONS: dict[Action, LevelAction] = {
-    level.action: level
-    for level in (
-        Ignore(), Fail(), HandOver(), Exit(), OperatorRetry(), ProcessRetry(), ProcessInPlace(),
-        ProcessReschedule(), ScaleIn(), InPlace(), HangRestart(), PodReschedule(),
-        JobReschedule(), IsolatedJobReschedule(),
-    )
-}  # fmt: skip
+def _registered() -> dict[Action, LevelAction]:
+    """One instance of each class that declares its own `action`; every level of the policy's
+    LEVELS has exactly one (a level without a class, or two classes for one, is a defect found
+    at import)."""
+    found: dict[Action, LevelAction] = {}
+    todo = list(LevelAction.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        action = cls.__dict__.get("action")
+        if action is None:
+            continue
+        if action in found:
+            raise TypeError(f"two classes carry out {action.value}")
+        found[action] = cls()
+    missing = set(LEVELS) - set(found)
+    if missing:
+        raise TypeError(f"no class carries out {', '.join(sorted(a.value for a in missing))}")
+    return found
+
+
+ACTIONS: Final[Mapping[Action, LevelAction]] = MappingProxyType(_registered())
+"""Each level's class, by the action it carries out."""
 
 
 def action_for(action: Action) -> LevelAction:

@@ -5,7 +5,6 @@ Modelled on Ray Train's failure policy: the policy decides, the controller acts.
 
 from relaunch.policy.cluster_view import ClusterView, PodView
 from relaunch.policy.decision import (
-    LEVELS,
     Action,
     Budget,
     BudgetsLeft,
@@ -13,10 +12,12 @@ from relaunch.policy.decision import (
     Decision,
     Level,
     PodChange,
+    Streak,
     Streaks,
 )
 from relaunch.policy.history import JobHistory, RecoveryRecord
-from relaunch.policy.ladder import RUNGS, decide, plan
+from relaunch.policy.ladder import decide, plan
+from relaunch.policy.rungs import LEVELS, RUNGS
 
 __all__ = [
     "LEVELS",
@@ -32,6 +33,7 @@ __all__ = [
     "PodChange",
     "PodView",
     "RecoveryRecord",
+    "Streak",
     "Streaks",
     "decide",
     "plan",

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from enum import StrEnum
-from types import MappingProxyType
-from typing import Final
+from typing import Any
 
 from relaunch.faults import Assessment
 
 __all__ = [
-    "LEVELS",
     "Action",
     "Budget",
     "BudgetsLeft",
@@ -19,12 +17,14 @@ __all__ = [
     "Decision",
     "Level",
     "PodChange",
+    "Streak",
     "Streaks",
 ]
 
 
 class Action(StrEnum):
-    """Recovery levels, finest first. The values are stable: records, metrics and the API use them.
+    """Recovery levels, in ladder order (policy.rungs.LEVELS). The values are stable: records,
+    metrics and the API use them.
 
     ``dump`` and ``exit`` end process-level recovery and hand the fault over to the next level
     (:attr:`hands_over`); ``fail`` ends the job.
@@ -38,8 +38,8 @@ class Action(StrEnum):
     SCALE_IN = "scale-in"
     DUMP = "dump"
     EXIT = "exit"
-    IN_PLACE = "in-place"
     HANG_RESTART = "hang-restart"
+    IN_PLACE = "in-place"
     POD_RESCHEDULE = "pod-reschedule"
     ISOLATED_JOB_RESCHEDULE = "isolated-job-reschedule"
     JOB_RESCHEDULE = "job-reschedule"
@@ -47,22 +47,26 @@ class Action(StrEnum):
 
     @property
     def level(self) -> Level:
-        """What this level is and changes (`LEVELS`, declared once)."""
+        """What this level is, changes and when it applies: its entry of `LEVELS`, declared
+        once in ladder order beside the rungs it names (imported here when first asked: the
+        rungs read `Action`)."""
+        from relaunch.policy.rungs import LEVELS
+
         return LEVELS[self]
 
     @property
     def process_level(self) -> bool:
-        return LEVELS[self].process_level
+        return self.level.process_level
 
     @property
     def hands_over(self) -> bool:
         """After this action the next level runs at once, whether or not this one worked."""
-        return LEVELS[self].hands_over
+        return self.level.hands_over
 
     @property
     def final(self) -> bool:
         """Nothing can follow: the fault needs nothing more, or the job is over."""
-        return LEVELS[self].final
+        return self.level.final
 
     @property
     def done_when_recorded(self) -> bool | None:
@@ -75,7 +79,16 @@ class Action(StrEnum):
 
     @property
     def rebuilds_all_pods(self) -> bool:
-        return LEVELS[self].other_pods is PodChange.RESCHEDULED
+        return self.level.other_pods is PodChange.RESCHEDULED
+
+
+class Streak(StrEnum):
+    """A run of recoveries in a row that ends a job at the fourth (`Streaks`' fields)."""
+
+    UNCONDITIONAL = "unconditional"
+    """R-21: job reschedules of software faults."""
+    HANG = "hang"
+    """R-24: restarts upon suspension."""
 
 
 class PodChange(StrEnum):
@@ -117,40 +130,21 @@ class Level:
     """... and to every other pod."""
     restarts_a_process: bool = False
     """It restarts a process inside its container: one of the container's max_restarts."""
+    recovering: bool = False
+    """The job reads Recovering while it runs (its pods are being rebuilt or joined)."""
+    streak: Streak | None = None
+    """The run of recoveries in a row it extends (R-21, R-24; history._streaks)."""
+    rung: Callable[[Any], Any] | None = field(default=None, compare=False, repr=False)
+    """When it applies: its rung of the ladder (policy.rungs; None for fail, which is what
+    remains when no rung proposes itself)."""
+
+    @property
+    def reschedules(self) -> bool:
+        """It puts the pods it names on other nodes or in new containers (R-43's records)."""
+        return self.decided_pods is PodChange.RESCHEDULED
 
     def change_of(self, decided: bool) -> PodChange:
         return self.decided_pods if decided else self.other_pods
-
-
-_KEEP_PROCESSES = Level(process_level=True)
-_RESTART_ALL = Level(
-    new_attempt=True, decided_pods=PodChange.RESTARTED, other_pods=PodChange.RESTARTED
-)
-_REBUILD_ALL = Level(
-    new_attempt=True, decided_pods=PodChange.RESCHEDULED, other_pods=PodChange.RESCHEDULED
-)
-
-LEVELS: Final[Mapping[Action, Level]] = MappingProxyType(
-    {
-        Action.IGNORE: Level(final=True),
-        Action.OPERATOR_RETRY: _KEEP_PROCESSES,
-        Action.PROCESS_RETRY: _KEEP_PROCESSES,
-        Action.PROCESS_IN_PLACE: Level(process_level=True, restarts_a_process=True),
-        Action.PROCESS_RESCHEDULE: Level(process_level=True, decided_pods=PodChange.RESCHEDULED),
-        Action.SCALE_IN: _KEEP_PROCESSES,
-        Action.DUMP: Level(process_level=True, hands_over=True),
-        Action.EXIT: Level(process_level=True, hands_over=True),
-        Action.IN_PLACE: _RESTART_ALL,
-        Action.HANG_RESTART: _RESTART_ALL,
-        Action.POD_RESCHEDULE: Level(
-            new_attempt=True, decided_pods=PodChange.RESCHEDULED, other_pods=PodChange.RESTARTED
-        ),
-        Action.ISOLATED_JOB_RESCHEDULE: _REBUILD_ALL,
-        Action.JOB_RESCHEDULE: _REBUILD_ALL,
-        Action.FAIL: Level(final=True),
-    }
-)
-"""Every level, what it is and what it changes to the job's pods."""
 
 
 class Budget(StrEnum):

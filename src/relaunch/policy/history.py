@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from relaunch.faults import Cause, Fault, FaultKind
-from relaunch.policy.decision import Action, Budget, Counters, Decision, PodChange, Streaks
+from relaunch.policy.decision import Action, Budget, Counters, Decision, PodChange, Streak, Streaks
 
 __all__ = ["JobHistory", "RecoveryRecord"]
 
@@ -125,11 +125,12 @@ def _streaks(records: tuple[RecoveryRecord, ...]) -> Streaks:
     for decisive in _decisive_records(records):
         if _neutral(decisive):
             continue
-        if decisive.action is Action.JOB_RESCHEDULE and decisive.cause is Cause.SOFTWARE:
+        streak = decisive.action.level.streak  # the levels that extend a run (policy.rungs)
+        if streak is Streak.UNCONDITIONAL and decisive.cause is Cause.SOFTWARE:
             unconditional += counting_unconditional
         else:
             counting_unconditional = False
-        if decisive.action is Action.HANG_RESTART:
+        if streak is Streak.HANG:
             hang += counting_hang
         else:
             counting_hang = False

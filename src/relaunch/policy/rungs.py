@@ -1,4 +1,5 @@
-"""The rungs of the recovery ladder, one function per level, and RUNGS, the ladder in order.
+"""The rungs of the recovery ladder, one function per level, and LEVELS, every level declared
+once in ladder order with its rung (RUNGS, the ladder, follows from it).
 
 Each rung looks at one fault in context and answers: it does not apply (None), it would apply but
 something blocks it (`Blocked`, with the reason), or it proposes itself (`Proposal`). Pure.
@@ -6,23 +7,22 @@ something blocks it (`Blocked`, with the reason), or it proposes itself (`Propos
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from types import MappingProxyType
+from typing import Final
 
 from relaunch.faults import (
-    Assessment,
     Cause,
-    EscalationRules,
     Fault,
     FaultKind,
     HandlingLevel,
 )
-from relaunch.policy.cluster_view import ClusterView
-from relaunch.policy.decision import Action, Budget
-from relaunch.policy.history import JobHistory
-from relaunch.spec import RecoverStrategy, RecoverySettings
+from relaunch.policy.context import Answer, Blocked, Context, Proposal
+from relaunch.policy.decision import Action, Budget, Level, PodChange, Streak
+from relaunch.spec import RecoverStrategy
 
-__all__ = ["IN_A_ROW_LIMIT", "RUNGS", "Answer", "Blocked", "Context", "Proposal"]
+__all__ = ["IN_A_ROW_LIMIT", "LEVELS", "RUNGS", "Answer", "Blocked", "Context", "Proposal"]
 
 IN_A_ROW_LIMIT = 3
 """Unconditional reschedules (R-21) and hang restarts (R-24) allowed in a row; the 4th fails."""
@@ -32,94 +32,6 @@ _IN_PLACE_LEVELS = (
     HandlingLevel.RESTART_REQUEST,
     HandlingLevel.RESTART_BUSINESS,
 )
-
-
-@dataclass(frozen=True)
-class Proposal:
-    reason: str
-    pods: tuple[int, ...] = ()
-    isolate: tuple[str, ...] = ()
-    consumes: frozenset[Budget] = frozenset()
-    wait_s: float | None = None
-
-
-@dataclass(frozen=True)
-class Blocked:
-    reason: str
-    wants_nodes: bool = False
-    """Blocked only for want of healthy nodes: more nodes would let it run."""
-
-
-Answer = Proposal | Blocked | None
-
-
-@dataclass(frozen=True)
-class Context:
-    """One fault in context: what every rung reads."""
-
-    settings: RecoverySettings
-    a: Assessment
-    history: JobHistory
-    cluster: ClusterView
-    now: float
-    rules: EscalationRules
-    tried: frozenset[Action]
-    pods: tuple[int, ...] = field(default=())
-
-    @property
-    def fault(self) -> Fault:
-        return self.a.fault
-
-    @property
-    def node(self) -> str | None:
-        return self.fault.node
-
-    @property
-    def node_must_go(self) -> bool:
-        """The fault's node cannot keep running the job: a hardware fault that does not heal in
-        place, an escalated one (R-10), or one whose healing failed (R-20). Never for a fault the
-        user's input caused (R-11)."""
-        return (
-            self.a.cause is Cause.ENVIRONMENT
-            and self.node is not None
-            and not self.a.user_induced
-            and (not self.a.self_healable or self.a.escalated or Action.IN_PLACE in self.tried)
-        )
-
-    @property
-    def user_degraded(self) -> bool:
-        """R-20's third bullet: a user-induced fault that escalated or did not heal -> reschedule
-        the job without isolating anything."""
-        return (
-            self.a.cause is Cause.ENVIRONMENT
-            and self.a.user_induced
-            and (not self.a.self_healable or self.a.escalated or Action.IN_PLACE in self.tried)
-        )
-
-    @property
-    def touches_rank0(self) -> bool:
-        rank0 = self.cluster.rank0_pod
-        return rank0 is not None and rank0 in self.pods
-
-    def left(self, budget: Budget) -> int:
-        total = {
-            Budget.JOB: self.settings.job_retry_budget,
-            Budget.POD: self.settings.pod_retry_budget,
-            Budget.FAULT_RETRY: self.settings.fault_retry_times,
-        }[budget]
-        return total - self.history.used(budget)
-
-    def job_budget_blocker(self) -> Blocked | None:
-        if self.left(Budget.JOB) > 0:
-            return None
-        used = self.history.used(Budget.JOB)
-        return Blocked(
-            f"restart budget spent: {used} of {self.settings.job_retry_budget} job-level "
-            "reschedules used (R-26)"
-        )
-
-    def allows(self, strategy: RecoverStrategy) -> bool:
-        return strategy in self.settings.recover_strategies
 
 
 # ---------------------------------------------------------------------------------------------
@@ -465,19 +377,60 @@ def _in_a_row_reason(fault: Fault, streak: int) -> str:
     )
 
 
-RUNGS: tuple[tuple[Action, Callable[[Context], Answer]], ...] = (
-    (Action.IGNORE, _ignore),
-    (Action.OPERATOR_RETRY, _operator_retry),
-    (Action.PROCESS_RETRY, _process_retry),
-    (Action.PROCESS_IN_PLACE, _process_in_place),
-    (Action.PROCESS_RESCHEDULE, _process_reschedule),
-    (Action.SCALE_IN, _scale_in),
-    (Action.DUMP, _dump),
-    (Action.EXIT, _exit),
-    (Action.HANG_RESTART, _hang_restart),
-    (Action.IN_PLACE, _in_place),
-    (Action.POD_RESCHEDULE, _pod_reschedule),
-    (Action.ISOLATED_JOB_RESCHEDULE, _isolated_job_reschedule),
-    (Action.JOB_RESCHEDULE, _job_reschedule),
+_KEEP_PROCESSES: Final = Level(process_level=True)
+_RESTART_ALL: Final = Level(
+    new_attempt=True,
+    recovering=True,
+    decided_pods=PodChange.RESTARTED,
+    other_pods=PodChange.RESTARTED,
+)
+_REBUILD_ALL: Final = Level(
+    new_attempt=True,
+    recovering=True,
+    decided_pods=PodChange.RESCHEDULED,
+    other_pods=PodChange.RESCHEDULED,
+)
+
+LEVELS: Final[Mapping[Action, Level]] = MappingProxyType(
+    {
+        Action.IGNORE: Level(final=True, rung=_ignore),
+        Action.OPERATOR_RETRY: replace(_KEEP_PROCESSES, rung=_operator_retry),
+        Action.PROCESS_RETRY: replace(_KEEP_PROCESSES, rung=_process_retry),
+        Action.PROCESS_IN_PLACE: Level(
+            process_level=True, restarts_a_process=True, rung=_process_in_place
+        ),
+        Action.PROCESS_RESCHEDULE: Level(
+            process_level=True,
+            recovering=True,
+            decided_pods=PodChange.RESCHEDULED,
+            rung=_process_reschedule,
+        ),
+        Action.SCALE_IN: Level(process_level=True, recovering=True, rung=_scale_in),
+        Action.DUMP: Level(process_level=True, hands_over=True, rung=_dump),
+        Action.EXIT: Level(process_level=True, hands_over=True, rung=_exit),
+        Action.HANG_RESTART: replace(_RESTART_ALL, streak=Streak.HANG, rung=_hang_restart),
+        Action.IN_PLACE: replace(_RESTART_ALL, rung=_in_place),
+        Action.POD_RESCHEDULE: Level(
+            new_attempt=True,
+            recovering=True,
+            decided_pods=PodChange.RESCHEDULED,
+            other_pods=PodChange.RESTARTED,
+            rung=_pod_reschedule,
+        ),
+        Action.ISOLATED_JOB_RESCHEDULE: replace(_REBUILD_ALL, rung=_isolated_job_reschedule),
+        Action.JOB_RESCHEDULE: replace(
+            _REBUILD_ALL, streak=Streak.UNCONDITIONAL, rung=_job_reschedule
+        ),
+        Action.FAIL: Level(final=True),
+    }
+)
+"""Every level, declared once, in ladder order (finest first): what it is, what it changes to
+the job's pods, the job's status while it runs, the run in a row it extends, and its rung (when
+it applies). What follows from it: the ladder (`RUNGS`), each pod's counters (ladder), the
+streaks (history), R-43's reschedule records (report), the controller's classes
+(controller/actions.py, one per level, checked against it)."""
+
+RUNGS: Final[tuple[tuple[Action, Callable[[Context], Answer]], ...]] = tuple(
+    (action, level.rung) for action, level in LEVELS.items() if level.rung is not None
 )
 """The ladder, in order. ``fail`` is what remains when no rung proposes itself."""
