@@ -383,6 +383,13 @@ class Sim:
                 rank: ProcReport(r.attempt, 5000 + rank, r.running, r.code, progressed=True)
                 for rank, r in link.ranks.items()
             }
+            # a Start the dead controller sent and the launcher got, but whose answer it never
+            # heard: the launcher's ranks of that attempt run all the same
+            for name, message in self.wire:
+                if name == link.peer.name and isinstance(message, Start):
+                    for rank in message.ranks or old.ranks_of(index):
+                        if rank not in procs or procs[rank].attempt < message.attempt:
+                            procs[rank] = ProcReport(message.attempt, 6000 + rank, True, None)
             peer = FakePeer(f"launcher-{index}-g{link.generation}-again", self.wire)
             self.launchers[(index, link.generation)] = peer
             hello = LauncherHello(

@@ -385,3 +385,62 @@ def test_an_operator_retry_through_a_flap_is_resumed_from_a_kill_at_each_point(
     assert not any(
         isinstance(m, MembershipUpdate) and m.membership.retry for _, m in sim.wire
     )  # no rollback (process-retry)
+
+
+KILL_MATRIX = {
+    # fault: (annotations, how it comes, the level decided, the points a kill is tried at)
+    "crash": (
+        UNCONDITIONAL,
+        lambda sim: sim.crash(3),
+        "job-reschedule",
+        ("fault-stored", "decision-stored", "stopping", "starting", "recovered"),
+    ),
+    "chip": (
+        UNCONDITIONAL,
+        lambda sim: sim.chip_fault("node-1", 0, "80E18005", heals=True),
+        "in-place",
+        ("fault-stored", "decision-stored", "stopping", "starting", "recovered"),
+    ),
+    "node": (
+        POD_LEVEL,
+        lambda sim: sim.kill_node("node-1"),
+        "pod-reschedule",
+        ("fault-stored", "decision-stored", "stopping", "starting", "recovered"),
+    ),
+}
+"""The kill matrix of test_runtime_robustness.py on the simulator: every failpoint between two
+writes of a recovery, for each kind of fault (the real runs keep one kill per mechanism)."""
+
+
+def _train_until(sim: Sim, step: int, done: object, seconds: float = 30.0) -> None:
+    """Time passes with every running rank reporting `step`, until `done()` or `seconds`."""
+    end = sim.clock.now() + seconds
+    while sim.clock.now() < end and not done():  # type: ignore[operator]
+        sim.tick()
+        sim.train(step)
+
+
+@pytest.mark.parametrize(
+    ("fault", "point"),
+    [(fault, point) for fault, (*_, points) in KILL_MATRIX.items() for point in points],
+)
+def test_a_controller_killed_at_each_point_of_a_recovery_resumes_with_exactly_one_record(
+    tmp_path: Path, kill_at: list[str], fault: str, point: str
+) -> None:
+    from tests.controller_sim import job_spec
+
+    annotations, strike, level, _ = KILL_MATRIX[fault]
+    sim = Sim(tmp_path, job_spec(annotations, hang_detect_seconds=60), nodes=5)
+    sim.boot()
+    sim.train(5)
+    sim.tick()
+    kill_at.append(point)
+    with pytest.raises(Killed):
+        strike(sim)
+        _train_until(sim, 6, lambda: False)
+    assert kill_at == []  # it died there
+    sim.restart_controller()
+    _train_until(sim, 7, lambda: sim.actions() == [(level, "succeeded")], seconds=60)
+    assert sim.actions() == [(level, "succeeded")], sim.events[-10:]
+    sent = starts_sent(sim)
+    assert len(sent) == len(set(sent)), sent  # nothing started twice
