@@ -347,3 +347,17 @@ class Server:
             self.output += out
             self.process = None
         return out
+
+
+def wait_status(pid: int, status: str, timeout: float = 30.0) -> None:
+    """Until the process is in `status` (a psutil STATUS_*): sleeping once its interpreter
+    reached its sleep, stopped once a SIGSTOP took. Polled: a busy machine takes its time."""
+    deadline = time.monotonic() + timeout
+    while psutil.Process(pid).status() != status:
+        assert time.monotonic() < deadline, f"process {pid} never became {status}"
+        time.sleep(0.01)
+
+
+def asleep(pid: int) -> None:
+    """Until a freshly started `python -c "...time.sleep(60)"` sleeps in it."""
+    wait_status(pid, psutil.STATUS_SLEEPING)

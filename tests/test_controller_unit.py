@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from relaunch.controller.clock import TICK_S
 from relaunch.controller.fencing import FENCE_MARGIN_S
 from relaunch.diagnosis import StackGroup
 from relaunch.policy import Action
@@ -242,8 +243,11 @@ def test_a_lost_node_moves_only_its_pod_and_the_other_re_runs(tmp_path: Path) ->
 
 def test_a_hang_restarts_in_place_with_the_hang_grace(tmp_path: Path) -> None:
     sim = booted(tmp_path, HANG, labels={"grace-over-time": "30"})
+    silent_since = sim.clock.now()  # the last step was reported before
     sim.run(2.5)  # silent for the 2 s window
     assert sim.actions() == [("hang-restart", "running")]
+    # found at the first pass after the window: the controller's pass, not a monitor's lag
+    assert 2.0 < sim.records()[0].detected_at - silent_since <= 2.0 + 2 * TICK_S
     stops = [m for peer in sim.launchers.values() for m in peer.of(Stop)]
     assert stops and all(m.grace == 5.0 for m in stops)  # hang grace, not the 30 s grace
     sim.run(0.3)

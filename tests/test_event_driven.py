@@ -46,7 +46,7 @@ from relaunch.protocol.plans import LaunchPlan
 from relaunch.protocol.wire import Connection
 from relaunch.store import JobStatus, NodeState, Store
 from tests.controller_sim import Sim, job_spec
-from tests.runtime import ROOT, Cluster, processes_of, toy_job
+from tests.runtime import ROOT, Cluster, asleep, processes_of, toy_job
 
 
 def node_states(sim: Sim) -> dict[str, NodeState]:
@@ -456,7 +456,7 @@ def test_a_rank_is_looked_at_through_one_kept_descriptor_until_it_exits() -> Non
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     worker = Worker(0, 0, 1, proc, None)
     try:
-        time.sleep(0.5)
+        asleep(proc.pid)
         sample_busy(worker)
         assert (worker.samples, worker.busy) == (1, 0)
         fd = worker.stat_fd

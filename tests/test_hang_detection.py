@@ -9,11 +9,13 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
 from relaunch.controller.detectors import active_at, hang_fault, rank_active
 from relaunch.controller.peers import LauncherLink, Rank
 from relaunch.launcher.processes import NotStarted, Worker, sample_busy
 from relaunch.protocol.datagrams import SdkPhase
-from tests.runtime import AUTO, Cluster, toy_job
+from tests.runtime import AUTO, Cluster, asleep, toy_job, wait_status
 
 HANG_S, STARTUP_S = 4.0, 30.0
 
@@ -101,14 +103,14 @@ def test_r25_the_launcher_sees_a_rank_working_not_a_stopped_one(tmp_path: Path) 
         workers = {
             name: Worker(0, 0, 1, proc, None) for name, proc in (("spin", spin), ("sleep", sleeper))
         }
-        time.sleep(0.5)
+        asleep(sleeper.pid)
         for _ in range(20):
             for worker in workers.values():
                 sample_busy(worker)
             time.sleep(0.01)
         assert workers["spin"].working >= 15 and workers["sleep"].working == 0
         os.kill(spin.pid, 19)  # SIGSTOP: busy for the slow-pod detector, not working
-        time.sleep(0.2)
+        wait_status(spin.pid, psutil.STATUS_STOPPED)
         before = workers["spin"].working
         for _ in range(10):
             sample_busy(workers["spin"])

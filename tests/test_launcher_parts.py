@@ -196,10 +196,20 @@ def test_the_relay_sends_a_first_step_and_a_phase_at_once_and_steps_once_an_inte
 def _sleeper(tmp: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": str(INJECT_DIR), "RELAUNCH_INJECT_DIR": str(tmp)}
     return subprocess.Popen(
-        [sys.executable, "-c", "import time\nwhile True: time.sleep(0.01)"],
+        [
+            sys.executable,
+            "-c",
+            "import time\nprint('ready', flush=True)\nwhile True: time.sleep(0.01)",
+        ],
         env=env,
         start_new_session=True,
+        stdout=subprocess.PIPE,
     )
+
+
+def _ready(proc: subprocess.Popen[bytes]) -> None:
+    """The process ran its first line: its sitecustomize (run before it) installed its handler."""
+    assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
 
 
 def test_injected_faults_are_real_a_hang_stops_the_rank_an_exit_ends_it_with_its_code(
@@ -207,7 +217,8 @@ def test_injected_faults_are_real_a_hang_stops_the_rank_an_exit_ends_it_with_its
 ) -> None:
     hung, crashing = _sleeper(tmp_path), _sleeper(tmp_path)
     try:
-        time.sleep(0.5)  # sitecustomize installed its handler
+        _ready(hung)
+        _ready(crashing)
         workers = [_worker(0, hung), _worker(1, crashing)]
         assert (
             inject(workers[0], InjectProcessFault(0, "hang", 0), workers, tmp_path, 0, lambda: True)

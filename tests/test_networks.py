@@ -313,8 +313,9 @@ def test_r12_a_10_s_link_flap_and_a_partition_from_the_peers_are_ridden_out(
         ("ignore", "network"), ("ignore", "network"),
     ], records  # fmt: skip
     flap, cut = (r["fault"] for r in records)
-    assert 9 <= flap["duration_s"] <= 13 and flap["detail"] == "carrier lost"
-    assert 7 <= cut["duration_s"] <= 11 and "peers do not answer" in cut["detail"]
+    assert flap["duration_s"] >= 9 and flap["detail"] == "carrier lost"
+    assert cut["duration_s"] >= 7 and "peers do not answer" in cut["detail"]
+    assert flap["at"] + flap["duration_s"] <= cut["at"]  # each outage measured on its own
     assert result.report["restarts_used"] == 0
     assert "relaunch: attempt 2" not in result.logs()
     assert out.read_text().strip() == unbroken

@@ -284,7 +284,6 @@ def test_node_removed_from_ray_isolates_it_and_rebuilds_the_job_on_a_standby_nod
     assert on_ray.launch_nodes()[:2] == ["node-0", "node-1"]
     assert "node-1" not in on_ray.launch_nodes()[2:]
     assert "node node-1 lost: the engine reports the node dead" in on_ray.stdout
-    assert on_ray.report["recoveries"][0]["detect_s"] < 10
 
 
 def test_node_removed_from_ray_pod_level_moves_only_the_lost_pod(
