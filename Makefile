@@ -49,8 +49,11 @@ $(SLURMD):
 	    --no-install-recommends slurmd slurmctld slurm-client munge >/dev/null; \
 	else echo "note: not root with apt: the Slurm tests will skip (they need Debian's slurmd, slurmctld, slurm-client, munge)"; fi
 
+# Two workers, a test file to each at a time (a file's module fixtures, such as its fault-free
+# baseline, run once); every test's duration is kept in build/test-report/durations.txt.
+# `pytest -m "not real"` runs the tier that starts no real run, cluster or server.
 unit: $(STAMP) $(CHROMIUM) $(SLURMD)
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n 2 --dist loadfile
 
 # Sets up and runs everything CI runs: lint, types, tests.
 test: lint typecheck unit

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,3 +31,42 @@ def unbroken(tmp_path_factory: pytest.TempPathFactory) -> str:
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.report["recoveries"] == []
     return (tmp / "hash.txt").read_text().strip()
+
+
+REAL_FIXTURES = frozenset(
+    {"cluster", "unbroken", "unbroken_process", "fault_free", "server", "trial_slurm", "slurm"}
+)
+"""Fixtures that start a real relaunch run, cluster or server: a test that uses one is in the
+`real` tier (`pytest -m "not real"` runs the rest: the simulator, the pure parts, the parts of
+one process, in about a minute on two workers)."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if REAL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.real)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """Every test's duration (setup, call and teardown together), slowest first, kept beside
+    the run for CI (build/test-report/durations.txt), with the sum per file."""
+    if hasattr(config, "workerinput"):
+        return  # an xdist worker: the controller writes it
+    totals: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if isinstance(report, pytest.TestReport):
+                totals[report.nodeid] = totals.get(report.nodeid, 0.0) + report.duration
+    if not totals:
+        return
+    per_file: dict[str, float] = {}
+    for nodeid, seconds in totals.items():
+        path = nodeid.split("::", 1)[0]
+        per_file[path] = per_file.get(path, 0.0) + seconds
+    out = Path(config.rootpath) / "build" / "test-report" / "durations.txt"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lines = [f"{sum(totals.values()):9.1f}s  all {len(totals)} tests (summed over workers)", ""]
+    lines += [f"{s:9.1f}s  {p}" for p, s in sorted(per_file.items(), key=lambda x: -x[1])]
+    lines += [""] + [f"{s:9.2f}s  {n}" for n, s in sorted(totals.items(), key=lambda x: -x[1])]
+    out.write_text("\n".join(lines) + "\n")
+    terminalreporter.write_line(f"every test's duration: {out}")
