@@ -86,11 +86,11 @@ def assert_kept(found: dict[int, list[dict[str, Any]]], ranks: list[int]) -> Non
 
 KILLED_ONCE_DECIDED = [
     ("process-in-place", [{"kind": "process-exit", "at_step": 40, "pod": 0, "rank": 1}], ""),
-    # a memory UCE stops no rank here: slow steps keep the job running past the resume
-    ("process-retry", [{"kind": "memory-uce", "at_step": 40, "pod": 0, "code": "80E01801"}],
-     "--step-seconds 0.1"),
-    ("process-reschedule", [{"kind": "node-down", "at_step": 40, "pod": 1}], ""),
 ]  # fmt: skip
+"""One real kill of a process-level recovery once it is decided; the other levels' kills are the
+simulator's (tests/test_recovery_state.py: test_a_process_retry_killed_before_its_membership_
+keeps_the_step_it_waits_past, test_a_process_reschedule_killed_before_its_membership_publishes_
+it_on_resume), and each level's real run is below."""
 
 
 @pytest.mark.parametrize(
