@@ -41,9 +41,28 @@ REAL_FIXTURES = frozenset(
 one process, in about a minute on two workers)."""
 
 
+REAL_MODULES = frozenset(
+    {
+        "test_agents_engine", "test_api_fuzz", "test_bench", "test_bench_series",
+        "test_controller_restart", "test_dashboard", "test_ddp_exactly_once", "test_diagnosis",
+        "test_disk_full", "test_frameworks", "test_gpu_nccl", "test_networks",
+        "test_operator_retry", "test_overlapped_save", "test_process_recovery",
+        "test_ray_engine", "test_runner_soak", "test_runtime_cli", "test_runtime_e2e",
+        "test_runtime_robustness", "test_scale", "test_sdk_bit_identical", "test_sdk_promises",
+        "test_server", "test_server_hostile", "test_sharded_checkpoints", "test_slurm",
+        "test_terminal", "test_torchrun_form",
+    }
+)  # fmt: skip
+"""Modules whose tests start real runs, servers, frameworks or engines (a few of their tests do
+not: they go with their module)."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if REAL_FIXTURES & set(getattr(item, "fixturenames", ())):
+        module = getattr(item, "module", None)
+        name = module.__name__.rpartition(".")[2] if module is not None else ""
+        if name in REAL_MODULES or REAL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.real)
 
 
