@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from filelock import FileLock
 
 from tests.runtime import DDP_CLUSTER, Cluster, ddp_job, kill_all, wait_gone
 
@@ -23,14 +25,24 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
 
 @pytest.fixture(scope="session")
 def unbroken(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The SHA-256 of the DDP example's parameters after a fault-free run (embedded cluster)."""
-    tmp = tmp_path_factory.mktemp("unbroken")
-    result = Cluster(tmp).run(
-        ddp_job(tmp / "hash.txt", 10), None, DDP_CLUSTER, timeout=240, startup_s=60
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.report["recoveries"] == []
-    return (tmp / "hash.txt").read_text().strip()
+    """The SHA-256 of the DDP example's parameters after a fault-free run (embedded cluster):
+    run once for the whole session, by whichever worker asks first (the others wait for it)."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # this session's directory, the same for every xdist worker
+    done = shared / "unbroken-ddp.hash"
+    with FileLock(str(shared / "unbroken-ddp.lock")):
+        if done.exists():
+            return done.read_text().strip()
+        tmp = tmp_path_factory.mktemp("unbroken")
+        result = Cluster(tmp).run(
+            ddp_job(tmp / "hash.txt", 10), None, DDP_CLUSTER, timeout=240, startup_s=60
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert result.report["recoveries"] == []
+        digest = (tmp / "hash.txt").read_text().strip()
+        done.write_text(digest)
+        return digest
 
 
 REAL_FIXTURES = frozenset(
