@@ -117,18 +117,21 @@ class TrialCluster:
                 progress(done + 1, len(self.nodes))
         return self.address
 
-    def wait_for(self, name: str, deadline: float) -> None:
-        """Until Ray lists the node `name` alive (RuntimeError, the cluster stopped, if not)."""
+    def wait_for(self, name: str, deadline: float, stop: bool = True) -> None:
+        """Until Ray lists the node `name` alive (EngineError if not; the cluster stopped
+        first, unless `stop` is False)."""
+        why = "did not join in time"
         while time.time() < deadline:
             if any(n.name == name for n in discover()):
                 return
             proc = self.procs.get(name)
             if proc is None or proc.poll() is not None:
-                self.stop()
-                raise EngineError(f"Ray node {name} exited at start; see {self.log}")
+                why = "exited at start"
+                break
             time.sleep(0.2)
-        self.stop()
-        raise EngineError(f"Ray node {name} did not join in time; see {self.log}")
+        if stop:
+            self.stop()
+        raise EngineError(f"Ray node {name} {why}; see {self.log}")
 
     def remove_node(self, name: str) -> None:
         proc = self.procs.pop(name, None)
@@ -172,12 +175,23 @@ class TrialCluster:
             since = self._dead_since.setdefault(node.name, now)
             if proc is not None and proc.poll() is None and now - since < grace_s:
                 continue  # Ray may list it a moment late
-            self.remove_node(node.name)
-            self.start_node(node)
-            self.wait_for(node.name, time.time() + 60)
+            self._restart_node(node)
             self._dead_since.pop(node.name, None)
             healed.append(node.name)
         return healed
+
+    def _restart_node(self, node: NodeSpec, tries: int = 3) -> None:
+        """Start the node again; a start that Ray itself gives up on (its raylet timed out
+        registering, on a machine busy with other work) is tried again, the cluster kept."""
+        for attempt in range(1, tries + 1):
+            self.remove_node(node.name)
+            self.start_node(node)
+            try:
+                self.wait_for(node.name, time.time() + 60, stop=attempt == tries)
+                return
+            except EngineError:
+                if attempt == tries:
+                    raise
 
 
 def serve(argv: list[str] | None = None) -> None:
