@@ -11,7 +11,8 @@
 
 Each arrow that writes is one store transaction, so a controller killed anywhere resumes from the
 store with every fault decided exactly once. The recovery's phases are controller.active's: this
-driver asks it for each change (`recorded`, `move`, `save`), and never writes one itself. Nothing here blocks: a heal is a request whose answer
+driver asks it for each change (`recorded`, `move`, `save`), and never writes one itself.
+Nothing here blocks: a heal is a request whose answer
 (or its absence by a deadline) is an observation like any other.
 """
 
