@@ -33,6 +33,9 @@ from relaunch.errors import EngineError
 __all__ = ["TrialSlurm", "unavailable"]
 
 DAEMONS: Final = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "scontrol")
+CRED_EXPIRE_S: Final = 10
+"""A job step credential's lifetime, and so how long a requeued job waits to start again
+(Slurm's default is 120 s)."""
 
 
 def unavailable() -> str | None:
@@ -118,7 +121,8 @@ class TrialSlurm:
             "SlurmUser=root",
             "SlurmdUser=root",
             "AuthType=auth/munge",
-            f"AuthInfo=socket={self.socket}",
+            # a requeued job waits out its last credential's lifetime (120 s by default)
+            f"AuthInfo=socket={self.socket},cred_expire={CRED_EXPIRE_S}",
             "CredType=cred/munge",
             f"StateSaveLocation={home / 'state'}",
             f"SlurmdSpoolDir={home / 'spool' / '%n'}",

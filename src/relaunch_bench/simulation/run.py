@@ -34,8 +34,9 @@ from typing import Any
 from relaunch import runner, service
 from relaunch.controller import listener as listener_module
 from relaunch.controller.membership import MembershipPublisher
+from relaunch.protocol.environment import Env
 from relaunch.protocol.layout import StateDir
-from relaunch.protocol.messages import Lease, MembershipUpdate, Message, encode
+from relaunch.protocol.messages import Lease, MembershipUpdate, Message, Start, encode
 from relaunch.protocol.wire import Connection
 from relaunch.store import Store
 from relaunch_bench.simulation.engine import SimEngine
@@ -58,6 +59,20 @@ COMMANDS = frozenset(
 )
 """What the controller sends to act (not its leases, nor the fault plan's injections)."""
 ACTING = COMMANDS - {"inject-process-fault", "inject-chip-fault"}
+FIRST_START = "first-start"
+"""A pod's first start (attempt 1, generation 0): the job's, never a recovery's command, though
+a launcher slow to connect on a busy machine may take it after the fault."""
+
+
+def _kind(message: Message) -> str:
+    if (
+        isinstance(message, Start)
+        and message.attempt == 1
+        and message.ranks is None
+        and message.env.get(Env.GENERATION) == "0"
+    ):
+        return FIRST_START
+    return message.KIND
 
 
 SAMPLE_S = 0.05
@@ -98,7 +113,7 @@ class TimedConnection(Connection):
     def send(self, message: Message, *, urgent: bool | None = None) -> bool:
         sent = super().send(message, urgent=urgent)
         if not isinstance(message, Lease):
-            PROBE.sent.append((time.time(), message.KIND))
+            PROBE.sent.append((time.time(), _kind(message)))
         return sent
 
     def read_ready(self) -> list[Message] | None:
