@@ -60,7 +60,7 @@ COMMANDS = frozenset(
 """What the controller sends to act (not its leases, nor the fault plan's injections)."""
 ACTING = COMMANDS - {"inject-process-fault", "inject-chip-fault"}
 FIRST_START = "first-start"
-"""A pod's first start (attempt 1, generation 0): the job's, never a recovery's command, though
+"""A pod's first start (attempt 1, generation 1): the job's, never a recovery's command, though
 a launcher slow to connect on a busy machine may take it after the fault."""
 
 
@@ -69,7 +69,7 @@ def _kind(message: Message) -> str:
         isinstance(message, Start)
         and message.attempt == 1
         and message.ranks is None
-        and message.env.get(Env.GENERATION) == "0"
+        and message.env.get(Env.GENERATION) == "1"
     ):
         return FIRST_START
     return message.KIND
