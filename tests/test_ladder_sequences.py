@@ -1,0 +1,107 @@
+"""Sequences of faults through the real controller on its simulator (tests/controller_sim.py, a
+fake clock, no process): which level each fault of a row takes, what the row's end does to the
+job and its nodes. These were real runs of test_runtime_e2e.py, three or four recoveries each;
+the ladder's counting is the controller's, not the processes', and each mechanism keeps its one
+real run there (a healed chip fault, a hang found by the launcher's sampling, a crash)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from relaunch.store import JobStatus, NodeState
+from tests.controller_sim import Sim, job_spec
+
+AUTO = {"fault-tolerance/job-retry-num": "4"}
+UNCONDITIONAL = {**AUTO, "fault-tolerance/job-unconditional-retry": "true"}
+HANG = {**AUTO, "fault-tolerance/hang-retry": "true"}
+
+
+def booted(tmp: Path, annotations: dict[str, str]) -> Sim:
+    sim = Sim(tmp, job_spec(annotations), nodes=4)
+    sim.boot()
+    sim.train(1)
+    sim.tick()
+    return sim
+
+
+def trained(sim: Sim, step: int, seconds: float = 1.0) -> None:
+    """The job trains on for `seconds` (whatever attempt now runs), then reports `step`."""
+    sim.run(seconds)
+    sim.train(step)
+    sim.tick()
+
+
+def chip_fault_row(sim: Sim, code: str) -> None:
+    """Three faults of `code` on chip 1 of node-0 (pod 0's), each once the last was recovered."""
+    for step in (8, 16, 24):
+        node = sim.controller.pods[0].row.node
+        sim.chip_fault(node, 1, code)
+        trained(sim, step)
+        trained(sim, step + 1)
+
+
+def test_r10_third_same_code_on_one_chip_isolates_the_node(tmp_path: Path) -> None:
+    sim = booted(tmp_path, AUTO)
+    chip_fault_row(sim, "80E18005")
+    assert sim.actions() == [
+        ("in-place", "succeeded"),
+        ("in-place", "succeeded"),
+        ("isolated-job-reschedule", "succeeded"),
+    ]
+    assert sim.records()[2].isolated == ("node-0",)
+    assert sim.controller.node("node-0").state is NodeState.ISOLATED  # type: ignore[union-attr]
+    assert "node-0" not in [p.row.node for p in sim.controller.pods.values()]
+
+
+def test_r11_user_induced_codes_never_isolate(tmp_path: Path) -> None:
+    sim = booted(tmp_path, AUTO)
+    chip_fault_row(sim, "80C98002")
+    assert sim.actions() == [
+        ("in-place", "succeeded"),
+        ("in-place", "succeeded"),
+        ("job-reschedule", "succeeded"),
+    ]
+    assert all(not r.isolated for r in sim.records())
+    assert sim.controller.node("node-0").state is not NodeState.ISOLATED  # type: ignore[union-attr]
+
+
+def test_r02_without_unconditional_retry_a_plain_crash_fails_the_job(tmp_path: Path) -> None:
+    sim = booted(tmp_path, AUTO)
+    sim.crash(3, code=7)
+    sim.run(0.3)
+    (record,) = sim.records()
+    assert (record.action.value, record.outcome.value) == ("fail", "failed")
+    assert record.fault.exit_code == 7 and record.fault.rank == 3
+    assert sim.controller.job.status is JobStatus.FAILED
+    assert "R-02" in sim.controller.job.reason
+
+
+def test_r26_spent_restart_budget_fails_with_the_reason(tmp_path: Path) -> None:
+    sim = booted(tmp_path, {**UNCONDITIONAL, "fault-tolerance/job-retry-num": "1"})
+    sim.crash(0)
+    trained(sim, 8)
+    trained(sim, 9)
+    sim.crash(3)
+    sim.run(0.3)
+    assert sim.actions() == [("job-reschedule", "succeeded"), ("fail", "failed")]
+    assert sim.controller.job.status is JobStatus.FAILED
+    assert "restart budget spent: 1 of 1" in sim.controller.job.reason
+
+
+def test_r24_three_hang_restarts_in_a_row_then_failed(tmp_path: Path) -> None:
+    """Pod 1 falls silent four times, each after the last restart trained a step: three hang
+    restarts, then the job fails naming R-24 (the first real hang, found by the launcher's
+    sampling, is test_runtime_e2e.py's)."""
+    sim = booted(tmp_path, HANG)
+    for step in (6, 12, 18, 24):
+        if sim.controller.job.status.ended:
+            break
+        # pod 0 trains on; pod 1 says nothing for past the 2 s hang window
+        for _ in range(15):
+            sim.run(0.2)
+            sim.train(step, pods={0})
+        trained(sim, step + 1)
+    assert sim.actions() == [("hang-restart", "succeeded")] * 3 + [("fail", "failed")]
+    assert sim.controller.job.status is JobStatus.FAILED
+    assert "R-24" in sim.controller.job.reason
+    assert all(not r.consumed for r in sim.records()[:3])  # hang restarts spend no restart
