@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from relaunch.protocol.messages import Shutdown, Stop
 from relaunch.store import JobStatus, NodeState
 from tests.controller_sim import Sim, job_spec
 
@@ -105,3 +106,64 @@ def test_r24_three_hang_restarts_in_a_row_then_failed(tmp_path: Path) -> None:
     assert sim.controller.job.status is JobStatus.FAILED
     assert "R-24" in sim.controller.job.reason
     assert all(not r.consumed for r in sim.records()[:3])  # hang restarts spend no restart
+
+
+PROCESS = {
+    "fault-tolerance/job-retry-num": "6",
+    "fault-tolerance/job-unconditional-retry": "true",
+    "fault-tolerance/pod-retry-num": "2",
+    "recover-strategy": "retry,recover-in-place,recover,dump,exit",
+    "wait-reschedule-timeout": "60",
+}
+"""examples/ddp/process-job.yaml's annotations (its real runs: test_process_recovery.py)."""
+PROCESS_LABELS = {"process-recover-enable": "on", "pod-rescheduling": "on"}
+
+
+def test_r36_a_replacement_that_crashes_again_moves_down_to_job_level(tmp_path: Path) -> None:
+    """Rank 1 is restarted in place and its replacement crashes before it trains a step: that
+    restart failed, the healthy ranks save a dying gasp, and the job is rebuilt (one restart).
+    The real replacement that crashes on purpose was a real run of test_process_recovery.py; a
+    replacement that never progresses is test_restart_storm.py's, on every ladder."""
+    sim = Sim(tmp_path, job_spec(PROCESS, labels=PROCESS_LABELS), nodes=4)
+    sim.boot()
+    sim.train(40)
+    sim.tick()
+    sim.crash(1)
+    sim.tick()
+    assert sim.actions() == [("process-in-place", "running")]
+    sim.run(0.5)
+    sim.crash(1)
+    trained(sim, 41)
+    trained(sim, 42)
+    assert sim.actions() == [
+        ("process-in-place", "failed"),
+        ("dump", "succeeded"),
+        ("job-reschedule", "succeeded"),
+    ]
+    assert [r.consumed for r in sim.records()][-1], "the job-level restart is spent"
+    assert sim.controller.job.attempt == 2
+
+
+def test_r31_with_another_fault_on_the_rank0_pod_the_others_migrate(tmp_path: Path) -> None:
+    """node-0 (the rank-0 pod's) reports a chip fault that is only recorded and stays; a crash
+    in pod 1 then cannot restart in place (R-31) and migrates to a standby node instead (R-32),
+    node-1 not isolated; the rank-0 pod's processes never restart. (A real run before, in
+    test_process_recovery.py; each level's mechanism keeps its real run there.)"""
+    strategies = {**PROCESS, "recover-strategy": "recover-in-place,recover,dump,exit"}
+    sim = Sim(tmp_path, job_spec(strategies, labels=PROCESS_LABELS), nodes=4)
+    sim.boot()
+    sim.train(20)
+    sim.tick()
+    sim.chip_fault("node-0", 0, "80E21007", heals=False)
+    trained(sim, 21, seconds=0.5)
+    assert sim.actions() == [("ignore", "succeeded")]
+    sim.crash(3)
+    trained(sim, 41)
+    trained(sim, 42)
+    assert sim.actions() == [("ignore", "succeeded"), ("process-reschedule", "succeeded")]
+    record = sim.records()[1]
+    assert record.isolated == () and "rank-0 pod has another fault" in record.reason
+    pods = sim.controller.pods
+    assert [(p.row.node, p.row.generation) for p in pods.values()] == [("node-0", 1), ("node-2", 2)]
+    stopped = [name for name, m in sim.wire if isinstance(m, Stop | Shutdown)]
+    assert not [name for name in stopped if name.startswith("launcher-0-")], stopped

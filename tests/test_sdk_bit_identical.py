@@ -62,19 +62,28 @@ def resume_steps(logs: str) -> list[int]:
     return [int(m) for m in re.findall(r"start: rank 0 resume_step=(\d+)", logs)]
 
 
-def test_sdk_script_with_dropout_and_adam_ends_bit_identical_under_every_fault(
+def test_overlapped_saves_and_warm_restarts_at_every_level_end_bit_identical(
     cluster: Cluster, fault_free: str
 ) -> None:
-    """Periodic saves overlapped with the next step (the fault-free run saves synchronously;
-    the synchronous path is the DDP example's, tested under every fault elsewhere)."""
+    """Two promises of one run (each a real run of its own before; the suite's time): periodic
+    saves overlapped with the next step (the fault-free run saves synchronously; the synchronous
+    path is the DDP example's, tested under every fault elsewhere), and spec.warm_spares: the
+    restarted processes are spares that imported torch before the fault (a standby launcher's
+    for the rebuilt and the moved pods, the pod's own for in-place and hang restarts), and run
+    the script as a fresh process would. Same result, bit for bit."""
     out = cluster.dir / "hash.txt"
-    result = cluster.run(
-        job(out, 10, "overlap"), DDP_FAULTS, DDP_CLUSTER, timeout=400, startup_s=60
-    )
+    spec = job(out, 10, "overlap")
+    spec["spec"]["warm_spares"] = 1
+    result = cluster.run(spec, DDP_FAULTS, DDP_CLUSTER, timeout=400, startup_s=60)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.actions == ACTIONS
+    assert result.actions == ACTIONS, result.stdout
     assert all(r["outcome"] == "succeeded" for r in result.report["recoveries"])
     assert out.read_text().strip() == fault_free, story(result)
+    assert re.search(
+        r"pod \d takes the standby launcher on node-\d and its warm spares", result.stdout
+    )
+    warm = re.findall(r"--- relaunch: attempt ([2-9]), \S+, warm spare pid \d+ ---", result.logs())
+    assert warm, "no restart ran in a warm spare"
 
 
 def test_sdk_script_with_dying_gasps_only_ends_bit_identical_under_every_fault(
@@ -92,21 +101,3 @@ def test_sdk_script_with_dying_gasps_only_ends_bit_identical_under_every_fault(
     triggers = [f["at_step"] for f in DDP_FAULTS]
     for after_fault, trigger in zip(resumed[1:4], triggers[:3], strict=True):
         assert after_fault >= trigger - 1
-
-
-def test_warm_restarts_at_every_level_end_bit_identical(cluster: Cluster, fault_free: str) -> None:
-    """spec.warm_spares: the restarted processes are spares that imported torch before the
-    fault (a standby launcher's for the rebuilt and the moved pods, the pod's own for in-place
-    and hang restarts), and run the script as a fresh process would: same result, bit for bit."""
-    out = cluster.dir / "hash.txt"
-    spec = job(out, 10)
-    spec["spec"]["warm_spares"] = 1
-    result = cluster.run(spec, DDP_FAULTS, DDP_CLUSTER, timeout=400, startup_s=60)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.actions == ACTIONS, result.stdout
-    assert out.read_text().strip() == fault_free, story(result)
-    assert re.search(
-        r"pod \d takes the standby launcher on node-\d and its warm spares", result.stdout
-    )
-    warm = re.findall(r"--- relaunch: attempt ([2-9]), \S+, warm spare pid \d+ ---", result.logs())
-    assert warm, "no restart ran in a warm spare"

@@ -164,11 +164,6 @@ def main() -> None:
         help="tests: the checkpoint of this step takes --slow-save-s longer (a large model's save)",
     )
     parser.add_argument("--slow-save-s", type=float, default=0.0)
-    parser.add_argument(
-        "--replacements-crash",
-        action="store_true",
-        help="tests: a replacement process exits 1 as soon as it has joined (fallback paths)",
-    )
     args = parser.parse_args()
     args.where = device_of(args)
     if args.process_recovery:
@@ -274,9 +269,6 @@ def process_level(args: argparse.Namespace) -> None:
             optimizer.load_state_dict(resumed.state["optimizer"])
             set_rng_state(resumed.state["rng"])
             keeper.completed = resumed.step
-    if joined and args.replacements_crash:
-        print(f"replacement rank {job.rank} crashes on purpose", flush=True)
-        os._exit(1)
     keeper.settle(batch(0, job.rank)[0].to(args.where))
     ckpt.completed_step = keeper.completed
     ckpt.dying_gasp(state)
