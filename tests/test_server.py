@@ -65,6 +65,15 @@ def server(tmp_path: Path) -> Iterator[Server]:
     _cleanup(s)
 
 
+@pytest.fixture(scope="module")
+def refusing(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One server for the module's tests of requests it refuses (nothing they send is created):
+    each start is a new interpreter."""
+    s = Server(tmp_path_factory.mktemp("refusing")).start()
+    yield s
+    _cleanup(s)
+
+
 def auth(server: Server) -> dict[str, str]:
     return {"Authorization": f"Bearer {server.token}"}
 
@@ -156,7 +165,8 @@ def _validate_problems(path: Path) -> list[str]:
         "spec_unknown_key.yaml",
     ],
 )
-def test_invalid_jobs_get_the_messages_of_validate(server: Server, name: str) -> None:
+def test_invalid_jobs_get_the_messages_of_validate(refusing: Server, name: str) -> None:
+    server = refusing
     path = BAD_JOBS / name
     body = yaml.safe_load(path.read_text())
     r = httpx.post(f"{server.url}/v2/p/training-jobs", json=body, headers=auth(server))
@@ -167,7 +177,8 @@ def test_invalid_jobs_get_the_messages_of_validate(server: Server, name: str) ->
     assert all(p["key"] and p["allowed"] for p in error["problems"])
 
 
-def test_malformed_requests_are_400_with_a_reason(server: Server) -> None:
+def test_malformed_requests_are_400_with_a_reason(refusing: Server) -> None:
+    server = refusing
     url = f"{server.url}/v2/p/training-jobs"
     r = httpx.post(
         url, content=b"{not json", headers={**auth(server), "Content-Type": "application/json"}

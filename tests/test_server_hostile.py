@@ -4,6 +4,7 @@ on loopback: never a 500, never another request's data, nothing stored from a re
 
 from __future__ import annotations
 
+import itertools
 import json
 import stat
 import subprocess
@@ -21,15 +22,25 @@ import yaml
 from tests.runtime import FAST_CLUSTER, ROOT, Cluster, Server, kill_all, toy_job, wait_gone
 
 
-@pytest.fixture
-def paused(tmp_path: Path) -> Iterator[Server]:
-    """A server that queues jobs and starts none: what it answers is all there is to see."""
-    s = Server(tmp_path, "--paused").start()
+@pytest.fixture(scope="module")
+def paused(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A server that queues jobs and starts none: what it answers is all there is to see. One
+    for the module (each start is a new interpreter); each test keeps to a project of its own."""
+    s = Server(tmp_path_factory.mktemp("paused"), "--paused").start()
     yield s
     s.stop()
     left = wait_gone(s.state, timeout=10)
     kill_all(s.state)
     assert not left
+
+
+PROJECTS = itertools.count(1)
+
+
+@pytest.fixture
+def project() -> str:
+    """A project of this test's own on the shared server: its listings are its jobs only."""
+    return f"hostile-{next(PROJECTS)}"
 
 
 def auth(server: Server) -> dict[str, str]:
@@ -40,7 +51,7 @@ def body(name: str = "hostile", **spec: Any) -> dict[str, Any]:
     return {"kind": "job", "metadata": {"name": name}, "spec": {"command": "true", **spec}}
 
 
-def listed(server: Server, project: str = "p") -> int:
+def listed(server: Server, project: str) -> int:
     r = httpx.get(f"{server.url}/v2/{project}/training-jobs")
     assert r.status_code == 200, r.text
     count: int = r.json()["count"]
@@ -49,6 +60,7 @@ def listed(server: Server, project: str = "p") -> int:
 
 def test_40_concurrent_creates_and_terminates_return_each_its_own_job_and_never_500(
     paused: Server,
+    project: str,
 ) -> None:
     n = 40
     barrier = threading.Barrier(n)
@@ -59,14 +71,16 @@ def test_40_concurrent_creates_and_terminates_return_each_its_own_job_and_never_
         with httpx.Client(timeout=60) as client:
             barrier.wait()
             created[i] = client.post(
-                f"{paused.url}/v2/p/training-jobs", json=body(f"job-{i}"), headers=auth(paused)
+                f"{paused.url}/v2/{project}/training-jobs",
+                json=body(f"job-{i}"),
+                headers=auth(paused),
             )
 
     def terminate(i: int, job_id: str) -> None:
         with httpx.Client(timeout=60) as client:
             barrier.wait()
             stopped[i] = client.post(
-                f"{paused.url}/v2/p/training-jobs/{job_id}/actions",
+                f"{paused.url}/v2/{project}/training-jobs/{job_id}/actions",
                 json={"action_type": "terminate"},
                 headers=auth(paused),
             )
@@ -80,7 +94,7 @@ def test_40_concurrent_creates_and_terminates_return_each_its_own_job_and_never_
     views = {i: r.json() for i, r in created.items()}
     assert all(v["metadata"]["name"] == f"job-{i}" for i, v in views.items())  # its own job
     ids = {v["metadata"]["id"] for v in views.values()}
-    assert len(ids) == n and listed(paused) == n
+    assert len(ids) == n and listed(paused, project) == n
 
     threads = [
         threading.Thread(target=terminate, args=(i, v["metadata"]["id"])) for i, v in views.items()
@@ -97,8 +111,8 @@ def test_40_concurrent_creates_and_terminates_return_each_its_own_job_and_never_
         assert r.json()["status"]["phase"] == "Stopped"
 
 
-def test_superscript_digit_as_job_id_is_404_not_500(paused: Server) -> None:
-    base = f"{paused.url}/v2/p/training-jobs/%C2%B2"
+def test_superscript_digit_as_job_id_is_404_not_500(paused: Server, project: str) -> None:
+    base = f"{paused.url}/v2/{project}/training-jobs/%C2%B2"
     for suffix in ("", "/progress", "/recoveries"):
         r = httpx.get(base + suffix)
         assert r.status_code == 404 and r.json()["error_code"] == "RL.0404", (suffix, r.text)
@@ -110,46 +124,48 @@ def test_superscript_digit_as_job_id_is_404_not_500(paused: Server) -> None:
 
 @pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
 def test_nan_or_infinity_in_a_spec_value_is_400_naming_the_key(
-    paused: Server, constant: str
+    paused: Server, project: str, constant: str
 ) -> None:
     raw = json.dumps(body()).replace(
         '"command": "true"', f'"command": "true", "monitor_interval": {constant}'
     )
     r = httpx.post(
-        f"{paused.url}/v2/p/training-jobs",
+        f"{paused.url}/v2/{project}/training-jobs",
         content=raw.encode(),
         headers={**auth(paused), "Content-Type": "application/json"},
     )
     assert r.status_code == 400, r.text
     assert [p["key"] for p in r.json()["problems"]] == ["spec.monitor_interval"]
-    assert listed(paused) == 0
+    assert listed(paused, project) == 0
 
 
 @pytest.mark.parametrize("levels", [30, 260])
 def test_deeply_nested_annotations_are_400_and_nothing_is_created(
-    paused: Server, levels: int
+    paused: Server, project: str, levels: int
 ) -> None:
     nested: Any = "x"
     for _ in range(levels):
         nested = {"a": nested}
     job = body()
     job["metadata"]["annotations"] = {"deep": nested}
-    r = httpx.post(f"{paused.url}/v2/p/training-jobs", json=job, headers=auth(paused))
+    r = httpx.post(f"{paused.url}/v2/{project}/training-jobs", json=job, headers=auth(paused))
     assert r.status_code == 400, r.text
     assert r.json()["problems"][0]["key"].startswith("metadata.annotations.deep")
-    assert listed(paused) == 0  # before the fix the row was committed, and this answered 500
+    assert (
+        listed(paused, project) == 0
+    )  # before the fix the row was committed, and this answered 500
 
 
-def test_400_digit_integer_is_400_and_metrics_stay_200(paused: Server) -> None:
+def test_400_digit_integer_is_400_and_metrics_stay_200(paused: Server, project: str) -> None:
     job = body()
     job["metadata"]["annotations"] = {
         "fault-tolerance/job-retry-num": "3",
         "fault-tolerance/pod-retry-num": "9" * 400,
     }
-    r = httpx.post(f"{paused.url}/v2/p/training-jobs", json=job, headers=auth(paused))
+    r = httpx.post(f"{paused.url}/v2/{project}/training-jobs", json=job, headers=auth(paused))
     assert r.status_code == 400, r.text
     assert r.json()["problems"][0]["key"] == "metadata.annotations.fault-tolerance/pod-retry-num"
-    assert listed(paused) == 0
+    assert listed(paused, project) == 0
     assert httpx.get(f"{paused.url}/metrics").status_code == 200
 
 
@@ -163,12 +179,14 @@ def test_400_digit_integer_is_400_and_metrics_stay_200(paused: Server) -> None:
     ],
 )
 def test_a_spec_that_cannot_start_is_refused(
-    paused: Server, spec: dict[str, Any], key: str
+    paused: Server, project: str, spec: dict[str, Any], key: str
 ) -> None:
-    r = httpx.post(f"{paused.url}/v2/p/training-jobs", json=body(**spec), headers=auth(paused))
+    r = httpx.post(
+        f"{paused.url}/v2/{project}/training-jobs", json=body(**spec), headers=auth(paused)
+    )
     assert r.status_code == 400, r.text
     assert [p["key"] for p in r.json()["problems"]] == [key]
-    assert listed(paused) == 0
+    assert listed(paused, project) == 0
 
 
 def test_a_command_that_cannot_start_is_a_fault_the_ladder_handles(cluster: Cluster) -> None:
@@ -186,10 +204,14 @@ def test_a_command_that_cannot_start_is_a_fault_the_ladder_handles(cluster: Clus
     assert "could not start '/no/such/program'" in logs
 
 
-def test_out_of_range_pod_in_post_faults_is_422_and_nothing_is_added(paused: Server) -> None:
-    r = httpx.post(f"{paused.url}/v2/p/training-jobs", json=body(replicas=2), headers=auth(paused))
+def test_out_of_range_pod_in_post_faults_is_422_and_nothing_is_added(
+    paused: Server, project: str
+) -> None:
+    r = httpx.post(
+        f"{paused.url}/v2/{project}/training-jobs", json=body(replicas=2), headers=auth(paused)
+    )
     job_id = r.json()["metadata"]["id"]
-    url = f"{paused.url}/v2/p/training-jobs/{job_id}"
+    url = f"{paused.url}/v2/{project}/training-jobs/{job_id}"
     r = httpx.post(
         url + "/faults",
         json={"faults": [{"kind": "process-exit", "after_s": 0, "pod": 5}]},
@@ -200,7 +222,7 @@ def test_out_of_range_pod_in_post_faults_is_422_and_nothing_is_added(paused: Ser
     assert "0 to 1" in r.json()["problems"][0]["message"]
     assert httpx.get(url).json()["fault_plan"] == []
     r = httpx.post(
-        f"{paused.url}/v2/p/training-jobs",
+        f"{paused.url}/v2/{project}/training-jobs",
         json={**body(), "fault_plan": [{"kind": "hang", "after_s": 1, "pod": 0, "rank": 3}]},
         headers=auth(paused),
     )
@@ -242,13 +264,14 @@ def test_a_stale_runner_pid_reused_by_another_process_does_not_keep_jobs_pending
 
 def test_the_token_is_checked_before_a_body_is_read_and_bodies_are_bounded(
     paused: Server,
+    project: str,
 ) -> None:
     assert paused.process is not None
     server = psutil.Process(paused.process.pid)
     before = server.memory_info().rss
     huge = b"[" + b"1," * (10 * 1024 * 1024) + b"1]"  # 21 MB
     r = httpx.post(
-        f"{paused.url}/v2/p/training-jobs",
+        f"{paused.url}/v2/{project}/training-jobs",
         content=huge,
         headers={"Content-Type": "application/json"},
         timeout=60,
@@ -256,13 +279,13 @@ def test_the_token_is_checked_before_a_body_is_read_and_bodies_are_bounded(
     assert r.status_code == 401, r.text
     assert server.memory_info().rss - before < 50 * 1024 * 1024  # before the fix: +500 MiB
     r = httpx.post(
-        f"{paused.url}/v2/p/training-jobs",
+        f"{paused.url}/v2/{project}/training-jobs",
         content=b'{"kind": "job", "pad": "' + b"x" * (2 * 1024 * 1024) + b'"}',
         headers={**auth(paused), "Content-Type": "application/json"},
         timeout=60,
     )
     assert r.status_code == 413 and r.json()["error_code"] == "RL.0413", r.text
-    assert listed(paused) == 0
+    assert listed(paused, project) == 0
 
 
 def test_state_directory_and_database_are_readable_by_their_owner_only(paused: Server) -> None:
@@ -273,8 +296,10 @@ def test_state_directory_and_database_are_readable_by_their_owner_only(paused: S
             assert stat.S_IMODE(path.stat().st_mode) == 0o600, name
 
 
-def test_loopback_reads_without_the_token_need_a_loopback_host_name(paused: Server) -> None:
-    url = f"{paused.url}/v2/p/training-jobs"
+def test_loopback_reads_without_the_token_need_a_loopback_host_name(
+    paused: Server, project: str
+) -> None:
+    url = f"{paused.url}/v2/{project}/training-jobs"
     assert httpx.get(url).status_code == 200
     assert httpx.get(url, headers={"Host": f"localhost:{paused.port}"}).status_code == 200
     rebound = httpx.get(url, headers={"Host": f"attacker.example:{paused.port}"})
