@@ -268,6 +268,35 @@ def test_torchruns_underscore_spellings_are_taken_for_every_option(
     assert found == expected, shown[0]
 
 
+@pytest.mark.parametrize(
+    "on, off, key",
+    [
+        ("--unconditional-retry", "--environment-faults-only", "unconditional_retry"),
+        ("--hang-retry", "--no-hang-retry", "hang_retry"),
+    ],
+)
+def test_a_default_said_is_taken_its_opposite_turns_it_off_and_both_are_refused(
+    on: str, off: str, key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--help` lists only the switch that changes something (`--no-hang-retry`); the default's
+    own name is still taken, as a torchrun user may say it, and both at once are refused."""
+    monkeypatch.chdir(ROOT)
+
+    def recovery(*options: str) -> bool:
+        result = CliRunner().invoke(app, ["validate", "--json", "--nnodes", "2", *options, DDP])
+        assert result.exit_code == 0, (options, result.stdout, result.stderr)
+        value: bool = json.loads(result.stdout)["recovery"][key]
+        return value
+
+    assert recovery() is recovery(on) is True
+    assert recovery(off) is False
+    both = CliRunner().invoke(app, ["validate", "--nnodes", "2", on, off, DDP])
+    assert both.exit_code == 2
+    assert f"{on}, {off}: both given" in " ".join(both.stderr.split())
+    shown = CliRunner().invoke(app, ["run", "--help"], env={"COLUMNS": "80"}).stdout
+    assert off in shown and on not in shown.replace(off, "")
+
+
 def test_resume_takes_a_job_not_a_script(tmp_path: Path) -> None:
     result = relaunch("run", "--resume", "--state-dir", str(tmp_path), "--nnodes", "2", DDP)
     assert result.returncode == 2

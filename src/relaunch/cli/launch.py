@@ -23,7 +23,9 @@ __all__ = [
 
 _TORCHRUN_OPTIONS = frozenset({"--nnodes", "--nproc-per-node", "--nproc_per_node", "--standalone"})
 """Options that say the command line is in torchrun's form. Every option of more than one word
-is taken in torchrun's two spellings, `--max-restarts` and `--max_restarts`."""
+is taken in torchrun's two spellings, `--max-restarts` and `--max_restarts`: the second is
+written as the first before the command line is parsed (`dashed`), so that `--help` lists
+one name an option."""
 _JOB_FILE_SUFFIXES = (".yaml", ".yml", ".json")
 
 
@@ -49,97 +51,154 @@ class TorchrunForm(TyperCommand):
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         """`ctx` is click's Context: typer's own copy of click since typer 0.2x, click itself
         before; not named, so that both work."""
+        args = dashed(args)
         if torchrun_form(args):
             ctx.allow_interspersed_args = False
             ctx.allow_extra_args = True
         return super().parse_args(ctx, args)
 
 
+def dashed(args: list[str]) -> list[str]:
+    """torchrun's underscore spellings (`--nproc_per_node=4`) written with dashes, up to the
+    script: what follows it is the script's, untouched."""
+    written: list[str] = []
+    for i, arg in enumerate(args):
+        if arg == "--" or (not arg.startswith("-") and arg.endswith(".py")):
+            return written + args[i:]
+        if arg.startswith("--") and "_" in arg.split("=", 1)[0]:
+            name, sep, value = arg.partition("=")
+            arg = name.replace("_", "-") + sep + value
+        written.append(arg)
+    return written
+
+
+TORCHRUN_PANEL = "torchrun's form (a script instead of a job file)"
+"""Where `relaunch run --help` lists the options of torchrun's form: a table of their own, so
+that their long names do not narrow every other option's description."""
+
 NnodesOption = Annotated[
     str | None,
-    typer.Option("--nnodes", help="torchrun form: pods (nodes) of the job.", show_default=False),
+    typer.Option(
+        "--nnodes",
+        rich_help_panel=TORCHRUN_PANEL,
+        help="Pods (nodes) of the job.",
+        show_default=False,
+    ),
 ]
 NprocOption = Annotated[
     str | None,
     typer.Option(
-        "--nproc-per-node", "--nproc_per_node", help="torchrun form: processes (ranks) per pod."
+        "--nproc-per-node",
+        rich_help_panel=TORCHRUN_PANEL,
+        help="Processes (ranks) per pod.",
     ),
 ]
 StandaloneOption = Annotated[
-    bool, typer.Option("--standalone", help="torchrun form: one node (torchrun's meaning).")
+    bool,
+    typer.Option(
+        "--standalone", rich_help_panel=TORCHRUN_PANEL, help="One node (torchrun's meaning)."
+    ),
 ]
 MaxRestartsOption = Annotated[
     int | None,
     typer.Option(
         "--max-restarts",
-        "--max_restarts",
-        help="torchrun form: job-level restarts (fault-tolerance/job-retry-num; 0: none). "
-        "Default 3.",
+        rich_help_panel=TORCHRUN_PANEL,
+        help="Job-level restarts (fault-tolerance/job-retry-num; 0: none). Default 3.",
     ),
 ]
 MonitorOption = Annotated[
     float | None,
     typer.Option(
         "--monitor-interval",
-        "--monitor_interval",
-        help="torchrun form: seconds between process checks.",
+        rich_help_panel=TORCHRUN_PANEL,
+        help="Seconds between process checks.",
     ),
 ]
 NameOption = Annotated[
     str | None,
-    typer.Option("--name", help="torchrun form: the job's name (default: the script's)."),
+    typer.Option(
+        "--name", rich_help_panel=TORCHRUN_PANEL, help="The job's name (default: the script's)."
+    ),
 ]
 PodRetryOption = Annotated[
     int | None,
     typer.Option(
         "--pod-retry-num",
-        "--pod_retry_num",
-        help="torchrun form: pod-level reschedules (fault-tolerance/pod-retry-num).",
+        rich_help_panel=TORCHRUN_PANEL,
+        help="Pod-level reschedules (fault-tolerance/pod-retry-num).",
     ),
 ]
 UnconditionalOption = Annotated[
-    bool | None,
+    bool,
     typer.Option(
-        "--unconditional-retry/--environment-faults-only",
-        help="torchrun form: restart on any failure, as torchrun does "
-        "(fault-tolerance/job-unconditional-retry), or only on environment faults (R-02). "
-        "Default: any failure.",
-        show_default=False,
+        "--unconditional-retry",
+        hidden=True,  # the default: taken, as torchrun users may say it, not listed
+        help="Restart on any failure (fault-tolerance/job-unconditional-retry), the default.",
+    ),
+]
+EnvironmentOnlyOption = Annotated[
+    bool,
+    typer.Option(
+        "--environment-faults-only",
+        rich_help_panel=TORCHRUN_PANEL,
+        help="Restart only on environment faults (R-02), not on any failure as torchrun does "
+        "(fault-tolerance/job-unconditional-retry off).",
     ),
 ]
 HangRetryOption = Annotated[
-    bool | None,
+    bool,
     typer.Option(
-        "--hang-retry/--no-hang-retry",
-        help="torchrun form: restart a hung job (fault-tolerance/hang-retry). Default on.",
-        show_default=False,
+        "--hang-retry",
+        hidden=True,  # the default: taken, not listed
+        help="Restart a hung job (fault-tolerance/hang-retry), the default.",
+    ),
+]
+NoHangRetryOption = Annotated[
+    bool,
+    typer.Option(
+        "--no-hang-retry",
+        rich_help_panel=TORCHRUN_PANEL,
+        help="Fail a hung job rather than restart it (fault-tolerance/hang-retry off).",
     ),
 ]
 HangSecondsOption = Annotated[
     float | None,
     typer.Option(
         "--hang-detect-seconds",
-        "--hang_detect_seconds",
-        help="torchrun form: silence that makes a hang.",
+        rich_help_panel=TORCHRUN_PANEL,
+        help="Silence that makes a hang.",
     ),
 ]
 WarmSparesOption = Annotated[
     int | None,
     typer.Option(
-        "--warm-spares", "--warm_spares", help="torchrun form: warm spare processes per pod."
+        "--warm-spares",
+        rich_help_panel=TORCHRUN_PANEL,
+        help="Warm spare processes per pod.",
     ),
 ]
 AnnotationOption = Annotated[
     list[str] | None,
-    typer.Option("--annotation", help="torchrun form: a job annotation, KEY=VALUE (repeatable)."),
+    typer.Option(
+        "--annotation",
+        rich_help_panel=TORCHRUN_PANEL,
+        help="A job annotation, KEY=VALUE (repeatable).",
+    ),
 ]
 LabelOption = Annotated[
     list[str] | None,
-    typer.Option("--label", help="torchrun form: a job label, KEY=VALUE (repeatable)."),
+    typer.Option(
+        "--label", rich_help_panel=TORCHRUN_PANEL, help="A job label, KEY=VALUE (repeatable)."
+    ),
 ]
 EnvOption = Annotated[
     list[str] | None,
-    typer.Option("--env", help="torchrun form: a variable for every rank, KEY=VALUE (repeatable)."),
+    typer.Option(
+        "--env",
+        rich_help_panel=TORCHRUN_PANEL,
+        help="A variable for every rank, KEY=VALUE (repeatable).",
+    ),
 ]
 
 
@@ -154,8 +213,10 @@ class LaunchOptions:
     monitor_interval: float | None = None
     name: str | None = None
     pod_retry_num: int | None = None
-    unconditional_retry: bool | None = None
-    hang_retry: bool | None = None
+    unconditional_retry: bool = False
+    environment_faults_only: bool = False
+    hang_retry: bool = False
+    no_hang_retry: bool = False
     hang_detect_seconds: float | None = None
     warm_spares: int | None = None
     annotation: list[str] | None = None
@@ -204,6 +265,15 @@ def launch_document(
         return None
     source = f"relaunch {ctx.info_name} (torchrun form)"
     problems = _script_problems(first, options)  # reported with the options' own, at once
+    for on, off in (
+        ("unconditional_retry", "environment_faults_only"),
+        ("hang_retry", "no_hang_retry"),
+    ):
+        if getattr(options, on) and getattr(options, off):
+            names = f"--{on.replace('_', '-')}, --{off.replace('_', '-')}"
+            problems.append(
+                Problem(names, True, "one of them", found="both given: they say opposite things")
+            )
     launch = Launch(
         script=str(first) if first is not None else "",
         args=tuple(ctx.args),
@@ -212,8 +282,8 @@ def launch_document(
         name=options.name,
         **({} if options.max_restarts is None else {"max_restarts": options.max_restarts}),
         pod_retry_num=options.pod_retry_num,
-        hang_retry=True if options.hang_retry is None else options.hang_retry,
-        unconditional_retry=options.unconditional_retry is not False,
+        hang_retry=not options.no_hang_retry,
+        unconditional_retry=not options.environment_faults_only,
         hang_detect_seconds=options.hang_detect_seconds,
         monitor_interval=options.monitor_interval,
         warm_spares=options.warm_spares,

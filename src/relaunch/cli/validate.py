@@ -20,6 +20,7 @@ from relaunch.cli.common import (
 )
 from relaunch.cli.launch import (
     AnnotationOption,
+    EnvironmentOnlyOption,
     EnvOption,
     HangRetryOption,
     HangSecondsOption,
@@ -29,6 +30,7 @@ from relaunch.cli.launch import (
     MonitorOption,
     NameOption,
     NnodesOption,
+    NoHangRetryOption,
     NprocOption,
     PodRetryOption,
     StandaloneOption,
@@ -76,8 +78,10 @@ def validate(
     monitor_interval: MonitorOption = None,
     name: NameOption = None,
     pod_retry_num: PodRetryOption = None,
-    unconditional_retry: UnconditionalOption = None,
-    hang_retry: HangRetryOption = None,
+    unconditional_retry: UnconditionalOption = False,
+    environment_faults_only: EnvironmentOnlyOption = False,
+    hang_retry: HangRetryOption = False,
+    no_hang_retry: NoHangRetryOption = False,
     hang_detect_seconds: HangSecondsOption = None,
     warm_spares: WarmSparesOption = None,
     annotation: AnnotationOption = None,
