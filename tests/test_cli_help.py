@@ -50,8 +50,22 @@ def test_the_command_list_wraps_only_where_the_column_is_full() -> None:
             )
 
 
-@pytest.mark.parametrize("command", ["run", "validate", "logs", "nodes", "agent", "bench"])
+COMMANDS = [
+    "validate", "faults", "run", "submit", "stop", "jobs", "describe", "logs", "nodes", "agent",
+    "cordon", "release", "server", "bench",
+]  # fmt: skip
+
+
+def test_every_command_is_checked() -> None:
+    assert set(command_rows(help_text())) == set(COMMANDS)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
 def test_each_commands_help_fits_80_columns(command: str) -> None:
+    """Nothing past the edge, nothing cut short (rich ends a word that does not fit its column
+    with an ellipsis: an option's name or a word of its description lost)."""
     text = help_text(command)
     assert all(len(line) <= WIDTH for line in text.splitlines())
     assert "Usage: relaunch " + command in text
+    cut = [line for line in text.splitlines() if "…" in line]
+    assert not cut, "\n".join(cut)

@@ -104,7 +104,7 @@ MaxRestartsOption = Annotated[
     typer.Option(
         "--max-restarts",
         rich_help_panel=TORCHRUN_PANEL,
-        help="Job-level restarts (fault-tolerance/job-retry-num; 0: none). Default 3.",
+        help="Job-level restarts, 0 for none (the job-retry-num annotation). Default 3.",
     ),
 ]
 MonitorOption = Annotated[
@@ -126,7 +126,7 @@ PodRetryOption = Annotated[
     typer.Option(
         "--pod-retry-num",
         rich_help_panel=TORCHRUN_PANEL,
-        help="Pod-level reschedules (fault-tolerance/pod-retry-num).",
+        help="Pod-level reschedules (the pod-retry-num annotation).",
     ),
 ]
 UnconditionalOption = Annotated[
@@ -134,7 +134,7 @@ UnconditionalOption = Annotated[
     typer.Option(
         "--unconditional-retry",
         hidden=True,  # the default: taken, as torchrun users may say it, not listed
-        help="Restart on any failure (fault-tolerance/job-unconditional-retry), the default.",
+        help="Restart on any failure (the job-unconditional-retry annotation), the default.",
     ),
 ]
 EnvironmentOnlyOption = Annotated[
@@ -143,7 +143,7 @@ EnvironmentOnlyOption = Annotated[
         "--environment-faults-only",
         rich_help_panel=TORCHRUN_PANEL,
         help="Restart only on environment faults (R-02), not on any failure as torchrun does "
-        "(fault-tolerance/job-unconditional-retry off).",
+        "(the job-unconditional-retry annotation off).",
     ),
 ]
 HangRetryOption = Annotated[
@@ -151,7 +151,7 @@ HangRetryOption = Annotated[
     typer.Option(
         "--hang-retry",
         hidden=True,  # the default: taken, not listed
-        help="Restart a hung job (fault-tolerance/hang-retry), the default.",
+        help="Restart a hung job (the hang-retry annotation), the default.",
     ),
 ]
 NoHangRetryOption = Annotated[
@@ -159,7 +159,7 @@ NoHangRetryOption = Annotated[
     typer.Option(
         "--no-hang-retry",
         rich_help_panel=TORCHRUN_PANEL,
-        help="Fail a hung job rather than restart it (fault-tolerance/hang-retry off).",
+        help="Fail a hung job rather than restart it (the hang-retry annotation off).",
     ),
 ]
 HangSecondsOption = Annotated[
