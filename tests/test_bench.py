@@ -110,7 +110,8 @@ def test_quick_bench_writes_json_markdown_and_chart(tmp_path: Path) -> None:
     }
     for phases in phased.values():
         assert set(phases) == {
-            "detect", "stop_spawn", "import", "rendezvous", "model", "load", "first_step"
+            "detect", "stop_spawn", "import", "cuda", "rendezvous", "model", "communicator",
+            "load", "first_step",
         }  # fmt: skip
     assert phased["relaunch"]["detect"] > 0
     (overhead,) = result["overhead"]

@@ -370,3 +370,41 @@ def test_the_keeper_aborts_an_nccl_group_through_its_communicator(
     gloo = ProcessGroupKeeper(model, torch.optim.SGD(model.parameters(), lr=0.1), backend="gloo")
     gloo._abort()
     assert calls == ["init", "abort"]  # gloo: its sockets are shut instead
+
+
+def test_a_warm_spare_starts_cuda_on_its_pods_gpu(tmp_path: Path) -> None:
+    """On a real GPU: a spare of a one-GPU pod (CUDA_VISIBLE_DEVICES=0) imports torch and starts
+    CUDA while it waits (`ready cuda 0`); the rank it becomes finds CUDA started and its first
+    tensor on the GPU costs it no context. Without CUDA: skipped (the spare's part is checked
+    with a stand-in in tests/test_launcher_parts.py)."""
+    import json
+    import sys
+
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA here (torch's CPU build, or no NVIDIA GPU)")
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import time, torch\n"
+        "started = torch.cuda.is_initialized()\n"
+        "t = time.perf_counter(); torch.ones(1, device='cuda'); torch.cuda.synchronize()\n"
+        "print('initialized', started, 'first tensor', time.perf_counter() - t, flush=True)\n"
+    )
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0"}
+    spare = subprocess.Popen(
+        [sys.executable, "-m", "relaunch._spare"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+    )  # fmt: skip
+    log = tmp_path / "rank.log"
+    try:
+        assert spare.stdout is not None and spare.stdin is not None
+        assert spare.stdout.readline().strip() == b"ready cuda 0"
+        identity = {"env": env, "argv": [str(script)], "cwd": str(tmp_path), "log": str(log)}
+        spare.stdin.write((json.dumps(identity) + "\n").encode())
+        spare.stdin.close()
+        assert spare.wait(timeout=120) == 0, log.read_text()
+    finally:
+        spare.kill()
+    said = log.read_text().split()
+    assert said[:2] == ["initialized", "True"], said
+    print("warm spare's first tensor on the GPU:", said[-1], "s")

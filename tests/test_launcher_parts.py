@@ -449,3 +449,115 @@ def test_a_pods_plan_counts_the_processes_that_share_its_nodes_cores(
     c = sim.controller
     plan = commands.launch_plan(c, c.pods[0].row)
     assert plan.host_processes == expected
+
+
+FAKE_TORCH = """\
+import os
+calls = []
+class cuda:
+    @staticmethod
+    def is_available():
+        return True
+    @staticmethod
+    def init():
+        calls.append("init")
+    @staticmethod
+    def device_count():
+        return len(os.environ["CUDA_VISIBLE_DEVICES"].split(","))
+    @staticmethod
+    def set_device(index):
+        calls.append(f"set_device {index}")
+def empty(*shape, device=None):
+    calls.append(f"empty on {device}")
+"""
+"""A stand-in for torch's CUDA calls a spare makes, recording them (this machine has no GPU;
+the real one is tests/test_gpus.py's test_a_warm_spare_starts_cuda_on_its_pods_gpu)."""
+
+
+def _spare_with_fake_cuda(
+    tmp_path: Path, visible: str
+) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
+    (tmp_path / "torch.py").write_text(FAKE_TORCH)
+    env = {
+        **os.environ, "RELAUNCH_SPARE_PRELOAD": "torch", "PYTHONPATH": str(tmp_path),
+        "CUDA_VISIBLE_DEVICES": visible,
+    }  # fmt: skip
+    spare = subprocess.Popen(
+        [sys.executable, "-m", "relaunch._spare"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+    )  # fmt: skip
+    return spare, env
+
+
+@pytest.mark.parametrize(
+    "visible, readied, calls",
+    [
+        ("3", "3", ["init", "set_device 0", "empty on cuda"]),  # one GPU: its context too
+        ("2,3", "2,3", ["init"]),  # several: the driver only (which one is the rank's is not known)
+    ],
+)
+def test_a_spare_of_a_pod_with_gpus_starts_cuda_and_becomes_a_rank_that_sees_them(
+    tmp_path: Path, visible: str, readied: str, calls: list[str]
+) -> None:
+    spare, env = _spare_with_fake_cuda(tmp_path, visible)
+    script = tmp_path / "rank.py"
+    script.write_text("import torch\nprint('calls', torch.calls, flush=True)\n")
+    log = tmp_path / "rank.log"
+    try:
+        assert spare.stdout is not None and spare.stdin is not None
+        assert spare.stdout.readline().split() == [b"ready", b"cuda", readied.encode()]
+        identity = {"env": env, "argv": [str(script)], "cwd": str(tmp_path), "log": str(log)}
+        spare.stdin.write((json.dumps(identity) + "\n").encode())
+        spare.stdin.close()
+        assert spare.wait(timeout=30) == 0, log.read_text()
+    finally:
+        spare.kill()
+    assert log.read_text().strip() == f"calls {calls}"
+
+
+def test_a_spare_that_started_cuda_refuses_a_rank_that_sees_other_gpus(tmp_path: Path) -> None:
+    from relaunch._spare import SPARE_REFUSED
+
+    spare, env = _spare_with_fake_cuda(tmp_path, "3")
+    log = tmp_path / "rank.log"
+    try:
+        assert spare.stdout is not None and spare.stdin is not None
+        assert spare.stdout.readline().strip() == b"ready cuda 3"
+        other = {**env, "CUDA_VISIBLE_DEVICES": "5"}
+        identity = {"env": other, "argv": ["rank.py"], "cwd": str(tmp_path), "log": str(log)}
+        spare.stdin.write((json.dumps(identity) + "\n").encode())
+        spare.stdin.close()
+        assert spare.wait(timeout=30) == SPARE_REFUSED
+    finally:
+        spare.kill()
+    assert "started CUDA on GPUs 3 cannot be a rank that sees 5" in log.read_text()
+
+
+def test_the_pool_hands_a_cuda_spare_only_to_a_rank_that_sees_its_gpus(tmp_path: Path) -> None:
+    """A pod's GPUs changed since its spares started CUDA (a standby launcher's spares, started
+    on its node's first chips, and a pod given others): they are retired, not handed on; a
+    spare without CUDA may become any rank."""
+    from relaunch.launcher.spares import SparePool
+
+    (tmp_path / "torch.py").write_text(FAKE_TORCH)
+    ready = threading.Semaphore(0)
+    pool = SparePool(2, ("python", "train.py"), on_ready=ready.release)
+    env = {**os.environ, "RELAUNCH_SPARE_PRELOAD": "torch", "PYTHONPATH": str(tmp_path)}
+    try:
+        pool.refill(tmp_path, {**env, "CUDA_VISIBLE_DEVICES": "3"})
+        assert ready.acquire(timeout=30) and ready.acquire(timeout=30)
+        assert [s.cuda for s in pool.spares] == ["3", "3"]
+        first = pool.spares[0].proc
+        assert pool.take("5") is None and pool.spares == []  # both retired
+        assert first.wait(timeout=10) is not None
+        pool.refill(tmp_path, {**env, "CUDA_VISIBLE_DEVICES": "5"})
+        assert ready.acquire(timeout=30) and ready.acquire(timeout=30)
+        taken = pool.take("5")
+        assert taken is not None and taken.cuda == "5"
+        taken.proc.kill()
+        pool.refill(tmp_path, {k: v for k, v in env.items() if k != "CUDA_VISIBLE_DEVICES"})
+        assert ready.acquire(timeout=30)
+        plain = [s for s in pool.spares if s.ready.is_set() and s.cuda is None]
+        assert plain and plain[0].can_be("7") and plain[0].can_be(None)
+    finally:
+        pool.retire()

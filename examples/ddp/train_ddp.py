@@ -186,16 +186,21 @@ def main() -> None:
             with open(args.timeline, "a") as timeline:
                 timeline.write(f"{event} {step} {at or time.time():.6f}\n")
 
-    # Where a restart's time goes (rank 0): process start, imports, rendezvous, model, checkpoint.
+    # Where a restart's time goes (rank 0): process start, imports, CUDA, rendezvous, model,
+    # communicator, checkpoint (relaunch_bench.timeline.PHASES).
     mark("launched", 0, LAUNCHED)
     mark("imported", 0)
+    if args.where.type == "cuda":
+        torch.empty(1, device=args.where)  # CUDA's context (a warm spare's is there already)
+    mark("cuda", 0)
     dist.init_process_group(
         "nccl" if args.where.type == "cuda" else "gloo",
         timeout=timedelta(seconds=args.collective_timeout),
     )
     mark("group", 0)
     model, optimizer, ckpt, state = build(args, job.rank)
-    ddp = DistributedDataParallel(model)
+    mark("built", 0)
+    ddp = DistributedDataParallel(model)  # its first broadcast makes the group's communicator
     mark("ddp", 0)
 
     start = 0

@@ -6,10 +6,17 @@ modules of ``RELAUNCH_SPARE_PRELOAD`` (default: torch, torch.distributed, DDP an
 torch._dynamo, which torch.optim imports on first use: 1.7 s on our CI machines), writes ``ready``, and reads one JSON
 line: ``{"env": {...}, "argv": [script, args...], "cwd": dir, "log": path}``. It waits at a lower
 CPU priority (SPARE_NICENESS) where it can raise it back, so that a refill does not slow the
-ranks training beside it, and trains at the launcher's. Then it becomes
+ranks training beside it, and trains at the launcher's. (``ready cuda GPUS`` where it also started
+CUDA on those GPUs: see below.) Then it becomes
 that process: its stdout and stderr the rank's log (appended to, as a process the launcher
 starts writes it), environment, working directory and ``sys.argv`` replaced, the script run as
 ``__main__``.
+
+Where its pod's chips are GPUs (``CUDA_VISIBLE_DEVICES``, as every engine gives a pod its chips'),
+a spare also starts CUDA while it waits (``ready_cuda``): the driver, and where the pod sees one
+GPU, that GPU's context (the 5.6 s a cold rank spent before its model was on an H100). The rank it
+becomes finds CUDA started on the same GPUs; the launcher hands a spare only to a rank that sees
+the GPUs the spare started CUDA with (``RELAUNCH_SPARE_CUDA=0`` turns it off).
 """
 
 from __future__ import annotations
@@ -25,6 +32,11 @@ import sys
 from relaunch.protocol.environment import Env
 
 DEFAULT_PRELOAD = "torch,torch.distributed,torch.nn.parallel,torch._dynamo"
+CUDA_VISIBLE = "CUDA_VISIBLE_DEVICES"
+CUDA_FAILED: list[str] = []
+"""Why CUDA could not be started while waiting, if it could not."""
+SPARE_REFUSED = 75
+"""A spare's exit code when handed a rank it cannot be (EX_TEMPFAIL)."""
 SPARE_NICENESS = 10
 """How much lower a spare's CPU priority is while it imports and waits than the rank it becomes:
 a spare refilled after a restart (importing torch takes seconds of CPU) must not slow the ranks
@@ -40,7 +52,8 @@ def main() -> None:
         if name.strip():
             with contextlib.suppress(ImportError):
                 importlib.import_module(name.strip())
-    sys.stdout.write("ready\n")
+    readied = ready_cuda()
+    sys.stdout.write("ready\n" if readied is None else f"ready cuda {readied}\n")
     sys.stdout.flush()
     line = sys.stdin.readline()
     if not line:
@@ -55,6 +68,20 @@ def main() -> None:
         os.dup2(log, 1)
         os.dup2(log, 2)
         os.close(log)
+    for error in CUDA_FAILED:
+        print(
+            f"relaunch: this warm spare could not start CUDA while it waited: {error}", flush=True
+        )
+    visible = identity["env"].get(CUDA_VISIBLE)
+    if readied is not None and visible != readied:
+        # CUDA cannot start again on other GPUs: the launcher checks this before it hands a
+        # spare on (SparePool.take); a spare told otherwise ends rather than train elsewhere
+        print(
+            f"relaunch: a warm spare that started CUDA on GPUs {readied} cannot be a rank that "
+            f"sees {visible}",
+            flush=True,
+        )
+        sys.exit(SPARE_REFUSED)
     os.environ.clear()
     os.environ.update(identity["env"])
     os.chdir(identity["cwd"])
@@ -62,6 +89,29 @@ def main() -> None:
     sys.argv = argv
     sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
     runpy.run_path(argv[0], run_name="__main__")
+
+
+def ready_cuda() -> str | None:
+    """CUDA started ahead of the rank where the pod's chips are GPUs and torch is imported: the
+    driver, and with one visible GPU its context and a first allocation (a rank of a one-GPU pod
+    takes device 0 of what it sees). The GPUs it started on (CUDA_VISIBLE_DEVICES), or None
+    where it started nothing (no GPUs for the pod, no CUDA, turned off, or CUDA failed: the rank
+    then starts it itself, as a cold process does)."""
+    visible = os.environ.get(CUDA_VISIBLE, "")
+    torch = sys.modules.get("torch")
+    if not visible or torch is None or os.environ.get(Env.SPARE_CUDA, "1") == "0":
+        return None
+    try:
+        if not torch.cuda.is_available():
+            return None
+        torch.cuda.init()
+        if torch.cuda.device_count() == 1:
+            torch.cuda.set_device(0)
+            torch.empty(1, device="cuda")
+    except Exception as error:  # any CUDA failure: the rank starts it cold, as a new process would
+        CUDA_FAILED.append(str(error))  # said in the rank's log (stdout is the launcher's now)
+        return None
+    return visible
 
 
 def _lower_priority() -> int | None:

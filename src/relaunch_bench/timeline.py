@@ -23,11 +23,20 @@ class Sample:
     fault_at: float | None = None
 
 
-PHASES = ("detect", "stop_spawn", "import", "rendezvous", "model", "load", "first_step")
+PHASES = (
+    "detect", "stop_spawn", "import", "cuda", "rendezvous", "model", "communicator", "load",
+    "first_step",
+)  # fmt: skip
 """Where a DDP restart's time goes, in order: detection; stopping and spawning the processes (from
 detection to rank 0's new interpreter starting); importing torch and the script's modules;
-forming the gloo group; building the model, optimizer and DDP; loading the checkpoint; the first
-step."""
+starting CUDA on the rank's GPU (its context: 0 on the CPU, and for a warm spare that started it
+while it waited); forming the process group (its store); building the model and its optimizer;
+wrapping it in DDP, whose first broadcast makes the collectives' communicator (NCCL's, gloo's);
+loading the checkpoint; the first step."""
+MARKS = ("launched", "imported", "cuda", "group", "built", "ddp", "loaded", "step")
+"""The script's timeline events that bound PHASES (after `detect` and `stop_spawn`). `cuda` and
+`built` came later than the others: a timeline without them counts their parts as nothing, each
+in the part after it."""
 
 
 def read(path: Path) -> list[Event]:
@@ -46,26 +55,30 @@ def phases_of(
 ) -> dict[str, float] | None:
     """The parts of one recovery from rank 0's timeline events after the fault (None when rank 0
     did not restart, as in process-level recoveries)."""
-    marks: list[float] = []
+    marks: dict[str, float] = {}
     since = fault_at
-    for name in ("launched", "imported", "group", "ddp", "loaded", "step"):
+    for name in MARKS:
         # each mark is the first after the one before: steps the old processes completed
         # between the fault and their stop are not the first step after recovery
         found = next((t for e, _, t in events if e == name and t >= since), None)
+        if found is None and name in ("cuda", "built"):
+            continue  # an older timeline: its part is counted in the next one
         if found is None:
             return None
-        marks.append(found)
-        since = found
-    launched, imported, group, ddp, loaded, step = marks
+        marks[name] = since = found
+    marks.setdefault("cuda", marks["imported"])
+    marks.setdefault("built", marks["group"])
     detect = detect_s or 0.0
     return {
         "detect": round(detect, 3),
-        "stop_spawn": round(launched - fault_at - detect, 3),
-        "import": round(imported - launched, 3),
-        "rendezvous": round(group - imported, 3),
-        "model": round(ddp - group, 3),
-        "load": round(loaded - ddp, 3),
-        "first_step": round(step - loaded, 3),
+        "stop_spawn": round(marks["launched"] - fault_at - detect, 3),
+        "import": round(marks["imported"] - marks["launched"], 3),
+        "cuda": round(marks["cuda"] - marks["imported"], 3),
+        "rendezvous": round(marks["group"] - marks["cuda"], 3),
+        "model": round(marks["built"] - marks["group"], 3),
+        "communicator": round(marks["ddp"] - marks["built"], 3),
+        "load": round(marks["loaded"] - marks["ddp"], 3),
+        "first_step": round(marks["step"] - marks["loaded"], 3),
     }
 
 

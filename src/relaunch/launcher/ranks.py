@@ -85,7 +85,8 @@ def start_rank(
     begins)."""
     child_env = _rank_environment(pod, pod_env, rank, local_rank)
     cgroup = _fresh_cgroup(pod.rank_cgroup(rank))
-    spare = pod.spares.take() if pod.spares.argv is not None else None
+    visible = child_env.get("CUDA_VISIBLE_DEVICES")
+    spare = pod.spares.take(visible) if pod.spares.argv is not None else None
     cwd = pod.plan.working_dir or str(pod.dir.path)
     path = pod.dir.rank_log(rank)
     how = f", warm spare pid {spare.proc.pid}" if spare is not None else ""

@@ -23,6 +23,13 @@ __all__ = ["Spare", "SparePool", "spare_argv"]
 class Spare:
     proc: subprocess.Popen[bytes]
     ready: threading.Event
+    cuda: str | None = None
+    """The GPUs (CUDA_VISIBLE_DEVICES) it started CUDA on while it waited, once ready; None:
+    it started no CUDA, and may become a rank that sees any GPUs."""
+
+    def can_be(self, visible: str | None) -> bool:
+        """It may become a rank that sees these GPUs: CUDA, once started, keeps its GPUs."""
+        return self.cuda is None or self.cuda == visible
 
     def become(
         self, env: dict[str, str], argv: list[str], cwd: str, log: str
@@ -90,26 +97,38 @@ class SparePool:
             return False
         return sum(1 for sp in self.spares if sp.proc.poll() is None) < self.size
 
-    def take(self) -> Spare | None:
-        """A spare that is ready, or None."""
-        for spare in self.spares:
-            if spare.ready.is_set() and spare.proc.poll() is None:
-                self.spares.remove(spare)
+    def take(self, visible: str | None = None) -> Spare | None:
+        """A spare that is ready and can be a rank that sees the GPUs `visible` (its
+        CUDA_VISIBLE_DEVICES), or None. A ready spare that started CUDA on other GPUs is retired
+        (the pod's GPUs changed since it started; a refill starts one on the new ones)."""
+        for spare in list(self.spares):
+            if not spare.ready.is_set() or spare.proc.poll() is not None:
+                continue
+            self.spares.remove(spare)
+            if spare.can_be(visible):
                 return spare
+            _end(spare)
         return None
 
     def retire(self) -> None:
         for spare in self.spares:
-            with contextlib.suppress(OSError):
-                spare.proc.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                spare.proc.wait(timeout=5)
+            _end(spare)
         self.spares = []
 
 
+def _end(spare: Spare) -> None:
+    with contextlib.suppress(OSError):
+        spare.proc.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        spare.proc.wait(timeout=5)
+
+
 def _await_ready(spare: Spare, on_ready: Callable[[], None]) -> None:
+    """Waits for the spare's `ready` (or `ready cuda GPUS`: see relaunch._spare)."""
     assert spare.proc.stdout is not None
-    if spare.proc.stdout.readline().strip() == b"ready":
+    said = spare.proc.stdout.readline().decode(errors="replace").split()
+    if said[:1] == ["ready"]:
+        spare.cuda = said[2] if said[1:2] == ["cuda"] and len(said) > 2 else None
         spare.ready.set()
     on_ready()  # the next spare may start (or, if this one died, another in its place)
 

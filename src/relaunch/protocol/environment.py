@@ -74,6 +74,8 @@ class Env:
     """Steps are reported at most this often (seconds); the launcher forwards no more often."""
     INJECT_DIR: Final = "RELAUNCH_INJECT_DIR"
     SPARE_PRELOAD: Final = "RELAUNCH_SPARE_PRELOAD"
+    SPARE_CUDA: Final = "RELAUNCH_SPARE_CUDA"
+    """0: a warm spare of a pod whose chips are GPUs does not start CUDA while it waits."""
     GASP_WAIT_S: Final = "RELAUNCH_GASP_WAIT_S"
     # relaunch's own processes
     FAILPOINT: Final = "RELAUNCH_FAILPOINT"
