@@ -463,7 +463,7 @@ class cuda:
         calls.append("init")
     @staticmethod
     def device_count():
-        return len(os.environ["CUDA_VISIBLE_DEVICES"].split(","))
+        return len(os.environ.get("CUDA_VISIBLE_DEVICES", "0,1").split(","))  # a 2-GPU machine
     @staticmethod
     def set_device(index):
         calls.append(f"set_device {index}")
@@ -475,13 +475,16 @@ the real one is tests/test_gpus.py's test_a_warm_spare_starts_cuda_on_its_pods_g
 
 
 def _spare_with_fake_cuda(
-    tmp_path: Path, visible: str
+    tmp_path: Path, visible: str | None, wanted: str | None = None
 ) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
     (tmp_path / "torch.py").write_text(FAKE_TORCH)
-    env = {
-        **os.environ, "RELAUNCH_SPARE_PRELOAD": "torch", "PYTHONPATH": str(tmp_path),
-        "CUDA_VISIBLE_DEVICES": visible,
-    }  # fmt: skip
+    env = {**os.environ, "RELAUNCH_SPARE_PRELOAD": "torch", "PYTHONPATH": str(tmp_path)}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    env.pop("RELAUNCH_SPARE_CUDA", None)
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    if wanted is not None:
+        env["RELAUNCH_SPARE_CUDA"] = wanted
     spare = subprocess.Popen(
         [sys.executable, "-m", "relaunch._spare"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
@@ -489,23 +492,30 @@ def _spare_with_fake_cuda(
     return spare, env
 
 
-@pytest.mark.parametrize(
-    "visible, readied, calls",
-    [
-        ("3", "3", ["init", "set_device 0", "empty on cuda"]),  # one GPU: its context too
-        ("2,3", "2,3", ["init"]),  # several: the driver only (which one is the rank's is not known)
-    ],
-)
-def test_a_spare_of_a_pod_with_gpus_starts_cuda_and_becomes_a_rank_that_sees_them(
-    tmp_path: Path, visible: str, readied: str, calls: list[str]
+FAKE_CUDA_CASES = {
+    # the pod's own GPUs: one, its context too; several, the driver only (which is the
+    # rank's is not known yet)
+    "one GPU": ("3", None, "ready cuda 3", ["init", "set_device 0", "empty on cuda"]),
+    "two GPUs": ("2,3", None, "ready cuda 2,3", ["init"]),
+    # pods that share the machine's GPUs (simulated chips): only when the job asks
+    "shared, asked": (None, "1", "ready cuda all", ["init"]),
+    "shared": (None, None, "ready", []),
+    "turned off": ("3", "0", "ready", []),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FAKE_CUDA_CASES))
+def test_a_spare_starts_cuda_where_its_pod_has_gpus_and_becomes_a_rank_that_sees_them(
+    tmp_path: Path, case: str
 ) -> None:
-    spare, env = _spare_with_fake_cuda(tmp_path, visible)
+    visible, wanted, said, calls = FAKE_CUDA_CASES[case]
+    spare, env = _spare_with_fake_cuda(tmp_path, visible, wanted)
     script = tmp_path / "rank.py"
     script.write_text("import torch\nprint('calls', torch.calls, flush=True)\n")
     log = tmp_path / "rank.log"
     try:
         assert spare.stdout is not None and spare.stdin is not None
-        assert spare.stdout.readline().split() == [b"ready", b"cuda", readied.encode()]
+        assert spare.stdout.readline().decode().strip() == said
         identity = {"env": env, "argv": [str(script)], "cwd": str(tmp_path), "log": str(log)}
         spare.stdin.write((json.dumps(identity) + "\n").encode())
         spare.stdin.close()
@@ -543,6 +553,7 @@ def test_the_pool_hands_a_cuda_spare_only_to_a_rank_that_sees_its_gpus(tmp_path:
     ready = threading.Semaphore(0)
     pool = SparePool(2, ("python", "train.py"), on_ready=ready.release)
     env = {**os.environ, "RELAUNCH_SPARE_PRELOAD": "torch", "PYTHONPATH": str(tmp_path)}
+    env.pop("RELAUNCH_SPARE_CUDA", None)
     try:
         pool.refill(tmp_path, {**env, "CUDA_VISIBLE_DEVICES": "3"})
         assert ready.acquire(timeout=30) and ready.acquire(timeout=30)

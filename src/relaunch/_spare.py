@@ -33,6 +33,8 @@ from relaunch.protocol.environment import Env
 
 DEFAULT_PRELOAD = "torch,torch.distributed,torch.nn.parallel,torch._dynamo"
 CUDA_VISIBLE = "CUDA_VISIBLE_DEVICES"
+EVERY_GPU = "all"
+"""What a spare says it started CUDA on where no CUDA_VISIBLE_DEVICES limits it (every GPU)."""
 CUDA_FAILED: list[str] = []
 """Why CUDA could not be started while waiting, if it could not."""
 SPARE_REFUSED = 75
@@ -72,7 +74,7 @@ def main() -> None:
         print(
             f"relaunch: this warm spare could not start CUDA while it waited: {error}", flush=True
         )
-    visible = identity["env"].get(CUDA_VISIBLE)
+    visible = identity["env"].get(CUDA_VISIBLE) or EVERY_GPU
     if readied is not None and visible != readied:
         # CUDA cannot start again on other GPUs: the launcher checks this before it hands a
         # spare on (SparePool.take); a spare told otherwise ends rather than train elsewhere
@@ -92,14 +94,17 @@ def main() -> None:
 
 
 def ready_cuda() -> str | None:
-    """CUDA started ahead of the rank where the pod's chips are GPUs and torch is imported: the
-    driver, and with one visible GPU its context and a first allocation (a rank of a one-GPU pod
-    takes device 0 of what it sees). The GPUs it started on (CUDA_VISIBLE_DEVICES), or None
-    where it started nothing (no GPUs for the pod, no CUDA, turned off, or CUDA failed: the rank
-    then starts it itself, as a cold process does)."""
+    """CUDA started ahead of the rank where torch is imported and the pod's chips are GPUs
+    (CUDA_VISIBLE_DEVICES), or the job asks for it (RELAUNCH_SPARE_CUDA=1: pods that share the
+    machine's GPUs, on simulated chips); never with RELAUNCH_SPARE_CUDA=0. The driver, and with
+    one visible GPU its context and a first allocation (a rank of a one-GPU pod takes device 0
+    of what it sees). The GPUs it started on (CUDA_VISIBLE_DEVICES, or EVERY_GPU), or None where
+    it started nothing (not wanted, no CUDA, or CUDA failed: the rank then starts it itself, as
+    a cold process does)."""
+    wanted = os.environ.get(Env.SPARE_CUDA, "")
     visible = os.environ.get(CUDA_VISIBLE, "")
     torch = sys.modules.get("torch")
-    if not visible or torch is None or os.environ.get(Env.SPARE_CUDA, "1") == "0":
+    if torch is None or wanted == "0" or not (visible or wanted == "1"):
         return None
     try:
         if not torch.cuda.is_available():
@@ -111,7 +116,7 @@ def ready_cuda() -> str | None:
     except Exception as error:  # any CUDA failure: the rank starts it cold, as a new process would
         CUDA_FAILED.append(str(error))  # said in the rank's log (stdout is the launcher's now)
         return None
-    return visible
+    return visible or EVERY_GPU
 
 
 def _lower_priority() -> int | None:

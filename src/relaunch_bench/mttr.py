@@ -152,7 +152,7 @@ def _job(
         command = f"python {DDP} --steps 60 --ckpt-every 5 --timeline {timeline_path}{crash}"
         hang_s, grace = 4, 3
     labels = {"fault-scheduling": "grace", "grace-over-time": str(grace)}
-    spares = {}
+    spares: dict[str, Any] = {}
     if level in PROCESS_LEVELS:
         command = f"python {DDP} --process-recovery --steps 60 --ckpt-every 5"
         annotations = {**annotations, **PROCESS_ANNOTATIONS}
@@ -163,6 +163,10 @@ def _job(
         command += f" --slow-save-at {SAVE_FAULT_STEP} --slow-save-s {SAVE_HELD_S}"
     if level.endswith(WARM_SPARE):
         spares = {"warm_spares": procs}
+        if workload == "ddp" and device != "cpu":
+            # the bench's pods share the machine's GPUs (simulated chips where it has fewer than
+            # the cluster's): no pod is given its GPUs, so its spares are told to start CUDA
+            spares["env"] = {"RELAUNCH_SPARE_CUDA": "1"}
     if handled_by(level) == "hang-restart" and level.endswith(WARM_SPARE):
         # the healthy ranks wait in a collective for the hung one: no Python runs there, so
         # a SIGTERM cannot save anything and the hang grace is only a wait before SIGKILL

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from relaunch._spare import EVERY_GPU
 from relaunch.containers import Cgroup
 from relaunch.launcher.processes import in_container
 
@@ -28,8 +29,9 @@ class Spare:
     it started no CUDA, and may become a rank that sees any GPUs."""
 
     def can_be(self, visible: str | None) -> bool:
-        """It may become a rank that sees these GPUs: CUDA, once started, keeps its GPUs."""
-        return self.cuda is None or self.cuda == visible
+        """It may become a rank that sees these GPUs (None: every GPU): CUDA, once started,
+        keeps its GPUs."""
+        return self.cuda is None or self.cuda == (visible or EVERY_GPU)
 
     def become(
         self, env: dict[str, str], argv: list[str], cwd: str, log: str

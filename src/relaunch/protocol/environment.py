@@ -75,7 +75,8 @@ class Env:
     INJECT_DIR: Final = "RELAUNCH_INJECT_DIR"
     SPARE_PRELOAD: Final = "RELAUNCH_SPARE_PRELOAD"
     SPARE_CUDA: Final = "RELAUNCH_SPARE_CUDA"
-    """0: a warm spare of a pod whose chips are GPUs does not start CUDA while it waits."""
+    """A warm spare starts CUDA while it waits where its pod's chips are GPUs; 1: also where the
+    pods share the machine's GPUs (simulated chips); 0: never."""
     GASP_WAIT_S: Final = "RELAUNCH_GASP_WAIT_S"
     # relaunch's own processes
     FAILPOINT: Final = "RELAUNCH_FAILPOINT"
