@@ -89,7 +89,7 @@ fi
 
 if wanted sizes; then
   say "sizes: process-level recovery at 4, 8 and 16 processes"
-  timeout 150 python3 benchmarks/sizes_flatness.py --sizes 4,8,16 \
+  timeout 180 python3 benchmarks/sizes_flatness.py --sizes 4,8,16 --step-seconds 0.1 \
     --levels process-retry,process-in-place+spare --repeats 1 --out "$out/sizes.json" \
     > "$out/sizes.txt" 2>&1
   echo "exit $?" >> "$out/sizes.txt"

@@ -106,7 +106,9 @@ def toy(steps: int = 150) -> dict[str, Any]:
     }
 
 
-def relaunch_detect(tmp: Path, engine: list[str], cluster: dict[str, Any], prefix: list[str]) -> float:
+def relaunch_detect(
+    tmp: Path, engine: list[str], cluster: dict[str, Any], prefix: list[str]
+) -> float:
     tmp.mkdir(parents=True)
     (tmp / "job.yaml").write_text(yaml.safe_dump(toy()))
     (tmp / "cluster.yaml").write_text(yaml.safe_dump(cluster))
@@ -143,15 +145,22 @@ def inside(args: argparse.Namespace) -> None:
             for i in range(args.repeats):
                 trial.heal()
                 runs["ray (agent timeout 20 s)"].append(
-                    relaunch_detect(Path(d) / f"ray-{i}", ["--engine", "ray", "--address", address],
-                                    {**shape, "heartbeat_timeout_s": 20}, [])  # fmt: skip
+                    relaunch_detect(
+                        Path(d) / f"ray-{i}",
+                        ["--engine", "ray", "--address", address],
+                        {**shape, "heartbeat_timeout_s": 20},
+                        [],
+                    )  # fmt: skip
                 )
                 runs["embedded (3 s)"].append(
-                    relaunch_detect(Path(d) / f"emb-{i}", [], {**shape, "heartbeat_timeout_s": 3}, [])
+                    relaunch_detect(
+                        Path(d) / f"emb-{i}", [], {**shape, "heartbeat_timeout_s": 3}, []
+                    )
                 )
                 runs["embedded (1.5 s)"].append(
-                    relaunch_detect(Path(d) / f"emb15-{i}", [],
-                                    {**shape, "heartbeat_timeout_s": 1.5}, [])  # fmt: skip
+                    relaunch_detect(
+                        Path(d) / f"emb15-{i}", [], {**shape, "heartbeat_timeout_s": 1.5}, []
+                    )  # fmt: skip
                 )
                 print({k: f"{v[-1]:.2f}" for k, v in runs.items()}, flush=True)
         finally:
@@ -163,7 +172,9 @@ def inside(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "ray_detection.json"))
+    parser.add_argument(
+        "--json", default=str(ROOT / "benchmarks" / "results" / "ray_detection.json")
+    )
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.inside:

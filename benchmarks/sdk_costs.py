@@ -59,7 +59,9 @@ def main() -> None:
         cost += per_call(report_progress, args.calls // rounds)
         drain()
     cost /= rounds
-    print(f"report_progress: {cost * 1e6:.2f} us per call (empty call {floor * 1e6:.3f} us; ratio {cost / floor:.0f}x)")
+    print(
+        f"report_progress: {cost * 1e6:.2f} us per call (empty call {floor * 1e6:.3f} us; ratio {cost / floor:.0f}x)"
+    )
 
     state = {"weights": torch.randn(args.mb * 1024 * 1024 // 4)}
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:

@@ -29,6 +29,11 @@ def main() -> None:
     parser.add_argument("--levels", default="process-retry,process-in-place+spare")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--step-seconds", type=float, default=None,
+        help="the DDP script's step time (default its own): long enough that warm spares are "
+        "ready before the fault",
+    )  # fmt: skip
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     levels = [lv for lv in args.levels.split(",") if lv]
@@ -37,7 +42,7 @@ def main() -> None:
     for size in sizes:
         procs = size // 2
         with tempfile.TemporaryDirectory(prefix="relaunch-sizes-") as tmp:
-            baseline = torchrun.crash_once(Path(tmp), procs)
+            baseline = torchrun.crash_once(Path(tmp), procs, step_s=args.step_seconds)
         print(f"[{time.time() - started:5.0f} s] {size} torchrun: {baseline.mttr_s}", flush=True)
         cells.append({"processes": size, "system": "torchrun", "samples": [baseline.mttr_s]})
         for level in levels:
@@ -45,7 +50,7 @@ def main() -> None:
             notes: list[str] = []
             for _ in range(args.repeats):
                 with tempfile.TemporaryDirectory(prefix="relaunch-sizes-") as tmp:
-                    sample = relaunch_once("ddp", level, Path(tmp), procs)
+                    sample = relaunch_once("ddp", level, Path(tmp), procs, step_s=args.step_seconds)
                 samples.append(sample.mttr_s if sample.ok else None)
                 notes.append(sample.note)
                 print(

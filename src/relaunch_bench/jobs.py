@@ -43,6 +43,10 @@ FAULT_STEP = 22
 """The step at which the MTTR runs inject their fault: between two checkpoints (the workloads
 save every 5 steps). A fault during a save is passed over by process-level recovery (R-37), so
 at a checkpoint step a process-level row measured the level below it."""
+GPU_STEP_S = 0.25
+"""The DDP script's step time on a GPU (`--step-seconds`, relaunch's and torchrun's runs alike):
+its steps are so fast there that step FAULT_STEP came before the warm spares, which import torch
+and start CUDA beside the job's own ranks, were ready, and a warm restart started cold."""
 SAVE_FAULT_STEP = 20
 """A checkpoint step: where the `@save` rows put their fault, to measure a fault during a save."""
 

@@ -19,6 +19,7 @@ from relaunch_bench import timeline, torchrun
 from relaunch_bench.jobs import (
     DDP,
     FAULT_STEP,
+    GPU_STEP_S,
     SAVE_FAULT_STEP,
     TOY,
     Progress,
@@ -138,6 +139,7 @@ def _job(
     pods: int = 2,
     procs: int = 2,
     device: str = "cpu",
+    step_s: float | None = None,
 ) -> dict[str, Any]:
     annotations, _ = LEVELS[level]
     if workload == "light":
@@ -159,6 +161,9 @@ def _job(
         labels = {**labels, **PROCESS_LABELS}
     if workload == "ddp" and device != "cpu":
         command += f" --device {device}"
+    step_s = GPU_STEP_S if step_s is None and device != "cpu" else step_s
+    if workload == "ddp" and step_s is not None:
+        command += f" --step-seconds {step_s}"
     if level.endswith(DURING_SAVE):  # the save of the fault's step lasts: the fault lands in it
         command += f" --slow-save-at {SAVE_FAULT_STEP} --slow-save-s {SAVE_HELD_S}"
     if level.endswith(WARM_SPARE):
@@ -187,11 +192,17 @@ def _job(
 
 
 def relaunch_once(
-    workload: str, level: str, tmp: Path, procs: int = 2, device: str = "cpu"
+    workload: str,
+    level: str,
+    tmp: Path,
+    procs: int = 2,
+    device: str = "cpu",
+    step_s: float | None = None,
 ) -> Sample:
     """One `relaunch run` whose single fault must be recovered by `level`. A process fault
     hits the last rank (in pod 1, whatever the pod's size). `device` cuda: the DDP workload on
-    the GPUs, over NCCL."""
+    the GPUs, over NCCL. `step_s`: the DDP script's step time (default: its own on the CPU,
+    GPU_STEP_S on a GPU)."""
     path = tmp / "timeline.txt"
     _, fault = LEVELS[level]
     if "rank" in fault:
@@ -200,7 +211,7 @@ def relaunch_once(
     step = SAVE_FAULT_STEP if level.endswith(DURING_SAVE) else FAULT_STEP
     faults = [] if scripted_crash else [{**fault, "at_step": step}]
     nodes = CLUSTER if procs <= 2 else cluster(4, procs)
-    job = _job(workload, level, path, procs=procs, device=device)
+    job = _job(workload, level, path, procs=procs, device=device, step_s=step_s)
     report, _ = run_job(tmp, job, faults, nodes, timeout=300)
     record = only_record(report, handled_by(level))
     if record is None:

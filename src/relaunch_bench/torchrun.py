@@ -12,7 +12,7 @@ from typing import Any
 
 from relaunch.cluster.local import free_port, kill_tree
 from relaunch_bench import timeline
-from relaunch_bench.jobs import DDP, FAULT_STEP, median
+from relaunch_bench.jobs import DDP, FAULT_STEP, GPU_STEP_S, median
 from relaunch_bench.timeline import Sample
 
 Agents = list[tuple[subprocess.Popen[bytes], Any]]
@@ -75,10 +75,16 @@ def stop(agents: Agents, wait_s: float = 0.0) -> bool:
     return ok
 
 
-def crash_once(tmp: Path, procs: int = 2, device: str = "cpu") -> Sample:
-    """One crash of the last rank at FAULT_STEP; MTTR from the timeline."""
+def crash_once(
+    tmp: Path, procs: int = 2, device: str = "cpu", step_s: float | None = None
+) -> Sample:
+    """One crash of the last rank at FAULT_STEP; MTTR from the timeline. `step_s`: the DDP
+    script's step time (default: its own on the CPU, GPU_STEP_S on a GPU, as relaunch's)."""
     path = tmp / "timeline.txt"
     crash = ["--crash-at-step", str(FAULT_STEP), "--crash-rank", str(2 * procs - 1)]
+    step_s = GPU_STEP_S if step_s is None and device != "cpu" else step_s
+    if step_s is not None:
+        crash += ["--step-seconds", str(step_s)]
     ok = stop(start(tmp, path, crash, procs=procs, device=device), wait_s=240)
     measured = timeline.crash_sample(path)
     if measured is None or not ok:
