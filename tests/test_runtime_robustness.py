@@ -109,7 +109,10 @@ def test_controller_killed_at_each_point_of_a_recovery_resumes_with_exactly_one_
     cluster: Cluster, plan: tuple[list[dict[str, Any]], dict[str, str], str], point: str
 ) -> None:
     faults, annotations, action = plan
-    job = toy_job(annotations, steps=50)
+    # the pods train on while the controller is dead: 40 more steps of 0.15 s, time for the
+    # resume to start and fire the plan (with 0.03 s steps a busy machine's resume once came
+    # after the job had ended, with no fault)
+    job = toy_job(annotations, steps=50, args="--step-seconds 0.15")
     killed = run_until(
         cluster, job, faults, env={"RELAUNCH_FAILPOINT": point}, nodes=KILLED_CLUSTER
     )
@@ -227,7 +230,9 @@ def test_rerun_without_resume_says_the_old_job_is_abandoned_and_points_to_resume
 def test_local_submit_while_a_foreground_run_holds_the_state_dir_runs_after_it(
     cluster: Cluster,
 ) -> None:
-    proc = start_and_wait(cluster, toy_job(AUTO, steps=60), step=5)
+    # the foreground run trains until it is stopped: with 60 steps it once ended before the
+    # submit (an interpreter's start on a busy machine) looked, and a runner started beside it
+    proc = start_and_wait(cluster, toy_job(AUTO, steps=1_000_000), step=5)
     second = cluster.write("second.yaml", toy_job(AUTO, steps=10))
     done = subprocess.run(
         [sys.executable, "-m", "relaunch", "submit", str(second), "--state-dir",
@@ -236,6 +241,7 @@ def test_local_submit_while_a_foreground_run_holds_the_state_dir_runs_after_it(
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "foreground `relaunch run`" in done.stdout and "starts when that run ends" in done.stdout
+    proc.send_signal(signal.SIGTERM)  # as Ctrl-C: the foreground job stops, then the queue runs
     proc.communicate(timeout=60)
     deadline = time.time() + 60
     while query(cluster.state, "SELECT status FROM jobs WHERE id = 2") != [("Succeeded",)]:

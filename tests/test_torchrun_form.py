@@ -292,7 +292,8 @@ def test_a_default_said_is_taken_its_opposite_turns_it_off_and_both_are_refused(
     assert recovery(off) is False
     both = CliRunner().invoke(app, ["validate", "--nnodes", "2", on, off, DDP])
     assert both.exit_code == 2
-    assert f"{on}, {off}: both given" in " ".join(both.stderr.split())
+    said = " ".join(both.stderr.replace("│", " ").split())
+    assert f"{on} and {off} say opposite things" in said, said
     shown = CliRunner().invoke(app, ["run", "--help"], env={"COLUMNS": "80"}).stdout
     assert off in shown and on not in shown.replace(off, "")
 

@@ -53,9 +53,37 @@ class TorchrunForm(TyperCommand):
         before; not named, so that both work."""
         args = dashed(args)
         if torchrun_form(args):
+            args = _defaults_dropped(args)
             ctx.allow_interspersed_args = False
             ctx.allow_extra_args = True
         return super().parse_args(ctx, args)
+
+
+DEFAULT_SWITCHES = {
+    "--unconditional-retry": "--environment-faults-only",
+    "--hang-retry": "--no-hang-retry",
+}
+"""torchrun's form's switches whose default is on -> the option that turns it off. `--help`
+lists only the latter; the default's own name is taken (a torchrun user may say it) and dropped
+before parsing, and the two together are refused."""
+
+
+def _defaults_dropped(args: list[str]) -> list[str]:
+    """The command line without the switches that say a default (DEFAULT_SWITCHES), up to the
+    script; BadParameter where one is given with its opposite."""
+    script = next(
+        (
+            i
+            for i, a in enumerate(args)
+            if a == "--" or (not a.startswith("-") and a.endswith(".py"))
+        ),
+        len(args),
+    )
+    ours, theirs = args[:script], args[script:]
+    for on, off in DEFAULT_SWITCHES.items():
+        if on in ours and off in ours:
+            raise typer.BadParameter(f"{on} and {off} say opposite things: give one")
+    return [a for a in ours if a not in DEFAULT_SWITCHES] + theirs
 
 
 def dashed(args: list[str]) -> list[str]:
@@ -129,14 +157,6 @@ PodRetryOption = Annotated[
         help="Pod-level reschedules (the pod-retry-num annotation).",
     ),
 ]
-UnconditionalOption = Annotated[
-    bool,
-    typer.Option(
-        "--unconditional-retry",
-        hidden=True,  # the default: taken, as torchrun users may say it, not listed
-        help="Restart on any failure (the job-unconditional-retry annotation), the default.",
-    ),
-]
 EnvironmentOnlyOption = Annotated[
     bool,
     typer.Option(
@@ -144,14 +164,6 @@ EnvironmentOnlyOption = Annotated[
         rich_help_panel=TORCHRUN_PANEL,
         help="Restart only on environment faults (R-02), not on any failure as torchrun does "
         "(the job-unconditional-retry annotation off).",
-    ),
-]
-HangRetryOption = Annotated[
-    bool,
-    typer.Option(
-        "--hang-retry",
-        hidden=True,  # the default: taken, not listed
-        help="Restart a hung job (the hang-retry annotation), the default.",
     ),
 ]
 NoHangRetryOption = Annotated[
@@ -213,9 +225,7 @@ class LaunchOptions:
     monitor_interval: float | None = None
     name: str | None = None
     pod_retry_num: int | None = None
-    unconditional_retry: bool = False
     environment_faults_only: bool = False
-    hang_retry: bool = False
     no_hang_retry: bool = False
     hang_detect_seconds: float | None = None
     warm_spares: int | None = None
@@ -265,15 +275,6 @@ def launch_document(
         return None
     source = f"relaunch {ctx.info_name} (torchrun form)"
     problems = _script_problems(first, options)  # reported with the options' own, at once
-    for on, off in (
-        ("unconditional_retry", "environment_faults_only"),
-        ("hang_retry", "no_hang_retry"),
-    ):
-        if getattr(options, on) and getattr(options, off):
-            names = f"--{on.replace('_', '-')}, --{off.replace('_', '-')}"
-            problems.append(
-                Problem(names, True, "one of them", found="both given: they say opposite things")
-            )
     launch = Launch(
         script=str(first) if first is not None else "",
         args=tuple(ctx.args),
