@@ -71,14 +71,7 @@ before parsing, and the two together are refused."""
 def _defaults_dropped(args: list[str]) -> list[str]:
     """The command line without the switches that say a default (DEFAULT_SWITCHES), up to the
     script; BadParameter where one is given with its opposite."""
-    script = next(
-        (
-            i
-            for i, a in enumerate(args)
-            if a == "--" or (not a.startswith("-") and a.endswith(".py"))
-        ),
-        len(args),
-    )
+    script = _script_at(args)
     ours, theirs = args[:script], args[script:]
     for on, off in DEFAULT_SWITCHES.items():
         if on in ours and off in ours:
@@ -89,15 +82,28 @@ def _defaults_dropped(args: list[str]) -> list[str]:
 def dashed(args: list[str]) -> list[str]:
     """torchrun's underscore spellings (`--nproc_per_node=4`) written with dashes, up to the
     script: what follows it is the script's, untouched."""
-    written: list[str] = []
-    for i, arg in enumerate(args):
-        if arg == "--" or (not arg.startswith("-") and arg.endswith(".py")):
-            return written + args[i:]
-        if arg.startswith("--") and "_" in arg.split("=", 1)[0]:
-            name, sep, value = arg.partition("=")
-            arg = name.replace("_", "-") + sep + value
-        written.append(arg)
-    return written
+    script = _script_at(args)
+    return [_dashed(arg) for arg in args[:script]] + args[script:]
+
+
+def _dashed(arg: str) -> str:
+    if not arg.startswith("--") or "_" not in arg.split("=", 1)[0]:
+        return arg
+    name, sep, value = arg.partition("=")
+    return name.replace("_", "-") + sep + value
+
+
+def _script_at(args: list[str]) -> int:
+    """Where the script (a `.py` file, or what follows `--`) begins: relaunch's options are
+    before it, the script's after."""
+    return next(
+        (
+            i
+            for i, a in enumerate(args)
+            if a == "--" or (not a.startswith("-") and a.endswith(".py"))
+        ),
+        len(args),
+    )
 
 
 TORCHRUN_PANEL = "torchrun's form (a script instead of a job file)"
