@@ -109,7 +109,8 @@ def test_decide_reads_no_clock(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_the_inject_hook_names_the_variable_the_launcher_sets() -> None:
-    """sitecustomize spells the name out (it must not import relaunch): it must stay Env's."""
+    """sitecustomize spells the names out (it must not import relaunch, but in a pod's rank
+    template): they must stay Env's, and the template's value the launcher's."""
     import importlib.util
 
     from relaunch.protocol.environment import Env
@@ -119,6 +120,12 @@ def test_the_inject_hook_names_the_variable_the_launcher_sets() -> None:
     hook = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(hook)
     assert hook.INJECT_DIR == Env.INJECT_DIR
+    assert hook.RANK_TEMPLATE == Env.RANK_TEMPLATE
+
+    from relaunch.launcher.template import RankTemplate
+
+    assert '== "serve"' in (SRC / "_inject" / "sitecustomize.py").read_text()
+    assert RankTemplate.SERVE == "serve"
 
 
 def test_the_training_sdk_loads_no_wire_messages_and_no_controller() -> None:

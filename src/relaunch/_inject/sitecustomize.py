@@ -4,12 +4,17 @@ Two things, both for fault handling, neither visible to a script that does not l
 - the process dies with its parent (PR_SET_PDEATHSIG), so that no worker outlives its launcher;
 - SIGUSR2 makes the process exit with the code in $RELAUNCH_INJECT_DIR/<pid>: how a fault plan's
   `process-exit` makes a real process really exit with the code asked for.
+And in a pod's rank template (RELAUNCH_RANK_TEMPLATE=serve), the template's loop: only the ranks
+it forks come back from it, to run the script.
 """
 
 import os
 import signal
 
 INJECT_DIR = "RELAUNCH_INJECT_DIR"
+RANK_TEMPLATE = "RELAUNCH_RANK_TEMPLATE"
+"""protocol.environment.Env.RANK_TEMPLATE: "serve" in a pod's rank template (relaunch._template),
+which imports torch once here and forks the pod's ranks; each returns here and runs the script."""
 """protocol.environment.Env.INJECT_DIR, spelled out: this runs before anything in every worker,
 which must not pay for importing relaunch (tests/test_purity.py checks the two agree)."""
 
@@ -42,3 +47,13 @@ if os.environ.get(INJECT_DIR):
         signal.signal(signal.SIGUSR2, _exit_on_request)
     except ValueError:  # not the main thread: leave the signal alone
         signal.getsignal(signal.SIGUSR2)
+
+if os.environ.get(RANK_TEMPLATE) == "serve":
+    try:
+        from relaunch._template import serve
+    except (
+        Exception
+    ) as error:  # never run the script as the template: the launcher starts ranks cold
+        print(f"failed: relaunch's rank template cannot start here: {error}", flush=True)
+        os._exit(3)
+    serve()

@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             launcher.spares.retire()
             launcher.stop(0.0)
+            launcher.template.retire()
         finally:  # whatever the stop raised: nothing the pod started outlives it
             launcher.close_container()
 

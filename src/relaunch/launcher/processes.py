@@ -6,13 +6,12 @@ import contextlib
 import ctypes
 import os
 import signal
-import subprocess
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import Final, Protocol
 
 import psutil
 
@@ -25,6 +24,7 @@ __all__ = [
     "WORKING_STATES",
     "NotStarted",
     "RankLog",
+    "RankProcess",
     "Worker",
     "cgroup_usage",
     "children_by_parent",
@@ -61,6 +61,23 @@ def in_container(cgroup: Cgroup | None) -> Callable[[], None]:
             cgroup.join()
 
     return prepare
+
+
+class RankProcess(Protocol):
+    """What the launcher holds of a rank's process: a Popen (a process it started), a Forked
+    (one the pod's rank template forked) or a NotStarted."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def kill(self) -> None: ...
 
 
 class NotStarted:
@@ -157,7 +174,7 @@ class Worker:
     rank: int
     local_rank: int
     attempt: int
-    proc: subprocess.Popen[bytes] | NotStarted
+    proc: RankProcess
     output: RankLog | None
     """Its log, as written by its process (None: the command could not be started)."""
     stopping: bool = False
@@ -225,7 +242,7 @@ def terminate(leader: int) -> None:
                 child.send_signal(signal.SIGTERM)
 
 
-def group_alive(proc: subprocess.Popen[bytes] | NotStarted) -> bool:
+def group_alive(proc: RankProcess) -> bool:
     """Some process of the group led by `proc` still runs (zombies do not count)."""
     proc.poll()
     if proc.pid <= 0:

@@ -12,9 +12,10 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from relaunch.containers import Cgroup
 from relaunch.diagnosis.errors import (
@@ -24,8 +25,9 @@ from relaunch.diagnosis.errors import (
     error_from_output,
 )
 from relaunch.faults.kinds import ErrorReport
-from relaunch.launcher.processes import NotStarted, RankLog, Worker, in_container
+from relaunch.launcher.processes import NotStarted, RankLog, RankProcess, Worker, in_container
 from relaunch.launcher.spares import SparePool
+from relaunch.launcher.template import RankTemplate
 from relaunch.protocol.environment import Env
 from relaunch.protocol.layout import PodDir
 from relaunch.protocol.plans import LaunchPlan
@@ -38,12 +40,25 @@ INJECT_DIR = Path(__file__).parent.parent / "_inject"
 
 @dataclass
 class Pod:
-    """What a rank is started in: the plan, the pod's directory and container, its spares."""
+    """What a rank is started in: the plan, the pod's directory and container, its spares and
+    its rank template."""
 
     plan: LaunchPlan
     dir: PodDir
     container: Cgroup | None
     spares: SparePool
+    template: RankTemplate
+
+    @classmethod
+    def of(
+        cls, plan: LaunchPlan, pod_dir: PodDir, container: Cgroup | None, wake: Callable[[], None]
+    ) -> Pod:
+        """The pod, its spares and template waiting in its `spares` cgroup; `wake` is called
+        when a spare is ready or a rank forked from the template ends."""
+        waiting = container.child("spares") if container is not None else None
+        spares = SparePool(plan.warm_spares, plan.command, on_ready=wake, container=waiting)
+        template = RankTemplate(plan.command, on_exit=wake, container=waiting)
+        return cls(plan, pod_dir, container, spares, template)
 
     def rank_cgroup(self, rank: int) -> Cgroup | None:
         """Rank `rank`'s cgroup in the pod's container (None: no cgroups)."""
@@ -82,16 +97,23 @@ def start_rank(
 ) -> Worker:
     """Rank `rank` of the pod started for `attempt`, in its cgroup, its output appended to its
     log (which holds every attempt of the rank; the launcher reads from where this one's
-    begins)."""
+    begins): a warm spare takes it where one is ready, else it is forked from the pod's rank
+    template where there is one, else it starts as a new process."""
     child_env = _rank_environment(pod, pod_env, rank, local_rank)
     cgroup = _fresh_cgroup(pod.rank_cgroup(rank))
     visible = child_env.get("CUDA_VISIBLE_DEVICES")
     spare = pod.spares.take(visible) if pod.spares.argv is not None else None
     cwd = pod.plan.working_dir or str(pod.dir.path)
     path = pod.dir.rank_log(rank)
+    template = pod.template if spare is None and pod.template.usable() else None
     how = f", warm spare pid {spare.proc.pid}" if spare is not None else ""
+    how = (
+        f", forked from the rank template pid {template.proc.pid}"
+        if template and template.proc
+        else how
+    )
     start_error = None
-    proc: subprocess.Popen[bytes] | NotStarted
+    proc: RankProcess | None = None
     with open(path, "ab") as log:
         log.write(
             f"--- relaunch: attempt {attempt}, "
@@ -105,26 +127,42 @@ def start_rank(
                 with contextlib.suppress(OSError):
                     cgroup.add(spare.proc.pid)
             proc = spare.become(child_env, pod.spares.argv, cwd, str(path))
-        else:
-            try:
-                proc = subprocess.Popen(
-                    list(pod.plan.command),
-                    cwd=cwd,
-                    env=child_env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                    preexec_fn=in_container(cgroup),
+        elif template is not None:
+            proc = template.fork(child_env, cwd, str(path), cgroup)
+            if proc is None:
+                log.write(
+                    b"relaunch: the rank template is gone: this rank starts as a new process\n"
                 )
-            except (OSError, ValueError, subprocess.SubprocessError) as error:
-                start_error = f"could not start {pod.plan.command[0]!r} in {cwd}: {error}"
-                proc = NotStarted(126 if isinstance(error, PermissionError) else 127)
-                log.write(f"relaunch: {start_error}\n".encode())
+                log.flush()
+        if proc is None:
+            proc, start_error = _new_process(pod, child_env, cwd, cgroup, log)
     if start_error is not None:
         output.close()  # nothing will write to it
     kept = output if start_error is None else None
     return Worker(rank, local_rank, attempt, proc, kept, start_error=start_error)
+
+
+def _new_process(
+    pod: Pod, child_env: dict[str, str], cwd: str, cgroup: Cgroup | None, log: BinaryIO
+) -> tuple[RankProcess, str | None]:
+    """The rank's command started as a new process (its output to `log`); or, where it cannot
+    be, a NotStarted and why."""
+    try:
+        proc = subprocess.Popen(
+            list(pod.plan.command),
+            cwd=cwd,
+            env=child_env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=in_container(cgroup),
+        )
+    except (OSError, ValueError, subprocess.SubprocessError) as error:
+        start_error = f"could not start {pod.plan.command[0]!r} in {cwd}: {error}"
+        log.write(f"relaunch: {start_error}\n".encode())
+        return NotStarted(126 if isinstance(error, PermissionError) else 127), start_error
+    return proc, None
 
 
 def _rank_environment(

@@ -6,7 +6,8 @@ environment), reads their output into per-rank logs and relays it, their steps a
 the controller (`relay`); learns of each exit at once (a pidfd per process; where the kernel has
 none, every `monitor_interval`); samples the CPU time and I/O of ranks that gave no other sign
 of life; stops them with SIGTERM then SIGKILL after the grace period; keeps warm spares
-(`spares`); injects a fault plan's faults (`injection`). Its link to the controller
+(`spares`) and the rank template its ranks are forked from (`template`); injects a fault
+plan's faults (`injection`). Its link to the controller
 (`link`) keeps the processes running while no controller is connected and ends them once the
 pod is abandoned (no controller for `adopt_grace_s`, or no word for the lease, R-14): SIGTERM,
 SIGKILL once the job's grace (bounded by that wait) has passed, also when a stop was under way.
@@ -45,7 +46,6 @@ from relaunch.launcher.processes import (
 )
 from relaunch.launcher.ranks import INJECT_DIR, Pod, pod_environment, rank_error, start_rank
 from relaunch.launcher.relay import ProgressRelay
-from relaunch.launcher.spares import SparePool
 from relaunch.launcher.stacks import capture
 from relaunch.protocol.layout import PodDir
 from relaunch.protocol.messages import (
@@ -88,12 +88,8 @@ class Launcher:
         self.dir = PodDir(Path(plan.workdir))
         self.dir.logs.mkdir(parents=True, exist_ok=True)
         self.dir.inject.mkdir(exist_ok=True)
-        self.spares = SparePool(
-            plan.warm_spares,
-            plan.command,
-            on_ready=lambda: self.wake(),
-            container=container.child("spares") if container is not None else None,
-        )
+        self.pod = Pod.of(plan, self.dir, container, lambda: self.wake())
+        self.spares, self.template = self.pod.spares, self.pod.template
         self.commands: queue.Queue[Message] = queue.Queue()
         self.workers: dict[int, Worker] = {}
         self.attempt = 0
@@ -103,7 +99,6 @@ class Launcher:
         """Ranks a stop ended (rank -> attempt, code, signal), told in its `Stopped`."""
         self.usage_sent_at = 0.0
         self.link = ControllerLink(state_dir, plan, self.hello, self.post, self.wake)
-        self.pod = Pod(plan, self.dir, container, self.spares)
         self.relay = ProgressRelay(
             f"relaunch-{os.getpid()}-{plan.job}-{plan.pod}-{plan.generation}",
             plan.progress_interval_s,
@@ -393,6 +388,10 @@ class Launcher:
     # -- main loop ------------------------------------------------------------------------------
 
     def run(self) -> None:
+        # the rank template's imports run while the controller gathers the pods
+        self.template.start(
+            Path(self.plan.working_dir or self.dir.path), self._child_env(self.last_env or {})
+        )
         threading.Thread(target=self.link.serve, daemon=True).start()
         now = time.time()
         next_check = now

@@ -77,6 +77,9 @@ class Env:
     SPARE_CUDA: Final = "RELAUNCH_SPARE_CUDA"
     """A warm spare starts CUDA while it waits where its pod's chips are GPUs; 1: also where the
     pods share the machine's GPUs (simulated chips); 0: never."""
+    RANK_TEMPLATE: Final = "RELAUNCH_RANK_TEMPLATE"
+    """0: every rank starts as a new Python process, none is forked from the pod's rank
+    template (relaunch._template)."""
     GASP_WAIT_S: Final = "RELAUNCH_GASP_WAIT_S"
     # relaunch's own processes
     FAILPOINT: Final = "RELAUNCH_FAILPOINT"
