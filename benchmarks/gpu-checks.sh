@@ -14,7 +14,8 @@
 # restart: where a GPU restart's time goes, cold, with warm spares and under torchrun
 #          (benchmarks/gpu_restart_parts.py, one sample each);
 # sizes:   process-level recovery at 4, 8 and 16 processes on the machine's cores
-#          (benchmarks/sizes_flatness.py, one sample a cell);
+#          (benchmarks/sizes_flatness.py, one sample a cell; SIZES, SIZE_LEVELS and
+#          SIZES_LIMIT_S choose others);
 # nccl:    tests/test_gpu_nccl.py (the DDP example over NCCL through every level, bit-identical).
 #
 # The machine's own python3 runs it (with its CUDA torch): relaunch from src/, and the packages
@@ -89,8 +90,9 @@ fi
 
 if wanted sizes; then
   say "sizes: process-level recovery at 4, 8 and 16 processes"
-  timeout 180 python3 benchmarks/sizes_flatness.py --sizes 4,8,16 --step-seconds 0.1 \
-    --levels process-retry,process-in-place+spare --repeats 1 --out "$out/sizes.json" \
+  timeout "${SIZES_LIMIT_S:-180}" python3 benchmarks/sizes_flatness.py --sizes "${SIZES:-4,8,16}" \
+    --step-seconds 0.1 --levels "${SIZE_LEVELS:-process-retry,process-in-place+spare}" \
+    --repeats 1 --out "$out/sizes.json" \
     > "$out/sizes.txt" 2>&1
   echo "exit $?" >> "$out/sizes.txt"
   grep -E "^\[" "$out/sizes.txt" | tail -12

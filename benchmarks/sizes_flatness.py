@@ -6,6 +6,9 @@ measured in one run with the functions `relaunch bench --only sizes` runs
 The flatness target: each process level's median at the largest size within +-25 % of its median
 at the smallest. On 2 cores it cannot be shown (16 ranks and 16 spares share them); run it where
 there are at least as many cores as ranks. Run: python benchmarks/sizes_flatness.py --out FILE
+
+A level named LEVEL/no-template runs LEVEL with RELAUNCH_RANK_TEMPLATE=0: every rank a new
+process, as before the pods' rank templates, measured beside the level with them.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from typing import Any
 
 from relaunch_bench import torchrun
 from relaunch_bench.mttr import relaunch_once
+
+NO_TEMPLATE = "no-template"
 
 
 def main() -> None:
@@ -49,8 +54,15 @@ def main() -> None:
             samples: list[float | None] = []
             notes: list[str] = []
             for _ in range(args.repeats):
+                level_run, _, variant = level.partition("/")
+                os.environ.pop("RELAUNCH_RANK_TEMPLATE", None)
+                if variant == NO_TEMPLATE:
+                    os.environ["RELAUNCH_RANK_TEMPLATE"] = "0"
                 with tempfile.TemporaryDirectory(prefix="relaunch-sizes-") as tmp:
-                    sample = relaunch_once("ddp", level, Path(tmp), procs, step_s=args.step_seconds)
+                    sample = relaunch_once(
+                        "ddp", level_run, Path(tmp), procs, step_s=args.step_seconds
+                    )
+                os.environ.pop("RELAUNCH_RANK_TEMPLATE", None)
                 samples.append(sample.mttr_s if sample.ok else None)
                 notes.append(sample.note)
                 print(

@@ -35,6 +35,9 @@ print(json.dumps({
     "torch_imported_by": torch.imported_by, "pid": os.getpid(),
     "session_leader": os.getsid(0) == os.getpid(), "cgroup": open("/proc/self/cgroup").read(),
     "stdin": sys.stdin.read(),
+    "proc_environ": sorted(
+        e.decode() for e in open("/proc/self/environ", "rb").read().split(b"\\0") if e
+    ),
 }), flush=True)
 if os.environ.get("SLEEP"):
     import time; time.sleep(float(os.environ["SLEEP"]))
@@ -105,6 +108,10 @@ def test_a_forked_rank_is_the_process_a_new_one_would_be_with_torch_imported_onc
             assert said[same] == cold[same], same
         assert said["rank"] == str(rank) and said["pid"] == forked.pid
         assert said["template_env"] is None  # the rank's environment, not the template's
+        # and what /proc/PID/environ shows of it (ps, psutil, a monitoring agent read it there)
+        assert said["proc_environ"] == sorted(
+            f"{k}={v}" for k, v in {**env, "RANK": str(rank)}.items()
+        )
         assert said["torch_imported_by"] == template.proc.pid  # once, in the template
     assert cold["torch_imported_by"] == cold["pid"] and cold["session_leader"] is True
 
@@ -149,6 +156,8 @@ def test_the_ranks_die_with_their_template_and_the_next_starts_as_a_new_process(
 
 
 def test_a_forked_rank_joins_its_cgroup_before_its_script_runs(tmp_path: Path) -> None:
+    """Made again where it went meanwhile (the last process of a cluster removes the empty
+    cgroups), as a new process's is: a standby pod's rank once found its cgroup gone."""
     probed = ClusterCgroups.probe(tmp_path / "state")
     if isinstance(probed, str):
         pytest.skip(f"needs a cgroup v2 this test may create (root): {probed}")
@@ -158,6 +167,7 @@ def test_a_forked_rank_joins_its_cgroup_before_its_script_runs(tmp_path: Path) -
     template.start(cwd, env)
     rank_cgroup = pod.child("rank-0")
     rank_cgroup.make()
+    rank_cgroup.path.rmdir()  # gone between the launcher's make and the rank's join
     try:
         rank = template.fork(env, str(cwd), str(tmp_path / "a"), rank_cgroup)
         assert rank is not None and rank.wait(timeout=30) == 0

@@ -33,10 +33,15 @@ import os
 import select
 import signal
 import sys
+from pathlib import Path
 
+from relaunch.containers import Cgroup
 from relaunch.protocol.environment import Env
 
 TEMPLATE_PRELOAD = "torch,torch.distributed,torch.nn.parallel"
+ENVIRONMENT_ROOM = "RELAUNCH_RANK_TEMPLATE_ROOM"
+"""A variable of spaces the launcher adds to the template's environment: room for each rank's
+own, larger one in the memory /proc/PID/environ reads (see _show_environment)."""
 """What the template imports where the job does not say (RELAUNCH_SPARE_PRELOAD)."""
 PR_SET_PDEATHSIG = 1
 
@@ -105,8 +110,7 @@ def become(identity: dict[str, object]) -> None:
     cgroup = identity.get("cgroup")
     if isinstance(cgroup, str):
         try:
-            with open(os.path.join(cgroup, "cgroup.procs"), "w") as procs:
-                procs.write("0")
+            Cgroup(Path(cgroup)).join()  # made again where it went meanwhile, as a new process's
         except OSError as error:  # never run outside the rank's container: exit as a shell would
             _to_log(str(identity["log"]))
             print(f"relaunch: could not join the rank's cgroup {cgroup}: {error}", flush=True)
@@ -116,6 +120,12 @@ def become(identity: dict[str, object]) -> None:
     assert isinstance(env, dict)
     os.environ.clear()
     os.environ.update(env)
+    if not _show_environment(env):
+        print(
+            "relaunch: this rank's environment is larger than its template's room for it: "
+            f"/proc/{os.getpid()}/environ shows the template's",
+            flush=True,
+        )
     numpy = sys.modules.get("numpy")
     if (
         numpy is not None
@@ -123,6 +133,25 @@ def become(identity: dict[str, object]) -> None:
         with contextlib.suppress(Exception):
             numpy.random.seed()
     os.chdir(str(identity["cwd"]))
+
+
+def _show_environment(env: dict[str, str]) -> bool:
+    """What /proc/PID/environ shows (ps, psutil, a monitoring agent) made the rank's: the kernel
+    shows the memory a process's environment started in, the template's for a forked rank. It
+    is written over with the rank's (os.environ's strings live elsewhere once set again), the
+    rest zeroed (a reader stops at two NULs); the template started with room to spare
+    (ENVIRONMENT_ROOM). False where it does not fit, or the kernel does not say where it is."""
+    try:
+        with open("/proc/self/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+        start, end = int(fields[47]), int(fields[48])  # env_start, env_end (proc(5): 50, 51)
+    except (OSError, IndexError, ValueError):
+        return False
+    block = b"".join(f"{key}={value}".encode() + b"\0" for key, value in env.items())
+    if not 0 < start < end or len(block) + 1 > end - start:
+        return False
+    ctypes.memmove(start, block.ljust(end - start, b"\0"), end - start)
+    return True
 
 
 def _to_log(path: str) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import msgspec
 
+from relaunch._template import ENVIRONMENT_ROOM
 from relaunch.containers import Cgroup
 from relaunch.launcher.processes import in_container
 from relaunch.launcher.spares import spare_argv
@@ -110,7 +111,7 @@ class RankTemplate:
             self.proc = subprocess.Popen(
                 self.argv,
                 cwd=cwd,
-                env={**env, Env.RANK_TEMPLATE: self.SERVE},
+                env={**env, Env.RANK_TEMPLATE: self.SERVE, ENVIRONMENT_ROOM: _room(env)},
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL,
@@ -213,6 +214,13 @@ class RankTemplate:
             self.gone = True
             self.changed.notify_all()
         self.on_exit()
+
+
+def _room(env: dict[str, str]) -> str:
+    """Spaces for ENVIRONMENT_ROOM: the pod's environment's size again and 16 KB (a rank's is the
+    pod's and the attempt's and rank's variables)."""
+    size = sum(len(key) + len(value) + 2 for key, value in env.items())
+    return " " * (size + (16 << 10))
 
 
 def template_argv(command: list[str], cwd: Path) -> list[str] | None:
