@@ -7,7 +7,7 @@ in place starts without importing anything.
 The launcher starts it as the rank's own command line (``python script.py args``: every rank of
 a pod runs the same) with the pod's environment and RELAUNCH_RANK_TEMPLATE=serve; the
 sitecustomize every rank loads (relaunch/_inject) calls `serve` before the script runs. It
-imports the modules of ``RELAUNCH_SPARE_PRELOAD`` (default: torch, torch.distributed, DDP), never
+imports the modules of ``RELAUNCH_SPARE_PRELOAD`` (default: a warm spare's, torch._dynamo too), never
 starts CUDA (a rank forked from it starts CUDA itself, as a new process does), writes ``ready``
 and serves the launcher, one JSON line a rank: ``{"env": {...}, "cwd": dir, "log": path,
 "cgroup": path or null}``, answered ``pid PID`` once the rank is forked, and ``exit PID CODE``
@@ -35,14 +35,16 @@ import signal
 import sys
 from pathlib import Path
 
+from relaunch._spare import DEFAULT_PRELOAD
 from relaunch.containers import Cgroup
 from relaunch.protocol.environment import Env
 
-TEMPLATE_PRELOAD = "torch,torch.distributed,torch.nn.parallel"
+TEMPLATE_PRELOAD = DEFAULT_PRELOAD
 ENVIRONMENT_ROOM = "RELAUNCH_RANK_TEMPLATE_ROOM"
 """A variable of spaces the launcher adds to the template's environment: room for each rank's
 own, larger one in the memory /proc/PID/environ reads (see _show_environment)."""
-"""What the template imports where the job does not say (RELAUNCH_SPARE_PRELOAD)."""
+"""What the template imports where the job does not say (RELAUNCH_SPARE_PRELOAD): a warm
+spare's (torch._dynamo too: torch.optim imports it on first use, 1.7 s of a rank's start)."""
 PR_SET_PDEATHSIG = 1
 
 
