@@ -244,6 +244,9 @@ class Sim:
         all-reduce)."""
         self.mute_stacks: set[int] = set()
         """Pods whose launcher never answers a stack capture."""
+        self.starting: set[int] = set()
+        """Pods whose launcher has not started the ranks it was told to yet (a rank template
+        still importing): its Start is answered once the pod leaves this set."""
 
     # -- driving -----------------------------------------------------------------------------------
 
@@ -303,7 +306,7 @@ class Sim:
         for (pod, _), peer in self.launchers.items():
             for message in list(peer.sent):
                 key = (id(peer), id(message))
-                if key in self.answered:
+                if key in self.answered or (isinstance(message, Start) and pod in self.starting):
                     continue
                 self.answered.add(key)
                 if isinstance(message, Start):

@@ -64,6 +64,17 @@ def test_goodput_is_the_steps_kept_at_the_fault_free_pace() -> None:
     assert measure([("step", 1, 0.0)], []) == {}
 
 
+def test_the_stall_ends_with_the_longest_pause_after_the_fault_not_the_next_step() -> None:
+    """Rank 0 finishes the step under way after its peer died (step 401 at 10.02 s) and waits;
+    training resumes 2 s later from checkpoint 395: the stall is the fault to that resumption,
+    and 401 - 395 steps are computed again."""
+    events = [("step", s, s * 0.025) for s in range(1, 402)]
+    events += [("step", 395 + i, 12.0 + i * 0.025) for i in range(1, 206)]
+    measured = measure(events, [10.01])
+    assert measured["lost_by_cause"]["detection and restart"] == pytest.approx(2.0, abs=0.05)
+    assert measured["lost_by_cause"]["recomputed"] == pytest.approx(0.15, abs=0.06)  # 0.1 s units
+
+
 def test_the_lost_time_ratio_is_against_the_best_peer_that_finished() -> None:
     rows = [
         {"system": "relaunch", "series": "crash, hang", "lost_s": 30.0, "finished": True},

@@ -78,7 +78,10 @@ def test_controller_killed_mid_run_resumes_with_the_same_records(cluster: Cluste
         done = query(cluster.state, "SELECT 1 FROM recoveries WHERE outcome = 'succeeded'")
         return bool(done) and step_at_least(cluster.state, 25)()
 
-    start_and_kill(cluster, job, faults, first_recovered)
+    # pods wait 20 s for their controller: a resume on a busy machine took 3.2 s, past the
+    # 3 s of FAST_CLUSTER, and the pods had ended themselves
+    shape = {**FAST_CLUSTER, "adopt_grace_s": 20}
+    start_and_kill(cluster, job, faults, first_recovered, shape)
     assert processes_of(cluster.state), "the pods should outlive their controller"
     result = cluster.resume()
     assert result.returncode == 0, result.stdout + result.stderr

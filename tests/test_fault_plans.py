@@ -230,6 +230,28 @@ def test_local_submit_refuses_a_plan_that_does_not_fit(tmp_path: Path) -> None:
 # -- at run time --------------------------------------------------------------------------------
 
 
+def test_plan_entries_strike_in_order_a_later_one_waits_for_a_rank_still_starting(
+    tmp_path: Path,
+) -> None:
+    """Both entries are due at once, the first on a rank its launcher has not started yet: the
+    node fault after it waits, and the first strikes first once its rank runs (a rank forked
+    from a template still importing torch once let a later node fault go first)."""
+    from tests.controller_sim import Sim, job_spec
+
+    plan = [
+        {"kind": "process-exit", "after_s": 1, "pod": 1, "rank": 1},
+        {"kind": "node-down", "after_s": 1, "pod": 0},
+    ]
+    sim = Sim(tmp_path, job_spec(replicas=2, procs_per_pod=1), plan=plan)
+    sim.starting.add(1)
+    sim.boot()
+    sim.run(3)
+    assert sim.store.fired(sim.job_id) == {}, sim.events
+    sim.starting.clear()
+    sim.run(0.5)
+    assert {i: note for i, (_, note) in sim.store.fired(sim.job_id).items()} == {0: ""}, sim.events
+
+
 def test_plan_entry_whose_target_is_gone_is_not_fired_and_never_holds_later_entries(
     cluster: Cluster,
 ) -> None:

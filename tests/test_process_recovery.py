@@ -289,7 +289,8 @@ def test_r31_r32_warm_spares_replace_a_crashed_rank_then_a_lost_nodes_pod(
     pods = cluster.state / "jobs" / "1" / "pods"
     in_place = spare.findall((pods / "pod-1-g1" / "logs" / "rank-3.log").read_text())
     assert [e["how"] for e in found[3]] == ["resume", "joined", "joined"]
-    assert found[3][1]["pid"] == int(in_place[0])  # a pod spare became rank 3
+    # a pod spare became rank 3 (its first start may have taken one too: one ready at the start)
+    assert found[3][1]["pid"] in {int(pid) for pid in in_place}
     for rank in (2, 3):
         moved = spare.findall((pods / "pod-1-g2" / "logs" / f"rank-{rank}.log").read_text())
         assert found[rank][-1]["pid"] == int(moved[0])  # the standby node's spares became them

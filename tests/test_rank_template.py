@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -73,32 +74,39 @@ def _said(log: Path) -> dict[str, object]:
 COMMAND = ("/bin/sh", "-c", "python train.py --steps 3")
 
 
-def test_a_forked_rank_is_the_process_a_new_one_would_be_with_torch_imported_once(
-    tmp_path: Path,
-) -> None:
+@pytest.fixture
+def pod(tmp_path: Path) -> Iterator[tuple[RankTemplate, Path, dict[str, str]]]:
+    """A started template of the job's command, its working directory and environment."""
     cwd, env = _pod(tmp_path)
     template = RankTemplate(COMMAND)
     template.start(cwd, env)
     try:
-        ranks = []
-        for rank in (0, 1):
-            log = tmp_path / f"rank-{rank}.log"
-            log.write_text("--- an earlier attempt's lines stay ---\n")
-            forked = template.fork({**env, "RANK": str(rank)}, str(cwd), str(log), None)
-            assert isinstance(forked, Forked)
-            ranks.append((forked, log))
-        for forked, _ in ranks:
-            assert forked.wait(timeout=30) == 0
-        # the same command run as a new process, as a rank starts without a template
-        cold_log = tmp_path / "cold.log"
-        with open(cold_log, "ab") as out:
-            subprocess.run(
-                ["python", "train.py", "--steps", "3"], cwd=cwd, check=True, stdout=out,
-                env={**env, "RANK": "0"},
-                stdin=subprocess.DEVNULL, start_new_session=True,
-            )  # fmt: skip
+        yield template, cwd, env
     finally:
         template.retire()
+
+
+def test_a_forked_rank_is_the_process_a_new_one_would_be_with_torch_imported_once(
+    tmp_path: Path, pod: tuple[RankTemplate, Path, dict[str, str]]
+) -> None:
+    template, cwd, env = pod
+    ranks = []
+    for rank in (0, 1):
+        log = tmp_path / f"rank-{rank}.log"
+        log.write_text("--- an earlier attempt's lines stay ---\n")
+        forked = template.fork({**env, "RANK": str(rank)}, str(cwd), str(log), None)
+        assert isinstance(forked, Forked)
+        ranks.append((forked, log))
+    for forked, _ in ranks:
+        assert forked.wait(timeout=30) == 0
+    # the same command run as a new process, as a rank starts without a template
+    cold_log = tmp_path / "cold.log"
+    with open(cold_log, "ab") as out:
+        subprocess.run(
+            ["python", "train.py", "--steps", "3"], cwd=cwd, check=True, stdout=out,
+            env={**env, "RANK": "0"},
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
     cold = _said(cold_log)
     assert template.proc is not None
     for rank, (forked, log) in enumerate(ranks):
@@ -116,43 +124,35 @@ def test_a_forked_rank_is_the_process_a_new_one_would_be_with_torch_imported_onc
     assert cold["torch_imported_by"] == cold["pid"] and cold["session_leader"] is True
 
 
-def test_a_forked_ranks_exit_code_and_signal_are_its_own(tmp_path: Path) -> None:
-    cwd, env = _pod(tmp_path)
-    template = RankTemplate(COMMAND)
-    template.start(cwd, env)
-    try:
-        failed = template.fork({**env, "EXIT_WITH": "3"}, str(cwd), str(tmp_path / "a"), None)
-        sleeping = template.fork({**env, "SLEEP": "60"}, str(cwd), str(tmp_path / "b"), None)
-        assert failed is not None and sleeping is not None
-        assert failed.wait(timeout=30) == 3
-        assert sleeping.poll() is None
-        with pytest.raises(subprocess.TimeoutExpired):
-            sleeping.wait(timeout=0.2)
-        os.killpg(sleeping.pid, signal.SIGKILL)  # its own process group, as a new process's
-        assert sleeping.wait(timeout=30) == -signal.SIGKILL
-    finally:
-        template.retire()
+def test_a_forked_ranks_exit_code_and_signal_are_its_own(
+    tmp_path: Path, pod: tuple[RankTemplate, Path, dict[str, str]]
+) -> None:
+    template, cwd, env = pod
+    failed = template.fork({**env, "EXIT_WITH": "3"}, str(cwd), str(tmp_path / "a"), None)
+    sleeping = template.fork({**env, "SLEEP": "60"}, str(cwd), str(tmp_path / "b"), None)
+    assert failed is not None and sleeping is not None
+    assert failed.wait(timeout=30) == 3
+    assert sleeping.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        sleeping.wait(timeout=0.2)
+    os.killpg(sleeping.pid, signal.SIGKILL)  # its own process group, as a new process's
+    assert sleeping.wait(timeout=30) == -signal.SIGKILL
 
 
 def test_the_ranks_die_with_their_template_and_the_next_starts_as_a_new_process(
-    tmp_path: Path,
+    tmp_path: Path, pod: tuple[RankTemplate, Path, dict[str, str]]
 ) -> None:
-    cwd, env = _pod(tmp_path)
-    template = RankTemplate(COMMAND)
-    template.start(cwd, env)
-    try:
-        rank = template.fork({**env, "SLEEP": "60"}, str(cwd), str(tmp_path / "a"), None)
-        assert rank is not None and rank.poll() is None
-        assert template.proc is not None
-        template.proc.kill()
-        assert rank.wait(timeout=30) == -signal.SIGKILL  # PR_SET_PDEATHSIG: nothing outlives it
-        deadline = time.monotonic() + 30
-        while template.usable() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not template.usable()
-        assert template.fork(env, str(cwd), str(tmp_path / "b"), None) is None
-    finally:
-        template.retire()
+    template, cwd, env = pod
+    rank = template.fork({**env, "SLEEP": "60"}, str(cwd), str(tmp_path / "a"), None)
+    assert rank is not None and rank.poll() is None
+    assert template.proc is not None
+    template.proc.kill()
+    assert rank.wait(timeout=30) == -signal.SIGKILL  # PR_SET_PDEATHSIG: nothing outlives it
+    deadline = time.monotonic() + 30
+    while template.usable() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not template.usable()
+    assert template.fork(env, str(cwd), str(tmp_path / "b"), None) is None
 
 
 def test_a_forked_rank_joins_its_cgroup_before_its_script_runs(tmp_path: Path) -> None:

@@ -73,8 +73,9 @@ class SeriesResult:
 def measure(events: list[timeline.Event], faults_at: list[float]) -> dict[str, Any]:
     """Goodput from rank 0's timeline and when each fault struck. The step time is the median
     of rank 0's step-to-step intervals (nearly all fault-free); productive time is the steps
-    kept at that pace; each fault costs its stall (fault to the next step: detection and
-    restart) and the steps computed again after it (down to the checkpoint it resumed from)."""
+    kept at that pace; each fault costs its stall (from the fault to the step that ends the
+    longest pause after it: detection and restart) and the steps computed again after it (down
+    to the checkpoint it resumed from)."""
     steps = [(s, t) for e, s, t in events if e == "step"]
     if len(steps) < 2:
         return {}
@@ -85,13 +86,14 @@ def measure(events: list[timeline.Event], faults_at: list[float]) -> dict[str, A
     run_s = steps[-1][1] - first_at
     productive = (last_step - first_step) * step_s
     stall = recomputed = 0.0
-    for at in sorted(faults_at):
-        before = max((s for s, t in steps if t < at), default=first_step)
-        after = next(((s, t) for s, t in steps if t > at), None)
-        if after is None:
+    struck = sorted(faults_at)
+    for at, until in zip(struck, [*struck[1:], float("inf")], strict=True):
+        resumed = _resumed(steps, at, until)
+        if resumed is None:
             continue
-        stall += after[1] - at
-        recomputed += max(0, before - (after[0] - 1)) * step_s
+        (before, _), (after, after_at) = resumed
+        stall += after_at - at
+        recomputed += max(0, before - (after - 1)) * step_s
     lost = run_s - productive
     return {
         "steps": last_step,
@@ -106,6 +108,20 @@ def measure(events: list[timeline.Event], faults_at: list[float]) -> dict[str, A
             "slower steps": round(max(0.0, lost - stall - recomputed), 1),
         },
     }
+
+
+def _resumed(
+    steps: list[tuple[int, float]], at: float, until: float
+) -> tuple[tuple[int, float], tuple[int, float]] | None:
+    """The longest pause in rank 0's steps after a fault at `at` (and before the next one, at
+    `until`): the step before it and the first after it, where training resumed. Not simply the
+    next step: a rank whose peer has just died may finish the step under way, and the fault
+    time may be a hang's detection, after its last step."""
+    last = [(s, t) for s, t in steps if t <= at][-1:]
+    seq = last + [(s, t) for s, t in steps if at < t < until]
+    if len(seq) < 2:
+        return None
+    return max(itertools.pairwise(seq), key=lambda pair: pair[1][1] - pair[0][1])
 
 
 def _struck(path: Path) -> list[float]:

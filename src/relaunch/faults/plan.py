@@ -15,7 +15,8 @@ A plan is YAML or JSON::
       - {kind: slow, at_step: 30, pod: 1, factor: 3, duration_s: 600}
 
 `at_step` fires when the job reports that step; `after_s` that many seconds after the current
-attempt started. Each entry fires once. `pod: i` targets the node pod i is on when it fires.
+attempt started. Each entry fires once, in the order listed: an entry due while its rank
+(re)starts fires once the rank runs, and the entries after it wait for it. `pod: i` targets the node pod i is on when it fires.
 `rank` is a global rank (`RANK`), and must be one of the ranks the pod holds; `local_rank` is a
 rank within the pod (`LOCAL_RANK`). `chip` is a chip of the target node. `slow` makes every
 process of the pod `factor` times slower (it runs 1/factor of each 0.1 s and is stopped the rest,
