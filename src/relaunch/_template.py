@@ -72,7 +72,7 @@ def _serve() -> None:
     _say("ready")
     requests = b""
     while True:
-        readable = _select([0, woken])
+        readable = select.select([0, woken], [], [])[0]  # retried on a signal (PEP 475)
         if woken in readable:
             with contextlib.suppress(BlockingIOError):
                 os.read(woken, 4096)
@@ -128,10 +128,9 @@ def become(identity: dict[str, object]) -> None:
             f"/proc/{os.getpid()}/environ shows the template's",
             flush=True,
         )
+    # a fresh process seeds numpy from the OS; a fork would repeat the template's generator
     numpy = sys.modules.get("numpy")
-    if (
-        numpy is not None
-    ):  # a fresh process seeds it from the OS; a fork would repeat the template's
+    if numpy is not None:
         with contextlib.suppress(Exception):
             numpy.random.seed()
     os.chdir(str(identity["cwd"]))
@@ -179,14 +178,6 @@ def _reap() -> None:
         if pid == 0:
             return
         _say(f"exit {pid} {os.waitstatus_to_exitcode(status)}")
-
-
-def _select(fds: list[int]) -> list[int]:
-    while True:
-        try:
-            return select.select(fds, [], [])[0]
-        except InterruptedError:  # pragma: no cover (PEP 475 retries; kept for clarity)
-            continue
 
 
 def _say(line: str) -> None:

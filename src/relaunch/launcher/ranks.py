@@ -106,12 +106,11 @@ def start_rank(
     cwd = pod.plan.working_dir or str(pod.dir.path)
     path = pod.dir.rank_log(rank)
     template = pod.template if spare is None and pod.template.usable() else None
-    how = f", warm spare pid {spare.proc.pid}" if spare is not None else ""
-    how = (
-        f", forked from the rank template pid {template.proc.pid}"
-        if template and template.proc
-        else how
-    )
+    how = ""
+    if spare is not None:
+        how = f", warm spare pid {spare.proc.pid}"
+    elif template is not None and template.proc is not None:
+        how = f", forked from the rank template pid {template.proc.pid}"
     start_error = None
     proc: RankProcess | None = None
     with open(path, "ab") as log:
