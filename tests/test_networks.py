@@ -18,6 +18,7 @@ import psutil
 import pytest
 import yaml
 
+from relaunch.cluster.linkwatch import still_cut
 from relaunch.cluster.network import ClusterNetwork, Layout, _used_prefixes
 from relaunch.errors import FaultPlanError
 from relaunch.faults.plan import PlannedFaultKind, parse_plan
@@ -50,6 +51,16 @@ def test_an_agent_probes_the_next_nodes_wrapping() -> None:
     assert net.neighbours("node-0") == ["node-1", "node-2", "node-3"]
     assert net.neighbours("node-3") == ["node-4", "node-0", "node-1"]
     assert layout(2).neighbours("node-1") == ["node-0"]
+
+
+def test_a_cut_from_the_peers_ends_only_when_the_data_link_answers_again() -> None:
+    """A loaded machine answers late on both links: a beat without any answer neither starts nor
+    ends a cut (an 8 s partition was once recorded as two)."""
+    assert still_cut(False, data_answers=False, management_answers=True)
+    assert still_cut(True, data_answers=False, management_answers=False)
+    assert not still_cut(False, data_answers=False, management_answers=False)
+    assert not still_cut(True, data_answers=True, management_answers=True)
+    assert not still_cut(True, data_answers=True, management_answers=False)
 
 
 def test_the_management_prefix_avoids_networks_the_machine_routes() -> None:

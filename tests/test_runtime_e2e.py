@@ -69,9 +69,10 @@ def test_r20_chip_fault_heals_in_place_without_consuming_restarts(cluster: Clust
         (1, 2),
         (1, 2),
     ]
-    assert sorted(set(start_counters(result.logs()))) == sorted(
-        [(r, 1, 1) for r in range(4)] + [(r, 1, 2) for r in range(4)]
-    )
+    # the toy's ranks do not wait for each other: the fault is due at the furthest rank's step
+    # 10, and a rank a loaded machine started late can be restarted before its first line
+    seen = set(start_counters(result.logs()))
+    assert {(r, 1, 2) for r in range(4)} <= seen <= {(r, 1, n) for r in range(4) for n in (1, 2)}
 
 
 def test_a_chip_fault_and_its_heal_are_sent_at_once_not_at_the_next_heartbeat(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from relaunch.cluster.network import DATA_IF, PROBE_PORT, Layout
 
-__all__ = ["RTT_SAMPLES", "LinkWatch", "carrier"]
+__all__ = ["RTT_SAMPLES", "LinkWatch", "carrier", "still_cut"]
 
 _SIOCGIFFLAGS = 0x8913
 _IFF_RUNNING = 0x40
@@ -42,6 +42,15 @@ def carrier(interface: str) -> bool:
     except OSError:
         return False  # no such interface: no link
     return bool(struct.unpack("16sH14x", answer)[1] & _IFF_RUNNING)
+
+
+def still_cut(was_cut: bool, data_answers: bool, management_answers: bool) -> bool:
+    """Whether a node is cut from its peers after a beat's look: an answer on the data link ends a
+    cut, one on the management link alone starts it; with no answer on either (a loaded machine
+    answers late on both) nothing is known, and what was stays (a partition is not cut in two)."""
+    if data_answers:
+        return False
+    return True if management_answers else was_cut
 
 
 class LinkWatch:
@@ -105,16 +114,17 @@ class LinkWatch:
                 offset += (length + 3) & ~3
 
     def _carrier(self, running: bool, at: float) -> None:
-        self._state(_CARRIER_LOST, not running, at)
+        with self.lock:
+            self._state(_CARRIER_LOST, not running, at)
 
     def _state(self, cause: str, down: bool, at: float) -> None:
-        with self.lock:
-            since = self.down_since.get(cause)
-            if down and since is None:
-                self.down_since[cause] = at
-            elif not down and since is not None:
-                del self.down_since[cause]
-                self.ended.append((cause, since, max(0.0, at - since)))
+        """An outage of `cause` starts or ends at `at`; the caller holds the lock."""
+        since = self.down_since.get(cause)
+        if down and since is None:
+            self.down_since[cause] = at
+        elif not down and since is not None:
+            del self.down_since[cause]
+            self.ended.append((cause, since, max(0.0, at - since)))
 
     # -- the peers ----------------------------------------------------------------------------
 
@@ -164,9 +174,11 @@ class LinkWatch:
 
     def look(self, now: float) -> None:
         """The beat's look: the carrier read again (a notification the socket dropped is not
-        missed for long), and whether the neighbours answer."""
-        self._carrier(carrier(DATA_IF), now)
+        missed for long), and whether the neighbours answer. The carrier is read under the lock:
+        read before a notification that it came back and kept after it, it would open a second
+        outage."""
         with self.lock:
+            self._state(_CARRIER_LOST, not carrier(DATA_IF), now)
             carrier_since = self.down_since.get(_CARRIER_LOST)
             back_at = max((at + d for c, at, d in self.ended if c == _CARRIER_LOST), default=0.0)
         self.carrier_back_at = max(self.carrier_back_at, back_at)
@@ -177,10 +189,13 @@ class LinkWatch:
         def answered(address: str) -> bool:
             return now - self.heard.get(address, 0.0) <= self.window
 
-        cut = any(answered(m) for m, _ in neighbours) and not any(
-            answered(d) for _, d in neighbours
-        )
-        self._state(_PEERS_SILENT, cut, now)
+        with self.lock:
+            cut = still_cut(
+                _PEERS_SILENT in self.down_since,
+                data_answers=any(answered(d) for _, d in neighbours),
+                management_answers=any(answered(m) for m, _ in neighbours),
+            )
+            self._state(_PEERS_SILENT, cut, now)
 
     def current(self) -> tuple[str, float] | None:
         """The outage under way (the carrier's first), and since when; None: the link is up."""

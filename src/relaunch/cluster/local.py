@@ -35,17 +35,19 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from relaunch.cluster.config import NodeSpec
 from relaunch.cluster.network import DATA_IF, ClusterNetwork, enter_namespace
 from relaunch.cluster.nvml import SIMULATE_CHIPS_ENV, gpu_count
 from relaunch.containers import Cgroup, ClusterCgroups
 from relaunch.protocol.layout import PodDir, StateDir
 from relaunch.protocol.links import Cut, LinkFaultKind
 from relaunch.protocol.plans import LaunchPlan
+
+if TYPE_CHECKING:  # the agents and launchers that import this module need no pydantic
+    from relaunch.cluster.config import NodeSpec
 
 __all__ = ["LocalCluster", "free_port", "kill_tree"]
 
