@@ -494,3 +494,47 @@ def test_the_last_step_held_back_is_sent_when_the_keeper_ends_the_process() -> N
                 steps.append(parsed[1])
     receiver.close()
     assert steps == [1, 160], steps
+
+
+def test_the_membership_watcher_never_aborts_the_group_formed_after_the_step_it_saw(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The keeper's watcher aborts a step's group when a newer membership comes. Descheduled
+    between its look and its abort (a loaded machine), it once could shut the connections of the
+    group the loop had formed since: the loop cannot leave a step while the watcher decides,
+    and once out of it the watcher aborts nothing."""
+    import threading
+
+    from relaunch.protocol.environment import Env
+    from relaunch.protocol.plans import Membership
+    from relaunch.train import group
+    from relaunch.train.group import ProcessGroupKeeper
+
+    monkeypatch.setenv(Env.MEMBERSHIP, str(tmp_path / "membership.json"))
+    model = torch.nn.Linear(2, 1)
+    keeper = ProcessGroupKeeper(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    looking, go_on = threading.Event(), threading.Event()
+
+    def slow_read(path: Path) -> Membership:
+        looking.set()
+        assert go_on.wait(30)
+        return Membership(generation=keeper.generation + 1, addr="127.0.0.1", port=1, world_size=2)
+
+    aborts: list[bool] = []
+    monkeypatch.setattr(group, "read_membership", slow_read)
+    monkeypatch.setattr(keeper, "_abort", lambda: aborts.append(keeper._step.inside))
+    keeper._step.enter()
+    watcher = threading.Thread(target=keeper._watch, daemon=True)
+    watcher.start()
+    assert looking.wait(30)
+    left = threading.Event()
+    leaving = threading.Thread(target=lambda: (keeper._step.leave(), left.set()), daemon=True)
+    leaving.start()
+    assert not left.wait(0.5), "the loop left the step while the watcher was deciding"
+    go_on.set()
+    assert left.wait(30)
+    looking.clear()
+    assert not looking.wait(0.5), "out of the step, the watcher still read the membership"
+    keeper._closing.set()
+    watcher.join(30)
+    assert aborts == [True], "an abort landed after the step was left"

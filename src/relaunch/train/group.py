@@ -61,7 +61,7 @@ from relaunch.train.distributed import (
 )
 from relaunch.train.following import GroupLost, Member, changed_membership, wait_for_membership
 from relaunch.train.progress import SdkPhase, flush_progress, report_phase
-from relaunch.train.sockets import shut_down, tcp_sockets
+from relaunch.train.sockets import StepGuard, shut_down, tcp_sockets
 
 __all__ = ["GroupLost", "Membership", "ProcessGroupKeeper", "read_membership"]
 # Membership and read_membership are the protocol's (relaunch.protocol.plans), re-exported here.
@@ -117,7 +117,7 @@ class ProcessGroupKeeper:
         self.sample: tuple[torch.Tensor, ...] = ()
         self._sockets: set[int] = set()
         self._stores: list[Any] = []
-        self._in_step = False
+        self._step = StepGuard()
         self._aborted = False
         """The current group was aborted (a newer membership): its collectives' results are void."""
         self._closing = threading.Event()
@@ -210,21 +210,21 @@ class ProcessGroupKeeper:
         self._sockets = set()
 
     def _watch(self) -> None:
-        """A newer membership that re-forms the group aborts a collective that would otherwise
-        wait for a dead or stuck peer until the timeout."""
+        """A newer membership that re-forms the group aborts the step's collectives (StepGuard)."""
         assert self.membership_path is not None
         while not self._closing.wait(0.05):
-            if not self._in_step:
-                continue
-            found = read_membership(self.membership_path)
-            if (
-                found is not None
-                and found.generation > self.generation
-                and not found.retry
-                and found.operator is None
-                and found.generation > (self.ops.generation if self.ops else 0)
-            ):
-                self._abort()
+            with self._step.deciding() as inside:
+                if not inside:
+                    continue
+                found = read_membership(self.membership_path)
+                if (
+                    found is not None
+                    and found.generation > self.generation
+                    and not found.retry
+                    and found.operator is None
+                    and found.generation > (self.ops.generation if self.ops else 0)
+                ):
+                    self._abort()
 
     def _form(self, m: Membership | None) -> None:
         timeout = timedelta(seconds=self.collective_timeout_s)
@@ -383,24 +383,24 @@ class ProcessGroupKeeper:
             snapshot = self._take_snapshot()
             if self.ops is not None:
                 self.ops.begin_step(step)
-            self._in_step = True
+            self._step.enter()
             try:
                 result = train_step(step)
                 self.commit()
             except _Retry as retry:
-                self._in_step = False
+                self._step.leave()
                 self._recover(step, snapshot, retry.generation)
                 step = self.completed + 1
                 continue
             except (RuntimeError, dist.DistError) as error:
-                self._in_step = False
+                self._step.leave()
                 if not self.recovery_enabled:
                     raise
                 self._abort()  # the peers still blocked in this collective fail now too
                 self._recover(step, snapshot, None, error)
                 step = self.completed + 1
                 continue
-            self._in_step = False
+            self._step.leave()
             with checkpoint.hold_gasp() if checkpoint is not None else contextlib.nullcontext():
                 self.optimizer.step()
                 self.completed = step

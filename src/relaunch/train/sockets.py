@@ -7,8 +7,36 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import threading
+from collections.abc import Iterator
 
-__all__ = ["shut_down", "tcp_sockets"]
+__all__ = ["StepGuard", "shut_down", "tcp_sockets"]
+
+
+class StepGuard:
+    """Whether the keeper's loop is inside a step, behind the one lock that the step's end and
+    the membership watcher's decision to abort take: an abort decided inside a step never lands
+    on the group formed after it (a watcher descheduled between its look and its shutdown once
+    could, on a loaded machine)."""
+
+    def __init__(self) -> None:
+        self.inside = False
+        self._lock = threading.Lock()
+
+    def enter(self) -> None:
+        with self._lock:
+            self.inside = True
+
+    def leave(self) -> None:
+        """Out of the step: returns once no abort is being decided."""
+        with self._lock:
+            self.inside = False
+
+    @contextlib.contextmanager
+    def deciding(self) -> Iterator[bool]:
+        """Held while the watcher decides and aborts; says whether the loop is inside a step."""
+        with self._lock:
+            yield self.inside
 
 
 def shut_down(sockets: set[int]) -> None:
