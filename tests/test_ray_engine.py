@@ -256,6 +256,22 @@ def test_nodes_lists_the_ray_nodes_with_their_relaunch_state(
     assert wrong.returncode == 2 and "--address" in wrong.stderr
 
 
+def test_node_removed_from_ray_isolates_it_and_rebuilds_the_job_on_a_standby_node(
+    cluster: Cluster, whole: RayTrial
+) -> None:
+    # A long agent timeout: the node's loss can only be seen this fast through Ray.
+    shape = {**FAST_CLUSTER, "heartbeat_timeout_s": 20}
+    faults = [{"kind": "node-down", "at_step": 10, "pod": 1}]
+    on_ray, _ = both(cluster, whole, toy_job(AUTO), faults, ray_shape=shape)
+    assert on_ray.actions == ["isolated-job-reschedule"]
+    assert on_ray.report["isolated_nodes"] == ["node-1"]
+    assert on_ray.launch_nodes()[:2] == ["node-0", "node-1"]
+    assert "node-1" not in on_ray.launch_nodes()[2:]
+    assert "node node-1 lost: the engine reports the node dead" in on_ray.stdout
+
+
+# It needs no node of the shared cluster: it runs while the keeper starts again the node the
+# test before removed (the next test waits for the whole cluster; 20-50 s on two busy cores).
 def test_crash_with_unconditional_retry_on_a_trial_cluster_matches_embedded(
     cluster: Cluster, ray_cluster: RayTrial
 ) -> None:
@@ -270,20 +286,6 @@ def test_crash_with_unconditional_retry_on_a_trial_cluster_matches_embedded(
     left = ray_processes(found[1])
     assert not left, f"the trial cluster outlived its run: {[p.cmdline() for p in left]}"
     assert not Path(found[1]).exists()
-
-
-def test_node_removed_from_ray_isolates_it_and_rebuilds_the_job_on_a_standby_node(
-    cluster: Cluster, whole: RayTrial
-) -> None:
-    # A long agent timeout: the node's loss can only be seen this fast through Ray.
-    shape = {**FAST_CLUSTER, "heartbeat_timeout_s": 20}
-    faults = [{"kind": "node-down", "at_step": 10, "pod": 1}]
-    on_ray, _ = both(cluster, whole, toy_job(AUTO), faults, ray_shape=shape)
-    assert on_ray.actions == ["isolated-job-reschedule"]
-    assert on_ray.report["isolated_nodes"] == ["node-1"]
-    assert on_ray.launch_nodes()[:2] == ["node-0", "node-1"]
-    assert "node-1" not in on_ray.launch_nodes()[2:]
-    assert "node node-1 lost: the engine reports the node dead" in on_ray.stdout
 
 
 def test_node_removed_from_ray_pod_level_moves_only_the_lost_pod(

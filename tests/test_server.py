@@ -15,6 +15,7 @@ import httpx
 import pytest
 import yaml
 
+from tests.cli import relaunch_here
 from tests.runtime import (
     ROOT,
     UNCONDITIONAL,
@@ -145,12 +146,7 @@ def test_reads_can_be_locked(tmp_path: Path) -> None:
 
 
 def _validate_problems(path: Path) -> list[str]:
-    done = subprocess.run(
-        [sys.executable, "-m", "relaunch", "validate", str(path)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    done = relaunch_here("validate", str(path))  # the process itself: tests/test_validate_cli.py
     assert done.returncode == 2
     return [line[4:] for line in done.stderr.splitlines() if line.startswith("  - ")]
 

@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from relaunch.cli import app
 from relaunch.spec import parse_job
 from relaunch.spec.launch import DEFAULT_MAX_RESTARTS, Launch, job_name_of, launch_job
+from tests.cli import relaunch_here
 
 ROOT = Path(__file__).resolve().parents[1]
 DDP = "examples/ddp/train_ddp.py"
@@ -31,6 +32,12 @@ def relaunch(*args: str, cwd: Path = ROOT, timeout: float = 60) -> subprocess.Co
         timeout=timeout,
         check=False,
     )
+
+
+def validate(*args: str) -> subprocess.CompletedProcess[str]:
+    """`relaunch validate ARGS` in this process (tests/cli.py): it starts nothing; the options'
+    way through a real `relaunch run` process is test_relaunch_run_reads_the_options_..."""
+    return relaunch_here("validate", *args, cwd=ROOT)
 
 
 def test_the_torchrun_form_defaults_to_torchruns_shape_with_the_ladder_on() -> None:
@@ -73,11 +80,10 @@ def test_a_job_is_named_after_its_script_with_a_name_the_spec_accepts(
 
 def test_the_torchrun_form_has_the_job_files_settings_and_ladder() -> None:
     """examples/ddp/job.yaml, said as options: `relaunch validate --json` prints the same."""
-    from_file = relaunch("validate", "--json", "examples/ddp/job.yaml")
+    from_file = validate("--json", "examples/ddp/job.yaml")
     spec = yaml.safe_load((ROOT / "examples/ddp/job.yaml").read_text())["spec"]
     script, *args = spec["command"].split()[1:]
-    from_options = relaunch(
-        "validate",
+    from_options = validate(
         "--json",
         "--nnodes",
         "2",
@@ -110,9 +116,7 @@ def test_the_torchrun_form_has_the_job_files_settings_and_ladder() -> None:
 
 def test_everything_after_the_script_is_the_scripts() -> None:
     """As under torchrun: relaunch's own option names after the script go to the script."""
-    result = relaunch(
-        "validate", "--json", "--nproc_per_node=3", DDP, "--report", "x", "-q", "--nnodes", "9"
-    )
+    result = validate("--json", "--nproc_per_node=3", DDP, "--report", "x", "-q", "--nnodes", "9")
     assert result.returncode == 0, result.stderr
     shown = json.loads(result.stdout)
     assert shown["command"] == ["python", DDP, "--report", "x", "-q", "--nnodes", "9"]
@@ -120,7 +124,7 @@ def test_everything_after_the_script_is_the_scripts() -> None:
 
 
 def test_a_py_file_alone_runs_as_torchrun_would_one_process() -> None:
-    shown = json.loads(relaunch("validate", "--json", DDP, "--steps", "3").stdout)
+    shown = json.loads(validate("--json", DDP, "--steps", "3").stdout)
     assert (shown["replicas"], shown["procs_per_pod"]) == (1, 1)
     assert shown["command"] == ["python", DDP, "--steps", "3"]
 
@@ -203,8 +207,7 @@ def test_relaunch_run_reads_the_options_as_validate_does_and_starts_nothing(
 
 
 def test_every_bad_option_is_reported_at_once() -> None:
-    result = relaunch(
-        "validate",
+    result = validate(
         "--nnodes",
         "0",
         "--nproc-per-node",

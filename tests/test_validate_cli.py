@@ -1,4 +1,6 @@
-"""`relaunch validate` as a user runs it: real processes, exit codes, no tracebacks."""
+"""`relaunch validate` as a user runs it: exit codes, messages, no tracebacks. The real `relaunch`
+process runs once for a bad file and once for a good one; every other case runs the same app in
+this process (tests/cli.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.cli import relaunch_here
+
 ROOT = Path(__file__).resolve().parents[1]
 BAD = ROOT / "tests" / "data" / "bad_jobs"
 EXPECTED: dict[str, str] = yaml.safe_load((BAD / "EXPECTED.yaml").read_text())
@@ -20,7 +24,7 @@ EXAMPLE_JOBS = sorted(
 )
 
 
-def relaunch(*args: str) -> subprocess.CompletedProcess[str]:
+def relaunch_process(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "relaunch", *args],
         capture_output=True,
@@ -29,6 +33,18 @@ def relaunch(*args: str) -> subprocess.CompletedProcess[str]:
         timeout=60,
         check=False,
     )
+
+
+relaunch = relaunch_here
+
+
+def test_the_relaunch_process_refuses_a_bad_file_and_accepts_a_good_one() -> None:
+    bad = relaunch_process("validate", str(BAD / "spec_unknown_key.yaml"))
+    assert bad.returncode == 2 and EXPECTED["spec_unknown_key.yaml"] in bad.stderr
+    assert "Traceback" not in bad.stderr + bad.stdout and bad.stdout == ""
+    good = relaunch_process("validate", str(EXAMPLE_JOBS[0]))
+    assert good.returncode == 0, good.stderr
+    assert "valid" in good.stdout and "Recovery levels" in good.stdout
 
 
 def test_at_least_15_distinct_bad_files_are_kept_as_test_data() -> None:
