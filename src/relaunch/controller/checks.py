@@ -169,8 +169,11 @@ def slow(c: ControllerContext, now: float) -> None:
     found: dict[int, str] = {link.pod: link.describe() for link in slow_links(rtts)}
     shares = _busy_shares(c, pods, now - window)
     if shares is not None:
+        # busier than its peers is the cause where both are seen: a slow link makes its ranks
+        # wait, not compute (a machine beside a CPU hog and a disk writer answered a throttled
+        # pod's node's probes 16 ms late, its peers' 2.5 ms: "link" named the wrong cause)
         for slowed in slow_pods(shares, c.cluster.slow_margin):
-            found.setdefault(slowed.pod, slowed.describe())
+            found[slowed.pod] = slowed.describe()
     for index in list(watch.since):
         if index not in found:
             del watch.since[index]
