@@ -22,6 +22,7 @@ import pytest
 
 from relaunch.cluster.local import LocalCluster
 from relaunch.store import Store
+from tests.cli import relaunch_here
 from tests.runtime import (
     AUTO,
     FAST_CLUSTER,
@@ -281,8 +282,13 @@ def test_garbage_or_truncated_state_database_is_a_one_line_error(
         store.close()
         data = db.read_bytes()
         db.write_bytes(data[: len(data) // 2])
+    # the reading commands in this process (tests/cli.py); the one that starts a controller as
+    # the real process
     for command in (["jobs"], ["describe", "1"], ["nodes"], ["run", "--resume"]):
-        done = relaunch(state, *command)
+        if command[0] == "run":
+            done = relaunch(state, *command)
+        else:
+            done = relaunch_here(*command, "--state-dir", str(state))
         assert done.returncode == 2, (command, done.stdout, done.stderr)
         assert "Traceback" not in done.stderr, (command, done.stderr)
         lines = [line for line in done.stderr.splitlines() if line.strip()]
