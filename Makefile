@@ -11,9 +11,7 @@ $(STAMP): pyproject.toml
 	  echo "error: relaunch needs Python 3.11+; '$(PYTHON)' is missing or older. Run 'make PYTHON=/path/to/python3.11 ...'"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	@# --no-compile: each module's bytecode is written when it is first imported, not all of
-	@# torch's and Ray's ahead (40 of the 75 s this install took)
-	$(BIN)/python -m pip install --quiet --no-compile -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	@touch $(STAMP)
 
 # Sets up and runs the demo: the toy job on the embedded cluster, hit by a crash, a chip fault
@@ -55,6 +53,9 @@ $(SLURMD): | $(CHROMIUM)  # one apt at a time (make -j)
 # baseline, run once); every test's duration is kept in build/test-report/durations.txt.
 # `pytest -m "not real"` runs the tier that starts no real run, cluster or server.
 unit: $(STAMP) $(CHROMIUM) $(SLURMD)
+	@# relaunch's own bytecode, ahead: where PYTHONDONTWRITEBYTECODE is set, each of the
+	@# suite's thousands of processes (agents, launchers, controllers) compiled it again
+	$(BIN)/python -m compileall -q -j 0 src
 	$(BIN)/pytest -q -n 2 --dist loadfile
 
 # Sets up and runs everything CI runs: lint, then the types beside the tests (mypy takes 30 s
