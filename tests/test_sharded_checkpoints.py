@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -100,20 +101,31 @@ def test_fsdp2_faulted_under_relaunch_ends_bit_identical_to_its_fault_free_run(
     assert final_hash(said) == clean
 
 
-def test_a_sharded_checkpoint_saved_by_2_ranks_loads_on_1_and_on_3(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def saved_by_2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A checkpoint directory 2 ranks saved (12 steps, every 4), and their final parameters'
+    hash: saved once for the tests below, each of which works on a copy of its own."""
+    tmp = tmp_path_factory.mktemp("saved-by-2")
+    ckpt = tmp / "ckpt"
+    output = torchrun(2, "--steps", "12", "--ckpt-every", "4", "--ckpt-dir", str(ckpt), cwd=tmp)
+    return ckpt, final_hash(output)
+
+
+def test_a_sharded_checkpoint_saved_by_2_ranks_loads_on_1_and_on_3(
+    tmp_path: Path, saved_by_2: tuple[Path, str]
+) -> None:
     """The world size changes after an elastic scale-in (or out): DCP reshards on load."""
-    ckpt = str(tmp_path / "ckpt")
-    saved = final_hash(torchrun(2, "--steps", "12", "--ckpt-every", "4", "--ckpt-dir", ckpt,
-                                cwd=tmp_path))  # fmt: skip
+    ckpt = shutil.copytree(saved_by_2[0], tmp_path / "ckpt")
     for ranks in (1, 3):
-        output = torchrun(ranks, "--steps", "12", "--ckpt-dir", ckpt, cwd=tmp_path)
+        output = torchrun(ranks, "--steps", "12", "--ckpt-dir", str(ckpt), cwd=tmp_path)
         assert f"start: rank 0/{ranks} resume_step=12" in output
-        assert final_hash(output) == saved
+        assert final_hash(output) == saved_by_2[1]
 
 
-def test_a_flipped_byte_is_never_loaded_the_step_before_is(tmp_path: Path) -> None:
-    ckpt = tmp_path / "ckpt"
-    torchrun(2, "--steps", "12", "--ckpt-every", "4", "--ckpt-dir", str(ckpt), cwd=tmp_path)
+def test_a_flipped_byte_is_never_loaded_the_step_before_is(
+    tmp_path: Path, saved_by_2: tuple[Path, str]
+) -> None:
+    ckpt = shutil.copytree(saved_by_2[0], tmp_path / "ckpt")
     shard = ckpt / "step-000000012" / "__1_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01
