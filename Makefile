@@ -43,7 +43,7 @@ $(CHROMIUM):
 SLURMD := /usr/sbin/slurmd
 .PHONY: slurm
 slurm: $(SLURMD)
-$(SLURMD): | $(CHROMIUM)  # one apt at a time (make -j)
+$(SLURMD):
 	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 	    --no-install-recommends slurmd slurmctld slurm-client munge >/dev/null; \
@@ -58,10 +58,8 @@ unit: $(STAMP) $(CHROMIUM) $(SLURMD)
 	$(BIN)/python -m compileall -q -j 0 src
 	$(BIN)/pytest -q -n 2 --dist loadfile
 
-# Sets up and runs everything CI runs: lint, then the types beside the tests (mypy takes 30 s
-# from a fresh clone; the suite leaves about a third of the two cores idle, waiting on faults).
-test: lint
-	$(MAKE) --no-print-directory -j2 typecheck unit
+# Sets up and runs everything CI runs: lint, types, tests.
+test: lint typecheck unit
 
 # The specialists `relaunch bench --only peers` measures beside relaunch, each in a virtual
 # environment of its own under .peers/ (their pins conflict), with the torch CPU wheel.
