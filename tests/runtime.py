@@ -292,7 +292,10 @@ class Server:
         self.process: subprocess.Popen[str] | None = None
         self.output = ""
 
-    def start(self, timeout: float = 20) -> Server:
+    def start(self, timeout: float = 120) -> Server:
+        """Until /healthz answers (at once when it does). The allowance is for a loaded
+        machine: at a suite's start, beside the other worker's first runs, a server once
+        had not answered, nor printed a line, after 20 s."""
         import httpx
 
         self.process = subprocess.Popen(
