@@ -61,8 +61,13 @@ def starts(result: Result) -> dict[int, list[dict[str, Any]]]:
     return found
 
 
-def run(cluster: Cluster, job: dict[str, Any], faults: list[dict[str, Any]] | None) -> Result:
-    result = cluster.run(job, faults, CLUSTER, timeout=300, startup_s=60)
+def run(
+    cluster: Cluster,
+    job: dict[str, Any],
+    faults: list[dict[str, Any]] | None,
+    shape: dict[str, Any] = CLUSTER,
+) -> Result:
+    result = cluster.run(job, faults, shape, timeout=300, startup_s=60)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 
@@ -268,8 +273,7 @@ def test_r31_r32_warm_spares_replace_a_crashed_rank_then_a_lost_nodes_pod(
         {"kind": "process-exit", "at_step": 40, "pod": 1, "rank": 3, "exit_code": 1},
         {"kind": "node-down", "at_step": 80, "pod": 1},
     ]
-    result = cluster.run(job, faults, {**CLUSTER, "nodes": 3}, timeout=300, startup_s=60)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = run(cluster, job, faults, {**CLUSTER, "nodes": 3})
     assert result.actions == ["process-in-place", "process-reschedule"]
     assert "pod 1 takes the standby launcher on node-2 and its warm spares" in result.stdout
     found = starts(result)
