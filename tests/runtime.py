@@ -102,9 +102,12 @@ class Result:
         """The run succeeded by one pod-level rescheduling, and `node` was lost for `why`."""
         assert self.returncode == 0, self.stdout + self.stderr
         assert self.actions == ["pod-reschedule"]
-        events = Store(self.state_dir / "relaunch.db").events(self.report["id"])
-        lost = [text for _, text in events if "lost" in text]
+        lost = [text for _, text in self.events() if "lost" in text]
         assert any(f"node {node} lost: {why}" in e for e in lost), lost
+
+    def events(self) -> list[tuple[float, str]]:
+        """The job's record: (when, what) of each event."""
+        return list(Store(self.state_dir / "relaunch.db").events(self.report["id"]))
 
     def logs(self) -> str:
         return "\n".join(

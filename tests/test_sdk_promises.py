@@ -135,11 +135,11 @@ def capture_hooked():
         term("while the step's random streams are noted")
     return capture()
 rng.capture = capture_hooked
-write_atomic = checkpoint._write_atomic
+write_atomic = checkpoint.write_atomic
 def write_hooked(*args, **kwargs):
     term("while a periodic save writes")
     return write_atomic(*args, **kwargs)
-checkpoint._write_atomic = write_hooked
+checkpoint.write_atomic = write_hooked
 
 def state():
     term("while a periodic save gathers the state")

@@ -42,6 +42,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from relaunch.cluster.keeper import PeerMemoryServer
 from relaunch.cluster.linkwatch import LinkWatch
 from relaunch.cluster.network import ClusterNetwork
 from relaunch.cluster.nvml import NvmlChips, open_gpus
@@ -91,8 +92,11 @@ class Agent:
         host: PodHost | None = None,
         controller: tuple[str, int] | None = None,
         address: str = "",
+        peer_memory: PeerMemoryServer | None = None,
     ) -> None:
         self.host = host
+        self.peer_memory = peer_memory
+        """Where the node keeps other nodes' checkpoint copies (None: nowhere)."""
         """Where the agent starts its node's pods itself (see the module docstring)."""
         if host is not None and host.cgroups is not None:
             cgroups = host.cgroups
@@ -278,10 +282,14 @@ class Agent:
             self.reap()
 
     def hello(self, conn: Connection) -> AgentHello:
-        if self.host is None:
-            return AgentHello(self.node, self.chips)
         address = self.address or conn.local_address()
-        return AgentHello(self.node, self.chips, True, address, self.host.free_port())
+        memory = ""
+        if self.peer_memory is not None:
+            host, port = self.peer_memory.address
+            memory = f"{address if host == '0.0.0.0' else host}:{port}"
+        if self.host is None:
+            return AgentHello(self.node, self.chips, peer_memory=memory)
+        return AgentHello(self.node, self.chips, True, address, self.host.free_port(), memory)
 
     def hosted(self, message: Message) -> None:
         """What the controller asks of an agent that hosts its node's pods."""
@@ -334,7 +342,7 @@ class Agent:
             time.sleep(0.1)
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="relaunch.cluster.agent")
     parser.add_argument("--state-dir", type=Path, required=True)
     parser.add_argument("--node", required=True)
@@ -359,7 +367,11 @@ def main(argv: list[str] | None = None) -> None:
         "--controller", type=controller_argument, help="HOST:PORT (default: the state directory's)"
     )
     parser.add_argument("--address", default="", help="the node's address for its peers")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     gpus, why = (None, "simulated (--simulate-chips)")
     if not args.simulate_chips and args.chips > 0:
@@ -389,11 +401,23 @@ def main(argv: list[str] | None = None) -> None:
         host,
         args.controller,
         args.address,
+        _peer_memory(args.state_dir, args.node, args.network, host is not None),
     )
     if host is not None:
         where = "{}:{}".format(*args.controller) if args.controller else "its state directory's"
         print(f"agent {args.node}: ready; the controller is at {where}", flush=True)
     agent.run()
+
+
+def _peer_memory(state_dir: Path, node: str, network: bool, hosted: bool) -> PeerMemoryServer:
+    """The node's peer memory, listening on its data link: the data address where the node is a
+    network namespace, every address where it is a machine of its own, else the loopback."""
+    layout = ClusterNetwork.existing(state_dir) if network else None
+    if layout is not None:
+        host = layout.layout.data_address(node)
+    else:
+        host = "0.0.0.0" if hosted else "127.0.0.1"
+    return PeerMemoryServer(host).start()
 
 
 def controller_argument(text: str) -> tuple[str, int]:

@@ -279,7 +279,19 @@ def pod_environment(c: ControllerContext, row: PodRow, attempt: int) -> dict[str
         membership_file=(
             str(PodDir(Path(row.workdir)).membership) if c.recovery.process_level else None
         ),
+        peer_memory=_peer_memories(c) if c.spec.peer_memory_mb else "",
+        peer_memory_bytes=c.spec.peer_memory_mb << 20,
     ).variables(shared)
+
+
+def _peer_memories(c: ControllerContext) -> str:
+    """The peer memories of the nodes whose agents are connected now: ``node=host:port,...``."""
+    return _joined(tuple(sorted((n, a.peer_memory) for n, a in c.agents.items() if a.peer_memory)))
+
+
+@functools.lru_cache(maxsize=16)
+def _joined(memories: tuple[tuple[str, str], ...]) -> str:
+    return ",".join(f"{node}={address}" for node, address in memories)
 
 
 @functools.lru_cache(maxsize=64)

@@ -21,6 +21,8 @@ from relaunch.protocol.messages import (
     Message,
     Output,
     ProgressBatch,
+    RankPhase,
+    Restored,
     Shutdown,
     Stacks,
     Started,
@@ -46,7 +48,7 @@ def dispatch(c: ControllerContext, peer: Peer, message: Message | None) -> None:
             _closed(c, peer)
             c.hurry()  # a torn-down launcher lets its pod's replacement start
         case AgentHello(node=node):
-            c.agents[node] = AgentLink(peer, node, c.clock.now())
+            c.agents[node] = AgentLink(peer, node, c.clock.now(), message.peer_memory)
             c.engine.agent_heard(node, peer, message)
         case LauncherHello():
             _launcher_hello(c, peer, message)
@@ -93,15 +95,7 @@ def _from_launcher(c: ControllerContext, link: LauncherLink, message: Message) -
                 if observed is not None and observed.running:
                     observed.looked(now, busy_looks, looks, c.cluster.slow_window_s)
             if phases:
-                c.hang_watch.stale()  # a save that begins or ends moves the hang window
-            for phase in phases:
-                observed = link.ranks.get(phase.rank)
-                if observed is not None and observed.attempt == phase.attempt:
-                    if observed.phase == SdkPhase.CHECKPOINT != phase.phase:
-                        observed.save_ended_at = now
-                    observed.phase = phase.phase
-                    observed.phase_since = now
-                    observed.last_activity = now  # a phase is a sign of life
+                _phases(c, link, phases, now)
             for report in reports:
                 _step(c, link, report.rank, report.attempt, report.step, now, report.at)
         case Usage(attempt=attempt, ranks=ranks, working=working, stopped=stopped):
@@ -124,6 +118,8 @@ def _from_launcher(c: ControllerContext, link: LauncherLink, message: Message) -
                 found = collective_fault(link, message, commands.links_down(c))
                 c.recoveries.fault(found.fault, found.source)
                 c.hurry()
+        case Restored(rank=rank, step=step, source=source):  # which tier served, on record
+            c.event(f"pod {link.pod} rank {rank} restored step {step} from {source}")
         case Stopped(exited=exited):
             for rank, (attempt, code, signum) in exited.items():
                 _ended(link, rank, attempt, code, signum)
@@ -133,6 +129,20 @@ def _from_launcher(c: ControllerContext, link: LauncherLink, message: Message) -
             else:
                 link.stopping = False
             c.hurry()  # the next attempt starts as soon as every pod has stopped
+
+
+def _phases(
+    c: ControllerContext, link: LauncherLink, phases: tuple[RankPhase, ...], now: float
+) -> None:
+    c.hang_watch.stale()  # a save that begins or ends moves the hang window
+    for phase in phases:
+        observed = link.ranks.get(phase.rank)
+        if observed is not None and observed.attempt == phase.attempt:
+            if observed.phase == SdkPhase.CHECKPOINT != phase.phase:
+                observed.save_ended_at = now
+            observed.phase = phase.phase
+            observed.phase_since = now
+            observed.last_activity = now  # a phase is a sign of life
 
 
 def _activity(

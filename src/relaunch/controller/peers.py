@@ -111,6 +111,8 @@ class AgentLink:
     peer: Peer
     node: str
     last_heartbeat: float
+    peer_memory: str = ""
+    """HOST:PORT of the node's peer memory (its agent's hello); "" : none."""
     chips_written: tuple[tuple[int, str, str], ...] = ()
     """The chip faults (chip, code, kind) last written to the store for this node."""
     written_at: float = 0.0

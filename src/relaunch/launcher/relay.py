@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from relaunch.launcher.processes import Worker
-from relaunch.protocol.datagrams import CollectiveFailure, parse_datagram
+from relaunch.protocol.datagrams import CollectiveFailure, Restore, parse_datagram
 from relaunch.protocol.environment import Env
 from relaunch.protocol.messages import (
     CollectiveFailed,
@@ -28,6 +28,7 @@ from relaunch.protocol.messages import (
     Progress,
     ProgressBatch,
     RankPhase,
+    Restored,
 )
 
 __all__ = ["ProgressRelay"]
@@ -90,6 +91,9 @@ class ProgressRelay:
                 rank, attempt, value.step, value.collective, value.generation, value.why, now
             )
             self.send(failed, urgent=True)
+            return False
+        if isinstance(value, Restore):  # for the job's record: which tier served the restore
+            self.send(Restored(rank, attempt, value.step, value.source, now))
             return False
         with self.lock:
             if isinstance(value, str):

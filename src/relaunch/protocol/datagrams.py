@@ -1,7 +1,8 @@
 """The training SDK's datagrams to its pod's launcher: "RANK STEP AT" (progress: the step, and
 when the script reported it, which can be well before the datagram goes: a report held back by
 the interval waits for the next), "RANK @PHASE" (what the rank is doing, for R-37) or
-"RANK !STEP COLLECTIVE GENERATION WHY" (a collective failed on its transport, R-29). Kept apart from the wire messages and free of dataclasses:
+"RANK !STEP COLLECTIVE GENERATION WHY" (a collective failed on its transport, R-29) or
+"RANK #STEP SOURCE" (the rank restored a checkpoint's step, and where its bytes came from). Kept apart from the wire messages and free of dataclasses:
 every training process imports it, and its start is on the path of every recovery."""
 
 from __future__ import annotations
@@ -10,11 +11,13 @@ from typing import Final, NamedTuple
 
 __all__ = [
     "CollectiveFailure",
+    "Restore",
     "SdkPhase",
     "collective_failure_datagram",
     "parse_datagram",
     "phase_datagram",
     "progress_datagram",
+    "restored_datagram",
 ]
 
 DATAGRAM_MAX: Final = 256
@@ -53,14 +56,28 @@ def collective_failure_datagram(
     return head + why.encode("utf-8", "replace")[: DATAGRAM_MAX - len(head)]
 
 
+class Restore(NamedTuple):
+    step: int
+    source: str
+    """Which tier served the bytes: "peer memory of node-2", "storage"."""
+
+
+def restored_datagram(rank: int, step: int, source: str) -> bytes:
+    head = f"{rank} #{step} ".encode()
+    return head + source.encode("utf-8", "replace")[: DATAGRAM_MAX - len(head)]
+
+
 def parse_datagram(
     data: bytes,
-) -> tuple[int, int | str | CollectiveFailure, float | None] | None:
-    """(rank, step, when it was reported), (rank, phase, None) or (rank, a collective's failure,
-    None); None for anything else."""
+) -> tuple[int, int | str | CollectiveFailure | Restore, float | None] | None:
+    """(rank, step, when it was reported), (rank, phase, None), (rank, a collective's failure,
+    None) or (rank, a restore, None); None for anything else."""
     try:
-        rank_text, value, *rest = data.decode(errors="replace").split(maxsplit=4)
+        text = data.decode(errors="replace")
+        rank_text, value, *rest = text.split(maxsplit=4)
         rank = int(rank_text)
+        if value.startswith("#"):
+            return rank, Restore(int(value[1:]), text.split(maxsplit=2)[2]), None
         if value.startswith("@"):
             return rank, value[1:], None
         if value.startswith("!"):

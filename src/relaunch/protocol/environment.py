@@ -81,6 +81,12 @@ class Env:
     """0: every rank starts as a new Python process, none is forked from the pod's rank
     template (relaunch._template)."""
     GASP_WAIT_S: Final = "RELAUNCH_GASP_WAIT_S"
+    # peer memory (train.peer, cluster.keeper)
+    PEER_MEMORY: Final = "RELAUNCH_PEER_MEMORY"
+    """The nodes' peer memories a rank copies its checkpoints to and restores them from:
+    ``node=host:port,...`` (unset: none)."""
+    PEER_MEMORY_BYTES: Final = "RELAUNCH_PEER_MEMORY_BYTES"
+    """How many bytes of the job's copies one node keeps at most (the spec's `peer_memory_mb`)."""
     # relaunch's own processes
     FAILPOINT: Final = "RELAUNCH_FAILPOINT"
     STATE_DIR: Final = "RELAUNCH_STATE_DIR"
@@ -146,6 +152,10 @@ class PodEnvironment:
     proc_start_cnt: int
     membership_file: str | None = None
     """With process-level recovery: where the launcher writes the membership."""
+    peer_memory: str = ""
+    """The nodes' peer memories (``node=host:port,...``) where the job keeps checkpoint copies
+    in memory; "" : it keeps none."""
+    peer_memory_bytes: int = 0
 
     def variables(self, attempt: Mapping[str, str]) -> dict[str, str]:
         """`attempt`: the attempt's variables (`AttemptEnvironment.variables`)."""
@@ -158,6 +168,9 @@ class PodEnvironment:
             Env.NODE: self.node,
             Env.GENERATION: str(self.generation),
         }
+        if self.peer_memory and self.peer_memory_bytes > 0:
+            env[Env.PEER_MEMORY] = self.peer_memory
+            env[Env.PEER_MEMORY_BYTES] = str(self.peer_memory_bytes)
         if self.membership_file is not None:
             env[Env.MEMBERSHIP] = self.membership_file
             env[Env.POD_GENERATION] = str(self.generation)

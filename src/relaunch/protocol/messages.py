@@ -7,7 +7,7 @@ line on the wire is `{"t": KIND, ...fields}`, its kind first). Who sends what:
     controller -> agent      InjectChipFault, InjectNetworkFault, Heal, Shutdown, and to an
                              agent that hosts its node's pods: StartPod, Crash
     launcher -> controller   LauncherHello, Started, Output, ProgressBatch, Exited, Stopped,
-                             Usage, Injected, Stacks, CollectiveFailed
+                             Usage, Injected, Stacks, CollectiveFailed, Restored
     controller -> launcher   Start, Stop, Shutdown, InjectProcessFault, MembershipUpdate, Assume,
                              CaptureStacks, Lease
 
@@ -59,6 +59,7 @@ __all__ = [
     "Progress",
     "ProgressBatch",
     "RankPhase",
+    "Restored",
     "Shutdown",
     "Stacks",
     "Start",
@@ -101,6 +102,9 @@ class AgentHello(Message):
     free_port: int = 0
     """A TCP port free on the node when the agent said so (MASTER_PORT; refreshed in every
     heartbeat)."""
+    peer_memory: str = ""
+    """HOST:PORT where the node keeps copies of other nodes' checkpoints in memory, on its data
+    link (relaunch.cluster.keeper); "" : it keeps none."""
 
 
 @dataclass(frozen=True)
@@ -413,6 +417,19 @@ class CollectiveFailed(Message):
 
 
 @dataclass(frozen=True)
+class Restored(Message):
+    """A rank restored a checkpoint's step, and `source` says which tier served its bytes (peer
+    memory of a node, or storage): for the job's record."""
+
+    KIND = "restored"
+    rank: int
+    attempt: int
+    step: int
+    source: str
+    at: float
+
+
+@dataclass(frozen=True)
 class Lease(Message):
     """The controller still hears the pod: its lease runs on (R-14). A launcher that hears
     nothing from its controller for the plan's `lease_s` takes its pod for abandoned and stops
@@ -428,7 +445,7 @@ _KINDS: Final[dict[str, type[Message]]] = {
         AgentHello, Heartbeat, Healed, InjectChipFault, InjectNetworkFault, Heal, Injected,
         Shutdown, LauncherHello, Started, Output, ProgressBatch, Exited, Stopped, Usage, Start,
         Stop, InjectProcessFault, MembershipUpdate, Assume, CaptureStacks, Stacks, Lease,
-        CollectiveFailed, StartPod, Crash,
+        CollectiveFailed, StartPod, Crash, Restored,
     )
 }  # fmt: skip
 

@@ -82,6 +82,7 @@ def _build(parsed: File, data: Mapping[str, Any]) -> JobSpec:
         working_dir=work.working_dir,
         recovery=recovery_settings(parsed.metadata.annotations, parsed.metadata.labels, work),
         warm_spares=work.warm_spares,
+        peer_memory_mb=work.peer_memory_mb,
     )
 
 

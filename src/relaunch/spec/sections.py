@@ -113,6 +113,9 @@ class Workload(BaseModel):
     backoff_limit: Annotated[int | None, v(integer(0, 1000, "total reschedules"))] = None
     graceful_fault_tolerance: Annotated[bool, v(boolean)] = False
     warm_spares: Annotated[int, v(integer(0, 16, "spare processes per pod"))] = 0
+    peer_memory_mb: Annotated[
+        int, v(integer(0, 1 << 30, "MiB of the job's checkpoint copies a node keeps in memory"))
+    ] = 0
 
 
 class File(BaseModel):

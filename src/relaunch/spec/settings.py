@@ -89,6 +89,9 @@ class JobSpec:
     warm_spares: int = 0
     """Pre-started processes per pod (Python up, torch imported) that a process-level in-place
     restart hands the failed rank's identity to, instead of starting a process."""
+    peer_memory_mb: int = 0
+    """Each rank's checkpoint is also copied into another node's memory, and a node keeps at
+    most this many MiB of the job's copies (0: no copies; relaunch.cluster.keeper)."""
 
     @property
     def world_size(self) -> int:

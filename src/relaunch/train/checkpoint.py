@@ -36,7 +36,9 @@ from typing import Any, ClassVar, TypeVar
 from relaunch.protocol.environment import Env
 from relaunch.protocol.layout import FENCE_FILE
 from relaunch.train import overlap, rng, shard
-from relaunch.train.progress import SdkPhase, flush_progress, report_phase
+from relaunch.train.atomic import TMP_MARK, write_atomic, write_bytes
+from relaunch.train.peer import GASP_COPY_WAIT_S, PeerCopies
+from relaunch.train.progress import SdkPhase, flush_progress, report_phase, report_restore
 
 __all__ = [
     "FENCE_FILE",
@@ -87,46 +89,6 @@ class Checkpoint:
     path: Path
 
 
-TMP_MARK = ".tmp-"
-"""Temporary files are `.NAME.tmp-PID` beside their target until they are renamed into place."""
-
-
-def _write_atomic(path: Path, emit: Callable[[Any], _T]) -> _T:
-    """Write a temporary file with `emit(file)` (an unbuffered binary file), fsync, rename over
-    `path`, fsync the directory; returns what `emit` returned. On any error the temporary file is
-    removed: a failed save (a full disk) leaves nothing behind that would make the next save fail
-    too."""
-    tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
-    try:
-        with open(tmp, "wb", buffering=0) as f:
-            result = emit(f)
-            os.fsync(f.fileno())
-        tmp.replace(path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    _fsync_dir(path.parent)
-    return result
-
-
-def _write_bytes(data: bytes) -> Callable[[Any], None]:
-    def emit(f: Any) -> None:
-        view = memoryview(data)
-        while view:
-            view = view[f.write(view) or 0 :]
-
-    return emit
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _read_shard(path: Path, fmt: str, expected: dict[str, Any]) -> Any:
     """The state in one shard file, checked against its manifest entry `expected`."""
     if fmt not in shard.FORMATS:  # 0.1.0's torch.save / pickle shards: never unpickled unchecked
@@ -155,6 +117,9 @@ class CheckpointManager:
     the training loop only waits for the copy of the state to host memory. `overlap_copy` (with
     `async_save`): the copy of what an optimizer owns is taken while the loop runs the next
     forward and backward, and the optimizer's next step waits for it (relaunch.train.overlap).
+    `peers`: where each saved shard is also copied, in another node's memory, and read back from
+    at a restore (relaunch.train.peer); by default the peers relaunch gives the rank where the
+    job's spec asks for it (`peer_memory_mb`), else none.
     """
 
     WAITS_AT_EXIT: ClassVar[bool] = True
@@ -169,6 +134,7 @@ class CheckpointManager:
         keep: int = 3,
         async_save: bool = False,
         overlap_copy: bool = False,
+        peers: PeerCopies | None = None,
     ) -> None:
         if overlap_copy and not async_save:
             raise ValueError(
@@ -200,6 +166,10 @@ class CheckpointManager:
         self._term_pending = False
         self._gasp: Callable[[], Any] | None = None
         self._host = shard.HostBuffer()  # reused by every asynchronous save
+        self.peers = peers if peers is not None else PeerCopies.from_env()
+        self.restored_from: dict[tuple[int, int], str] = {}
+        """(rank, step) -> which tier served each shard this manager loaded: "peer memory of
+        NODE" or "storage"."""
         self.sweep()
         if async_save and self.WAITS_AT_EXIT:  # a script that ends right after a save writes it
             atexit.register(_wait_at_exit, weakref.ref(self))
@@ -290,7 +260,7 @@ class CheckpointManager:
             directory = self.directory / f"step-{step:09d}"
             directory.mkdir(parents=True, exist_ok=True)
             name = f"rank-{self.rank}.ckpt"
-            size, digest = _write_atomic(directory / name, lambda f: shard.write(f, packed))
+            size, digest = write_atomic(directory / name, lambda f: shard.write(f, packed))
             manifest = {
                 "step": step,
                 "rank": self.rank,
@@ -298,11 +268,13 @@ class CheckpointManager:
                 "files": {name: {"size": size, shard.HASH: digest}},
             }
             check_fence()  # ... nor commit one the new generation would load
-            _write_atomic(
+            write_atomic(
                 directory / f"rank-{self.rank}.manifest.json",
-                _write_bytes(json.dumps(manifest).encode()),
+                write_bytes(json.dumps(manifest).encode()),
             )
             self._rotate()
+            if self.peers is not None:  # in the background: the save stands without it
+                self.peers.copy(self.rank, step, manifest, directory / name)
 
     def sweep(self) -> int:
         """Remove this rank's temporary files that no save of this process is writing: what a
@@ -341,7 +313,31 @@ class CheckpointManager:
         return sorted(found, reverse=True)
 
     def verified_steps(self, rank: int | None = None) -> list[int]:
-        return [s for s in self.steps(rank) if self._read(s, warn=False, rank=rank) is not None]
+        """Steps this rank (or `rank`) can restore: those whose copy a peer holds with the
+        storage manifest's hash (checked in full when it is loaded), and those whose shard on
+        storage verifies."""
+        rank = self.rank if rank is None else rank
+        held = self.peers.index() if self.peers is not None else {}
+        return [
+            s
+            for s in self.steps(rank)
+            if self._held_by_peer(held, rank, s) or self._read(s, warn=False, rank=rank)
+        ]
+
+    def _held_by_peer(
+        self, held: dict[tuple[int, int], list[tuple[str, str]]], rank: int, step: int
+    ) -> bool:
+        if (rank, step) not in held:
+            return False
+        try:
+            manifest = json.loads(self._manifest_path(step, rank).read_text())
+            ((_, expected),) = manifest["files"].items()
+        except (OSError, ValueError, KeyError):
+            return False
+        return any(digest == expected.get(shard.HASH) for _, digest in held[(rank, step)])
+
+    def _manifest_path(self, step: int, rank: int) -> Path:
+        return self.directory / f"step-{step:09d}" / f"rank-{rank}.manifest.json"
 
     def load(self, step: int | None = None, *, rank: int | None = None) -> Checkpoint | None:
         """The newest checkpoint that verifies (or exactly `step`); None if there is none.
@@ -361,11 +357,14 @@ class CheckpointManager:
     def _read(self, step: int, *, warn: bool, rank: int | None = None) -> Checkpoint | None:
         rank = self.rank if rank is None else rank
         directory = self.directory / f"step-{step:09d}"
-        manifest_path = directory / f"rank-{rank}.manifest.json"
         try:
-            manifest = json.loads(manifest_path.read_text())
+            manifest = json.loads(self._manifest_path(step, rank).read_text())
             (name, expected), *_ = manifest["files"].items()
-            state = _read_shard(directory / name, manifest["format"], expected)
+            state = self._from_peers(step, rank, manifest) if warn else None
+            if state is None:
+                state = _read_shard(directory / name, manifest["format"], expected)
+                if warn:
+                    self._restored(step, rank, "storage")
         except (
             OSError,
             ValueError,
@@ -383,6 +382,34 @@ class CheckpointManager:
                 )
             return None
         return Checkpoint(step, state, directory)
+
+    def _from_peers(self, step: int, rank: int, manifest: dict[str, Any]) -> Any:
+        """The state from a peer's memory, checked against `manifest`; None where none served
+        (each refused copy warned about)."""
+        if self.peers is None or manifest.get("format") not in shard.FORMATS:
+            return None
+        state, node, refusals = self.peers.restore(rank, step, manifest, shard.read_buffer)
+        for refusal in refusals:
+            warnings.warn(
+                f"checkpoint step {step} of rank {rank}: {refusal}; trying the next tier",
+                CheckpointWarning,
+                stacklevel=4,
+            )
+        if node is not None:
+            self._restored(step, rank, f"peer memory of {node}")
+        return state
+
+    def _restored(self, step: int, rank: int, source: str) -> None:
+        """Which tier served, where peer memory is in use: said to relaunch (the job's record)
+        and on the rank's output."""
+        if self.peers is None:
+            return
+        self.restored_from[(rank, step)] = source
+        shard_of = "" if rank == self.rank else f" (rank {rank}'s shard)"
+        print(
+            f"relaunch: rank {self.rank} restored step {step}{shard_of} from {source}", flush=True
+        )
+        report_restore(step, source, self.rank)
 
     # -- dying gasp ---------------------------------------------------------------------------------
 
@@ -456,6 +483,8 @@ class CheckpointManager:
                 if streams is not None:
                     rng.restore(streams)  # as of the end of the completed step
                 self.save(step, self._gasp(), blocking=True)
+                if self.peers is not None:  # its copy too, or a restore reads it from storage
+                    self.peers.wait(GASP_COPY_WAIT_S)
                 print(
                     f"relaunch: dying gasp saved step {step} (rank {self.rank})",
                     flush=True,

@@ -14,6 +14,7 @@ from relaunch.protocol.datagrams import (
     collective_failure_datagram,
     phase_datagram,
     progress_datagram,
+    restored_datagram,
 )
 from relaunch.protocol.environment import Env
 
@@ -25,6 +26,7 @@ __all__ = [
     "report_collective_failure",
     "report_phase",
     "report_progress",
+    "report_restore",
 ]
 
 _socket: socket.socket | None = None
@@ -114,6 +116,12 @@ def report_collective_failure(step: int, collective: int, generation: int, why: 
     of step `step`, in generation `generation` of the group. A step not sent yet goes first."""
     _flush_pending(urgent=True)
     _send(collective_failure_datagram(_rank(), step, collective, generation, why), urgent=True)
+
+
+def report_restore(step: int, source: str, rank: int | None = None) -> None:
+    """Tell relaunch which tier served this rank's restore of `step` ("peer memory of node-2",
+    "storage"): it goes in the job's record."""
+    _send(restored_datagram(_rank() if rank is None else rank, step, source), urgent=True)
 
 
 def flush_progress() -> None:

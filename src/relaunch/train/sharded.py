@@ -35,13 +35,11 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from relaunch.train.atomic import fsync_dir, write_atomic, write_bytes
 from relaunch.train.checkpoint import (
     Checkpoint,
     CheckpointManager,
     CheckpointWarning,
-    _fsync_dir,
-    _write_atomic,
-    _write_bytes,
     check_fence,
 )
 from relaunch.train.progress import SdkPhase, report_phase
@@ -145,21 +143,21 @@ class ShardedCheckpointManager(CheckpointManager):
             for part in gathered:
                 files.update(part)
             check_fence()  # a stale generation must not commit what the new one would load
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             final = self.directory / f"step-{step:09d}"
             if final.exists():  # the same step saved again (a dying gasp after a save)
                 old = self.directory / f".step-{step:09d}.old-{self._run}"
                 final.rename(old)
                 shutil.rmtree(old, ignore_errors=True)
             tmp.rename(final)
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
             manifest = {
                 "step": step,
                 "world_size": dist.get_world_size(self.group),
                 "format": FORMAT,
                 "files": files,
             }
-            _write_atomic(final / MANIFEST, _write_bytes(json.dumps(manifest).encode()))
+            write_atomic(final / MANIFEST, write_bytes(json.dumps(manifest).encode()))
             self._rotate()
         dist.barrier(group=self.group)
 

@@ -1,0 +1,218 @@
+"""A rank's side of peer memory: its checkpoint copied into another node's memory after each
+save, and read back from there at a restore (relaunch.cluster.keeper keeps the copies;
+relaunch.protocol.peer_memory is the wire).
+
+Where the copy goes: the node after the rank's own, in the order of the nodes' names, among the
+nodes whose peer memory the rank was given; never the rank's own node, so that no node holds
+both a rank's state and its only copy. Where it is read from: any node that has it (a moved rank
+runs on another node than the one that saved). Nothing read is trusted: the checkpoint manager
+checks each copy against the manifest on storage before it loads a byte of it.
+
+Importable without torch; standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from relaunch.protocol.environment import Env
+from relaunch.protocol.peer_memory import (
+    PeerMemoryError,
+    parse_peers,
+    read_header,
+    receive_into,
+    send_header,
+)
+
+__all__ = ["FetchedCopy", "PeerCopies"]
+
+CONNECT_TIMEOUT_S = 5.0
+"""How long a rank waits for a peer's memory to accept: a lost node's address does not answer."""
+GASP_COPY_WAIT_S = 5.0
+"""How long a dying gasp waits for its copy to reach the peer before the process exits."""
+IO_TIMEOUT_S = 60.0
+"""How long one read or write of a transfer may stall before the peer counts as lost."""
+
+
+@dataclass(frozen=True)
+class FetchedCopy:
+    node: str
+    manifest: dict[str, Any]
+    data: bytearray
+
+
+class PeerCopies:
+    """One rank's copies in its peers' memory (`from_env`: None where the job does not keep any)."""
+
+    def __init__(
+        self, job: str, node: str, peers: Mapping[str, tuple[str, int]], budget: int
+    ) -> None:
+        self.job = job
+        self.node = node
+        self.peers = dict(peers)
+        self.budget = budget
+        self._pending: tuple[int, int, dict[str, Any], Path] | None = None
+        self._lock = threading.Condition()
+        self._worker: threading.Thread | None = None
+        self.sent: list[tuple[int, str]] = []
+        """(step, node) of each copy a peer kept, newest last (for tests and diagnosis)."""
+        self.failures: list[str] = []
+        """Why a copy was not kept, for each that was not."""
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> PeerCopies | None:
+        environ = os.environ if environ is None else environ
+        peers = parse_peers(environ.get(Env.PEER_MEMORY, ""))
+        budget = int(environ.get(Env.PEER_MEMORY_BYTES, "0") or 0)
+        job = environ.get(Env.JOB_ID, "")
+        if not peers or budget <= 0 or not job:
+            return None
+        return cls(job, environ.get(Env.NODE, ""), peers, budget)
+
+    def target(self) -> str | None:
+        """The node this rank's copies go to: the next one after its own (None: no other)."""
+        others = sorted(n for n in self.peers if n != self.node)
+        if not others:
+            return None
+        return next((n for n in others if n > self.node), others[0])
+
+    # -- copying -----------------------------------------------------------------------------------
+
+    def copy(self, rank: int, step: int, manifest: dict[str, Any], path: Path) -> None:
+        """Copy the shard at `path` to the target's memory in the background. A copy still
+        waiting when the next comes is replaced by it: the loop never waits for a peer."""
+        with self._lock:
+            self._pending = (rank, step, manifest, path)
+            if self._worker is None or not self._worker.is_alive():
+                self._worker = threading.Thread(target=self._send_pending, daemon=True)
+                self._worker.start()
+            self._lock.notify_all()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until the copies asked for so far were sent (or failed), at most `timeout` seconds;
+        False if one is still on its way."""
+        with self._lock:
+            return self._lock.wait_for(lambda: self._pending is None and not self._busy, timeout)
+
+    _busy = False
+
+    def _send_pending(self) -> None:
+        while True:
+            with self._lock:
+                if self._pending is None:
+                    return
+                rank, step, manifest, path = self._pending
+                self._pending = None
+                self._busy = True
+            try:
+                self._send(rank, step, manifest, path)
+            finally:
+                with self._lock:
+                    self._busy = False
+                    self._lock.notify_all()
+
+    def _send(self, rank: int, step: int, manifest: dict[str, Any], path: Path) -> None:
+        node = self.target()
+        if node is None:
+            self.failures.append(f"step {step}: no other node's memory to copy to")
+            return
+        try:
+            with open(path, "rb") as f, self._connect(node) as sock:
+                size = os.fstat(f.fileno()).st_size
+                send_header(
+                    sock,
+                    {
+                        "op": "put",
+                        "job": self.job,
+                        "rank": rank,
+                        "step": step,
+                        "manifest": manifest,
+                        "size": size,
+                        "budget": self.budget,
+                    },
+                )
+                sock.sendfile(f)
+                answer = read_header(sock)
+            if not answer.get("ok"):
+                raise PeerMemoryError(str(answer.get("error")))
+            self.sent.append((step, node))
+        except (OSError, ValueError) as error:  # the copy is an extra: the save stands without it
+            self.failures.append(f"step {step} to {node}: {error}")
+
+    # -- reading back ------------------------------------------------------------------------------
+
+    def index(self) -> dict[tuple[int, int], list[tuple[str, str]]]:
+        """Every copy of the job the peers say they hold: (rank, step) -> [(node, hash)], the
+        target's first. A peer that does not answer holds nothing."""
+
+        def listed(node: str) -> list[Any]:
+            try:
+                with self._connect(node) as sock:
+                    send_header(sock, {"op": "index", "job": self.job})
+                    return list(read_header(sock).get("copies", []))
+            except (OSError, ValueError):
+                return []
+
+        from concurrent.futures import ThreadPoolExecutor  # only at a restore: not on every start
+
+        target = self.target()
+        nodes = sorted(self.peers, key=lambda n: (n != target, n))
+        found: dict[tuple[int, int], list[tuple[str, str]]] = {}
+        with ThreadPoolExecutor(max_workers=min(16, len(nodes) or 1)) as pool:
+            for node, copies in zip(nodes, pool.map(listed, nodes), strict=True):
+                for rank, step, _size, digest in copies:
+                    found.setdefault((int(rank), int(step)), []).append((node, str(digest)))
+        return found
+
+    def restore(
+        self,
+        rank: int,
+        step: int,
+        manifest: dict[str, Any],
+        read: Callable[[bytearray, str], Any],
+        index: dict[tuple[int, int], list[tuple[str, str]]] | None = None,
+    ) -> tuple[Any, str | None, list[str]]:
+        """`rank`'s state of `step` from the first peer whose copy is the one `manifest` (the
+        storage's) describes, read with `read(bytes, hash)`, which checks every byte against the
+        hash before it loads any: (state, node, refusals), or (None, None, refusals) where no peer
+        served. A copy of another step, a torn one or one altered in memory is refused (its
+        reason in `refusals`), and the next holder is asked."""
+        ((_, expected),) = manifest["files"].items()
+        refusals: list[str] = []
+        holders = (self.index() if index is None else index).get((rank, step), [])
+        for node, _digest in holders:
+            try:
+                copy = self.fetch(node, rank, step)
+                if copy.manifest.get("files") != manifest["files"]:
+                    raise PeerMemoryError("its manifest is not the one on storage (another save)")
+                if len(copy.data) != expected["size"]:
+                    raise PeerMemoryError(
+                        f"{len(copy.data)} bytes where the manifest says {expected['size']}"
+                    )
+                return read(copy.data, expected["xxh3_128"]), node, refusals
+            except (OSError, ValueError) as error:
+                refusals.append(f"the copy in {node}'s memory was refused: {error}")
+        return None, None, refusals
+
+    def fetch(self, node: str, rank: int, step: int) -> FetchedCopy:
+        """`rank`'s copy of `step` from `node`'s memory, as it sent it: not checked here."""
+        with self._connect(node) as sock:
+            send_header(sock, {"op": "get", "job": self.job, "rank": rank, "step": step})
+            answer = read_header(sock)
+            if not answer.get("ok"):
+                raise PeerMemoryError(f"{node}: {answer.get('error')}")
+            data = bytearray(int(answer["size"]))
+            receive_into(sock, data)
+        return FetchedCopy(node, dict(answer.get("manifest") or {}), data)
+
+    def _connect(self, node: str) -> socket.socket:
+        sock = socket.create_connection(self.peers[node], timeout=CONNECT_TIMEOUT_S)
+        sock.settimeout(IO_TIMEOUT_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock

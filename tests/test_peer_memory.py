@@ -1,0 +1,264 @@
+"""Peer memory: a rank's checkpoint copied into another node's agent, and restored from there,
+checked against the manifest on storage, with storage as the fallback for every way a copy can
+be wrong (altered in memory, of another step, torn, lost with its node). Real sockets, real
+shards, real torch state; the keeper is the one every agent runs (relaunch.cluster.keeper)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from relaunch.cluster import keeper
+from relaunch.cluster.keeper import PeerMemory, PeerMemoryServer, StoredCopy
+from relaunch.protocol.environment import Env, PodEnvironment
+from relaunch.protocol.peer_memory import parse_peers, send_header
+from relaunch.train import CheckpointManager, CheckpointWarning
+from relaunch.train.peer import PeerCopies
+from tests.runtime import DDP_CLUSTER as CLUSTER
+from tests.runtime import Cluster, ddp_job
+
+JOB = "7"
+
+
+def copy(step: int, rank: int = 0, size: int = 10, job: str = JOB) -> StoredCopy:
+    manifest = {"files": {f"rank-{rank}.ckpt": {"size": size, "xxh3_128": f"h{step}"}}}
+    return StoredCopy(job, rank, step, manifest, bytearray(size))
+
+
+def test_a_node_keeps_a_jobs_copies_within_its_budget_the_oldest_step_first() -> None:
+    memory = PeerMemory()
+    for step in (10, 20):
+        for rank in (0, 1):
+            assert memory.put(copy(step, rank), budget=40) is None
+    assert memory.put(copy(5, job="other"), budget=10) is None  # another job's budget is its own
+    assert memory.put(copy(30, 0), budget=40) is None  # step 10 goes whole, both ranks
+    assert [(r, s) for r, s, _, _ in memory.index(JOB)] == [(0, 20), (0, 30), (1, 20)]
+    assert "no room for step 15" in str(memory.put(copy(15, 1, size=20), budget=40))
+    assert "more than the job's 40 bytes" in str(memory.put(copy(40, 0, size=41), budget=40))
+    assert memory.put(copy(30, 0, size=20), budget=40) is None  # the same copy again replaces it
+    assert [(r, s, n) for r, s, n, _ in memory.index(JOB)] == [
+        (0, 20, 10),
+        (0, 30, 20),
+        (1, 20, 10),
+    ]
+    assert memory.index("other") == [(0, 5, 10, "h5")]
+
+
+@pytest.fixture
+def nodes() -> Iterator[dict[str, PeerMemoryServer]]:
+    servers = {f"node-{i}": PeerMemoryServer("127.0.0.1").start() for i in range(3)}
+    yield servers
+    for server in servers.values():
+        server.shutdown()
+        server.server_close()
+
+
+def peers_of(node: str, servers: dict[str, PeerMemoryServer], budget: int = 64 << 20) -> PeerCopies:
+    return PeerCopies(JOB, node, {n: s.address for n, s in servers.items()}, budget)
+
+
+def state(seed: int) -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(seed)
+    model = torch.nn.Linear(64, 32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator))
+    return {
+        "model": model.state_dict(),
+        "step_rng": torch.randint(0, 99, (4,), generator=generator),
+    }
+
+
+def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]) and torch.equal(
+        a["step_rng"], b["step_rng"]
+    )
+
+
+def saved(
+    directory: Path, servers: dict[str, PeerMemoryServer], steps: list[int]
+) -> CheckpointManager:
+    """Rank 0 on node-0 saves `steps` (state seeded by the step); its copies go to node-1."""
+    manager = CheckpointManager(directory, rank=0, keep=3, peers=peers_of("node-0", servers))
+    for step in steps:
+        manager.save(step, state(step))
+    assert manager.peers is not None and manager.peers.wait(30)
+    assert manager.peers.sent == [(s, "node-1") for s in steps], manager.peers.failures
+    return manager
+
+
+def restorer(
+    directory: Path, servers: dict[str, PeerMemoryServer], node: str = "node-2"
+) -> CheckpointManager:
+    """The rank replaced: a new process of rank 0, now on `node`."""
+    return CheckpointManager(directory, rank=0, keep=3, peers=peers_of(node, servers))
+
+
+def test_a_replaced_rank_restores_from_a_peers_memory_without_storages_shard(
+    tmp_path: Path, nodes: dict[str, PeerMemoryServer]
+) -> None:
+    saved(tmp_path, nodes, [10, 20])
+    (tmp_path / "step-000000020" / "rank-0.ckpt").unlink()  # only the manifest is on storage
+    manager = restorer(tmp_path, nodes)
+    assert manager.verified_steps() == [20, 10]  # 20 counts: a peer holds it with its hash
+    loaded = manager.load()
+    assert loaded is not None and loaded.step == 20 and same(loaded.state, state(20))
+    assert manager.restored_from == {(0, 20): "peer memory of node-1"}
+    assert nodes["node-1"].memory.size() > 0 and nodes["node-2"].memory.size() == 0
+
+
+def refused(manager: CheckpointManager, why: str) -> Any:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = manager.load()
+    said = [str(w.message) for w in caught if issubclass(w.category, CheckpointWarning)]
+    assert any(why in text and "node-1's memory was refused" in text for text in said), said
+    assert loaded is not None and loaded.step == 20 and same(loaded.state, state(20))
+    assert manager.restored_from == {(0, 20): "storage"}
+    return loaded
+
+
+def test_a_copy_altered_in_memory_by_one_byte_is_refused_and_storage_serves(
+    tmp_path: Path, nodes: dict[str, PeerMemoryServer]
+) -> None:
+    saved(tmp_path, nodes, [10, 20])
+    held = nodes["node-1"].memory.get(JOB, 0, 20)
+    assert held is not None
+    flips = {10: "header", len(held.data) // 2: "checksum", len(held.data) - 1: "checksum"}
+    for where, why in flips.items():  # the header, a tensor, the pickled rest
+        held.data[where] ^= 0x01
+        refused(restorer(tmp_path, nodes), why)
+        held.data[where] ^= 0x01
+
+
+def test_a_copy_of_an_older_step_is_refused_and_storage_serves(
+    tmp_path: Path, nodes: dict[str, PeerMemoryServer]
+) -> None:
+    saved(tmp_path, nodes, [10, 20])
+    memory = nodes["node-1"].memory
+    old = memory.get(JOB, 0, 10)
+    assert old is not None
+    memory.put(StoredCopy(JOB, 0, 20, old.manifest, old.data), budget=1 << 30)  # stale, as is
+    refused(restorer(tmp_path, nodes), "not the one on storage")
+    manifest = json.loads((tmp_path / "step-000000020" / "rank-0.manifest.json").read_text())
+    size = manifest["files"]["rank-0.ckpt"]["size"]
+    forged = bytearray(old.data[:size]) + bytes(max(0, size - len(old.data)))
+    memory.put(StoredCopy(JOB, 0, 20, manifest, forged), budget=1 << 30)  # under step 20's manifest
+    refused(restorer(tmp_path, nodes), "checksum")
+
+
+class _LostMidway(keeper._Handler):
+    """A peer lost in the middle of a restore: it sends half the copy, then its connection ends."""
+
+    def _answer(self, sock: socket.socket, header: dict[str, Any]) -> None:
+        found = self.server.memory.get(
+            JOB, int(header.get("rank", -1)), int(header.get("step", -1))
+        )
+        if header.get("op") != "get" or found is None:
+            super()._answer(sock, header)
+            return
+        send_header(sock, {"ok": True, "size": len(found.data), "manifest": found.manifest})
+        sock.sendall(found.data[: len(found.data) // 2])
+
+
+def test_a_peer_lost_during_the_restore_falls_back_to_storage(
+    tmp_path: Path, nodes: dict[str, PeerMemoryServer]
+) -> None:
+    saved(tmp_path, nodes, [10, 20])
+    nodes["node-1"].RequestHandlerClass = _LostMidway
+    refused(restorer(tmp_path, nodes), "still to come")
+    nodes["node-1"].shutdown()
+    nodes["node-1"].server_close()  # and now gone: nothing listens there
+    refused_quietly = restorer(tmp_path, nodes)
+    loaded = refused_quietly.load()
+    assert loaded is not None and same(loaded.state, state(20))
+    assert refused_quietly.restored_from == {(0, 20): "storage"}
+
+
+def test_a_copy_torn_on_its_way_to_the_peer_is_never_kept(
+    nodes: dict[str, PeerMemoryServer],
+) -> None:
+    server = nodes["node-1"]
+    with socket.create_connection(server.address) as sock:
+        send_header(
+            sock,
+            {
+                "op": "put",
+                "job": JOB,
+                "rank": 0,
+                "step": 5,
+                "manifest": {},
+                "size": 1000,
+                "budget": 1 << 20,
+            },
+        )
+        sock.sendall(bytes(400))
+    with socket.create_connection(server.address) as sock:  # the server has read the rest by now
+        send_header(sock, {"op": "index", "job": JOB})
+        from relaunch.protocol.peer_memory import read_header
+
+        assert read_header(sock) == {"ok": True, "copies": []}
+
+
+def test_no_node_holds_both_a_ranks_state_and_its_only_copy(
+    nodes: dict[str, PeerMemoryServer],
+) -> None:
+    assert [peers_of(n, nodes).target() for n in sorted(nodes)] == ["node-1", "node-2", "node-0"]
+    alone = PeerCopies(JOB, "node-0", {"node-0": nodes["node-0"].address}, 1 << 20)
+    assert alone.target() is None
+
+
+def test_a_job_without_peer_memory_copies_nothing_and_its_ranks_are_told_where_the_peers_are(
+    tmp_path: Path,
+) -> None:
+    pod = PodEnvironment(pod=1, node="node-1", generation=1, schedule_cnt=1, proc_start_cnt=1)
+    assert Env.PEER_MEMORY not in pod.variables({})
+    told = PodEnvironment(
+        pod=1,
+        node="node-1",
+        generation=1,
+        schedule_cnt=1,
+        proc_start_cnt=1,
+        peer_memory="node-0=10.1.0.2:4000,node-1=10.1.0.3:4001",
+        peer_memory_bytes=1 << 20,
+    ).variables({Env.JOB_ID: JOB})
+    peers = PeerCopies.from_env(told)
+    assert peers is not None and peers.target() == "node-0" and peers.budget == 1 << 20
+    assert parse_peers(told[Env.PEER_MEMORY]) == {
+        "node-0": ("10.1.0.2", 4000),
+        "node-1": ("10.1.0.3", 4001),
+    }
+    assert PeerCopies.from_env({Env.JOB_ID: JOB}) is None
+    assert CheckpointManager(tmp_path).peers is None
+
+
+def test_a_lost_nodes_pod_restores_from_peer_memory_and_ends_bit_identical(
+    cluster: Cluster, unbroken: str
+) -> None:
+    """The DDP example, unchanged, with `peer_memory_mb`: node-0 is lost at step 75 with pod 0 on
+    it, and the job is rebuilt on healthy nodes. Pod 1's rank saves its dying gasp (to storage,
+    and its copy to node-2's memory, the node after its own); both ranks restore that step from
+    node-2's memory, rank 0 from rank 1's shard (replicated state; rank 0's own copies were in
+    node-1's memory, a step older): the record says so. The parameters end bit for bit as the
+    unbroken run's."""
+    out = cluster.dir / "hash.txt"
+    job = ddp_job(out, 10)
+    job["spec"]["peer_memory_mb"] = 16
+    faults = [{"kind": "node-down", "at_step": 75, "pod": 0}]
+    result = cluster.run(job, faults, CLUSTER, timeout=300, startup_s=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.actions == ["isolated-job-reschedule"]  # pod 0 holds rank 0 (R-23)
+    restores = [text for _, text in result.events() if " restored step " in text]
+    step = int(restores[0].split(" restored step ")[1].split()[0]) if restores else 0
+    assert step >= 70 and sorted(restores) == [
+        f"pod 0 rank 0 restored step {step} from peer memory of node-2",
+        f"pod 1 rank 1 restored step {step} from peer memory of node-2",
+    ], restores
+    assert out.read_text().strip() == unbroken
