@@ -341,4 +341,11 @@ def test_r25_r32_process_reschedule_beside_a_disk_writer_and_a_cpu_hog(
         assert found[rank][1]["schedule_cnt"] == 2
     pods = result.report["pods"]
     assert [(p["node"], p["generation"]) for p in pods] == [("node-0", 1), ("node-2", 2)]
+    # the moved ranks' state came from a healthy rank's memory, and the record says so
+    restores = sorted(text for _, text in result.events() if " restored step " in text)
+    assert [text.split(" restored step ")[0] for text in restores] == [
+        "pod 1 rank 2",
+        "pod 1 rank 3",
+    ]
+    assert all(text.endswith("from the memory of rank 0, a healthy rank") for text in restores)
     assert out.read_text().strip() == unbroken

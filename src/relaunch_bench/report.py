@@ -71,6 +71,17 @@ LOOP_COLUMNS = {
     "loop_async_next_step_extra_s": "next step slower by s (async)",
     "loop_overlap_next_step_extra_s": "next step slower by s (overlapped)",
 }  # fmt: skip
+PEER_MEMORY_COLUMNS = {
+    "size_mb": "state MB", "link_mb_s": "data link MB/s (raw)",
+    "peer_restore_mb_s": "restore from peer memory MB/s", "peer_over_link": "peer / link",
+    "disk_read_mb_s": "disk read MB/s (raw, cold)",
+    "storage_restore_mb_s": "restore from storage MB/s (cold)",
+    "storage_over_peer": "storage s / peer s", "copy_s": "copy to the peer s (after the save)",
+    "stall_plain_s": "async save stalls s", "stall_copy_s": "... with the copy s",
+    "stall_copy_over_plain": "with / without",
+    "dlrover_save_stall_s": "DLRover flash save stalls s",
+    "dlrover_restore_s": "DLRover restore, same node s",
+}  # fmt: skip
 RELIABILITY_COLUMNS = {
     "system": "system", "level": "level", "workload": "workload", "jobs": "jobs",
     "injected": "faults injected",
@@ -118,6 +129,11 @@ SECTIONS = (
         "checkpoint",
         "Save stalls in a training loop (a model and Adam, same state size)",
         LOOP_COLUMNS,
+    ),
+    (
+        "peer_memory",
+        "Restores from a peer's memory against storage (data link between node namespaces)",
+        PEER_MEMORY_COLUMNS,
     ),
     ("reliability", "Restart reliability", RELIABILITY_COLUMNS),
     ("slow", "Slow pod detection (DDP, 2 pods, record only)", SLOW_COLUMNS),

@@ -18,6 +18,8 @@ from relaunch_bench.jobs import Progress
 from relaunch_bench.mttr import SIZES, Row, hang_rows, mttr_rows, ratios, size_rows
 from relaunch_bench.network import network_rows
 from relaunch_bench.overhead import overhead_rows
+from relaunch_bench.peer_memory import SIZES_MB as PEER_MEMORY_SIZES
+from relaunch_bench.peer_memory import peer_memory_rows
 from relaunch_bench.peers import peer_ratio_spreads, peer_ratios, peer_rows
 from relaunch_bench.reliability import RELIABILITY_LEVELS, reliability_rows
 from relaunch_bench.scale import scale_rows
@@ -29,7 +31,7 @@ from relaunch_bench.slurm import slurm_rows
 
 SECTIONS = (
     "mttr", "hang", "peers", "series", "scale", "simulation", "sizes", "overhead", "checkpoint",
-    "reliability", "slow", "network", "slurm",
+    "reliability", "slow", "network", "slurm", "peer-memory",
 )  # fmt: skip
 
 
@@ -89,6 +91,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         "slow": [],
         "network": [],
         "slurm": [],
+        "peer_memory": [],
         **measured,
         "peer_ratios": peer_ratios(measured.get("peers", [])),
         "peer_ratio_spreads": peer_ratio_spreads(measured.get("peers", [])),
@@ -151,6 +154,10 @@ def _sections(
         measured["network"] = network_rows(quick, say)
     if "slurm" in sections:
         measured["slurm"] = slurm_rows(say)
+    if "peer-memory" in sections:
+        measured["peer_memory"] = peer_memory_rows(
+            (64,) if quick else PEER_MEMORY_SIZES, 1 if quick else 3, options.out, say
+        )
     return measured
 
 

@@ -15,6 +15,7 @@ live as long as the agent: a lost node loses them, and its ranks' restores fall 
 from __future__ import annotations
 
 import contextlib
+import mmap
 import socket
 import socketserver
 import threading
@@ -23,10 +24,15 @@ from typing import Any
 
 from relaunch.protocol.peer_memory import (
     PeerMemoryError,
+    memory_for,
     read_header,
     receive_into,
     send_header,
+    stall_timeout,
 )
+
+STALL_S = 60.0
+"""A transfer that makes no progress for this long is given up (its copy never kept)."""
 
 __all__ = ["PeerMemory", "PeerMemoryServer", "StoredCopy"]
 
@@ -37,7 +43,7 @@ class StoredCopy:
     rank: int
     step: int
     manifest: dict[str, Any]
-    data: bytearray
+    data: bytearray | mmap.mmap
 
     @property
     def digest(self) -> str:
@@ -100,6 +106,7 @@ class _Handler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
         sock: socket.socket = self.request
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        stall_timeout(sock, STALL_S)
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             self._answer(sock, read_header(sock))
 
@@ -107,7 +114,7 @@ class _Handler(socketserver.BaseRequestHandler):
         memory = self.server.memory
         op, job = header.get("op"), str(header.get("job", ""))
         if op == "put":
-            data = bytearray(int(header["size"]))
+            data = memory_for(int(header["size"]))
             try:
                 receive_into(sock, data)  # a copy torn on the way is never kept
             except PeerMemoryError:

@@ -20,7 +20,9 @@ Standard library only (every training process imports it).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import mmap
 import socket
 import struct
 from typing import Any, Final
@@ -28,10 +30,12 @@ from typing import Any, Final
 __all__ = [
     "MAX_HEADER",
     "PeerMemoryError",
+    "memory_for",
     "parse_peers",
     "read_header",
     "receive_into",
     "send_header",
+    "stall_timeout",
 ]
 
 MAX_HEADER: Final = 1 << 20
@@ -57,14 +61,41 @@ def read_header(sock: socket.socket) -> dict[str, Any]:
     return header
 
 
-def receive_into(sock: socket.socket, buffer: bytearray | memoryview) -> None:
-    """Fill `buffer` from `sock`, or raise PeerMemoryError if the peer stops before."""
-    view = memoryview(buffer)
+def memory_for(size: int) -> mmap.mmap | bytearray:
+    """Fresh memory for `size` bytes received from a socket: anonymous memory in huge pages
+    where the kernel gives them. A `bytearray` of the same size took its pages one fault at a
+    time as the bytes arrived, and received at a third of the link's speed (256 MB: 0.35-0.6
+    GB/s against 1.3-1.7 on the embedded cluster's data link)."""
+    if size <= 0:
+        return bytearray(size)
+    memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):  # a kernel without huge pages: small ones, slower
+            memory.madvise(mmap.MADV_HUGEPAGE)
+    return memory
+
+
+def receive_into(sock: socket.socket, buffer: bytearray | memoryview | mmap.mmap) -> None:
+    """Fill `buffer` from `sock`, or raise PeerMemoryError if the peer stops before. One call
+    waits for the whole buffer (MSG_WAITALL): the kernel copies each packet in as it comes, where
+    a call for whatever has arrived ran the link at a third of its speed. Use it on a blocking
+    socket (`stall_timeout` bounds it)."""
+    view = memoryview(buffer).cast("B")
     while view:
-        got = sock.recv_into(view)
+        got = sock.recv_into(view, min(len(view), 1 << 30), socket.MSG_WAITALL)
         if got == 0:
             raise PeerMemoryError(f"the peer closed with {len(view)} bytes still to come")
         view = view[got:]
+
+
+def stall_timeout(sock: socket.socket, seconds: float) -> None:
+    """A blocking `sock` whose every read and write fails after `seconds` without progress
+    (SO_RCVTIMEO, SO_SNDTIMEO), so that a peer lost mid-transfer is noticed."""
+    sock.settimeout(None)
+    whole = int(seconds)
+    timeval = struct.pack("ll", whole, int((seconds - whole) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
 
 
 def _exactly(sock: socket.socket, size: int) -> bytes:

@@ -10,7 +10,10 @@ A shard counts only once its manifest exists and its checksum matches: the state
 to a temporary name (tensors as raw bytes, hashed as they are written), fsynced, renamed, the
 directory fsynced, and only then the manifest is written the same way. `load` takes the newest
 step that verifies and falls back, with a warning, past a truncated or corrupted one. Shards
-written by earlier releases (`torch.save` or pickle, SHA-256) still load. Importable without torch.
+written as `relaunch-shard-1` still load; 0.1.0's (`torch.save`, SHA-256) are refused, never
+unpickled. With peer memory (relaunch.train.peer), each shard is also copied into another node's
+memory, and a load reads it from there first, checked against the manifest on storage.
+Importable without torch.
 """
 
 from __future__ import annotations

@@ -18,15 +18,14 @@ can only interrupt a step before any rank changed its parameters, and:
 - when a peer dies or hangs, the collective in progress fails (a dead peer's connection resets;
   a new membership aborts the group: `train.sockets`; else ``collective_timeout_s``). The keeper
   drops the group, waits for the next membership (`train.following`), joins the new group, and a
-  healthy rank broadcasts the model, optimizer, RNG state and step to every member; then the
-  interrupted step runs again. Healthy ranks never restart, re-import or reload a checkpoint;
+  healthy rank broadcasts the model, optimizer, RNG state and step to every member (a restore
+  from its memory, on the job's record); then the interrupted step runs again. Healthy ranks
+  never restart, re-import or reload a checkpoint;
 - when the controller asks for an online retry (a memory UCE or a network fault), every rank sees
   it at the next commit, restores the in-memory snapshot taken at the step's start, and runs the
   step again in the same group.
-
 Without ``RELAUNCH_MEMBERSHIP`` (process-level recovery off), the keeper starts the group from
-the usual torchrun variables and a fault propagates as an exception.
-"""
+the usual torchrun variables and a fault propagates as an exception."""
 
 from __future__ import annotations
 
@@ -60,7 +59,7 @@ from relaunch.train.distributed import (
     step_snapshot,
 )
 from relaunch.train.following import GroupLost, Member, changed_membership, wait_for_membership
-from relaunch.train.progress import SdkPhase, flush_progress, report_phase
+from relaunch.train.progress import SdkPhase, flush_progress, report_phase, report_restore
 from relaunch.train.sockets import StepGuard, shut_down, tcp_sockets
 
 __all__ = ["GroupLost", "Membership", "ProcessGroupKeeper", "read_membership"]
@@ -104,8 +103,7 @@ class ProcessGroupKeeper:
         self._boundary: dict[str, Any] | None = None
         self.ddp_options = ddp_options or {}
         self.original_rank = int(os.environ.get(Env.RANK, "0"))
-        pod = os.environ.get(Env.POD)
-        self.pod = int(pod) if pod is not None else None
+        self.pod = int(os.environ[Env.POD]) if Env.POD in os.environ else None
         self.pod_generation = int(os.environ.get(Env.POD_GENERATION, "1"))
         path = os.environ.get(Env.MEMBERSHIP)
         self.membership_path = Path(path) if path else None
@@ -292,6 +290,8 @@ class ProcessGroupKeeper:
             self.optimizer.load_state_dict(state["optimizer"])
             set_rng_state(state["rng"])
             self.completed = int(state["completed"])
+        if self.original_rank in m.joiners:  # on record: a healthy rank's memory served it
+            report_restore(self.completed, f"the memory of rank {source}, a healthy rank")
 
     def start(self) -> bool:
         """Form the group. True if this process is a replacement that joined a running job: it

@@ -13,6 +13,7 @@ Importable without torch; standard library only.
 
 from __future__ import annotations
 
+import mmap
 import os
 import socket
 import threading
@@ -24,10 +25,12 @@ from typing import Any
 from relaunch.protocol.environment import Env
 from relaunch.protocol.peer_memory import (
     PeerMemoryError,
+    memory_for,
     parse_peers,
     read_header,
     receive_into,
     send_header,
+    stall_timeout,
 )
 
 __all__ = ["FetchedCopy", "PeerCopies"]
@@ -44,7 +47,7 @@ IO_TIMEOUT_S = 60.0
 class FetchedCopy:
     node: str
     manifest: dict[str, Any]
-    data: bytearray
+    data: bytearray | mmap.mmap
 
 
 class PeerCopies:
@@ -175,7 +178,7 @@ class PeerCopies:
         rank: int,
         step: int,
         manifest: dict[str, Any],
-        read: Callable[[bytearray, str], Any],
+        read: Callable[[bytearray | mmap.mmap, str], Any],
         index: dict[tuple[int, int], list[tuple[str, str]]] | None = None,
     ) -> tuple[Any, str | None, list[str]]:
         """`rank`'s state of `step` from the first peer whose copy is the one `manifest` (the
@@ -207,12 +210,12 @@ class PeerCopies:
             answer = read_header(sock)
             if not answer.get("ok"):
                 raise PeerMemoryError(f"{node}: {answer.get('error')}")
-            data = bytearray(int(answer["size"]))
+            data = memory_for(int(answer["size"]))
             receive_into(sock, data)
         return FetchedCopy(node, dict(answer.get("manifest") or {}), data)
 
     def _connect(self, node: str) -> socket.socket:
         sock = socket.create_connection(self.peers[node], timeout=CONNECT_TIMEOUT_S)
-        sock.settimeout(IO_TIMEOUT_S)
+        stall_timeout(sock, IO_TIMEOUT_S)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock

@@ -1,0 +1,191 @@
+"""Restores from a peer's memory against storage, and both against the raw link and disk they run
+on (issue 48), on the embedded cluster's real data link between two node namespaces.
+
+Every part is a process of its own in its node's namespace (relaunch_bench.peer_memory_worker),
+as in a job: node-1's keeper (an agent's peer memory), the rank on node-0 that saves (to storage,
+and its copy into node-1's memory), and for each restore a fresh rank on node-0 that loads the
+step, timed from `load()` to its return: from node-1's memory (fetched over the data link,
+checked against the manifest, loaded), then from storage with the page cache dropped (the
+shard's pages evicted, and the machine's caches dropped where we may). Beside them, the link's
+raw speed (one process's memory into another's over the same link, plain TCP) and the disk's (a
+cold sequential read of the same size). And the loop's stall in an asynchronous save with and
+without the copy (it is sent after the write, from a thread of its own).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from relaunch.cluster.local import kill_tree
+from relaunch.cluster.network import ClusterNetwork
+from relaunch_bench.checkpoint import _drop_cache, _raw
+from relaunch_bench.jobs import Progress
+from relaunch_bench.peers import peer_environment, peer_python
+
+DLROVER_FLASH = Path(__file__).parent / "workloads" / "dlrover_flash.py"
+
+SIZES_MB = (256, 1024, 4096)
+STALL_UP_TO_MB = 1024
+"""The stall is measured up to this size (an asynchronous save keeps a host copy of the state)."""
+NODES = ("node-0", "node-1")
+WORKER = "relaunch_bench.peer_memory_worker"
+
+
+def peer_memory_rows(
+    sizes: tuple[int, ...], repeats: int, out: Path, say: Progress
+) -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory(prefix="relaunch-peer-memory-", dir=out) as tmp:
+        network = ClusterNetwork.open(Path(tmp) / "state")
+        if isinstance(network, str):
+            return [{"error": f"no data link to measure on: {network}"}]
+        try:
+            for node in NODES:
+                network.ensure_node(node)
+            return [_size(network, Path(tmp), mb, repeats, say) for mb in sizes]
+        finally:
+            network.remove()
+
+
+def _size(
+    network: ClusterNetwork, tmp: Path, mb: int, repeats: int, say: Progress
+) -> dict[str, Any]:
+    samples: dict[str, list[float]] = {}
+    for repeat in range(repeats):
+        say(f"peer memory: {mb} MB, repeat {repeat + 1}/{repeats}")
+        for key, value in _round(network, tmp / f"r{mb}-{repeat}", mb).items():
+            samples.setdefault(key, []).append(value)
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    size = mb << 20
+    row: dict[str, Any] = {"size_mb": mb, "repeats": repeats}
+    for key in ("link", "disk_read", "peer_restore", "storage_restore", "save", "copy"):
+        row[f"{key}_s"] = round(med[key], 4)
+        row[f"{key}_mb_s"] = round(size / 1e6 / med[key], 1)
+    row["peer_over_link"] = round(med["link"] / med["peer_restore"], 3)
+    row["storage_over_peer"] = round(med["storage_restore"] / med["peer_restore"], 2)
+    for key in ("dlrover_save_stall", "dlrover_restore"):
+        if key in med:
+            row[f"{key}_s"] = round(med[key], 5)
+    if "stall_plain" in med:
+        row["stall_plain_s"] = round(med["stall_plain"], 5)
+        row["stall_copy_s"] = round(med["stall_copy"], 5)
+        row["stall_copy_over_plain"] = round(med["stall_copy"] / med["stall_plain"], 3)
+    return row
+
+
+def _round(network: ClusterNetwork, directory: Path, mb: int) -> dict[str, float]:
+    directory.mkdir(parents=True)
+    size = mb << 20
+    timings = {"link": _link(network, size)}
+    raw = bytearray(size)
+    timings["disk_read"] = _raw(directory, raw)[1]  # type: ignore[arg-type]
+    del raw
+    host = network.layout.data_address("node-1")
+    with _started(network, "node-1", "keeper", host) as (_, said):
+        peer = f"{host}:{said['port']}"
+        stall = ["stall"] if mb <= STALL_UP_TO_MB else []
+        saved = _worker(network, "node-0", "save", str(directory), str(mb), peer, *stall)
+        timings.update({k.removesuffix("_s"): v for k, v in saved.items()})
+        restored = _worker(network, "node-0", "restore", str(directory), peer, str(mb))
+        assert restored["tier"] == "peer memory of node-1", restored
+        timings["peer_restore"] = restored["seconds"]
+    _drop_caches(directory)
+    restored = _worker(network, "node-0", "restore", str(directory), "storage", str(mb))
+    timings["storage_restore"] = restored["seconds"]
+    timings.update(_dlrover(directory / "dlrover", mb))
+    return timings
+
+
+def _dlrover(directory: Path, mb: int) -> dict[str, float]:
+    """DLRover's flash checkpoint of the same state (workloads/dlrover_flash.py): the stall of its
+    save to shared memory, and the restore from that memory after dlrover-run restarted the
+    worker on the same node. Nothing where DLRover is not installed (`make peers`)."""
+    python = peer_python("dlrover")
+    if isinstance(python, str):
+        return {}
+    directory.mkdir(parents=True)
+    out = directory / "out.jsonl"
+    args = [
+        str(python.parent / "dlrover-run"), "--standalone", "--nproc_per_node", "1",
+        "--max_restarts", "1", "--monitor_interval", "0.1", str(DLROVER_FLASH),
+        "--mb", str(mb), "--dir", str(directory / "ckpt"), "--out", str(out),
+    ]  # fmt: skip
+    with open(directory / "dlrover.log", "w") as log:
+        agent = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, env=peer_environment(python.parent),
+            cwd=directory, start_new_session=True,
+        )  # fmt: skip
+        try:
+            agent.wait(timeout=1800)
+        finally:
+            kill_tree(agent.pid)
+            agent.wait()
+    said: dict[str, float] = {}
+    for line in out.read_text().splitlines() if out.exists() else []:
+        said.update(json.loads(line))
+    if "memory_restore_s" not in said:
+        return {}
+    return {
+        "dlrover_save_stall": said["memory_save_stall_s"],
+        "dlrover_restore": said["memory_restore_s"],
+    }
+
+
+def _drop_caches(directory: Path) -> None:
+    """The shards' pages out of the page cache; with root, every clean page of the machine."""
+    for shard in directory.glob("ckpt/step-*/rank-*.ckpt"):
+        _drop_cache(shard)
+    os.sync()
+    with contextlib.suppress(OSError), open("/proc/sys/vm/drop_caches", "w") as caches:
+        caches.write("1\n")
+
+
+def _link(network: ClusterNetwork, size: int) -> float:
+    host = network.layout.data_address("node-1")
+    with _started(network, "node-1", "send", host, str(size)) as (_, said):
+        received = _worker(network, "node-0", "receive", host, str(said["port"]), str(size))
+    return float(received["seconds"])
+
+
+def _command(network: ClusterNetwork, node: str, *args: str) -> list[str]:
+    namespace = network.layout.namespace(node)
+    return ["ip", "netns", "exec", namespace, sys.executable, "-m", WORKER, *args]
+
+
+def _worker(network: ClusterNetwork, node: str, *args: str) -> dict[str, Any]:
+    done = subprocess.run(
+        _command(network, node, *args), capture_output=True, text=True, timeout=1800, check=False
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(args[:1])} on {node} failed: {done.stderr[-2000:]}")
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+@contextlib.contextmanager
+def _started(network: ClusterNetwork, node: str, *args: str) -> Any:
+    """A worker that serves until we are done with it; yields it and its first line."""
+    proc = subprocess.Popen(
+        _command(network, node, *args), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{args[0]} on {node} ended before it said its port")
+        yield proc, json.loads(line)
+    finally:
+        with contextlib.suppress(OSError):
+            assert proc.stdin is not None
+            proc.stdin.close()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,146 @@
+"""The processes of the peer-memory benchmark (relaunch_bench.peer_memory), each started inside
+a node's network namespace: a node's keeper, the link's raw sender and receiver, the rank that
+saves, and the fresh rank that restores. Each prints one JSON line.
+
+    python -m relaunch_bench.peer_memory_worker keeper HOST
+    python -m relaunch_bench.peer_memory_worker send HOST BYTES
+    python -m relaunch_bench.peer_memory_worker receive HOST PORT BYTES
+    python -m relaunch_bench.peer_memory_worker save DIR MB PEER_HOST:PORT
+    python -m relaunch_bench.peer_memory_worker restore DIR PEER_HOST:PORT|storage MB
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from relaunch.protocol.peer_memory import memory_for, receive_into
+
+JOB = "bench"
+STALL_SAVES = 9
+
+
+def _say(**values: Any) -> None:
+    print(json.dumps(values), flush=True)
+
+
+def keeper(host: str) -> None:
+    from relaunch.cluster.keeper import PeerMemoryServer
+
+    server = PeerMemoryServer(host).start()
+    _say(port=server.address[1])
+    sys.stdin.read()  # until the benchmark closes our stdin
+
+
+def send(host: str, size: int) -> None:
+    data = memory_for(size)
+    _touch(data)
+    with socket.create_server((host, 0)) as server:
+        _say(port=server.getsockname()[1])
+        conn, _ = server.accept()
+        with conn:
+            conn.sendall(data)
+
+
+def _touch(data: Any) -> None:
+    chunk = b"\x01" * (64 << 20)
+    for offset in range(0, len(data), len(chunk)):
+        end = min(len(data), offset + len(chunk))
+        data[offset:end] = chunk[: end - offset]
+
+
+def receive(host: str, port: int, size: int) -> None:
+    with socket.create_connection((host, port)) as sock:
+        start = time.perf_counter()
+        receive_into(sock, memory_for(size))
+        _say(seconds=time.perf_counter() - start)
+
+
+def _state(mb: int) -> dict[str, Any]:
+    import torch
+
+    generator = torch.Generator().manual_seed(mb)
+    return {"model": {f"w{i}": torch.randn(mb << 14, generator=generator) for i in range(16)}}
+
+
+def _peers(peer: str, mb: int, job: str = JOB) -> Any:
+    """Rank 0 on node-0, its copies in node-1's memory: room for three steps of its state."""
+    from relaunch.train.peer import PeerCopies
+
+    host, _, port = peer.rpartition(":")
+    return PeerCopies(job, "node-0", {"node-1": (host, int(port))}, 3 * (mb << 20) + (64 << 20))
+
+
+def save(directory: str, mb: int, peer: str, stall: bool) -> None:
+    from relaunch.train import CheckpointManager
+
+    state = _state(mb)
+    manager = CheckpointManager(Path(directory) / "ckpt", rank=0, peers=_peers(peer, mb))
+    start = time.perf_counter()
+    manager.save(1, state)
+    saved = time.perf_counter()
+    assert manager.peers is not None and manager.peers.wait(600), "the copy did not end"
+    assert manager.peers.sent, manager.peers.failures
+    result: dict[str, Any] = {"save_s": saved - start, "copy_s": time.perf_counter() - saved}
+    if stall:
+        result["stall_plain_s"] = _stall(Path(directory) / "plain", state, None)
+        result["stall_copy_s"] = _stall(
+            Path(directory) / "copied", state, _peers(peer, mb, "stall")
+        )
+    _say(**result)
+
+
+def _stall(directory: Path, state: Any, peers: Any) -> float:
+    """The loop's wait in an asynchronous save, steady state (after the first save made the host
+    buffer): the median of the saves after it, each written (and copied) before the next."""
+    from relaunch.train import CheckpointManager
+
+    manager = CheckpointManager(directory, rank=0, async_save=True, peers=peers, keep=1)
+    stalls = []
+    for step in range(1, STALL_SAVES + 1):
+        start = time.perf_counter()
+        manager.save(step, state)
+        stalls.append(time.perf_counter() - start)
+        manager.wait()
+        if manager.peers is not None:
+            manager.peers.wait(600)
+    return statistics.median(stalls[1:])
+
+
+def restore(directory: str, peer: str, mb: int) -> None:
+    import torch  # noqa: F401  (a rank has torch up before it loads: not part of the restore)
+
+    from relaunch.train import CheckpointManager
+
+    peers = None if peer == "storage" else _peers(peer, mb)
+    manager = CheckpointManager(Path(directory) / "ckpt", rank=0, peers=peers)
+    start = time.perf_counter()
+    loaded = manager.load()
+    took = time.perf_counter() - start
+    assert loaded is not None and loaded.step == 1
+    _say(seconds=took, tier=manager.restored_from.get((0, 1), "storage"))
+
+
+def main(argv: list[str]) -> None:
+    command, *args = argv
+    if command == "keeper":
+        keeper(args[0])
+    elif command == "send":
+        send(args[0], int(args[1]))
+    elif command == "receive":
+        receive(args[0], int(args[1]), int(args[2]))
+    elif command == "save":
+        save(args[0], int(args[1]), args[2], stall=len(args) > 3 and args[3] == "stall")
+    elif command == "restore":
+        restore(args[0], args[1], int(args[2]))
+    else:
+        raise SystemExit(f"unknown command {command!r}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
