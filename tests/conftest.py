@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -101,3 +102,16 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     lines += [""] + [f"{s:9.2f}s  {n}" for n, s in sorted(totals.items(), key=lambda x: -x[1])]
     out.write_text("\n".join(lines) + "\n")
     terminalreporter.write_line(f"every test's duration: {out}")
+
+
+@pytest.fixture
+def world_of_one() -> Iterator[None]:
+    """torch.distributed in this process, alone: rank 0 of 1 (gloo, on the loopback)."""
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

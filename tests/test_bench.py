@@ -78,7 +78,7 @@ def test_quick_bench_writes_json_markdown_and_chart(tmp_path: Path) -> None:
             "--out",
             str(out),
             "--only",
-            "mttr,overhead,checkpoint,reliability",
+            "mttr,overhead,checkpoint,reliability,peer-memory",
             # two levels of the light workload (a job-level and a pod-level one): `--levels`
             # and the rows both kinds make; each level's recovery is the end-to-end tests'
             "--levels",
@@ -126,6 +126,14 @@ def test_quick_bench_writes_json_markdown_and_chart(tmp_path: Path) -> None:
     assert ckpt["async_stall_s"] is not None and ckpt["async_vs_sync"] is not None
     assert ckpt["loop_sync_stall_s"] > 0 and ckpt["loop_overlap_stall_s"] > 0
     assert ckpt["loop_async_vs_sync"] is not None and ckpt["loop_overlap_vs_sync"] is not None
+    (peer_memory,) = result["peer_memory"]
+    if os.geteuid() == 0:  # a data link between two node namespaces needs root
+        assert all(
+            peer_memory[f"{k}_mb_s"] > 0 for k in ("link", "peer_restore", "storage_restore")
+        )
+        assert peer_memory["stall_plain_s"] > 0 and peer_memory["stall_copy_s"] > 0
+    else:
+        assert "needs root" in peer_memory["error"]
     reliability = {r["system"]: r for r in result["reliability"]}
     assert reliability["relaunch"]["recovered"] == reliability["relaunch"]["injected"] == 1
     assert reliability["torchrun"]["injected"] == 1
@@ -135,7 +143,7 @@ def test_quick_bench_writes_json_markdown_and_chart(tmp_path: Path) -> None:
     assert markdown.startswith("| system |")
     for title in (
         "Where the time goes", "Controller overhead", "Checkpoints",
-        "Save stalls in a training loop", "Restart",
+        "Save stalls in a training loop", "Restart", "Restores from a peer's memory",
     ):  # fmt: skip
         assert title in markdown
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

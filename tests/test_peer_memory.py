@@ -23,6 +23,8 @@ from relaunch.train import CheckpointManager, CheckpointWarning
 from relaunch.train.peer import PeerCopies
 from tests.runtime import DDP_CLUSTER as CLUSTER
 from tests.runtime import Cluster, ddp_job
+from tests.test_sharded_checkpoints import SCRIPT as FSDP_SCRIPT
+from tests.test_sharded_checkpoints import final_hash, torchrun
 
 JOB = "7"
 
@@ -243,11 +245,12 @@ def test_a_lost_nodes_pod_restores_from_peer_memory_and_ends_bit_identical(
     cluster: Cluster, unbroken: str
 ) -> None:
     """The DDP example, unchanged, with `peer_memory_mb`: node-0 is lost at step 75 with pod 0 on
-    it, and the job is rebuilt on healthy nodes. Pod 1's rank saves its dying gasp (to storage,
-    and its copy to node-2's memory, the node after its own); both ranks restore that step from
-    node-2's memory, rank 0 from rank 1's shard (replicated state; rank 0's own copies were in
-    node-1's memory, a step older): the record says so. The parameters end bit for bit as the
-    unbroken run's."""
+    it, and the job is rebuilt on healthy nodes. Rank 1 (node-1) saves its dying gasp to storage
+    and its copy to node-2's memory, the node after its own, and restores from there. Rank 0's
+    copies went to node-1's memory: the newest of them made it there unless node-0 died while it
+    was on its way; either way rank 0 restores from a peer's memory (its own copy, else rank 1's:
+    the state is replicated), never from storage, and the record says which. The parameters end
+    bit for bit as the unbroken run's."""
     out = cluster.dir / "hash.txt"
     job = ddp_job(out, 10)
     job["spec"]["peer_memory_mb"] = 16
@@ -255,10 +258,86 @@ def test_a_lost_nodes_pod_restores_from_peer_memory_and_ends_bit_identical(
     result = cluster.run(job, faults, CLUSTER, timeout=300, startup_s=60)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.actions == ["isolated-job-reschedule"]  # pod 0 holds rank 0 (R-23)
-    restores = [text for _, text in result.events() if " restored step " in text]
-    step = int(restores[0].split(" restored step ")[1].split()[0]) if restores else 0
-    assert step >= 70 and sorted(restores) == [
+    restores = sorted(text for _, text in result.events() if " restored step " in text)
+    assert len(restores) == 2, restores
+    step = int(restores[0].split(" restored step ")[1].split()[0])
+    assert step >= 70, restores
+    assert restores[0] in (
+        f"pod 0 rank 0 restored step {step} from peer memory of node-1",
         f"pod 0 rank 0 restored step {step} from peer memory of node-2",
-        f"pod 1 rank 1 restored step {step} from peer memory of node-2",
-    ], restores
+    ), restores
+    assert restores[1] == f"pod 1 rank 1 restored step {step} from peer memory of node-2"
     assert out.read_text().strip() == unbroken
+
+
+def test_fsdp2_restores_its_shards_from_peer_memory_through_a_lost_node_bit_identical(
+    cluster: Cluster,
+) -> None:
+    """The FSDP2 example, unchanged (DCP checkpoints through ShardedCheckpointManager), with
+    `peer_memory_mb`: node-0 is lost with pod 0 (rank 0) on it, and the job is rebuilt on
+    healthy nodes. Each rank's own DCP file of the newest committed step was copied to the node
+    after its own: rank 1's to node-2 (on record: it restored from there), rank 0's to node-1
+    (from there too, unless node-0 died before the copy left it: then storage). DCP reads each
+    rank's file from memory, the rest from storage, and the parameters end bit for bit as the
+    fault-free run's under torchrun."""
+    clean = final_hash(
+        torchrun(2, "--steps", "45", "--ckpt-dir", str(cluster.dir / "clean"), cwd=cluster.dir)
+    )
+    job = {
+        "kind": "job",
+        "metadata": {
+            "name": "fsdp",
+            "annotations": {"fault-tolerance/job-retry-num": "3", "fault-tolerance/pod-retry-num": "2"},
+            "labels": {"fault-scheduling": "grace", "grace-over-time": "10"},
+        },
+        "spec": {
+            "replicas": 2, "procs_per_pod": 1, "chips_per_pod": 2, "monitor_interval": 0.2,
+            "command": f"python {FSDP_SCRIPT} --steps 45", "peer_memory_mb": 16,
+        },
+    }  # fmt: skip
+    result = cluster.run(
+        job, [{"kind": "node-down", "at_step": 27, "pod": 0}], CLUSTER, timeout=300, startup_s=60
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.actions == ["isolated-job-reschedule"]
+    restores = sorted(text for _, text in result.events() if " restored step " in text)
+    assert len(restores) == 2, restores
+    step = int(restores[0].split(" restored step ")[1].split()[0])
+    assert step >= 25 and step % 5 == 0, restores
+    assert restores[1] == f"pod 1 rank 1 restored step {step} from peer memory of node-2", restores
+    assert restores[0] in (
+        f"pod 0 rank 0 restored step {step} from peer memory of node-1",
+        f"pod 0 rank 0 restored step {step} from storage",
+    ), restores
+    assert final_hash(result.logs()) == clean
+
+
+def test_a_sharded_ranks_own_file_comes_from_peer_memory_and_an_altered_one_from_storage(
+    world_of_one: None, tmp_path: Path, nodes: dict[str, PeerMemoryServer]
+) -> None:
+    """DCP checkpoints (ShardedCheckpointManager): rank 0's own file is copied to node-1; a new
+    rank 0 on node-2 loads step 5 with that file gone from storage (memory served it), then step
+    6 whose copy was altered in memory (refused, storage served it)."""
+    from relaunch.train.sharded import ShardedCheckpointManager
+
+    generator = torch.Generator().manual_seed(5)
+    saved = {5: torch.randn(4096, generator=generator), 6: torch.randn(4096, generator=generator)}
+    manager = ShardedCheckpointManager(tmp_path, keep=3, peers=peers_of("node-0", nodes))
+    for step, tensor in saved.items():
+        manager.save(step, {"w": tensor, "step": step})
+        assert manager.peers is not None and manager.peers.wait(30)
+    assert manager.peers is not None and [s for s, _ in manager.peers.sent] == [5, 6]
+    restorer = ShardedCheckpointManager(tmp_path, peers=peers_of("node-2", nodes))
+    (tmp_path / "step-000000005" / "__0_0.distcp").unlink()  # step 5's data: only in memory
+    into = {"w": torch.zeros(4096), "step": 0}
+    assert restorer.load(5, into=into) is not None
+    assert torch.equal(into["w"], saved[5]) and into["step"] == 5
+    held = nodes["node-1"].memory.get(JOB, 0, 6)
+    assert held is not None
+    held.data[len(held.data) // 2] ^= 0x10
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert restorer.load(into=into) is not None
+    assert torch.equal(into["w"], saved[6]) and into["step"] == 6
+    assert any("node-1's memory was refused" in str(w.message) for w in caught)
+    assert restorer.restored_from == {(0, 5): "peer memory of node-1", (0, 6): "storage"}

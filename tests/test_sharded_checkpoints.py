@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -135,16 +134,6 @@ def test_a_flipped_byte_is_never_loaded_the_step_before_is(
 
 
 # -- the manager's rules, in one process (a world of one) ---------------------------------------
-
-
-@pytest.fixture
-def world_of_one() -> Iterator[None]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_sharded_checkpoints_need_torch_distributed() -> None:

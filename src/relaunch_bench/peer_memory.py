@@ -33,6 +33,8 @@ from relaunch_bench.peers import peer_environment, peer_python
 DLROVER_FLASH = Path(__file__).parent / "workloads" / "dlrover_flash.py"
 
 SIZES_MB = (256, 1024, 4096)
+ONE_REPEAT_FROM_MB = 4096
+"""From this size on, one repeat: a round of 4 GB takes about 8 minutes on two cores."""
 STALL_UP_TO_MB = 1024
 """The stall is measured up to this size (an asynchronous save keeps a host copy of the state)."""
 NODES = ("node-0", "node-1")
@@ -49,7 +51,10 @@ def peer_memory_rows(
         try:
             for node in NODES:
                 network.ensure_node(node)
-            return [_size(network, Path(tmp), mb, repeats, say) for mb in sizes]
+            return [
+                _size(network, Path(tmp), mb, 1 if mb >= ONE_REPEAT_FROM_MB else repeats, say)
+                for mb in sizes
+            ]
         finally:
             network.remove()
 

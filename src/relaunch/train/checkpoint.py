@@ -190,8 +190,6 @@ class CheckpointManager:
         # saved step N with the streams of step N - 1 (a resumed run drew other numbers).
         self._completed = (step, rng.capture() if step is not None else None)
 
-    # -- saving -------------------------------------------------------------------------------------
-
     def save(self, step: int, state: Any, *, blocking: bool | None = None) -> None:
         """Save `state` as this rank's shard of `step`. relaunch hears that the rank is saving
         (no process-level recovery runs meanwhile, R-37) until the save returns: after the
@@ -324,17 +322,17 @@ class CheckpointManager:
         return [
             s
             for s in self.steps(rank)
-            if self._held_by_peer(held, rank, s) or self._read(s, warn=False, rank=rank)
+            if self.held_by_peer(held, rank, s) or self._read(s, warn=False, rank=rank)
         ]
 
-    def _held_by_peer(
-        self, held: dict[tuple[int, int], list[tuple[str, str]]], rank: int, step: int
-    ) -> bool:
+    def held_by_peer(self, held: dict[Any, list[tuple[str, str]]], rank: int, step: int) -> bool:
+        """A peer holds `rank`'s copy of `step` with storage's hash (`held`: PeerCopies.index)."""
         if (rank, step) not in held:
             return False
         try:
-            manifest = json.loads(self._manifest_path(step, rank).read_text())
-            ((_, expected),) = manifest["files"].items()
+            ((_, expected),) = json.loads(self._manifest_path(step, rank).read_text())[
+                "files"
+            ].items()
         except (OSError, ValueError, KeyError):
             return False
         return any(digest == expected.get(shard.HASH) for _, digest in held[(rank, step)])
@@ -363,11 +361,15 @@ class CheckpointManager:
         try:
             manifest = json.loads(self._manifest_path(step, rank).read_text())
             (name, expected), *_ = manifest["files"].items()
-            state = self._from_peers(step, rank, manifest) if warn else None
-            if state is None:
-                state = _read_shard(directory / name, manifest["format"], expected)
-                if warn:
-                    self._restored(step, rank, "storage")
+            ours = warn and manifest.get("format") in shard.FORMATS  # else never sent to memory
+            state, source = self._from_peers(step, rank, manifest) if ours else (None, "")
+            if not source:
+                state, source = (
+                    _read_shard(directory / name, manifest["format"], expected),
+                    "storage",
+                )
+            if warn:
+                self._restored(step, rank, source)
         except (
             OSError,
             ValueError,
@@ -386,21 +388,22 @@ class CheckpointManager:
             return None
         return Checkpoint(step, state, directory)
 
-    def _from_peers(self, step: int, rank: int, manifest: dict[str, Any]) -> Any:
-        """The state from a peer's memory, checked against `manifest`; None where none served
-        (each refused copy warned about)."""
-        if self.peers is None or manifest.get("format") not in shard.FORMATS:
-            return None
-        state, node, refusals = self.peers.restore(rank, step, manifest, shard.read_buffer)
+    def _from_peers(
+        self, step: int, rank: int, manifest: dict[str, Any], read: Any = shard.read_buffer
+    ) -> tuple[Any, str]:
+        """What `read(bytes, hash)` makes of `rank`'s copy of `step` in a peer's memory, checked
+        against `manifest`, and the tier that served it; (None, "") where none did (each refused
+        copy warned about)."""
+        if self.peers is None:
+            return None, ""
+        state, node, refusals = self.peers.restore(rank, step, manifest, read)
         for refusal in refusals:
             warnings.warn(
                 f"checkpoint step {step} of rank {rank}: {refusal}; trying the next tier",
                 CheckpointWarning,
                 stacklevel=4,
             )
-        if node is not None:
-            self._restored(step, rank, f"peer memory of {node}")
-        return state
+        return state, f"peer memory of {node}" if node is not None else ""
 
     def _restored(self, step: int, rank: int, source: str) -> None:
         """Which tier served, where peer memory is in use: said to relaunch (the job's record)
@@ -408,10 +411,8 @@ class CheckpointManager:
         if self.peers is None:
             return
         self.restored_from[(rank, step)] = source
-        shard_of = "" if rank == self.rank else f" (rank {rank}'s shard)"
-        print(
-            f"relaunch: rank {self.rank} restored step {step}{shard_of} from {source}", flush=True
-        )
+        whose = "" if rank == self.rank else f" (rank {rank}'s shard)"
+        print(f"relaunch: rank {self.rank} restored step {step}{whose} from {source}", flush=True)
         report_restore(step, source, self.rank)
 
     # -- dying gasp ---------------------------------------------------------------------------------

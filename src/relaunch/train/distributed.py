@@ -30,7 +30,9 @@ def load_common_checkpoint(
     when some rank's newest shard is damaged or missing. A collective: every rank must call it.
 
     `replicated=True` (data parallelism: every rank holds the same state) lets a rank without a
-    shard of that step load a healthy replica's, as when a rank died before its dying gasp.
+    shard of that step load a healthy replica's, as when a rank died before its dying gasp; with
+    peer memory, a rank whose own copy is not in a peer's memory loads a replica's copy that is
+    (a node lost right after a save takes its ranks' newest copies with it) before storage.
     """
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, manager.verified_steps())
@@ -41,10 +43,14 @@ def load_common_checkpoint(
     newest = max(usable)
     if manager.steps() and manager.steps()[0] > newest:
         manager.load()  # warns about the newer, unusable shards
-    if newest in per_rank[manager.rank]:
-        return manager.load(newest)
-    donor = next(rank for rank, steps in enumerate(per_rank) if newest in steps)
-    return manager.load(newest, rank=donor)
+    holders = [rank for rank, steps in enumerate(per_rank) if newest in steps]
+    if manager.rank in holders:
+        holders.remove(manager.rank)
+        holders.insert(0, manager.rank)  # its own shard first
+    if replicated and manager.peers is not None:  # any replica a peer's memory holds, first
+        held = manager.peers.index()
+        holders.sort(key=lambda rank: not manager.held_by_peer(held, rank, newest))
+    return manager.load(newest, rank=holders[0])
 
 
 def parameter_hash(model: torch.nn.Module) -> str:

@@ -21,16 +21,19 @@ background work never shares a communicator with training (NCCL or gloo)."""
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import shutil
 import uuid
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 import xxhash
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -42,6 +45,7 @@ from relaunch.train.checkpoint import (
     CheckpointWarning,
     check_fence,
 )
+from relaunch.train.peer import PeerCopies
 from relaunch.train.progress import SdkPhase, report_phase
 
 __all__ = ["ShardedCheckpointManager"]
@@ -62,13 +66,80 @@ def _digest(path: Path) -> dict[str, Any]:
     return {"size": size, HASH: hasher.hexdigest()}
 
 
+def _own_file(name: str, rank: int) -> bool:
+    """A DCP data file this rank wrote (its writer's default: one, `__RANK_0.distcp`)."""
+    return name.startswith(f"__{rank}_") and name.endswith(".distcp")
+
+
+def _checked(data: Any, expected: str) -> Any:
+    """`data` itself, once its hash is `expected` (a copy from a peer's memory)."""
+    if xxhash.xxh3_128(data).hexdigest() != expected:
+        raise ValueError("the copy does not match its checksum")
+    return data
+
+
+class _MemoryFile(io.RawIOBase):
+    """A file's bytes held in memory, read (and sliced by DCP) without being copied first."""
+
+    def __init__(self, data: Any) -> None:
+        self._view = memoryview(data).cast("B")
+        self._at = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._at
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: len(self._view)}[whence]
+        self._at = max(0, base + offset)
+        return self._at
+
+    def readinto(self, buffer: Any) -> int:
+        chunk = self._view[self._at : self._at + len(buffer)]
+        memoryview(buffer).cast("B")[: len(chunk)] = chunk
+        self._at += len(chunk)
+        return len(chunk)
+
+
+class _TieredFileSystem(FileSystem):
+    def __init__(self, held: dict[str, Any]) -> None:
+        super().__init__()
+        self.held = held
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
+        data = self.held.get(Path(path).name) if mode == "rb" else None
+        if data is None:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with io.BufferedReader(_MemoryFile(data), buffer_size=_CHUNK) as stream:
+            yield stream
+
+
+class TieredReader(FileSystemReader):
+    """DCP's reader of a checkpoint directory that takes the files held in memory (`held`:
+    {name: bytes}, copies from a peer's memory already checked) from there, the rest from
+    storage."""
+
+    def __init__(self, path: str | os.PathLike[str], held: dict[str, Any]) -> None:
+        super().__init__(path)
+        self.fs = _TieredFileSystem(held)
+
+
 class ShardedCheckpointManager(CheckpointManager):
     """Saves and loads a job's sharded state with DCP. `state` is a DCP state dict (for FSDP2:
     `{"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt),
     "step": step}` or `get_state_dict`'s pair); every rank passes its own and calls together.
 
-    `every`, `keep`, `async_save`, :meth:`step` and :meth:`dying_gasp` are
-    CheckpointManager's. An asynchronous save returns once DCP has staged the state in host
+    `every`, `keep`, `async_save`, `peers`, :meth:`step` and :meth:`dying_gasp` are
+    CheckpointManager's: with peer memory, each rank's own DCP file is copied to the next node's
+    memory, and a load reads it from there (checked against the manifest), the rest from storage. An asynchronous save returns once DCP has staged the state in host
     memory; the save is committed (hashed, renamed, manifest written) at the next save, `wait`
     or `load`, which every rank reaches together."""
 
@@ -81,6 +152,7 @@ class ShardedCheckpointManager(CheckpointManager):
         every: int | None = None,
         keep: int = 3,
         async_save: bool = False,
+        peers: PeerCopies | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError(
@@ -94,7 +166,7 @@ class ShardedCheckpointManager(CheckpointManager):
         dist.broadcast_object_list(shared, src=0, group=self.group)
         self._run = str(shared[0])
         super().__init__(directory, rank=dist.get_rank(), every=every, keep=keep,
-                         async_save=async_save)  # fmt: skip
+                         async_save=async_save, peers=peers)  # fmt: skip
 
     # -- saving -------------------------------------------------------------------------------
 
@@ -160,6 +232,11 @@ class ShardedCheckpointManager(CheckpointManager):
             write_atomic(final / MANIFEST, write_bytes(json.dumps(manifest).encode()))
             self._rotate()
         dist.barrier(group=self.group)
+        if self.peers is not None:  # this rank's own file, into the next node's memory
+            own = [name for name in mine if _own_file(name, self.rank)]
+            if len(own) == 1:
+                final = self.directory / f"step-{step:09d}"
+                self.peers.copy(self.rank, step, {"files": {own[0]: mine[own[0]]}}, final / own[0])
 
     def sweep(self) -> int:
         """Remove what an earlier run's save left half-written (rank 0; the others: none)."""
@@ -206,7 +283,7 @@ class ShardedCheckpointManager(CheckpointManager):
         return sorted(found, reverse=True)
 
     def verified_steps(self, rank: int | None = None) -> list[int]:
-        return [s for s in self._agreed_steps() if self._verified(s, warn=False)]
+        return [s for s in self._agreed_steps() if self._verified(s, warn=False, held={})]
 
     def load(
         self, step: int | None = None, *, rank: int | None = None, into: Any = None
@@ -221,11 +298,28 @@ class ShardedCheckpointManager(CheckpointManager):
         self.wait()
         candidates = [step] if step is not None else self._agreed_steps()
         for candidate in candidates:
-            if self._verified(candidate, warn=True):
+            held, source = self._own_from_peers(candidate)
+            if self._verified(candidate, warn=True, held=held):
                 directory = self.directory / f"step-{candidate:09d}"
-                dcp_load(into, checkpoint_id=str(directory), process_group=self.group)
+                reader = TieredReader(directory, held)
+                dcp_load(into, storage_reader=reader, process_group=self.group)
+                self._restored(candidate, self.rank, source)
                 return Checkpoint(candidate, into, directory)
         return None
+
+    def _own_from_peers(self, step: int) -> tuple[dict[str, Any], str]:
+        """This rank's own file of `step`, from a peer's memory and checked against the manifest
+        on storage: ({name: its bytes}, which peer served it), or ({}, "storage")."""
+        if self.peers is None:
+            return {}, "storage"
+        try:
+            manifest = json.loads((self.directory / f"step-{step:09d}" / MANIFEST).read_text())
+            (name,) = [n for n in manifest["files"] if _own_file(n, self.rank)]
+            expected = {"files": {name: manifest["files"][name]}}
+        except (OSError, ValueError, KeyError, TypeError):
+            return {}, "storage"
+        data, source = self._from_peers(step, self.rank, expected, _checked)
+        return ({name: data}, source) if source else ({}, "storage")
 
     def _agreed_steps(self) -> list[int]:
         """Rank 0's list, so that every rank tries the same steps in the same order."""
@@ -233,13 +327,17 @@ class ShardedCheckpointManager(CheckpointManager):
         dist.broadcast_object_list(listed, src=0, group=self.group)
         return list(listed[0] or [])
 
-    def _verified(self, step: int, *, warn: bool) -> bool:
-        """Every file of `step` matches the manifest: each rank checks a share of them."""
+    def _verified(self, step: int, *, warn: bool, held: dict[str, Any]) -> bool:
+        """Every file of `step` matches the manifest: each rank checks a share of those that no
+        rank holds checked from a peer's memory (`held`: this rank's)."""
         directory = self.directory / f"step-{step:09d}"
         problem = ""
+        checked: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(checked, sorted(held), group=self.group)
         try:
             manifest = json.loads((directory / MANIFEST).read_text())
-            files = sorted(manifest["files"].items())
+            done = {name for names in checked for name in names}
+            files = sorted(i for i in manifest["files"].items() if i[0] not in done)
             world = dist.get_world_size(self.group)
             if manifest.get("format") != FORMAT or ".metadata" not in manifest["files"]:
                 problem = "not a DCP checkpoint manifest"
