@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from filelock import FileLock
 
-from tests.runtime import DDP_CLUSTER, Cluster, ddp_job, kill_all, wait_gone
+from tests.runtime import DDP_CLUSTER, Cluster, ddp_job, final_hash, kill_all, torchrun, wait_gone
 
 
 @pytest.fixture
@@ -46,8 +46,33 @@ def unbroken(tmp_path_factory: pytest.TempPathFactory) -> str:
         return digest
 
 
+@pytest.fixture(scope="session")
+def fsdp_unbroken(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The FSDP2 example's final parameters' hash after a fault-free run of 2 ranks, 45 steps,
+    under torchrun: run once for the session, by whichever worker asks first."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent
+    done = shared / "unbroken-fsdp.hash"
+    with FileLock(str(shared / "unbroken-fsdp.lock")):
+        if not done.exists():
+            tmp = tmp_path_factory.mktemp("unbroken-fsdp")
+            output = torchrun(2, "--steps", "45", "--ckpt-dir", str(tmp / "ckpt"), cwd=tmp)
+            done.write_text(final_hash(output))
+        return done.read_text().strip()
+
+
 REAL_FIXTURES = frozenset(
-    {"cluster", "unbroken", "unbroken_process", "fault_free", "server", "trial_slurm", "slurm"}
+    {
+        "cluster",
+        "unbroken",
+        "fsdp_unbroken",
+        "unbroken_process",
+        "fault_free",
+        "server",
+        "trial_slurm",
+        "slurm",
+    }
 )
 """Fixtures that start a real relaunch run, cluster or server: a test that uses one is in the
 `real` tier (`pytest -m "not real"` runs the rest: the simulator, the pure parts, the parts of

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -367,3 +368,22 @@ def wait_status(pid: int, status: str, timeout: float = 30.0) -> None:
 def asleep(pid: int) -> None:
     """Until a freshly started `python -c "...time.sleep(60)"` sleeps in it."""
     wait_status(pid, psutil.STATUS_SLEEPING)
+
+
+FSDP_SCRIPT = ROOT / "examples" / "fsdp" / "train_fsdp2.py"
+
+
+def torchrun(ranks: int, *args: str, cwd: Path) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         str(ranks), str(FSDP_SCRIPT), "--step-seconds", "0", *args],
+        capture_output=True, text=True, timeout=180, cwd=cwd, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def final_hash(output: str) -> str:
+    found = re.findall(r"done: params sha256 ([0-9a-f]{64})", output)
+    assert len(found) == 1, output[-2000:]
+    return found[0]

@@ -22,9 +22,7 @@ from relaunch.protocol.peer_memory import parse_peers, send_header
 from relaunch.train import CheckpointManager, CheckpointWarning
 from relaunch.train.peer import PeerCopies
 from tests.runtime import DDP_CLUSTER as CLUSTER
-from tests.runtime import Cluster, ddp_job
-from tests.test_sharded_checkpoints import SCRIPT as FSDP_SCRIPT
-from tests.test_sharded_checkpoints import final_hash, torchrun
+from tests.runtime import FSDP_SCRIPT, Cluster, ddp_job, final_hash
 
 JOB = "7"
 
@@ -271,7 +269,7 @@ def test_a_lost_nodes_pod_restores_from_peer_memory_and_ends_bit_identical(
 
 
 def test_fsdp2_restores_its_shards_from_peer_memory_through_a_lost_node_bit_identical(
-    cluster: Cluster,
+    cluster: Cluster, fsdp_unbroken: str
 ) -> None:
     """The FSDP2 example, unchanged (DCP checkpoints through ShardedCheckpointManager), with
     `peer_memory_mb`: node-0 is lost with pod 0 (rank 0) on it, and the job is rebuilt on
@@ -280,9 +278,6 @@ def test_fsdp2_restores_its_shards_from_peer_memory_through_a_lost_node_bit_iden
     (from there too, unless node-0 died before the copy left it: then storage). DCP reads each
     rank's file from memory, the rest from storage, and the parameters end bit for bit as the
     fault-free run's under torchrun."""
-    clean = final_hash(
-        torchrun(2, "--steps", "45", "--ckpt-dir", str(cluster.dir / "clean"), cwd=cluster.dir)
-    )
     job = {
         "kind": "job",
         "metadata": {
@@ -309,7 +304,7 @@ def test_fsdp2_restores_its_shards_from_peer_memory_through_a_lost_node_bit_iden
         f"pod 0 rank 0 restored step {step} from peer memory of node-1",
         f"pod 0 rank 0 restored step {step} from storage",
     ), restores
-    assert final_hash(result.logs()) == clean
+    assert final_hash(result.logs()) == fsdp_unbroken
 
 
 def test_a_sharded_ranks_own_file_comes_from_peer_memory_and_an_altered_one_from_storage(

@@ -21,36 +21,19 @@ import yaml
 
 from relaunch.train import CheckpointWarning
 from relaunch.train.sharded import MANIFEST, ShardedCheckpointManager
+from tests.runtime import FSDP_SCRIPT as SCRIPT
+from tests.runtime import final_hash, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "examples" / "fsdp" / "train_fsdp2.py"
-
-
-def torchrun(ranks: int, *args: str, cwd: Path) -> str:
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         str(ranks), str(SCRIPT), "--step-seconds", "0", *args],
-        capture_output=True, text=True, timeout=180, cwd=cwd, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done.stdout
-
-
-def final_hash(output: str) -> str:
-    found = re.findall(r"done: params sha256 ([0-9a-f]{64})", output)
-    assert len(found) == 1, output[-2000:]
-    return found[0]
 
 
 def test_fsdp2_faulted_under_relaunch_ends_bit_identical_to_its_fault_free_run(
-    tmp_path: Path,
+    tmp_path: Path, fsdp_unbroken: str
 ) -> None:
     """Asynchronous saves (the dying gasp saves synchronously; the other tests of this file
-    save synchronously too)."""
+    save synchronously too), against the fault-free run's synchronous ones: how a save is made
+    changes nothing of the training."""
     extra = ["--async-save"]
-    clean = final_hash(
-        torchrun(2, "--steps", "45", "--ckpt-dir", str(tmp_path / "clean"), *extra, cwd=tmp_path)
-    )
     plan = tmp_path / "faults.yaml"
     plan.write_text(
         yaml.safe_dump(
@@ -97,7 +80,7 @@ def test_fsdp2_faulted_under_relaunch_ends_bit_identical_to_its_fault_free_run(
     assert gasps, logs[-3000:]  # the chip fault stopped both ranks with a grace: each tried
     for step in {int(g.split()[-1]) for g in gasps if g.startswith("saved")}:
         assert step in attempts, (gasps, attempts)  # a committed gasp is where the next began
-    assert final_hash(said) == clean
+    assert final_hash(said) == fsdp_unbroken
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from relaunch.protocol.peer_memory import memory_for, receive_into
+from relaunch.protocol.peer_memory import memory_for, receive_into, stall_timeout
 
 JOB = "bench"
 STALL_SAVES = 9
@@ -44,7 +44,15 @@ def send(host: str, size: int) -> None:
         _say(port=server.getsockname()[1])
         conn, _ = server.accept()
         with conn:
+            _as_peers_do(conn)
             conn.sendall(data)
+
+
+def _as_peers_do(sock: socket.socket) -> None:
+    """The socket settings of peer memory's own transfers (relaunch.train.peer, cluster.keeper):
+    the link's raw speed is measured as they use it."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    stall_timeout(sock, 60.0)
 
 
 def _touch(data: Any) -> None:
@@ -56,6 +64,7 @@ def _touch(data: Any) -> None:
 
 def receive(host: str, port: int, size: int) -> None:
     with socket.create_connection((host, port)) as sock:
+        _as_peers_do(sock)
         start = time.perf_counter()
         receive_into(sock, memory_for(size))
         _say(seconds=time.perf_counter() - start)
