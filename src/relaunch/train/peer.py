@@ -62,7 +62,10 @@ class PeerCopies:
         self.budget = budget
         self._pending: tuple[int, int, dict[str, Any], Path] | None = None
         self._lock = threading.Condition()
-        self._worker: threading.Thread | None = None
+        self._running = False
+        """A sender thread is running (it clears this under the lock as it ends)."""
+        self._busy = False
+        """The sender is sending a copy now."""
         self.sent: list[tuple[int, str]] = []
         """(step, node) of each copy a peer kept, newest last (for tests and diagnosis)."""
         self.failures: list[str] = []
@@ -92,10 +95,9 @@ class PeerCopies:
         waiting when the next comes is replaced by it: the loop never waits for a peer."""
         with self._lock:
             self._pending = (rank, step, manifest, path)
-            if self._worker is None or not self._worker.is_alive():
-                self._worker = threading.Thread(target=self._send_pending, daemon=True)
-                self._worker.start()
-            self._lock.notify_all()
+            if not self._running:
+                self._running = True
+                threading.Thread(target=self._send_pending, daemon=True).start()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Until the copies asked for so far were sent (or failed), at most `timeout` seconds;
@@ -103,12 +105,11 @@ class PeerCopies:
         with self._lock:
             return self._lock.wait_for(lambda: self._pending is None and not self._busy, timeout)
 
-    _busy = False
-
     def _send_pending(self) -> None:
         while True:
             with self._lock:
                 if self._pending is None:
+                    self._running = False  # a copy asked for after this starts a new sender
                     return
                 rank, step, manifest, path = self._pending
                 self._pending = None
