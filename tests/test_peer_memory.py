@@ -336,3 +336,16 @@ def test_a_sharded_ranks_own_file_comes_from_peer_memory_and_an_altered_one_from
     assert torch.equal(into["w"], saved[6]) and into["step"] == 6
     assert any("node-1's memory was refused" in str(w.message) for w in caught)
     assert restorer.restored_from == {(0, 5): "peer memory of node-1", (0, 6): "storage"}
+
+
+def test_a_copy_larger_than_the_budget_is_refused_before_its_bytes_are_taken(
+    nodes: dict[str, PeerMemoryServer],
+) -> None:
+    from relaunch.protocol.peer_memory import read_header
+
+    with socket.create_connection(nodes["node-1"].address) as sock:
+        header = {"op": "put", "job": JOB, "rank": 0, "step": 5, "manifest": {}}
+        send_header(sock, {**header, "size": 1 << 40, "budget": 1 << 20})  # no byte follows
+        answer = read_header(sock)
+    assert answer == {"ok": False, "error": f"{1 << 40} bytes: not within {1 << 20}"}
+    assert nodes["node-1"].memory.size() == 0

@@ -114,7 +114,11 @@ class _Handler(socketserver.BaseRequestHandler):
         memory = self.server.memory
         op, job = header.get("op"), str(header.get("job", ""))
         if op == "put":
-            data = memory_for(int(header["size"]))
+            size, budget = int(header["size"]), int(header["budget"])
+            if not 0 <= size <= budget:  # refused before a byte of it is taken in
+                send_header(sock, {"ok": False, "error": f"{size} bytes: not within {budget}"})
+                return
+            data = memory_for(size)
             try:
                 receive_into(sock, data)  # a copy torn on the way is never kept
             except PeerMemoryError:
@@ -122,7 +126,7 @@ class _Handler(socketserver.BaseRequestHandler):
             copy = StoredCopy(
                 job, int(header["rank"]), int(header["step"]), header["manifest"], data
             )
-            error = memory.put(copy, int(header["budget"]))
+            error = memory.put(copy, budget)
             send_header(sock, {"ok": error is None, "error": error})
         elif op == "index":
             send_header(sock, {"ok": True, "copies": memory.index(job)})
