@@ -87,9 +87,10 @@ def saved(
 ) -> CheckpointManager:
     """Rank 0 on node-0 saves `steps` (state seeded by the step); its copies go to node-1."""
     manager = CheckpointManager(directory, rank=0, keep=3, peers=peers_of("node-0", servers))
-    for step in steps:
+    for step in steps:  # each copy sent before the next save (a waiting one would be replaced)
         manager.save(step, state(step))
-    assert manager.peers is not None and manager.peers.wait(30)
+        assert manager.peers is not None and manager.peers.wait(30)
+    assert manager.peers is not None
     assert manager.peers.sent == [(s, "node-1") for s in steps], manager.peers.failures
     return manager
 
