@@ -91,7 +91,7 @@ def saved(
         manager.save(step, state(step))
         assert manager.peers is not None and manager.peers.wait(30)
     assert manager.peers is not None
-    assert manager.peers.sent == [(s, "node-1") for s in steps], manager.peers.failures
+    assert list(manager.peers.sent) == [(s, "node-1") for s in steps], manager.peers.failures
     return manager
 
 

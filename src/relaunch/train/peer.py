@@ -17,6 +17,7 @@ import mmap
 import os
 import socket
 import threading
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,8 @@ CONNECT_TIMEOUT_S = 5.0
 """How long a rank waits for a peer's memory to accept: a lost node's address does not answer."""
 GASP_COPY_WAIT_S = 5.0
 """How long a dying gasp waits for its copy to reach the peer before the process exits."""
+KEPT_RECORDS = 64
+"""How many copies sent, and failures, a rank remembers: a job saves for days."""
 IO_TIMEOUT_S = 60.0
 """How long one read or write of a transfer may stall before the peer counts as lost."""
 
@@ -66,10 +69,10 @@ class PeerCopies:
         """A sender thread is running (it clears this under the lock as it ends)."""
         self._busy = False
         """The sender is sending a copy now."""
-        self.sent: list[tuple[int, str]] = []
-        """(step, node) of each copy a peer kept, newest last (for tests and diagnosis)."""
-        self.failures: list[str] = []
-        """Why a copy was not kept, for each that was not."""
+        self.sent: deque[tuple[int, str]] = deque(maxlen=KEPT_RECORDS)
+        """(step, node) of the newest copies a peer kept, newest last (for tests and diagnosis)."""
+        self.failures: deque[str] = deque(maxlen=KEPT_RECORDS)
+        """Why a copy was not kept, for the newest that were not."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> PeerCopies | None:
@@ -180,7 +183,6 @@ class PeerCopies:
         step: int,
         manifest: dict[str, Any],
         read: Callable[[bytearray | mmap.mmap, str], Any],
-        index: dict[tuple[int, int], list[tuple[str, str]]] | None = None,
     ) -> tuple[Any, str | None, list[str]]:
         """`rank`'s state of `step` from the first peer whose copy is the one `manifest` (the
         storage's) describes, read with `read(bytes, hash)`, which checks every byte against the
@@ -189,7 +191,7 @@ class PeerCopies:
         reason in `refusals`), and the next holder is asked."""
         ((_, expected),) = manifest["files"].items()
         refusals: list[str] = []
-        holders = (self.index() if index is None else index).get((rank, step), [])
+        holders = self.index().get((rank, step), [])
         for node, _digest in holders:
             try:
                 copy = self.fetch(node, rank, step)
