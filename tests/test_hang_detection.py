@@ -53,6 +53,25 @@ def test_r25_a_rank_saving_a_checkpoint_is_not_hung_nor_are_the_peers_that_wait_
     assert _hung(links, 110.0 + HANG_S + 0.5) == 0, "then both fell silent"
 
 
+def test_r25_a_rank_waiting_in_its_rendezvous_for_peers_still_starting_is_not_hung() -> None:
+    """Warm spares on three nodes: ten processes imported torch on two cores. Ranks 1 and 3
+    printed their first line and sat in their group's rendezvous while ranks 0 and 2 were still
+    importing; the first line had ended rank 3's startup allowance, and it was declared hung
+    after the 4 s hang window (CI, d8ce823). Building its group is part of a rank's start."""
+    importing = Rank(1, last_activity=100.0)
+    forming = Rank(1, last_activity=100.0, progressed=True, phase=SdkPhase.GROUP)
+    forming.phase_since = 100.0
+    links = _links(importing, forming)
+    assert _hung(links, 100.0 + 3 * HANG_S) is None
+    assert _hung(links, 100.0 + STARTUP_S + 1) is not None, "a rendezvous never met is a hang"
+    formed = Rank(1, last_activity=100.0, progressed=True, phase=SdkPhase.TRAINING)
+    formed.phase_since = 100.0
+    assert _hung(_links(importing, formed), 100.0 + HANG_S + 0.5) == 1, "then the window"
+    stopped = Rank(1, last_activity=100.0, progressed=True, phase=SdkPhase.GROUP)
+    stopped.phase_since, stopped.stopped_at = 100.0, 100.8  # SIGSTOPped in its rendezvous
+    assert _hung(_links(importing, stopped), 100.0 + HANG_S + 0.5) == 1
+
+
 def test_r25_a_rank_stopped_in_its_save_is_hung_after_the_hang_window() -> None:
     """A rank SIGSTOPped while it said it saved a checkpoint (its launcher found it stopped) was
     taken for saving for the whole startup allowance (120 s in the bench): its peers' SDK gave up

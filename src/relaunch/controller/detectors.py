@@ -320,7 +320,8 @@ def hang_look(
     waited_until: float = 0.0,
 ) -> HangLook:
     """R-25: a rank of the current attempt silent for the hang window (before its first sign of
-    progress: the startup allowance). When several are silent (one stuck rank stalls its peers
+    progress, or while the SDK says it builds its group and waits there for peers that still
+    start: the startup allowance). When several are silent (one stuck rank stalls its peers
     at the next collective), the one silent longest is reported. `exempt` ranks (healthy ranks
     waiting for replacements) are not hung. A rank inside a checkpoint save (the SDK's phase)
     is making progress, for up to the startup allowance, and while one is, its silent peers
@@ -348,7 +349,8 @@ def hang_look(
             ends = rank.phase_since + save_counts  # making progress, however slow the disk
             save_due = ends if save_due is None else min(save_due, ends)
             continue
-        window = hang_s if rank.progressed else startup_s
+        # before its first step, or in its rendezvous waiting for peers still starting
+        window = hang_s if rank.progressed and not rank.forming else startup_s
         # it waited for a peer's save, the network or the last pod's start until then
         since = max(rank.last_activity, saved_at, waited_until)
         if now - since > window:

@@ -75,6 +75,12 @@ class Rank:
         return self.phase == SdkPhase.CHECKPOINT and self.stopped_at < self.phase_since
 
     @property
+    def forming(self) -> bool:
+        """It said it builds its group (a rendezvous: it waits for its peers to start, import
+        and arrive), and was not found stopped since: its silence is part of the startup."""
+        return self.phase == SdkPhase.GROUP and self.stopped_at < self.phase_since
+
+    @property
     def failed(self) -> bool:
         return not self.running and bool(self.code or self.signal)
 
