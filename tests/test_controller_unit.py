@@ -376,6 +376,29 @@ def test_process_reschedule_moves_the_lost_pod_and_its_ranks_join(tmp_path: Path
     assert sim.actions() == [("process-reschedule", "succeeded")]
 
 
+def test_r25_ranks_that_waited_for_replacements_are_silent_from_the_recovery_end_on(
+    tmp_path: Path,
+) -> None:
+    """The healthy pod's ranks wait for the moved pod's ranks, silent, for longer than the hang
+    window; a replacement's first step (urgent) settles the recovery before the healthy ranks'
+    step of the same moment (routine, forwarded a progress interval later) arrives. Their silence
+    counts from the recovery's end, not from their last step before the fault (before, the CI's
+    busy machine found a hang in that moment, and the job went down to pod level)."""
+    sim = booted(tmp_path, {**PROCESS, **HANG}, labels=PROCESS_LABELS)
+    sim.kill_node("node-1")
+    sim.tick()
+    assert sim.actions() == [("process-reschedule", "running")]
+    sim.run(5.0)  # past the 2 s hang window: the replacements start, the healthy ranks wait
+    sim.train(2, pods={1})
+    sim.tick()
+    assert sim.actions() == [("process-reschedule", "succeeded")]
+    sim.run(0.5)  # the healthy ranks' own step report is on its way
+    sim.train(2)
+    sim.run(0.5)
+    assert sim.actions() == [("process-reschedule", "succeeded")]
+    assert [f.kind.value for f in sim.store.faults(sim.job_id)] == ["node-lost"]
+
+
 def test_scale_in_parks_the_lost_pod_without_a_standby_node(tmp_path: Path) -> None:
     sim = booted(tmp_path, PROCESS, nodes=2, labels=PROCESS_LABELS)
     c = sim.controller

@@ -112,7 +112,8 @@ def hangs(c: ControllerContext, now: float) -> None:
     active = c.recoveries.active
     waiting = active is not None and active.action.process_level
     exempt = active.ranks if waiting and active is not None else None
-    waited = max(network_waited_until(c), started)
+    # the ranks waited for the network, the last pod's start, or a process-level recovery's
+    waited = max(network_waited_until(c), started, c.recoveries.waited_until)
     key = (c.job.attempt, exempt, waited, c.hang_s, c.startup_s)
     seen_up_to = min(now, c.caught_up_at)  # silent up to when everything sent was read
     if not c.hang_watch.must_look(seen_up_to, key):

@@ -81,6 +81,7 @@ class Recoveries(Protocol):
     active: ActiveRecovery | None
     waiting: bool
     hang_stop: bool
+    waited_until: float
 
     def fault(
         self,

@@ -61,6 +61,9 @@ class RecoveryDriver:
         """The processes are being stopped because the job hung: the hang grace applies."""
         self.heal_requests = 0
         """The number of the last heal request sent (an answer to an older one is dropped)."""
+        self.waited_until = 0.0
+        """When the last process-level recovery worked: the ranks that kept running waited for
+        the restarted ones until then, silent (R-25 counts their silence from then)."""
 
     # -- faults ---------------------------------------------------------------------------------
 
@@ -394,6 +397,8 @@ class RecoveryDriver:
         c = self.c
         resumed_at = now if resumed_at is None else resumed_at
         self._settle(active, RecoveryPhase.SUCCEEDED, resumed_at)
+        if active.action.process_level:
+            self.waited_until = now
         c.update_job(status=JobStatus.RUNNING)
         self.hang_stop = False
         c.event(
