@@ -288,11 +288,15 @@ def test_fsdp2_restores_its_shards_from_peer_memory_through_a_lost_node_bit_iden
         },
         "spec": {
             "replicas": 2, "procs_per_pod": 1, "chips_per_pod": 2, "monitor_interval": 0.2,
-            "command": f"python {FSDP_SCRIPT} --steps 45", "peer_memory_mb": 16,
+            # steps of 0.2 s: node-0 dies in step 26 or 27, nowhere near step 30's save (CI, at
+            # 0.05 s a step, once saw step 30 committed as node-0 died: rank 1's copy of it was
+            # never made, and both ranks rightly took step 30 from storage)
+            "command": f"python {FSDP_SCRIPT} --steps 45 --step-seconds 0.2",
+            "peer_memory_mb": 16,
         },
     }  # fmt: skip
     result = cluster.run(
-        job, [{"kind": "node-down", "at_step": 27, "pod": 0}], CLUSTER, timeout=300, startup_s=60
+        job, [{"kind": "node-down", "at_step": 26, "pod": 0}], CLUSTER, timeout=300, startup_s=60
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.actions == ["isolated-job-reschedule"]

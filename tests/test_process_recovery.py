@@ -313,7 +313,7 @@ def test_r37_a_fault_while_a_checkpoint_is_saved_goes_to_the_next_level(
     ]  # while_saving: step 40's report may reach the controller well before the save begins
     job = process_job(out, ckpt_every=40, extra="--slow-save-at 40 --slow-save-s 7")
     result = run(cluster, job, faults)
-    assert result.actions == ["in-place"]
+    assert result.actions == ["in-place"], result.stdout[-3000:]
     decided = [e for e in events(result) if e.startswith("decision: in-place")]
     assert decided and "passed over: a checkpoint is being saved (R-37)" in decided[0]
     assert out.read_text().strip() == unbroken
