@@ -273,6 +273,9 @@ def test_process_retry_keeps_every_process_and_is_verified_by_a_later_step(
     assert sim.actions() == [("process-retry", "running")]
     update = [m for m in sim.link_peer(0).of(MembershipUpdate) if m.membership.retry]
     assert update and c.job.attempt == 1
+    # the rank driving the struck chip (node-1's pod, chip 0) takes model and optimizer from a
+    # healthy replica (train.distributed.replica_restore)
+    assert update[-1].membership.suspects == (c.spec.procs_per_pod * 1 + 0,)
     assert not any(peer.of(Stop) for peer in sim.launchers.values())
     sim.train(5)
     sim.tick()

@@ -139,6 +139,13 @@ def test_r30_memory_uce_is_retried_online_by_every_rank(cluster: Cluster, unbrok
     retried = re.findall(r"rank (\d): retry at step (\d+), generation 2", result.logs())
     assert sorted(int(r) for r, _ in retried) == [0, 1, 2, 3]
     assert len({step for _, step in retried}) == 1  # every rank re-ran the same step
+    # the struck chip's rank took model and optimizer from a healthy replica (step_rollback:
+    # replica, the default), on record; no other rank took anything
+    restores = [text for _, text in result.events() if " restored step " in text]
+    assert len(restores) == 1, restores
+    assert re.fullmatch(
+        r"pod 0 rank 0 restored step \d+ from the memory of rank 1, a healthy replica", restores[0]
+    ), restores
     assert out.read_text().strip() == unbroken
 
 

@@ -45,6 +45,7 @@ IMPURE_MODULES = {
 }
 RELAUNCH_ALLOWED = {
     "relaunch.protocol.operator",  # R-29's settings, parsed alike by the spec and the SDK
+    "relaunch.protocol.rollback",  # the step rollback the spec chooses and the SDK keeps
     "relaunch.protocol.links",  # the link faults a fault plan names
     "relaunch.errors",
     "relaunch.validation",

@@ -159,8 +159,8 @@ class ProcessRetry(LevelAction):
             active.after_step = max(active.after_step or 0, c.progress.step or 0)
             if active.fault.kind in (FaultKind.NETWORK, FaultKind.COLLECTIVE):
                 c.membership.publish(reform=True)
-            else:
-                c.membership.publish(retry=True)
+            else:  # a memory error: its ranks take model and optimizer from a replica
+                c.membership.publish(retry=True, suspects=commands.suspects(c, active.fault))
         if active.fault.chip is not None and active.heal is None:
             # the chip's error is repaired while the step runs again: left faulty, its node
             # would count as faulty for every later decision (R-31's rank-0 rule); a chip that

@@ -256,6 +256,15 @@ def said_stopping(c: ControllerContext, pods: int, containers: str) -> None:
     failpoints.reach("stopping")
 
 
+def suspects(c: ControllerContext, fault: Fault) -> tuple[int, ...]:
+    """The ranks whose memory `fault` may have touched: the one driving its chip (or the rank
+    that reported it), else every rank of its pod."""
+    ranks = faulty_ranks(c, fault)
+    if not ranks and fault.pod is not None:
+        ranks = c.ranks_of(fault.pod)
+    return ranks
+
+
 def pod_environment(c: ControllerContext, row: PodRow, attempt: int) -> dict[str, str]:
     """R-04 to R-07: what every process of the pod sees (RANK and LOCAL_RANK are the launcher's):
     its attempt's variables, built once an attempt, and its own."""
@@ -320,6 +329,7 @@ def _attempt_variables(
             shared_dir=shared_dir,
             process_recovery=process_recovery_env(recovery),
             recovery_wait_s=recovery.wait_reschedule_timeout_s if process_level else None,
+            step_rollback=recovery.step_rollback.value if process_level else None,
             run_id=f"{job_name}-{job_id}",
             max_restarts=recovery.job_retry_budget,
         ).variables()

@@ -136,6 +136,7 @@ class MembershipView(Protocol):
         parked: set[int] | None = None,
         reform: bool = False,
         operator: tuple[int, int, int] | None = None,
+        suspects: tuple[int, ...] = (),
     ) -> int: ...
 
     def joined(self, rank: int) -> None: ...

@@ -42,13 +42,15 @@ class MembershipPublisher:
         parked: set[int] | None = None,
         reform: bool = False,
         operator: tuple[int, int, int] | None = None,
+        suspects: tuple[int, ...] = (),
     ) -> int:
         """The next generation of the group: a new store port unless it is an online retry,
         which keeps the group. Parked pods' ranks are left out and the others are numbered
         densely (elastic training). `reform`: the same ranks form the group anew, on a new
         store, and run the interrupted step again (a network fault broke its connections).
         `operator`: an order to issue a failed collective again (R-29: step, collective,
-        attempt), on a new store; the keeper's own group is not this generation's. Returns the
+        attempt), on a new store; the keeper's own group is not this generation's. `suspects`:
+        the ranks whose memory an online retry's fault may have touched. Returns the
         generation published (0: none, process-level recovery is off)."""
         c = self.c
         if not c.recovery.process_level:
@@ -71,6 +73,7 @@ class MembershipPublisher:
             port=port,
             joiners=tuple(sorted(joiners)),
             retry=retry,
+            suspects=tuple(sorted(suspects)),
             parked=tuple(sorted(parked)),
             operator=operator,
         )

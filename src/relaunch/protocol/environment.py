@@ -65,6 +65,8 @@ class Env:
     RECOVERY_WAIT: Final = "RELAUNCH_RECOVERY_WAIT"
     COLLECTIVE_TIMEOUT: Final = "RELAUNCH_COLLECTIVE_TIMEOUT"
     ELASTIC_EVERY: Final = "RELAUNCH_ELASTIC_EVERY"
+    STEP_ROLLBACK: Final = "RELAUNCH_STEP_ROLLBACK"
+    """`StepRollback`'s value (the spec's `step_rollback`)."""
     # the launcher's side channels
     PROGRESS_SOCKET: Final = "RELAUNCH_PROGRESS_SOCKET"
     """Routine step reports: the launcher reads them every progress interval."""
@@ -111,6 +113,8 @@ class AttemptEnvironment:
     """R-07's variables for the job's strategies (spec.process_recovery_env)."""
     recovery_wait_s: float | None = None
     """With process-level recovery: how long a rank waits for its group's replacements."""
+    step_rollback: str | None = None
+    """With process-level recovery: what each step keeps to run again (`StepRollback`)."""
     run_id: str = "none"
     """TORCHELASTIC_RUN_ID (torchrun's --rdzv-id, whose default is "none")."""
     max_restarts: int = 0
@@ -137,6 +141,8 @@ class AttemptEnvironment:
         env.update(self.process_recovery)
         if self.recovery_wait_s is not None:
             env[Env.RECOVERY_WAIT] = str(self.recovery_wait_s)
+        if self.step_rollback is not None:
+            env[Env.STEP_ROLLBACK] = self.step_rollback
         return env
 
 

@@ -86,6 +86,10 @@ class Membership:
     """Original ranks that start from nothing in this generation and receive the state."""
     retry: bool = False
     """An online retry: same group, every rank runs the current step again."""
+    suspects: tuple[int, ...] = ()
+    """Original ranks whose memory the fault may have touched (a chip's memory error): in an
+    online retry they take model and optimizer from a healthy replica (train.group's
+    `rollback="replica"`)."""
     parked: tuple[int, ...] = ()
     """Pods left out by an elastic scale-in, until a node takes them back."""
     procs_per_pod: int = 1

@@ -126,6 +126,7 @@ def recovery_settings(ann: Annotations, lab: Labels, work: Workload) -> Recovery
         monitor_interval_s=work.monitor_interval,
         framework=lab.framework,
         operator_retry=from_environment(work.env),
+        step_rollback=work.step_rollback,
     )
 
 

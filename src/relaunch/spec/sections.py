@@ -8,6 +8,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from relaunch.protocol.rollback import StepRollback
 from relaunch.spec import readers as r
 from relaunch.spec.vocabulary import (
     FAULT_RETRY_TIMES,
@@ -116,6 +117,17 @@ class Workload(BaseModel):
     peer_memory_mb: Annotated[
         int, v(integer(0, 1 << 30, "MiB of the job's checkpoint copies a node keeps in memory"))
     ] = 0
+    step_rollback: Annotated[
+        StepRollback,
+        v(
+            choice(
+                StepRollback,
+                extra="replica: a step keeps its random streams and buffers, a rank whose memory "
+                "a fault touched takes model and optimizer from a healthy replica; snapshot: "
+                "each step also copies model and optimizer (state without a replica)",
+            )
+        ),
+    ] = StepRollback.REPLICA
 
 
 class File(BaseModel):

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from relaunch.protocol.operator import OperatorRetry
+from relaunch.protocol.rollback import StepRollback
 from relaunch.spec.vocabulary import (
     FaultScheduling,
     Framework,
@@ -59,6 +60,8 @@ class RecoverySettings:
     operator_retry: OperatorRetry | None = None
     """R-29, operator-level online recovery: on (HCCL_OP_RETRY_ENABLE with L1:1 in the job's
     environment), with its HCCL_OP_RETRY_PARAMS; None: off."""
+    step_rollback: StepRollback = StepRollback.REPLICA
+    """What process-level recovery keeps of each step to run it again (spec.step_rollback)."""
 
     @property
     def unconditional(self) -> bool:

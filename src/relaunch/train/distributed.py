@@ -4,19 +4,27 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import os
+import sys
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from relaunch.protocol.environment import Env
+from relaunch.protocol.plans import Membership
+from relaunch.protocol.rollback import StepRollback
 from relaunch.train import overlap, rng
 from relaunch.train.checkpoint import Checkpoint, CheckpointManager
+from relaunch.train.progress import report_restore
 
 __all__ = [
     "load_common_checkpoint",
     "parameter_hash",
+    "replica_restore",
     "restore_snapshot",
     "rng_state",
+    "rollback_mode",
     "set_rng_state",
     "settle_ddp_buckets",
     "step_snapshot",
@@ -90,15 +98,40 @@ def settle_ddp_buckets(
     ddp.module.zero_grad(set_to_none=True)
 
 
+def rollback_mode(asked: str | None, optimizer: torch.optim.Optimizer) -> StepRollback:
+    """What the keeper keeps of each step (`StepRollback`): `asked`, else the job's
+    (RELAUNCH_STEP_ROLLBACK), else a replica's. An optimizer whose state is sharded across the
+    ranks (ZeroRedundancyOptimizer) has no replica of a rank's: it takes a snapshot."""
+    value = asked if asked is not None else os.environ.get(Env.STEP_ROLLBACK, StepRollback.REPLICA)
+    try:
+        mode = StepRollback(value)
+    except ValueError:
+        allowed = ", ".join(repr(m.value) for m in StepRollback)
+        raise ValueError(f"step rollback {value!r}: expected one of {allowed}") from None
+    # torch.distributed.optim is not imported here: its import warns of torch.jit 66 times
+    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    if (
+        mode is StepRollback.REPLICA
+        and zero
+        and isinstance(optimizer, zero.ZeroRedundancyOptimizer)
+    ):
+        return StepRollback.SNAPSHOT
+    return mode
+
+
 def step_snapshot(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, with_state: bool
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, full: bool
 ) -> dict[str, Any]:
-    """What a step changes, taken at its start so that it can run again (an online retry): the
-    RNG streams, and with `with_state` the parameters and the optimizer's state."""
+    """What a step changes before its commit, taken at its start so that it can run again (an
+    online retry): the random streams and the module's buffers (a forward pass updates
+    BatchNorm's running statistics). Parameters and optimizer state change only at the keeper's
+    optimizer step, after the commit; `full` copies them too (`StepRollback.SNAPSHOT`)."""
     snap: dict[str, Any] = {"rng": rng_state()}
-    if with_state:
+    if full:
         snap["model"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
         snap["optimizer"] = copy.deepcopy(optimizer.state_dict())
+    else:
+        snap["buffers"] = {k: v.detach().clone() for k, v in model.named_buffers()}
     return snap
 
 
@@ -110,5 +143,37 @@ def restore_snapshot(
         overlap.settle_pending()  # the save before this step holds the state it saved
         model.load_state_dict(snapshot["model"])
         optimizer.load_state_dict(snapshot["optimizer"])
+    else:
+        buffers = dict(model.named_buffers())
+        with torch.no_grad():
+            for name, saved in snapshot["buffers"].items():
+                buffers[name].copy_(saved)
     set_rng_state(snapshot["rng"])
     optimizer.zero_grad(set_to_none=True)
+
+
+def replica_restore(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    m: Membership,
+    original_rank: int,
+    step: int,
+) -> int | None:
+    """An online retry after a memory error (`StepRollback.REPLICA`): the ranks whose memory it
+    may have touched (`m.suspects`) take model and optimizer from the lowest healthy rank, whose
+    are the same (data parallelism; the step changed neither before its commit), and the record
+    says so. A collective: every rank of `m` calls it. The rank that served, None if none could
+    (every rank a suspect: each keeps its own)."""
+    healthy = [m.ranks[r] for r in m.ranks if r not in m.suspects]
+    if not m.suspects or not healthy:
+        return None
+    source = min(healthy)
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    box: list[Any] = [state if dist.get_rank() == source else None]
+    dist.broadcast_object_list(box, src=source)
+    if original_rank in m.suspects:
+        overlap.settle_pending()  # an overlapped save's copy comes before the state it gets
+        model.load_state_dict(box[0]["model"])
+        optimizer.load_state_dict(box[0]["optimizer"])
+        report_restore(step, f"the memory of rank {source}, a healthy replica")
+    return source

@@ -22,15 +22,15 @@ can only interrupt a step before any rank changed its parameters, and:
   from its memory, on the job's record); then the interrupted step runs again. Healthy ranks
   never restart, re-import or reload a checkpoint;
 - when the controller asks for an online retry (a memory UCE or a network fault), every rank sees
-  it at the next commit, restores the in-memory snapshot taken at the step's start, and runs the
-  step again in the same group.
+  it at the next commit, rolls back what the step changed (random streams and buffers; a rank
+  whose memory the fault touched takes model and optimizer from a healthy replica, or from its
+  own copy with ``rollback="snapshot"``: `StepRollback`), and runs the step again.
 Without ``RELAUNCH_MEMBERSHIP`` (process-level recovery off), the keeper starts the group from
 the usual torchrun variables and a fault propagates as an exception."""
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
 import sys
 import threading
@@ -48,12 +48,15 @@ from torch.nn.parallel import DistributedDataParallel
 from relaunch.protocol.environment import Env
 from relaunch.protocol.operator import OperatorRetry
 from relaunch.protocol.plans import Membership, read_membership
+from relaunch.protocol.rollback import StepRollback
 from relaunch.train import overlap
 from relaunch.train.checkpoint import CheckpointManager
 from relaunch.train.collectives import RetryableCollectives, settings_from_env
 from relaunch.train.distributed import (
+    replica_restore,
     restore_snapshot,
     rng_state,
+    rollback_mode,
     set_rng_state,
     settle_ddp_buckets,
     step_snapshot,
@@ -84,7 +87,7 @@ class ProcessGroupKeeper:
         backend: str = "gloo",
         collective_timeout_s: float | None = None,
         wait_s: float | None = None,
-        snapshot: bool = True,
+        rollback: str | None = None,
         ddp_options: dict[str, Any] | None = None,
         elastic_every: int | None = None,
         operator_retry: bool | None = None,
@@ -97,7 +100,7 @@ class ProcessGroupKeeper:
         self.collective_timeout_s = collective_timeout_s or float(env_timeout or 30.0)
         env_wait = os.environ.get(Env.RECOVERY_WAIT)
         self.wait_s = wait_s or float(env_wait or 300.0)
-        self.snapshot_enabled = snapshot
+        self.rollback = rollback_mode(rollback, optimizer)
         env_every = os.environ.get(Env.ELASTIC_EVERY)
         self.elastic_every = max(1, elastic_every or int(env_every or 20))
         self._boundary: dict[str, Any] | None = None
@@ -350,22 +353,14 @@ class ProcessGroupKeeper:
         from here, so when it takes effect depends on the step only, never on timing."""
         if not self.recovery_enabled:
             return
-        self._boundary = {
-            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
-            "rng": rng_state(),
-            "completed": self.completed,
-        }
+        self._boundary = {**step_snapshot(self.model, self.optimizer, True), "at": self.completed}
 
     def _back_to_boundary(self) -> None:
         boundary = self._boundary
         if boundary is None:
             return
-        overlap.settle_pending()
-        self.model.load_state_dict(boundary["model"])
-        self.optimizer.load_state_dict(boundary["optimizer"])
-        set_rng_state(boundary["rng"])
-        self.completed = int(boundary["completed"])
+        restore_snapshot(self.model, self.optimizer, boundary)
+        self.completed = int(boundary["at"])
 
     def run(
         self,
@@ -424,7 +419,7 @@ class ProcessGroupKeeper:
     def _take_snapshot(self) -> dict[str, Any] | None:
         if not self.recovery_enabled:
             return None
-        return step_snapshot(self.model, self.optimizer, with_state=self.snapshot_enabled)
+        return step_snapshot(self.model, self.optimizer, self.rollback is StepRollback.SNAPSHOT)
 
     def _restore(self, snapshot: dict[str, Any] | None) -> None:
         if snapshot is not None:
@@ -443,6 +438,7 @@ class ProcessGroupKeeper:
         if generation is not None:
             m = self._wait_for(generation - 1, deadline)
             if m.retry:
+                replica_restore(self.model, self.optimizer, m, self.original_rank, self.completed)
                 self.membership = m
                 self._seen_mtime = 0.0
                 self._note("retry", m.generation, step, began)
