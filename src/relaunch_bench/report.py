@@ -82,6 +82,11 @@ PEER_MEMORY_COLUMNS = {
     "dlrover_save_stall_s": "DLRover flash save stalls s",
     "dlrover_restore_s": "DLRover restore, same node s",
 }  # fmt: skip
+ROLLBACK_COLUMNS = {
+    "rollback": "kept before a step", "params_m": "parameters (M)", "device": "device",
+    "every_steps": "every (steps)", "step_ms": "step ms", "keep_ms": "kept in ms",
+    "cost_pct": "cost per step %",
+}  # fmt: skip
 RELIABILITY_COLUMNS = {
     "system": "system", "level": "level", "workload": "workload", "jobs": "jobs",
     "injected": "faults injected",
@@ -134,6 +139,11 @@ SECTIONS = (
         "peer_memory",
         "Restores from a peer's memory against storage (data link between node namespaces)",
         PEER_MEMORY_COLUMNS,
+    ),
+    (
+        "rollback",
+        "What process-level recovery keeps of each step (Adam, about 100M parameters)",
+        ROLLBACK_COLUMNS,
     ),
     ("reliability", "Restart reliability", RELIABILITY_COLUMNS),
     ("slow", "Slow pod detection (DDP, 2 pods, record only)", SLOW_COLUMNS),

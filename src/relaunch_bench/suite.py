@@ -22,6 +22,7 @@ from relaunch_bench.peer_memory import SIZES_MB as PEER_MEMORY_SIZES
 from relaunch_bench.peer_memory import peer_memory_rows
 from relaunch_bench.peers import peer_ratio_spreads, peer_ratios, peer_rows
 from relaunch_bench.reliability import RELIABILITY_LEVELS, reliability_rows
+from relaunch_bench.rollback import rollback_rows
 from relaunch_bench.scale import scale_rows
 from relaunch_bench.series import series_ratio, series_rows
 from relaunch_bench.simulation import SIM_LEVELS, growth, simulation_rows
@@ -31,7 +32,7 @@ from relaunch_bench.slurm import slurm_rows
 
 SECTIONS = (
     "mttr", "hang", "peers", "series", "scale", "simulation", "sizes", "overhead", "checkpoint",
-    "reliability", "slow", "network", "slurm", "peer-memory",
+    "reliability", "slow", "network", "slurm", "peer-memory", "rollback",
 )  # fmt: skip
 
 
@@ -92,6 +93,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         "network": [],
         "slurm": [],
         "peer_memory": [],
+        "rollback": [],
         **measured,
         "peer_ratios": peer_ratios(measured.get("peers", [])),
         "peer_ratio_spreads": peer_ratio_spreads(measured.get("peers", [])),
@@ -158,6 +160,8 @@ def _sections(
         measured["peer_memory"] = peer_memory_rows(
             (64,) if quick else PEER_MEMORY_SIZES, 1 if quick else 3, options.out, say
         )
+    if "rollback" in sections:
+        measured["rollback"] = rollback_rows(quick, say, options.device)
     return measured
 
 
