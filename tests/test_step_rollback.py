@@ -176,3 +176,41 @@ def test_a_process_level_jobs_ranks_hear_the_rollback_others_do_not() -> None:
     assert env[Env.STEP_ROLLBACK] == "snapshot"
     plain = _attempt_variables("j", 1, 1, 1, 1, "127.0.0.1", 1, "/s", job().recovery)
     assert Env.STEP_ROLLBACK not in plain
+
+
+def test_elastic_boundaries_are_copied_only_where_the_world_may_change_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The elastic boundary's full copy (every `elastic_every` steps: 3.5 % of a 100M-parameter
+    model's steps) is only for jobs whose strategies scale in, or that ask for it."""
+    from relaunch.train.group import ProcessGroupKeeper
+
+    model, optimizer = _model()
+    for name in (Env.HIGH_AVAILABILITY, Env.ELASTIC_EVERY):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(Env.HIGH_AVAILABILITY, "retry,recover")
+    assert not ProcessGroupKeeper(model, optimizer).elastic
+    assert ProcessGroupKeeper(model, optimizer, elastic_every=10).elastic
+    monkeypatch.setenv(Env.HIGH_AVAILABILITY, "retry,elastic-training")
+    assert ProcessGroupKeeper(model, optimizer).elastic
+    monkeypatch.delenv(Env.HIGH_AVAILABILITY)
+    monkeypatch.setenv(Env.ELASTIC_EVERY, "5")
+    assert ProcessGroupKeeper(model, optimizer).elastic
+
+
+def test_the_bench_section_times_each_rollback_beside_a_step_and_reports_it() -> None:
+    """`relaunch bench --only rollback` (a tiny model here; about 100M parameters in the bench):
+    each rollback's cost is its copy over a step, the elastic boundary's spread over its steps."""
+    from relaunch_bench import report
+    from relaunch_bench.rollback import ELASTIC_EVERY, rollback_rows
+
+    said: list[str] = []
+    rows = rollback_rows(True, said.append, layers=2, width=64)
+    assert [r["rollback"] for r in rows] == ["replica", "snapshot", "elastic boundary"]
+    replica, snapshot, boundary = rows
+    assert replica["params_m"] == snapshot["params_m"] == round(2 * (64 * 64 + 64) / 1e6, 1)
+    assert all(r["step_ms"] > 0 and r["keep_ms"] > 0 for r in rows)
+    assert boundary["every_steps"] == ELASTIC_EVERY and boundary["keep_ms"] == snapshot["keep_ms"]
+    assert said[0].startswith("rollback: ")
+    table = "\n".join(report.table(rows, report.ROLLBACK_COLUMNS))
+    assert "| replica |" in table and "| kept before a step |" in table

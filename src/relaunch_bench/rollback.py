@@ -24,7 +24,11 @@ ELASTIC_EVERY = 20
 
 
 def rollback_rows(
-    quick: bool, say: Callable[[str], None], device: str = "cpu"
+    quick: bool,
+    say: Callable[[str], None],
+    device: str = "cpu",
+    layers: int = LAYERS,
+    width: int = WIDTH,
 ) -> list[dict[str, Any]]:
     import torch
     from torch import nn
@@ -33,10 +37,10 @@ def rollback_rows(
 
     where = torch.device("cuda" if device == "cuda" and torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
-    model = nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS))).to(where)
+    model = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers))).to(where)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     params = sum(p.numel() for p in model.parameters())
-    batch = torch.randn(BATCH, WIDTH, device=where)
+    batch = torch.randn(BATCH, width, device=where)
 
     def sync() -> None:
         if where.type == "cuda":

@@ -103,6 +103,9 @@ class ProcessGroupKeeper:
         self.rollback = rollback_mode(rollback, optimizer)
         env_every = os.environ.get(Env.ELASTIC_EVERY)
         self.elastic_every = max(1, elastic_every or int(env_every or 20))
+        # the boundaries' full copies only where the world may change size (R-33)
+        asked = elastic_every is not None or env_every is not None
+        self.elastic = asked or "elastic-training" in os.environ.get(Env.HIGH_AVAILABILITY, "")
         self._boundary: dict[str, Any] | None = None
         self.ddp_options = ddp_options or {}
         self.original_rank = int(os.environ.get(Env.RANK, "0"))
@@ -351,7 +354,7 @@ class ProcessGroupKeeper:
     def _mark_boundary(self) -> None:
         """In memory, the state after an elastic boundary step: a change of world size resumes
         from here, so when it takes effect depends on the step only, never on timing."""
-        if not self.recovery_enabled:
+        if not self.recovery_enabled or not self.elastic:
             return
         self._boundary = {**step_snapshot(self.model, self.optimizer, True), "at": self.completed}
 
