@@ -19,6 +19,7 @@ from relaunch.train.checkpoint import Checkpoint, CheckpointManager
 from relaunch.train.progress import report_restore
 
 __all__ = [
+    "elastic_boundaries",
     "load_common_checkpoint",
     "parameter_hash",
     "replica_restore",
@@ -117,6 +118,17 @@ def rollback_mode(asked: str | None, optimizer: torch.optim.Optimizer) -> StepRo
     ):
         return StepRollback.SNAPSHOT
     return mode
+
+
+def elastic_boundaries(asked: int | None) -> tuple[int, bool]:
+    """Every how many steps the keeper keeps an elastic boundary (`asked`, else
+    RELAUNCH_ELASTIC_EVERY, else 20), and whether it keeps any: its full copy of model and
+    optimizer is only for a world that may change size (elastic-training among the job's
+    strategies, R-33, or boundaries asked for)."""
+    env_every = os.environ.get(Env.ELASTIC_EVERY)
+    every = max(1, asked or int(env_every or 20))
+    wanted = asked is not None or env_every is not None
+    return every, wanted or "elastic-training" in os.environ.get(Env.HIGH_AVAILABILITY, "")
 
 
 def step_snapshot(

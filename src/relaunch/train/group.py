@@ -53,6 +53,7 @@ from relaunch.train import overlap
 from relaunch.train.checkpoint import CheckpointManager
 from relaunch.train.collectives import RetryableCollectives, settings_from_env
 from relaunch.train.distributed import (
+    elastic_boundaries,
     replica_restore,
     restore_snapshot,
     rng_state,
@@ -101,11 +102,7 @@ class ProcessGroupKeeper:
         env_wait = os.environ.get(Env.RECOVERY_WAIT)
         self.wait_s = wait_s or float(env_wait or 300.0)
         self.rollback = rollback_mode(rollback, optimizer)
-        env_every = os.environ.get(Env.ELASTIC_EVERY)
-        self.elastic_every = max(1, elastic_every or int(env_every or 20))
-        # the boundaries' full copies only where the world may change size (R-33)
-        asked = elastic_every is not None or env_every is not None
-        self.elastic = asked or "elastic-training" in os.environ.get(Env.HIGH_AVAILABILITY, "")
+        self.elastic_every, self.elastic = elastic_boundaries(elastic_every)
         self._boundary: dict[str, Any] | None = None
         self.ddp_options = ddp_options or {}
         self.original_rank = int(os.environ.get(Env.RANK, "0"))
