@@ -24,42 +24,56 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
     assert not left, f"processes outlived the run: {[p.pid for p in left]}"
 
 
-@pytest.fixture(scope="session")
-def unbroken(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The SHA-256 of the DDP example's parameters after a fault-free run (embedded cluster):
-    run once for the whole session, by whichever worker asks first (the others wait for it)."""
-    shared = tmp_path_factory.getbasetemp()
+def _once_per_session(factory: pytest.TempPathFactory, name: str, compute: Any) -> str:
+    """A fault-free run's hash, computed once for the whole session by whichever worker asks
+    first (the others wait for it on a lock, then read it): `compute(tmp)` runs it."""
+    shared = factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         shared = shared.parent  # this session's directory, the same for every xdist worker
-    done = shared / "unbroken-ddp.hash"
-    with FileLock(str(shared / "unbroken-ddp.lock")):
-        if done.exists():
-            return done.read_text().strip()
-        tmp = tmp_path_factory.mktemp("unbroken")
-        result = Cluster(tmp).run(
-            ddp_job(tmp / "hash.txt", 10), None, DDP_CLUSTER, timeout=240, startup_s=60
-        )
-        assert result.returncode == 0, result.stdout + result.stderr
-        assert result.report["recoveries"] == []
-        digest = (tmp / "hash.txt").read_text().strip()
-        done.write_text(digest)
-        return digest
+    done = shared / f"{name}.hash"
+    with FileLock(str(shared / f"{name}.lock")):
+        if not done.exists():
+            done.write_text(compute(factory.mktemp(name)))
+        return done.read_text().strip()
+
+
+def _fault_free(job: dict[str, Any], tmp: Path) -> str:
+    result = Cluster(tmp).run(job, None, DDP_CLUSTER, timeout=240, startup_s=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.report["recoveries"] == []
+    return (tmp / "hash.txt").read_text().strip()
+
+
+@pytest.fixture(scope="session")
+def unbroken(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The SHA-256 of the DDP example's parameters after a fault-free run (embedded cluster, 2
+    pods of 1 rank, 120 steps, a save every 10)."""
+    return _once_per_session(
+        tmp_path_factory, "unbroken-ddp", lambda tmp: _fault_free(ddp_job(tmp / "hash.txt"), tmp)
+    )
+
+
+@pytest.fixture(scope="session")
+def unbroken_process_pair(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The same with process-level recovery (the example's `--process-recovery`: the SDK's
+    process group keeper, whose bucketed all-reduce ends on other bits than DDP's): the baseline
+    of the network and operator-retry tests, which add only faults and settings to it."""
+    return _once_per_session(
+        tmp_path_factory,
+        "unbroken-ddp-process",
+        lambda tmp: _fault_free(ddp_job(tmp / "hash.txt", process=True), tmp),
+    )
 
 
 @pytest.fixture(scope="session")
 def fsdp_unbroken(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The FSDP2 example's final parameters' hash after a fault-free run of 2 ranks, 45 steps,
-    under torchrun: run once for the session, by whichever worker asks first."""
-    shared = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        shared = shared.parent
-    done = shared / "unbroken-fsdp.hash"
-    with FileLock(str(shared / "unbroken-fsdp.lock")):
-        if not done.exists():
-            tmp = tmp_path_factory.mktemp("unbroken-fsdp")
-            output = torchrun(2, "--steps", "45", "--ckpt-dir", str(tmp / "ckpt"), cwd=tmp)
-            done.write_text(final_hash(output))
-        return done.read_text().strip()
+    under torchrun."""
+
+    def compute(tmp: Path) -> str:
+        return final_hash(torchrun(2, "--steps", "45", "--ckpt-dir", str(tmp / "ckpt"), cwd=tmp))
+
+    return _once_per_session(tmp_path_factory, "unbroken-fsdp", compute)
 
 
 REAL_FIXTURES = frozenset(
@@ -68,6 +82,7 @@ REAL_FIXTURES = frozenset(
         "unbroken",
         "fsdp_unbroken",
         "unbroken_process",
+        "unbroken_process_pair",
         "fault_free",
         "server",
         "trial_slurm",

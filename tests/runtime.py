@@ -75,14 +75,21 @@ DDP_FAULTS = [
 """The example's fault plan (a crash, a chip fault, a lost node, a hang), on the tests' ranks."""
 
 
-def ddp_job(out: Path, ckpt_every: int) -> dict[str, Any]:
-    """The PyTorch DDP example, 120 steps, writing its final parameters' SHA-256 to `out`; one
+def ddp_job(
+    out: Path, ckpt_every: int = 10, process: bool = False, extra: str = "", steps: int = 120
+) -> dict[str, Any]:
+    """The PyTorch DDP example, `steps` steps, writing its final parameters' SHA-256 to `out`; one
     process per pod (world size 2) so that each restart costs two torch start-ups, not four, on
-    the tests' two cores."""
-    job = yaml.safe_load(yaml.safe_dump(DDP_JOB))
+    the tests' two cores. `process`: its process-level job file (examples/ddp/process-job.yaml)
+    and the script's `--process-recovery`; `extra`: more of the script's arguments."""
+    job = yaml.safe_load((ROOT / "examples" / "ddp" / "process-job.yaml").read_text())
+    if not process:
+        job = yaml.safe_load(yaml.safe_dump(DDP_JOB))
     job["spec"]["procs_per_pod"] = 1
+    recovery = " --process-recovery" if process else ""
     job["spec"]["command"] = (
-        f"python {ROOT / 'examples' / 'ddp' / 'train_ddp.py'} --steps 120 --ckpt-every {ckpt_every} --out {out}"
+        f"python {ROOT / 'examples' / 'ddp' / 'train_ddp.py'}{recovery} --steps {steps} "
+        f"--ckpt-every {ckpt_every} --out {out}{' ' + extra if extra else ''}"
     )
     return job
 

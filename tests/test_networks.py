@@ -16,7 +16,6 @@ from typing import Any
 
 import psutil
 import pytest
-import yaml
 
 from relaunch.cluster.linkwatch import still_cut
 from relaunch.cluster.network import ClusterNetwork, Layout, _used_prefixes
@@ -24,7 +23,7 @@ from relaunch.errors import FaultPlanError
 from relaunch.faults.plan import PlannedFaultKind, parse_plan
 from relaunch.protocol.links import Cut, LinkFaultKind
 from relaunch.store import Store
-from tests.runtime import DDP_CLUSTER, ROOT, Cluster, Result
+from tests.runtime import DDP_CLUSTER, ROOT, Cluster, Result, ddp_job
 
 # -- the layout and the fault commands (pure) ---------------------------------------------------
 
@@ -274,20 +273,9 @@ def test_a_fault_that_comes_after_its_cluster_was_removed_leaves_no_route(tmp_pa
     assert_nothing_left(tmp_path)
 
 
-DDP = ROOT / "examples" / "ddp" / "train_ddp.py"
 CLUSTER = {**DDP_CLUSTER, "adopt_grace_s": 4}
 """4 nodes, heartbeats every 0.2 s, a node lost after 1.5 s of silence; a pod's lease (the
 adopt grace) of 4 s."""
-
-
-def ddp(out: Path, process: bool = False, steps: int = 150) -> dict[str, Any]:
-    """The DDP example, 2 pods of 1 rank, hang window 4 s."""
-    name = "process-job.yaml" if process else "job.yaml"
-    job = yaml.safe_load((ROOT / "examples" / "ddp" / name).read_text())
-    job["spec"]["procs_per_pod"] = 1
-    recovery = " --process-recovery" if process else ""
-    job["spec"]["command"] = f"python {DDP}{recovery} --steps {steps} --ckpt-every 10 --out {out}"
-    return job
 
 
 def run(cluster: Cluster, job: dict[str, Any], faults: list[dict[str, Any]]) -> Result:
@@ -296,13 +284,11 @@ def run(cluster: Cluster, job: dict[str, Any], faults: list[dict[str, Any]]) -> 
     return result
 
 
-@pytest.fixture(scope="module")
-def unbroken(tmp_path_factory: pytest.TempPathFactory) -> str:
+@pytest.fixture
+def unbroken(unbroken: str) -> str:
+    """The session's fault-free DDP run (tests/conftest.py), where this machine can cut links."""
     _needs_namespaces()
-    tmp = tmp_path_factory.mktemp("networks-unbroken")
-    result = run(Cluster(tmp), ddp(tmp / "hash.txt"), [])
-    assert result.report["recoveries"] == []
-    return (tmp / "hash.txt").read_text().strip()
+    return unbroken
 
 
 def test_r12_a_10_s_link_flap_and_a_partition_from_the_peers_are_ridden_out(
@@ -318,7 +304,7 @@ def test_r12_a_10_s_link_flap_and_a_partition_from_the_peers_are_ridden_out(
         {"kind": "network", "at_step": 30, "pod": 1, "duration_s": 10},
         {"kind": "partition", "at_step": 70, "pod": 1, "cut": "peers", "duration_s": 8},
     ]
-    result = run(cluster, ddp(out), faults)
+    result = run(cluster, ddp_job(out), faults)
     records = result.report["recoveries"]
     assert [(r["action"], r["fault"]["kind"]) for r in records] == [
         ("ignore", "network"), ("ignore", "network"),
@@ -363,13 +349,11 @@ def run_with(
     return result
 
 
-@pytest.fixture(scope="module")
-def unbroken_process(tmp_path_factory: pytest.TempPathFactory) -> str:
+@pytest.fixture
+def unbroken_process(unbroken_process_pair: str) -> str:
+    """The session's fault-free run of the DDP example under process-level recovery."""
     _needs_namespaces()
-    tmp = tmp_path_factory.mktemp("networks-unbroken-process")
-    result = run(Cluster(tmp), ddp(tmp / "hash.txt", process=True), [])
-    assert result.report["recoveries"] == []
-    return (tmp / "hash.txt").read_text().strip()
+    return unbroken_process_pair
 
 
 def test_r12_r30_a_link_lost_past_the_blip_window_is_retried_by_the_sdk_once_it_is_back(
@@ -382,7 +366,7 @@ def test_r12_r30_a_link_lost_past_the_blip_window_is_retried_by_the_sdk_once_it_
     meanwhile); bit-identical."""
     out = cluster.dir / "hash.txt"
     faults = [{"kind": "network", "at_step": 30, "pod": 1, "duration_s": 8}]
-    result = run_with(cluster, ddp(out, process=True), faults, blip_s=3)
+    result = run_with(cluster, ddp_job(out, process=True), faults, blip_s=3)
     (record,) = result.report["recoveries"]
     assert (record["action"], record["outcome"]) == ("process-retry", "succeeded")
     assert record["fault"]["duration_s"] is None  # decided while still down
@@ -401,7 +385,7 @@ def test_r12_r20_r23_a_link_that_stays_down_fails_its_heal_and_the_pod_moves(
     recovery fails and the pod moves off the node (R-23). Bit-identical."""
     out = cluster.dir / "hash.txt"
     faults = [{"kind": "network", "at_step": 30, "pod": 1, "duration_s": 30}]
-    result = run_with(cluster, ddp(out), faults, blip_s=3)
+    result = run_with(cluster, ddp_job(out), faults, blip_s=3)
     records = result.report["recoveries"]
     assert [(r["action"], r["outcome"]) for r in records] == [
         ("in-place", "failed"), ("pod-reschedule", "succeeded"),
@@ -454,7 +438,7 @@ def test_r14_a_node_cut_off_from_the_controller_stops_its_pod_before_the_replace
     out = cluster.dir / "hash.txt"
     faults = [{"kind": "partition", "at_step": 30, "pod": 1, "cut": "controller", "duration_s": 60}]
     seen = Incarnations(cluster.state)
-    result = run_with(cluster, ddp(out), faults, during=seen.watch)
+    result = run_with(cluster, ddp_job(out), faults, during=seen.watch)
     records = result.report["recoveries"]
     assert [(r["action"], r["fault"]["kind"]) for r in records] == [
         ("pod-reschedule", "node-lost")
@@ -480,7 +464,7 @@ def test_a_degraded_link_is_found_slow_and_its_pod_moved(cluster: Cluster) -> No
     # test delays the other nodes' answers (at 1 Mbit/s, beside another test file, its round trip
     # stayed under five times theirs)
     faults = [{"kind": "degraded-link", "at_step": 30, "pod": 1, "rate_mbit": 0.25}]
-    job = ddp(out, steps=400)
+    job = ddp_job(out, steps=400)
     result = run_with(cluster, job, faults, nodes={**CLUSTER, "slow_window_s": 4})
     records = result.report["recoveries"]
     assert [(r["action"], r["fault"]["kind"], r["fault"]["pod"]) for r in records] == [
