@@ -146,6 +146,37 @@ def test_a_process_retry_killed_before_its_membership_keeps_the_step_it_waits_pa
     assert sim.actions() == [("process-retry", "succeeded")]
 
 
+def test_a_process_retry_killed_once_its_membership_is_stored_sends_it_with_its_suspects(
+    tmp_path: Path, kill_at: list[str]
+) -> None:
+    """A memory error's online retry names the ranks whose memory it may have touched (the
+    suspects, who take model and optimizer from a healthy replica). The controller dies once
+    that generation is committed and before any launcher got it: the resumed controller sends
+    that same generation, suspects and all, not a new one without them; the retry then settles
+    on a step past the one it waits for."""
+    sim = booted(tmp_path, PROCESS, labels=PROCESS_LABELS, hang_detect_seconds=60)
+    sim.train(5)
+    sim.tick()
+    kill_at.append("membership-stored")
+    uce(sim)  # node-1's chip 0: pod 1's first rank, rank 2
+    die_in(sim)
+    sent = [m for _, m in sim.wire if isinstance(m, MembershipUpdate)]
+    assert all(m.membership.generation == 1 for m in sent), "sent before the kill"
+    sim.restart_controller()
+    sim.run(2.5)
+    assert generations(sim) == [1, 2]
+    resent = {
+        m.membership.generation: m.membership
+        for _, m in sim.wire
+        if isinstance(m, MembershipUpdate)
+    }
+    assert resent[2].retry and resent[2].suspects == (2,), resent[2]
+    assert sim.actions() == [("process-retry", "running")]
+    sim.train(6)
+    sim.tick()
+    assert sim.actions() == [("process-retry", "succeeded")]
+
+
 def test_a_process_reschedule_killed_before_its_membership_publishes_it_on_resume(
     tmp_path: Path, kill_at: list[str]
 ) -> None:

@@ -10,6 +10,7 @@ string comparison per place reached.
 The places, in the order a recovery reaches them: `fault-plan-due` (a planned fault is due, not
 yet injected), `fault-stored` (the fault and its pending decision are committed),
 `decision-stored` (the recovery record and the desired state it asks for are committed),
+`membership-stored` (a process-level recovery's group generation is committed, not yet sent),
 `stopping` (the old processes were told to stop), `starting` (the new processes were told to
 start), `recovered` (progress resumed and the record was settled).
 """
@@ -28,6 +29,7 @@ PLACES: Final = (
     "fault-plan-due",
     "fault-stored",
     "decision-stored",
+    "membership-stored",
     "stopping",
     "starting",
     "recovered",

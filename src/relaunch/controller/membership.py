@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from relaunch import failpoints
 from relaunch.controller import commands
 from relaunch.policy import Counters
 from relaunch.policy.elastic import scale_out
@@ -78,6 +79,7 @@ class MembershipPublisher:
             operator=operator,
         )
         c.update_job(membership=_stored(membership))
+        failpoints.reach("membership-stored")
         update = MembershipUpdate(membership)  # one message, encoded once (protocol.wire)
         for pod in c.pods.values():
             if pod.link is not None:
