@@ -8,6 +8,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import yaml
 
 from relaunch_bench.series import measure, peer_series, plan, relaunch_series, series_ratio
 
@@ -90,12 +91,20 @@ def test_the_lost_time_ratio_is_against_the_best_peer_that_finished() -> None:
 def test_a_short_series_under_relaunch_is_recovered_fault_by_fault(tmp_path: Path) -> None:
     """A crash and a hang 100 steps apart: relaunch's own levels recover each (the SDK keeps
     the group, so a warm spare replaces the crashed rank, and the hung one too), and the ruler
-    reads the run."""
-    result = relaunch_series(plan(2, every=100, kinds=("crash", "hang")), tmp_path, every=100)
+    reads the run; then a fault-free run of the same job without process-level recovery gives
+    the plain script's step, and the step's price of the process level beside it."""
+    series = plan(2, every=100, kinds=("crash", "hang"))
+    result = relaunch_series(series, tmp_path, every=100, reference_steps=60)
     assert result.finished and result.faults == 2, result
     assert set(result.note.split(", ")) <= {"process-in-place", "hang-restart"}, result.note
     assert result.steps == 300 and result.ettr is not None and 0 < result.ettr < 1
     assert result.lost_by_cause["detection and restart"] > 0
+    assert result.step_ms and result.plain_step_ms, result
+    assert result.process_level_cost == round(result.step_ms / result.plain_step_ms - 1, 3)
+    ran = {d: yaml.safe_load((d / "job.yaml").read_text()) for d in (tmp_path, tmp_path / "plain")}
+    assert "--process-recovery" in ran[tmp_path]["spec"]["command"]
+    assert "--process-recovery" not in ran[tmp_path / "plain"]["spec"]["command"]
+    assert "recover-strategy" not in ran[tmp_path / "plain"]["metadata"]["annotations"]
 
 
 def test_a_short_series_under_torchrun_runs_the_plain_script_and_strikes_each_fault(

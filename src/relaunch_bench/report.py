@@ -27,7 +27,9 @@ SCALE_COLUMNS = {
 SERIES_COLUMNS = {
     "system": "system", "series": "fault series", "faults": "faults struck",
     "finished": "finished", "run_s": "run s", "productive_s": "productive s", "lost_s": "lost s",
-    "ettr": "ETTR", "step_ms": "step ms", "lost_by_cause": "lost s by cause", "note": "note",
+    "ettr": "ETTR", "step_ms": "step ms", "plain_step_ms": "step ms without process level",
+    "process_level_cost": "process level's cost a step", "lost_by_cause": "lost s by cause",
+    "note": "note",
 }  # fmt: skip
 SIMULATION_COLUMNS = {
     "level": "level", "pods": "pods", "ranks": "ranks", "action": "handled by",

@@ -66,6 +66,11 @@ class SeriesResult:
     lost_s: float | None = None
     ettr: float | None = None
     step_ms: float | None = None
+    plain_step_ms: float | None = None
+    """relaunch: the same script's fault-free step without process-level recovery (no SDK
+    keeper), on the same cluster in the same run; a peer runs the plain script throughout."""
+    process_level_cost: float | None = None
+    """step_ms over plain_step_ms, less one: what process-level recovery costs each step."""
     lost_by_cause: dict[str, float] = field(default_factory=dict)
     note: str = ""
 
@@ -128,13 +133,22 @@ def _struck(path: Path) -> list[float]:
     return [t for e, _, t in timeline.read(path) if e in ("crash", "hang")]
 
 
+REFERENCE_STEPS = 1200
+"""The fault-free reference run's steps (about 30 s): the plain script's step time."""
+
+
 def relaunch_series(
-    series: list[tuple[int, str]], tmp: Path, every: int = EVERY, async_save: bool = True
+    series: list[tuple[int, str]],
+    tmp: Path,
+    every: int = EVERY,
+    async_save: bool = True,
+    reference_steps: int = REFERENCE_STEPS,
 ) -> SeriesResult:
     """relaunch with its best levels: the SDK keeps the group (process level), warm spares in
     each pod, hang retry, checkpoints written in the background (`async_save`: a synchronous
     save, fsynced on both ranks every 5 steps, made each fifth step 8 ms slower: 36 s of a
-    ten-minute run); the series as its fault plan on rank 1 (pod 1)."""
+    ten-minute run); the series as its fault plan on rank 1 (pod 1). Then `reference_steps` of
+    the same job without process-level recovery and without faults: the step's price of it."""
     name = "with lost nodes" if any(k == "lost-node" for _, k in series) else "crash, hang"
     path = tmp / "timeline.txt"
     steps = every * (len(series) + 1)
@@ -144,30 +158,8 @@ def relaunch_series(
         "lost-node": {"kind": "node-down", "pod": 1},
     }
     faults = [{**kinds[kind], "at_step": step} for step, kind in series]
-    job = {
-        "kind": "job",
-        "metadata": {
-            "name": "bench-series",
-            "annotations": {
-                "fault-tolerance/job-retry-num": "40",
-                "fault-tolerance/hang-retry": "true",
-                **PROCESS_ANNOTATIONS,
-            },
-            "labels": {"fault-scheduling": "grace", "grace-over-time": "3", **PROCESS_LABELS},
-        },
-        "spec": {
-            "replicas": 2,
-            "procs_per_pod": 1,
-            "chips_per_pod": 2,
-            "command": f"python {DDP} --process-recovery --steps {steps} --ckpt-every 5 "
-            f"--timeline {path}" + (" --async-save" if async_save else ""),
-            "hang_detect_seconds": HANG_S,
-            "monitor_interval": 0.1,
-            "warm_spares": 1,
-            "hang_grace_seconds": HANG_GRACE_WARM_S,
-        },
-    }
     nodes = cluster(2 + sum(k == "lost-node" for _, k in series), 2)
+    job = series_job(steps, path, async_save, process_level=True)
     report, _ = run_job(tmp, job, faults, nodes, timeout=3600)
     result = SeriesResult("relaunch", name, finished=report is not None)
     if report is None:
@@ -178,7 +170,42 @@ def relaunch_series(
     result.faults = len(faults_at)
     result.note = ", ".join(sorted({r["action"] for r in records}))
     _fill(result, measure(timeline.read(path), faults_at))
+    if reference_steps and result.step_ms:
+        plain = tmp / "plain"
+        plain.mkdir()
+        job = series_job(reference_steps, plain / "timeline.txt", async_save, process_level=False)
+        if run_job(plain, job, [], nodes, timeout=600)[0] is not None:
+            reference = measure(timeline.read(plain / "timeline.txt"), [])
+            result.plain_step_ms = reference.get("step_ms")
+        if result.plain_step_ms:
+            result.process_level_cost = round(result.step_ms / result.plain_step_ms - 1, 3)
     return result
+
+
+def series_job(steps: int, path: Path, async_save: bool, process_level: bool) -> dict[str, Any]:
+    """The series' job for relaunch: the DDP example, two pods of one rank, warm spares, hang
+    retry; `process_level`: the SDK keeps the group and the process levels come first."""
+    annotations = {"fault-tolerance/job-retry-num": "40", "fault-tolerance/hang-retry": "true"}
+    labels = {"fault-scheduling": "grace", "grace-over-time": "3"}
+    if process_level:
+        annotations |= PROCESS_ANNOTATIONS
+        labels |= PROCESS_LABELS
+    keeper = " --process-recovery" if process_level else ""
+    return {
+        "kind": "job",
+        "metadata": {"name": "bench-series", "annotations": annotations, "labels": labels},
+        "spec": {
+            "replicas": 2,
+            "procs_per_pod": 1,
+            "chips_per_pod": 2,
+            "command": f"python {DDP}{keeper} --steps {steps} --ckpt-every 5 "
+            f"--timeline {path}" + (" --async-save" if async_save else ""),
+            "hang_detect_seconds": HANG_S,
+            "monitor_interval": 0.1,
+            "warm_spares": 1,
+            "hang_grace_seconds": HANG_GRACE_WARM_S,
+        },
+    }
 
 
 def peer_series(
@@ -260,6 +287,11 @@ def series_rows(
             f"series {system} ({result.series}): {result.faults} faults, lost {result.lost_s} s, "
             f"ETTR {result.ettr} {result.note}; lost by cause {result.lost_by_cause}, "
             f"{result.steps} steps in {result.run_s} s at {result.step_ms} ms"
+            + (
+                f" ({result.plain_step_ms} ms without process-level recovery)"
+                if result.plain_step_ms
+                else ""
+            )
         )
         if partial is not None:
             partial.write_text(json.dumps(rows, indent=2))
