@@ -5,7 +5,9 @@ through real recoveries (the 4,096-pod figures are `relaunch bench --only simula
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -83,26 +85,36 @@ def test_the_nodes_last_heartbeats_reach_the_store_together_every_few_seconds(
     assert sim.store.node("node-1").chip_faults, "a chip fault is written at once"
 
 
-@pytest.mark.parametrize(
-    ("level", "commands"),
-    [
-        ("process-in-place", {"membership": 16, "start": 1}),
-        ("job-reschedule", {"shutdown": 16, "start": 16}),
-        # warm spares: each rebuilt pod takes its node's standby launcher (no new launcher)
-        ("job-reschedule+spare", {"shutdown": 16, "assume": 16, "start": 16}),
-    ],
-)
-def test_the_simulation_drives_the_real_controller_through_a_recovery(
-    level: str, commands: dict[str, int]
-) -> None:
-    """16 simulated pods of 2 ranks over the real wire: the level recovers, the commands it
-    sends are counted, and a process-level recovery writes a handful of rows, not one a pod."""
+COMMANDS = {
+    "process-in-place": {"membership": 16, "start": 1},
+    "job-reschedule": {"shutdown": 16, "start": 16},
+    # warm spares: each rebuilt pod takes its node's standby launcher (no new launcher)
+    "job-reschedule+spare": {"shutdown": 16, "assume": 16, "start": 16},
+}
+
+
+@pytest.fixture(scope="module")
+def simulated_rows() -> dict[str, dict[str, Any]]:
+    """One simulated run per level, the three at once: each is a process of its own (its own
+    controller and store) whose ranks step on a wall clock, idle nearly all their 20 s, and
+    nothing below bounds a time; run one after another they took a minute of the suite."""
     # the simulated ranks step on a wall clock and end `tail_s` after the fault's step: long
     # enough for a start beside another test on two cores
     # the fault comes once every pod started and trained a while (the default lead, 10 s): with
     # a 3 s lead, beside another test file on two workers, the warm-spare run once ended with
     # no recovery recorded
-    row = simulated(16, 2, level, lead_s=None, tail_s=8.0)
+    with ThreadPoolExecutor(len(COMMANDS)) as pool:
+        running = {level: pool.submit(simulated, 16, 2, level, None, 8.0) for level in COMMANDS}
+        return {level: future.result() for level, future in running.items()}
+
+
+@pytest.mark.parametrize("level", list(COMMANDS))
+def test_the_simulation_drives_the_real_controller_through_a_recovery(
+    level: str, simulated_rows: dict[str, dict[str, Any]]
+) -> None:
+    """16 simulated pods of 2 ranks over the real wire: the level recovers, the commands it
+    sends are counted, and a process-level recovery writes a handful of rows, not one a pod."""
+    row, commands = simulated_rows[level], COMMANDS[level]
     assert row.get("records") == [[level.removesuffix("+spare"), "succeeded"]], row
     assert row["status"] == "Succeeded" and row["ranks"] == 32
     assert row["commands"] == commands
