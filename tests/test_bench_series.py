@@ -63,6 +63,9 @@ def test_goodput_is_the_steps_kept_at_the_fault_free_pace() -> None:
     assert measured["lost_s"] == pytest.approx(2.1, abs=0.1)
     assert measured["ettr"] == pytest.approx(14.975 / 17.1, abs=0.01)
     assert measure([("step", 1, 0.0)], []) == {}
+    fault_free = measure(events[:400], [])  # a reference run: no fault, nothing lost to one
+    assert fault_free["step_ms"] == pytest.approx(25.0) and fault_free["ettr"] == 1.0
+    assert fault_free["lost_by_cause"]["detection and restart"] == 0
 
 
 def test_the_stall_ends_with_the_longest_pause_after_the_fault_not_the_next_step() -> None:

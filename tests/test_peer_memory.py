@@ -216,6 +216,32 @@ def test_no_node_holds_both_a_ranks_state_and_its_only_copy(
     assert alone.target() is None
 
 
+def test_a_copy_whose_target_node_is_gone_goes_to_the_next_node_and_is_restored_from_there(
+    tmp_path: Path, nodes: dict[str, PeerMemoryServer]
+) -> None:
+    """Rank 0 on node-0 copies to node-1; node-1 is lost (its memory answers no more), as a
+    healthy rank saves its dying gasp: the copy goes to node-2 instead, the next node round the
+    ring, and later copies go there first without waiting on node-1 again. A rank replaced on
+    node-1's successor restores the gasp's step from node-2's memory, not from storage."""
+    manager = CheckpointManager(tmp_path, rank=0, keep=3, peers=peers_of("node-0", nodes))
+    assert manager.peers is not None
+    manager.save(10, state(10))
+    assert manager.peers.wait(30) and list(manager.peers.sent) == [(10, "node-1")]
+    nodes["node-1"].shutdown()
+    nodes["node-1"].server_close()  # its address refuses connections: the node is gone
+    for step in (20, 30):
+        manager.save(step, state(step))
+        assert manager.peers.wait(30)
+    assert list(manager.peers.sent) == [(10, "node-1"), (20, "node-2"), (30, "node-2")]
+    assert manager.peers.unreachable == {"node-1"}
+    assert manager.peers.candidates() == ["node-2", "node-1"]
+    (tmp_path / "step-000000030" / "rank-0.ckpt").unlink()  # storage no longer has its bytes
+    replaced = restorer(tmp_path, {n: s for n, s in nodes.items() if n != "node-1"}, "node-3")
+    loaded = replaced.load()
+    assert loaded is not None and loaded.step == 30 and same(loaded.state, state(30))
+    assert replaced.restored_from == {(0, 30): "peer memory of node-2"}
+
+
 def test_a_job_without_peer_memory_copies_nothing_and_its_ranks_are_told_where_the_peers_are(
     tmp_path: Path,
 ) -> None:

@@ -70,10 +70,13 @@ def test_overlapped_saves_and_warm_restarts_at_every_level_end_bit_identical(
     path is the DDP example's, tested under every fault elsewhere), and spec.warm_spares: the
     restarted processes are spares that imported torch before the fault (a standby launcher's
     for the rebuilt and the moved pods, the pod's own for in-place and hang restarts), and run
-    the script as a fresh process would. Same result, bit for bit."""
+    the script as a fresh process would. Same result, bit for bit. With `peer_memory_mb` too:
+    each save also goes to another node's memory, and the rank moved off the lost node, in a
+    warm spare, restores from there (on record)."""
     out = cluster.dir / "hash.txt"
     spec = job(out, 10, "overlap")
     spec["spec"]["warm_spares"] = 1
+    spec["spec"]["peer_memory_mb"] = 16
     result = cluster.run(spec, DDP_FAULTS, DDP_CLUSTER, timeout=400, startup_s=60)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.actions == ACTIONS, result.stdout
@@ -84,6 +87,10 @@ def test_overlapped_saves_and_warm_restarts_at_every_level_end_bit_identical(
     )
     warm = re.findall(r"--- relaunch: attempt ([2-9]), \S+, warm spare pid \d+ ---", result.logs())
     assert warm, "no restart ran in a warm spare"
+    events = [text for _, text in result.events()]
+    lost = next(i for i, text in enumerate(events) if text.startswith("fault: node-lost"))
+    moved = [e for e in events[lost:] if e.startswith("pod 1 rank 1 restored step ")]
+    assert moved and " from peer memory of node-" in moved[0], events
 
 
 def test_sdk_script_with_dying_gasps_only_ends_bit_identical_under_every_fault(

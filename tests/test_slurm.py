@@ -141,13 +141,18 @@ def test_ddp_example_on_slurm_same_decisions_bit_identical_nothing_left(
     """The DDP example's faults (a crash, a chip fault that heals, a lost node, a hang) inside a
     Slurm allocation: the embedded cluster's decisions, one record each, every one worked; the
     parameters bit-identical to a fault-free run; the lost node drained in Slurm with
-    relaunch's reason; no step of relaunch's, no cgroup and no process left after the job."""
+    relaunch's reason; no step of relaunch's, no cgroup and no process left after the job.
+    With `peer_memory_mb`: each rank's checkpoint also goes to another node's agent (a process
+    srun started, as every agent here), and the pod moved off the lost node restores from a
+    peer's memory, on record, as on the embedded cluster (test_peer_memory.py)."""
     out = tmp_path / "hash.txt"
     body = """relaunch run --engine slurm $JOB $FILES --startup-seconds 60 --quiet
 code=$?
 COLUMNS=200 relaunch nodes --engine slurm --state-dir $STATE
 exit $code"""
-    code = sbatch(slurm, batch_script(tmp_path, ddp_job(out, 10), DDP_FAULTS, body=body))
+    job = ddp_job(out, 10)
+    job["spec"]["peer_memory_mb"] = 16
+    code = sbatch(slurm, batch_script(tmp_path, job, DDP_FAULTS, body=body))
     log = (tmp_path / "out.txt").read_text()
     report = json.loads((tmp_path / "report.json").read_text())
     result = Result(code, report, log, "", tmp_path / "state")
@@ -155,6 +160,12 @@ exit $code"""
     assert result.actions == EMBEDDED_ACTIONS, log
     assert all(r["outcome"] == "succeeded" for r in report["recoveries"]), log
     assert out.read_text().strip() == unbroken, log
+    events = [text for _, text in result.events()]
+    lost = next(i for i, text in enumerate(events) if text.startswith("fault: node-lost"))
+    moved = [e for e in events[lost:] if e.startswith("pod 1 rank 1 restored step ")]
+    assert moved and re.fullmatch(
+        r"pod 1 rank 1 restored step \d+ from peer memory of n[134]", moved[0]
+    ), events
     assert (
         "n2 relaunch: lost and isolated: node-lost"
         in slurm.slurm(["sinfo", "-R", "-h", "-o", "%n %E"]).stdout

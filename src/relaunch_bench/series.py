@@ -92,7 +92,7 @@ def measure(events: list[timeline.Event], faults_at: list[float]) -> dict[str, A
     productive = (last_step - first_step) * step_s
     stall = recomputed = 0.0
     struck = sorted(faults_at)
-    for at, until in zip(struck, [*struck[1:], float("inf")], strict=True):
+    for at, until in zip(struck, [*struck[1:], float("inf")][: len(struck)], strict=True):
         resumed = _resumed(steps, at, until)
         if resumed is None:
             continue

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from relaunch.protocol.environment import Env
 from relaunch.protocol.peer_memory import (
@@ -73,6 +73,8 @@ class PeerCopies:
         """(step, node) of the newest copies a peer kept, newest last (for tests and diagnosis)."""
         self.failures: deque[str] = deque(maxlen=KEPT_RECORDS)
         """Why a copy was not kept, for the newest that were not."""
+        self.unreachable: set[str] = set()
+        """Nodes whose memory did not answer this rank's last copy to them."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> PeerCopies | None:
@@ -86,10 +88,19 @@ class PeerCopies:
 
     def target(self) -> str | None:
         """The node this rank's copies go to: the next one after its own (None: no other)."""
+        order = self.candidates()
+        return order[0] if order else None
+
+    def candidates(self) -> list[str]:
+        """Where a copy may go, in the order tried: the nodes after this rank's own, round the
+        ring (the first is the target), those whose memory did not answer last time at the
+        end: a lost target (its node gone with the copies it held) is passed over for the next
+        node, whose memory a replaced rank's restore asks as well."""
         others = sorted(n for n in self.peers if n != self.node)
-        if not others:
-            return None
-        return next((n for n in others if n > self.node), others[0])
+        ring = [n for n in others if n > self.node] + [n for n in others if n < self.node]
+        return [n for n in ring if n not in self.unreachable] + [
+            n for n in ring if n in self.unreachable
+        ]
 
     # -- copying -----------------------------------------------------------------------------------
 
@@ -125,32 +136,36 @@ class PeerCopies:
                     self._lock.notify_all()
 
     def _send(self, rank: int, step: int, manifest: dict[str, Any], path: Path) -> None:
-        node = self.target()
-        if node is None:
+        order = self.candidates()
+        if not order:
             self.failures.append(f"step {step}: no other node's memory to copy to")
             return
-        try:
-            with open(path, "rb") as f, self._connect(node) as sock:
-                size = os.fstat(f.fileno()).st_size
-                send_header(
-                    sock,
-                    {
-                        "op": "put",
-                        "job": self.job,
-                        "rank": rank,
-                        "step": step,
-                        "manifest": manifest,
-                        "size": size,
-                        "budget": self.budget,
-                    },
-                )
-                sock.sendfile(f)
-                answer = read_header(sock)
-            if not answer.get("ok"):
-                raise PeerMemoryError(str(answer.get("error")))
-            self.sent.append((step, node))
-        except (OSError, ValueError) as error:  # the copy is an extra: the save stands without it
-            self.failures.append(f"step {step} to {node}: {error}")
+        for node in order:
+            try:
+                sock = self._connect(node)
+            except OSError as error:  # its node is lost (or its agent is): the next node's
+                self.unreachable.add(node)
+                self.failures.append(f"step {step} to {node}: {error}")
+                continue
+            self.unreachable.discard(node)
+            try:
+                with sock, open(path, "rb") as f:
+                    self._put(sock, f, rank, step, manifest)
+                self.sent.append((step, node))
+            except (OSError, ValueError) as error:  # the copy is an extra: the save stands
+                self.failures.append(f"step {step} to {node}: {error}")
+            return
+
+    def _put(
+        self, sock: socket.socket, f: BinaryIO, rank: int, step: int, manifest: dict[str, Any]
+    ) -> None:
+        size = os.fstat(f.fileno()).st_size
+        header = {"op": "put", "job": self.job, "rank": rank, "step": step}
+        send_header(sock, {**header, "manifest": manifest, "size": size, "budget": self.budget})
+        sock.sendfile(f)
+        answer = read_header(sock)
+        if not answer.get("ok"):
+            raise PeerMemoryError(str(answer.get("error")))
 
     # -- reading back ------------------------------------------------------------------------------
 
