@@ -6,6 +6,7 @@ shards, real torch state; the keeper is the one every agent runs (relaunch.clust
 from __future__ import annotations
 
 import json
+import re
 import socket
 import warnings
 from collections.abc import Iterator
@@ -338,6 +339,54 @@ def test_fsdp2_restores_its_shards_from_peer_memory_through_a_lost_node_bit_iden
     assert final_hash(result.logs()) == fsdp_unbroken
 
 
+def test_fsdp2_process_reschedule_keeps_the_healthy_rank_and_takes_the_moved_shard_from_peer_memory(
+    cluster: Cluster, fsdp_unbroken: str
+) -> None:
+    """The FSDP2 example under process-level recovery (`--process-recovery`: ShardedGroupKeeper)
+    with `peer_memory_mb`: node-1 is lost with pod 1 (rank 1) on it; the controller moves that pod
+    alone (process-reschedule) and rank 0 keeps its process. Shards have no replica, so both
+    ranks build the model anew on the re-formed group and load the newest checkpoint: rank 1's
+    shard from node-2's memory, where its copies went (the node after its own), rank 0's from
+    storage (its copies were in node-1's memory, lost with it). The parameters end bit for bit
+    as the fault-free run's under torchrun."""
+    job = {
+        "kind": "job",
+        "metadata": {
+            "name": "fsdp-process",
+            "annotations": {
+                "fault-tolerance/job-retry-num": "3", "fault-tolerance/pod-retry-num": "2",
+                "recover-strategy": "retry,recover-in-place,recover,dump,exit",
+            },
+            "labels": {"fault-scheduling": "grace", "grace-over-time": "5",
+                       "process-recover-enable": "on", "pod-rescheduling": "on"},
+        },
+        "spec": {
+            "replicas": 2, "procs_per_pod": 1, "chips_per_pod": 2, "monitor_interval": 0.2,
+            "hang_detect_seconds": 4,
+            "command": f"python {FSDP_SCRIPT} --process-recovery --steps 45 --step-seconds 0.2",
+            "peer_memory_mb": 16,
+        },
+    }  # fmt: skip
+    result = cluster.run(
+        job, [{"kind": "node-down", "at_step": 26, "pod": 1}], CLUSTER, timeout=300, startup_s=60
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.actions == ["process-reschedule"], result.stdout[-3000:]
+    found = re.findall(r"start: rank (\d)/2 pid=(\d+) resume_step=(\d+)", result.logs())
+    assert sorted(rank for rank, _, _ in found) == ["0", "1", "1"], found  # rank 0: one process
+    kept = [line for line in result.logs().splitlines() if "[relaunch] rank 0: rejoin" in line]
+    assert len(kept) == 1, kept
+    restores = sorted(text for _, text in result.events() if " restored step " in text)
+    assert len(restores) == 2, restores
+    step = int(restores[0].split(" restored step ")[1].split()[0])
+    assert step >= 25 and step % 5 == 0, restores
+    assert restores == [
+        f"pod 0 rank 0 restored step {step} from storage",
+        f"pod 1 rank 1 restored step {step} from peer memory of node-2",
+    ], restores
+    assert final_hash(result.logs()) == fsdp_unbroken
+
+
 def test_a_sharded_ranks_own_file_comes_from_peer_memory_and_an_altered_one_from_storage(
     world_of_one: None, tmp_path: Path, nodes: dict[str, PeerMemoryServer]
 ) -> None:
@@ -380,3 +429,25 @@ def test_a_copy_larger_than_the_budget_is_refused_before_its_bytes_are_taken(
         answer = read_header(sock)
     assert answer == {"ok": False, "error": f"{1 << 40} bytes: not within {1 << 20}"}
     assert nodes["node-1"].memory.size() == 0
+
+
+def test_a_sharded_keeper_under_process_level_recovery_asks_for_its_checkpoint_and_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ShardedGroupKeeper re-forms a group by reloading a checkpoint: `run` without the
+    ShardedCheckpointManager or without `resume` is refused before any step, saying what is
+    missing (a plain CheckpointManager has no `regroup`)."""
+    from relaunch.train.sharded_group import ShardedGroupKeeper
+
+    monkeypatch.setenv(Env.MEMBERSHIP, str(tmp_path / "membership.json"))
+    keeper = ShardedGroupKeeper(lambda: (torch.nn.Linear(1, 1), None))  # type: ignore[arg-type,return-value]
+    ran: list[int] = []
+    regroups = type("Regroups", (CheckpointManager,), {"regroup": lambda self: None})
+    for checkpoint, resume in [
+        (None, lambda: 0),
+        (CheckpointManager(tmp_path), lambda: 0),
+        (regroups(tmp_path), None),
+    ]:
+        with pytest.raises(TypeError, match="ShardedCheckpointManager and resume="):
+            keeper.run(1, 2, ran.append, checkpoint=checkpoint, resume=resume)
+    assert ran == []

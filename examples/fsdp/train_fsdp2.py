@@ -13,6 +13,11 @@ run, bit for bit:
 A checkpoint saved by N ranks loads on M (DCP reshards): `--steps` equal to the saved step runs
 no step and prints the loaded parameters' hash.
 
+`--process-recovery`: relaunch's SDK keeps the process group (ShardedGroupKeeper). A rank that
+fails is replaced while the others keep their processes; every rank then builds the model anew
+on the re-formed group and loads the newest checkpoint (the replaced rank's shard from a peer's
+memory with `peer_memory_mb`), and the run still ends with the fault-free parameters.
+
     relaunch run --nnodes 2 --nproc-per-node 1 examples/fsdp/train_fsdp2.py --steps 40
 """
 
@@ -62,18 +67,8 @@ def full_hash(model: nn.Module) -> str:
     return digest.hexdigest()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--ckpt-every", type=int, default=5)
-    parser.add_argument("--ckpt-dir", default=None, help="default: the job's shared directory")
-    parser.add_argument("--async-save", action="store_true")
-    parser.add_argument("--step-seconds", type=float, default=0.05)
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    rank, world = dist.get_rank(), dist.get_world_size()
-
+def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The model, sharded on the current process group, and Adam over its shards."""
     torch.manual_seed(0)  # the same initial model on every rank, before sharding
     model = nn.Sequential(
         nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 64), nn.ReLU(),
@@ -83,10 +78,34 @@ def main() -> None:
         if isinstance(layer, nn.Linear):
             fully_shard(layer)
     fully_shard(model)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
+def checkpoints(args: argparse.Namespace) -> ShardedCheckpointManager:
     shared = os.environ.get("RELAUNCH_SHARED_DIR", ".")  # kept across reschedulings
     directory = args.ckpt_dir or os.path.join(shared, "fsdp-checkpoints")
-    ckpt = ShardedCheckpointManager(directory, every=args.ckpt_every, async_save=args.async_save)
+    return ShardedCheckpointManager(directory, every=args.ckpt_every, async_save=args.async_save)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--ckpt-every", type=int, default=5)
+    parser.add_argument("--ckpt-dir", default=None, help="default: the job's shared directory")
+    parser.add_argument("--async-save", action="store_true")
+    parser.add_argument("--step-seconds", type=float, default=0.05)
+    parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--process-recovery", action="store_true", help="healthy ranks survive a rank's fault"
+    )
+    args = parser.parse_args()
+    if args.process_recovery:
+        process_level(args)
+        return
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, optimizer = build()
+    ckpt = checkpoints(args)
 
     def state() -> dict[str, Any]:
         model_state, optim_state = get_state_dict(model, optimizer)
@@ -125,6 +144,61 @@ def main() -> None:
             Path(args.out).write_text(digest + "\n")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def process_level(args: argparse.Namespace) -> None:
+    """The same training, with the process group kept by relaunch's SDK."""
+    from relaunch.train.sharded_group import ShardedGroupKeeper
+
+    keeper = ShardedGroupKeeper(build)
+    keeper.start()
+    ckpt = checkpoints(args)
+
+    def state() -> dict[str, Any]:
+        model_state, optim_state = get_state_dict(keeper.model, keeper.optimizer)
+        return {"model": model_state, "optim": optim_state, "step": ckpt.completed_step or 0}
+
+    def resume() -> int:
+        """Load the newest verified step into the keeper's model and optimizer: its number."""
+        into = state()
+        if ckpt.load(into=into) is None:
+            return 0
+        set_state_dict(keeper.model, keeper.optimizer, model_state_dict=into["model"],
+                       optim_state_dict=into["optim"])  # fmt: skip
+        return int(into["step"])
+
+    keeper.completed = ckpt.completed_step = resume()
+    ckpt.dying_gasp(state)
+    print(
+        f"start: rank {keeper.rank}/{keeper.world_size} pid={os.getpid()} "
+        f"resume_step={keeper.completed}",
+        flush=True,
+    )
+
+    def train_step(step: int) -> torch.Tensor:
+        torch.manual_seed(step * 1000 + keeper.rank)  # dropout's stream, per step and rank
+        x, y = batch(step, keeper.rank, keeper.world_size)
+        keeper.optimizer.zero_grad()
+        loss = nn.functional.mse_loss(keeper.module(x), y)
+        loss.backward()
+        return loss
+
+    def after(step: int, loss: torch.Tensor) -> None:
+        report_progress(step)
+        ckpt.maybe_save(step, state)
+        if step % 10 == 0 and keeper.rank == 0:
+            print(f"step {step} loss {loss.item():.6f}", flush=True)
+        time.sleep(args.step_seconds)
+
+    keeper.run(keeper.completed + 1, args.steps, train_step, after, checkpoint=ckpt, resume=resume)
+    ckpt.wait()
+    digest = full_hash(keeper.model)
+    if keeper.rank == 0:
+        print(f"done: params sha256 {digest} recoveries {keeper.recoveries}", flush=True)
+        if args.out:
+            Path(args.out).write_text(digest + "\n")
+    dist.barrier()
+    keeper.exit(0)
 
 
 if __name__ == "__main__":

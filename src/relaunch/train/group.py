@@ -69,7 +69,6 @@ from relaunch.train.sockets import StepGuard, shut_down, tcp_sockets
 __all__ = ["GroupLost", "Membership", "ProcessGroupKeeper", "read_membership"]
 # Membership and read_membership are the protocol's (relaunch.protocol.plans), re-exported here.
 
-
 NCCL_CLEAN_UP_ONLY = "2"
 """ProcessGroupNCCL's error handling "CleanUpOnly": abort the communicator, keep the process."""
 
@@ -125,10 +124,9 @@ class ProcessGroupKeeper:
         self.recoveries: list[dict[str, Any]] = []
         """One entry per recovery this process took part in (kind, generation, step, seconds)."""
         self.ops: RetryableCollectives | None = None
-        """R-29: the keeper's collectives (DDP's buckets, its commit, `all_reduce`), issued
-        again after a transport fault; on when the job turns operator retry on
-        (HCCL_OP_RETRY_ENABLE with L1:1) and process-level recovery runs (`operator_retry`
-        forces it on or off)."""
+        """R-29: the keeper's collectives (DDP's buckets, its commit, `all_reduce`), issued again
+        after a transport fault; on when the job turns operator retry on (HCCL_OP_RETRY_ENABLE
+        with L1:1) and process-level recovery runs (`operator_retry` forces it on or off)."""
         settings = settings_from_env()
         wanted = settings is not None if operator_retry is None else operator_retry
         if wanted and self.membership_path is not None and not self.nccl:
@@ -273,18 +271,13 @@ class ProcessGroupKeeper:
             with contextlib.suppress(RuntimeError, ValueError):
                 dist.destroy_process_group()
 
-    def _state(self) -> dict[str, Any]:
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "rng": rng_state(),
-            "completed": self.completed,
-        }
-
     def _sync_from_healthy(self, m: Membership) -> None:
         """A healthy rank (the lowest that is not a replacement) broadcasts its state to all."""
         source = min(m.ranks[r] for r in m.ranks if r not in m.joiners)
-        box: list[Any] = [self._state() if self.rank == source else None]
+        box: list[Any] = [None]
+        if self.rank == source:
+            box = [{"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "rng": rng_state(), "completed": self.completed}]  # fmt: skip
         dist.broadcast_object_list(box, src=source)
         state = box[0]
         if self.rank != source:
@@ -295,6 +288,20 @@ class ProcessGroupKeeper:
             self.completed = int(state["completed"])
         if self.original_rank in m.joiners:  # on record: a healthy rank's memory served it
             report_restore(self.completed, f"the memory of rank {source}, a healthy rank")
+
+    def _begin(self, m: Membership | None) -> None:  # the state once the group first formed
+        if m is not None and m.joiners:
+            self._sync_from_healthy(m)
+        self._wrap()
+
+    def _rejoin(self, m: Membership) -> None:
+        """The state after the group re-formed (`_recover`): a healthy rank's, for every rank."""
+        self._sync_from_healthy(m)
+        self._wrap()
+        self._settle()
+
+    def _retry_restore(self, m: Membership) -> None:  # an online retry's suspects: a replica's
+        replica_restore(self.model, self.optimizer, m, self.original_rank, self.completed)
 
     def start(self) -> bool:
         """Form the group. True if this process is a replacement that joined a running job: it
@@ -307,9 +314,7 @@ class ProcessGroupKeeper:
             self._seen_mtime = self.membership_path.stat().st_mtime_ns
         self._init(m)
         joined = m is not None and self.original_rank in m.joiners
-        if m is not None and m.joiners:
-            self._sync_from_healthy(m)
-        self._wrap()
+        self._begin(m)
         if self.membership_path is not None:
             threading.Thread(target=self._watch, name="relaunch-membership", daemon=True).start()
         return joined
@@ -438,7 +443,7 @@ class ProcessGroupKeeper:
         if generation is not None:
             m = self._wait_for(generation - 1, deadline)
             if m.retry:
-                replica_restore(self.model, self.optimizer, m, self.original_rank, self.completed)
+                self._retry_restore(m)
                 self.membership = m
                 self._seen_mtime = 0.0
                 self._note("retry", m.generation, step, began)
@@ -455,9 +460,7 @@ class ProcessGroupKeeper:
                 world = m.world_size
             try:
                 self._init(m)
-                self._sync_from_healthy(m)
-                self._wrap()
-                self._settle()
+                self._rejoin(m)
             except (RuntimeError, dist.DistError) as again:
                 failed_at = m.generation  # the replacement failed too: wait for the next one
                 error = again

@@ -159,14 +159,23 @@ class ShardedCheckpointManager(CheckpointManager):
                 "ShardedCheckpointManager saves with every rank: initialise torch.distributed "
                 "(init_process_group) first"
             )
-        self.group = dist.new_group(backend="gloo")
         self._pending: tuple[int, Path, Any] | None = None
-        self._run = uuid.uuid4().hex[:8] if dist.get_rank() == 0 else ""
-        shared = [self._run]
-        dist.broadcast_object_list(shared, src=0, group=self.group)
-        self._run = str(shared[0])
+        self.regroup()
         super().__init__(directory, rank=dist.get_rank(), every=every, keep=keep,
                          async_save=async_save, peers=peers)  # fmt: skip
+
+    def regroup(self) -> None:
+        """The checkpoint's own group, of the current process group: at the start, and again
+        after relaunch re-formed the process group around a replaced rank (a sharded
+        ProcessGroupKeeper calls it, in the order in which the replacement builds its manager:
+        a collective). An asynchronous save of the old group is dropped unfinished: what it
+        wrote carries the old run's name and never counts (`sweep`)."""
+        self._pending = None
+        self.group = dist.new_group(backend="gloo")
+        shared = [uuid.uuid4().hex[:8] if dist.get_rank() == 0 else ""]
+        dist.broadcast_object_list(shared, src=0, group=self.group)
+        self._run = str(shared[0])
+        self.rank = dist.get_rank()
 
     # -- saving -------------------------------------------------------------------------------
 
