@@ -81,7 +81,7 @@ def _size(
     if "stall_plain" in med:
         row["stall_plain_s"] = round(med["stall_plain"], 5)
         row["stall_copy_s"] = round(med["stall_copy"], 5)
-        row["stall_copy_over_plain"] = round(med["stall_copy"] / med["stall_plain"], 3)
+        row["stall_copy_over_plain"] = round(med["stall_ratio"], 3)  # the pairs' (the worker's)
     return row
 
 

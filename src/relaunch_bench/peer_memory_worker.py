@@ -22,7 +22,7 @@ from typing import Any
 from relaunch.protocol.peer_memory import memory_for, receive_into, stall_timeout
 
 JOB = "bench"
-STALL_SAVES = 9
+STALL_PAIRS = 13
 
 
 def _say(**values: Any) -> None:
@@ -97,28 +97,38 @@ def save(directory: str, mb: int, peer: str, stall: bool) -> None:
     assert manager.peers.sent, manager.peers.failures
     result: dict[str, Any] = {"save_s": saved - start, "copy_s": time.perf_counter() - saved}
     if stall:
-        result["stall_plain_s"] = _stall(Path(directory) / "plain", state, None)
-        result["stall_copy_s"] = _stall(
-            Path(directory) / "copied", state, _peers(peer, mb, "stall")
-        )
+        result.update(_stalls(Path(directory), state, _peers(peer, mb, "stall")))
     _say(**result)
 
 
-def _stall(directory: Path, state: Any, peers: Any) -> float:
-    """The loop's wait in an asynchronous save, steady state (after the first save made the host
-    buffer): the median of the saves after it, each written (and copied) before the next."""
+def _stalls(directory: Path, state: Any, peers: Any) -> dict[str, float]:
+    """The loop's wait in an asynchronous save without the copy and with it, steady state (after
+    each manager's first save made its host buffer). The two kinds are taken in turn, the order
+    swapped every pair, so that the machine's drift over the run touches both alike (measured
+    one block after the other, the ratio moved by ±15 % between runs); each save is written, and
+    copied, before the next. The medians of each kind, and the median of the pairs' ratios."""
     from relaunch.train import CheckpointManager
 
-    manager = CheckpointManager(directory, rank=0, async_save=True, peers=peers, keep=1)
-    stalls = []
-    for step in range(1, STALL_SAVES + 1):
-        start = time.perf_counter()
-        manager.save(step, state)
-        stalls.append(time.perf_counter() - start)
-        manager.wait()
-        if manager.peers is not None:
-            manager.peers.wait(600)
-    return statistics.median(stalls[1:])
+    managers = {
+        kind: CheckpointManager(directory / kind, rank=0, async_save=True, peers=peers, keep=1)
+        for kind, peers in (("plain", None), ("copy", peers))
+    }
+    stalls: dict[str, list[float]] = {"plain": [], "copy": []}
+    for step in range(1, STALL_PAIRS + 1):
+        for kind in ("plain", "copy") if step % 2 else ("copy", "plain"):
+            manager = managers[kind]
+            start = time.perf_counter()
+            manager.save(step, state)
+            stalls[kind].append(time.perf_counter() - start)
+            manager.wait()
+            if manager.peers is not None:
+                manager.peers.wait(600)
+    ratios = [c / p for p, c in zip(stalls["plain"][1:], stalls["copy"][1:], strict=True)]
+    return {
+        "stall_plain_s": statistics.median(stalls["plain"][1:]),
+        "stall_copy_s": statistics.median(stalls["copy"][1:]),
+        "stall_ratio": statistics.median(ratios),
+    }
 
 
 def restore(directory: str, peer: str, mb: int) -> None:
