@@ -132,6 +132,10 @@ def test_quick_bench_writes_json_markdown_and_chart(tmp_path: Path) -> None:
             peer_memory[f"{k}_mb_s"] > 0 for k in ("link", "peer_restore", "storage_restore")
         )
         assert peer_memory["stall_plain_s"] > 0 and peer_memory["stall_copy_s"] > 0
+        low, high = peer_memory["stall_ratio_95"]  # 21 pairs: an interval exists
+        assert (
+            peer_memory["stall_pairs"] == 21 and low <= peer_memory["stall_copy_over_plain"] <= high
+        )
     else:
         assert "needs root" in peer_memory["error"]
     reliability = {r["system"]: r for r in result["reliability"]}
@@ -212,6 +216,22 @@ def test_the_bench_faults_land_between_checkpoints_and_the_save_rows_on_one() ->
         job = mttr._job("ddp", level, None)
         assert job["metadata"]["labels"]["process-recover-enable"] == "on", level
         assert "--slow-save-at" in job["spec"]["command"] or not level.endswith("@save")
+
+
+def test_the_stall_ratios_interval_is_the_medians_order_statistics() -> None:
+    """The copy's stall is judged by a 95 % interval for the median of the pairs' ratios: the
+    order statistics the binomial distribution gives (n = 100: the 40th and 61st), whatever
+    order the pairs came in; too few pairs to reach 95 % give none."""
+    import random
+
+    from relaunch_bench.peer_memory import median_interval
+
+    values = [1 + i / 1000 for i in range(100)]
+    random.Random(7).shuffle(values)
+    assert median_interval(values) == (1.039, 1.06)
+    assert median_interval([1.0, 0.5, 2.0, 1.5, 0.9, 1.1]) == (0.5, 2.0)  # n = 6: 96.9 %
+    assert median_interval([1.0, 0.5, 2.0, 1.5, 0.9]) is None  # n = 5: at most 93.8 %
+    assert median_interval(values[:21], level=0.99) != median_interval(values[:21])
 
 
 def test_a_failed_bench_run_keeps_its_state_and_says_its_last_lines(

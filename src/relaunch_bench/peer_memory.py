@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -63,9 +64,12 @@ def _size(
     network: ClusterNetwork, tmp: Path, mb: int, repeats: int, say: Progress
 ) -> dict[str, Any]:
     samples: dict[str, list[float]] = {}
+    ratios: list[float] = []  # every pair's stall with the copy over without, all repeats
     for repeat in range(repeats):
         say(f"peer memory: {mb} MB, repeat {repeat + 1}/{repeats}")
-        for key, value in _round(network, tmp / f"r{mb}-{repeat}", mb).items():
+        timings = _round(network, tmp / f"r{mb}-{repeat}", mb)
+        ratios += timings.pop("stall_ratios", [])
+        for key, value in timings.items():
             samples.setdefault(key, []).append(value)
     med = {k: statistics.median(v) for k, v in samples.items()}
     size = mb << 20
@@ -81,14 +85,32 @@ def _size(
     if "stall_plain" in med:
         row["stall_plain_s"] = round(med["stall_plain"], 5)
         row["stall_copy_s"] = round(med["stall_copy"], 5)
-        row["stall_copy_over_plain"] = round(med["stall_ratio"], 3)  # the pairs' (the worker's)
+    if ratios:
+        row["stall_pairs"] = len(ratios)
+        row["stall_copy_over_plain"] = round(statistics.median(ratios), 3)
+        interval = median_interval(ratios)
+        row["stall_ratio_95"] = [round(x, 3) for x in interval] if interval else None
     return row
 
 
-def _round(network: ClusterNetwork, directory: Path, mb: int) -> dict[str, float]:
+def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float] | None:
+    """A distribution-free confidence interval for the median of `values`: the order statistics
+    x(k) and x(n+1-k) for the largest k whose coverage, from the binomial distribution of how
+    many values fall below the median, is at least `level`; None for too few values."""
+    n, ordered = len(values), sorted(values)
+    below, k = 0.0, 0
+    while k < n // 2:
+        below += math.comb(n, k) / 2**n  # P(at most k values below the median)
+        if 1 - 2 * below < level:
+            break
+        k += 1
+    return (ordered[k - 1], ordered[n - k]) if k else None
+
+
+def _round(network: ClusterNetwork, directory: Path, mb: int) -> dict[str, Any]:
     directory.mkdir(parents=True)
     size = mb << 20
-    timings = {"link": _link(network, size)}
+    timings: dict[str, Any] = {"link": _link(network, size)}
     raw = bytearray(size)
     timings["disk_read"] = _raw(directory, raw)[1]  # type: ignore[arg-type]
     del raw

@@ -22,7 +22,8 @@ from typing import Any
 from relaunch.protocol.peer_memory import memory_for, receive_into, stall_timeout
 
 JOB = "bench"
-STALL_PAIRS = 13
+STALL_PAIRS = 21
+"""Pairs of saves a repeat measures the stall in (after one that makes the host buffer)."""
 
 
 def _say(**values: Any) -> None:
@@ -101,33 +102,34 @@ def save(directory: str, mb: int, peer: str, stall: bool) -> None:
     _say(**result)
 
 
-def _stalls(directory: Path, state: Any, peers: Any) -> dict[str, float]:
+def _stalls(directory: Path, state: Any, peers: Any) -> dict[str, Any]:
     """The loop's wait in an asynchronous save without the copy and with it, steady state (after
-    each manager's first save made its host buffer). The two kinds are taken in turn, the order
-    swapped every pair, so that the machine's drift over the run touches both alike (measured
-    one block after the other, the ratio moved by ±15 % between runs); each save is written, and
-    copied, before the next. The medians of each kind, and the median of the pairs' ratios."""
+    the manager's first save made its host buffer). One manager saves both kinds, its peers
+    switched off and on, so that both copy into the same host buffer and write to the same disk
+    (with a manager for each kind, the two buffers' pages made one kind 5-10 % slower in one run
+    and the other in the next); the kinds are taken in turn, the order swapped every pair, so that
+    the machine's drift touches both alike; each save is written, and copied, before the next.
+    The medians of each kind and every pair's ratio (pooled over repeats by the benchmark)."""
     from relaunch.train import CheckpointManager
 
-    managers = {
-        kind: CheckpointManager(directory / kind, rank=0, async_save=True, peers=peers, keep=1)
-        for kind, peers in (("plain", None), ("copy", peers))
-    }
+    manager = CheckpointManager(directory / "stall", rank=0, async_save=True, keep=1)
     stalls: dict[str, list[float]] = {"plain": [], "copy": []}
-    for step in range(1, STALL_PAIRS + 1):
-        for kind in ("plain", "copy") if step % 2 else ("copy", "plain"):
-            manager = managers[kind]
+    step = 0
+    for pair in range(STALL_PAIRS + 1):
+        for kind in ("plain", "copy") if pair % 2 else ("copy", "plain"):
+            manager.peers = peers if kind == "copy" else None
+            step += 1
             start = time.perf_counter()
             manager.save(step, state)
             stalls[kind].append(time.perf_counter() - start)
             manager.wait()
             if manager.peers is not None:
                 manager.peers.wait(600)
-    ratios = [c / p for p, c in zip(stalls["plain"][1:], stalls["copy"][1:], strict=True)]
+    plain, copy = stalls["plain"][1:], stalls["copy"][1:]  # pair 0: the buffer's first save
     return {
-        "stall_plain_s": statistics.median(stalls["plain"][1:]),
-        "stall_copy_s": statistics.median(stalls["copy"][1:]),
-        "stall_ratio": statistics.median(ratios),
+        "stall_plain_s": statistics.median(plain),
+        "stall_copy_s": statistics.median(copy),
+        "stall_ratios": [c / p for p, c in zip(plain, copy, strict=True)],
     }
 
 

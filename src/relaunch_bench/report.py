@@ -80,7 +80,8 @@ PEER_MEMORY_COLUMNS = {
     "storage_restore_mb_s": "restore from storage MB/s (cold)",
     "storage_over_peer": "storage s / peer s", "copy_s": "copy to the peer s (after the save)",
     "stall_plain_s": "async save stalls s", "stall_copy_s": "... with the copy s",
-    "stall_copy_over_plain": "with / without",
+    "stall_copy_over_plain": "with / without (median of pairs)",
+    "stall_ratio_95": "95 % interval", "stall_pairs": "pairs",
     "dlrover_save_stall_s": "DLRover flash save stalls s",
     "dlrover_restore_s": "DLRover restore, same node s",
 }  # fmt: skip
