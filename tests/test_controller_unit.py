@@ -14,6 +14,7 @@ import pytest
 from relaunch.controller.clock import TICK_S
 from relaunch.controller.fencing import FENCE_MARGIN_S
 from relaunch.diagnosis import StackGroup
+from relaunch.faults import FaultKind
 from relaunch.policy import Action
 from relaunch.protocol.environment import Env
 from relaunch.protocol.messages import (
@@ -1102,6 +1103,58 @@ def test_r29_a_crash_found_after_the_collective_it_broke_ends_the_operator_retry
     sim.crash(3)
     sim.tick()
     assert sim.actions() == [("operator-retry", "failed"), ("process-in-place", "running")]
+
+
+def test_r30_a_collective_failed_while_a_link_is_down_reforms_the_group_without_operator_retry(
+    tmp_path: Path,
+) -> None:
+    """Operator retry off: the keeper still says its collective failed (its timeout shorter than
+    the outage). Node-1's data link is down, so that is a fault, decided process-retry (R-30):
+    the same ranks form the group anew (a blip's ranks would otherwise wait for a group nobody
+    re-forms, R-12 recording the blip only once it is over). Nothing is stopped."""
+    sim = booted(tmp_path, PROCESS, labels=PROCESS_LABELS)
+    c = sim.controller
+    sim.train(6)
+    sim.tick()
+    sim.links_down = {"node-1"}
+    sim.tick()
+    collective_failed(sim, 3, 7, 0, 1)
+    collective_failed(sim, 0, 7, 0, 1)
+    sim.tick()
+    assert sim.actions() == [("process-retry", "running")]
+    (fault,) = c.store.faults(c.job_id)
+    assert fault.kind is FaultKind.COLLECTIVE and fault.node == "node-1"
+    latest = c.membership.current()
+    assert latest is not None and latest.generation == 2 and not latest.retry
+    assert latest.operator is None and sorted(latest.ranks) == [0, 1, 2, 3]
+    sim.links_down = set()
+    sim.run(1.0)
+    sim.train(7)
+    sim.tick()
+    assert sim.actions() == [("process-retry", "succeeded")]
+    assert not any(peer.of(Stop) for peer in sim.launchers.values())
+
+
+def test_r30_a_collective_failed_with_no_link_down_is_a_symptom_on_record_not_a_fault(
+    tmp_path: Path,
+) -> None:
+    """Operator retry off and no link down: a rank's failed collective is what its peer's crash
+    did to it, and may be heard before the crash is. It is said once for its pod and decided
+    nothing (before, in the R-29 path, it would have re-formed the group around a dead rank); the
+    crash is decided as always."""
+    sim = booted(tmp_path, PROCESS, labels=PROCESS_LABELS)
+    c = sim.controller
+    sim.train(6)
+    sim.tick()
+    collective_failed(sim, 0, 7, 0, 1)
+    collective_failed(sim, 1, 7, 0, 1)
+    sim.tick()
+    assert sim.actions() == [] and c.store.faults(c.job_id) == []
+    said = [e for e in sim.events if "a collective of step 7 failed" in e]
+    assert len(said) == 1 and said[0].startswith("pod 0 rank 0") and "Connection reset" in said[0]
+    sim.crash(3)
+    sim.tick()
+    assert sim.actions() == [("process-in-place", "running")]
 
 
 # -- R-14: fencing a silent node ------------------------------------------------------------------

@@ -7,6 +7,7 @@ settings allow goes on to process-retry (R-30), still bit-identical."""
 from __future__ import annotations
 
 import itertools
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ import yaml
 
 from relaunch.cluster.network import ClusterNetwork
 from relaunch_bench import timeline
-from tests.runtime import DDP_CLUSTER, ROOT, Cluster, Result
+from tests.runtime import DDP_CLUSTER, FSDP_SCRIPT, ROOT, Cluster, Result, final_hash
 
 DDP = ROOT / "examples" / "ddp" / "train_ddp.py"
 SDK_ALLREDUCE = ROOT / "tests" / "scripts" / "sdk_allreduce.py"
@@ -124,3 +125,37 @@ def test_r29_the_scripts_own_all_reduce_through_the_sdk_is_issued_again(cluster:
     assert actions[0] == ("operator-retry", "succeeded"), actions
     assert starts_per_rank(result) == 2
     assert out.read_text().strip() == (clean.dir / "hash.txt").read_text().strip()
+
+
+def test_r30_fsdp2_through_a_flap_every_rank_keeps_its_process_and_reloads_its_shard(
+    cluster: Cluster, fsdp_unbroken: str
+) -> None:
+    """R-30 on the sharded ladder: the FSDP2 example under process-level recovery
+    (ShardedGroupKeeper), its peers' memory on, and pod 1's data link down for 10 s at step 28.
+    The collective times out (3 s), process-retry re-forms the group once the link is back, and
+    no process restarts. A shard has no replica, so both ranks build the model anew on the new
+    group and load the newest checkpoint, each its own shard from the memory of the node after
+    its own (step 25's copies crossed node-1's link before the flap: nothing is lost, so nothing
+    comes from storage); the parameters end bit for bit as the fault-free run's under torchrun."""
+    spec = job(f"python {FSDP_SCRIPT} --process-recovery --steps 45 --step-seconds 0.2")
+    spec["spec"].update({"chips_per_pod": 2, "peer_memory_mb": 16})
+    spec["spec"]["env"] = {"RELAUNCH_COLLECTIVE_TIMEOUT": "3"}  # no operator retry: R-30 alone
+    result = run(cluster, spec, [{**FLAP[0], "at_step": 28}])
+    records = result.report["recoveries"]
+    assert [(r["action"], r["outcome"]) for r in records][:1] == [("process-retry", "succeeded")], (
+        records
+    )
+    assert all(r["action"] in ("process-retry", "ignore") for r in records), records
+    found = re.findall(r"start: rank (\d)/2 pid=(\d+) resume_step=(\d+)", result.logs())
+    assert sorted(rank for rank, _, _ in found) == ["0", "1"], found  # no process restarted
+    rejoins = re.findall(r"\[relaunch\] rank (\d): rejoin", result.logs())
+    assert sorted(rejoins) == ["0", "1"], rejoins
+    restores = sorted(text for _, text in result.events() if " restored step " in text)
+    assert len(restores) == 2, restores
+    step = int(restores[0].split(" restored step ")[1].split()[0])
+    assert step >= 25 and step % 5 == 0, restores
+    assert restores == [
+        f"pod 0 rank 0 restored step {step} from peer memory of node-1",
+        f"pod 1 rank 1 restored step {step} from peer memory of node-2",
+    ], restores
+    assert final_hash(result.logs()) == fsdp_unbroken

@@ -115,9 +115,7 @@ def _from_launcher(c: ControllerContext, link: LauncherLink, message: Message) -
             stacks.received(c, link, message)
         case CollectiveFailed():
             if message.attempt == c.job.attempt:
-                found = collective_fault(link, message, commands.links_down(c))
-                c.recoveries.fault(found.fault, found.source)
-                c.hurry()
+                _collective_failed(c, link, message)
         case Restored(rank=rank, step=step, source=source):  # which tier served, on record
             c.event(f"pod {link.pod} rank {rank} restored step {step} from {source}")
         case Stopped(exited=exited):
@@ -129,6 +127,27 @@ def _from_launcher(c: ControllerContext, link: LauncherLink, message: Message) -
             else:
                 link.stopping = False
             c.hurry()  # the next attempt starts as soon as every pod has stopped
+
+
+def _collective_failed(c: ControllerContext, link: LauncherLink, message: CollectiveFailed) -> None:
+    """A failed collective is a fault where relaunch acts on it: with operator retry on (R-29),
+    or while a data link of the job is down (R-30: the group is formed anew once it is back; a
+    blip's ranks whose collective timed out would otherwise wait for a group nobody re-forms).
+    Else it is a symptom, on record: what broke it (a rank that exited, hung, or was lost with
+    its node) is decided where it is seen."""
+    down = commands.links_down(c)
+    if c.recovery.operator_retry is None and not down:
+        said, link.failed_collective = link.failed_collective, (message.generation, message.step)
+        if said == link.failed_collective:
+            return
+        c.event(
+            f"pod {link.pod} rank {message.rank}: a collective of step {message.step} failed "
+            f"({message.why[:120]}); no data link is down: its cause is decided where it is seen"
+        )
+        return
+    found = collective_fault(link, message, down)
+    c.recoveries.fault(found.fault, found.source)
+    c.hurry()
 
 
 def _phases(

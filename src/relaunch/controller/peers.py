@@ -99,6 +99,9 @@ class LauncherLink:
     oldest: int | None = field(default=None, init=False, repr=False, compare=False)
     """The oldest attempt of a running rank, as `ranks_changed` last left it (None: none)."""
     oldest_known: bool = field(default=False, init=False, repr=False, compare=False)
+    failed_collective: tuple[int, int] | None = field(default=None, init=False, compare=False)
+    """The (generation, step) of the last failed collective of this pod's ranks put on record as
+    a symptom (once a pod, not once a rank: dispatch._collective_failed)."""
 
     def ranks_changed(self) -> None:
         """A rank started or exited: the next `running_older_than` looks at the ranks again

@@ -17,6 +17,7 @@ can only interrupt a step before any rank changed its parameters, and:
 
 - when a peer dies or hangs, the collective in progress fails (a dead peer's connection resets;
   a new membership aborts the group: `train.sockets`; else ``collective_timeout_s``). The keeper
+  says so (a data link down at the time: relaunch re-forms the group once it is back, R-30),
   drops the group, waits for the next membership (`train.following`), joins the new group, and a
   healthy rank broadcasts the model, optimizer, RNG state and step to every member (a restore
   from its memory, on the job's record); then the interrupted step runs again. Healthy ranks
@@ -49,7 +50,7 @@ from relaunch.protocol.environment import Env
 from relaunch.protocol.operator import OperatorRetry
 from relaunch.protocol.plans import Membership, read_membership
 from relaunch.protocol.rollback import StepRollback
-from relaunch.train import overlap
+from relaunch.train import overlap, progress
 from relaunch.train.checkpoint import CheckpointManager
 from relaunch.train.collectives import RetryableCollectives, settings_from_env
 from relaunch.train.distributed import (
@@ -170,12 +171,8 @@ class ProcessGroupKeeper:
     def _wait_for(self, newer_than: int, deadline: float) -> Membership:
         """The first membership of a generation above `newer_than` that includes this rank."""
         assert self.membership_path is not None
-        found = wait_for_membership(
-            self.membership_path,
-            newer_than,
-            deadline,
-            Member(self.original_rank, self.pod, self.pod_generation),
-        )
+        member = Member(self.original_rank, self.pod, self.pod_generation)
+        found = wait_for_membership(self.membership_path, newer_than, deadline, member)
         if found is None:
             raise GroupLost(
                 f"no new membership after generation {newer_than} within {self.wait_s:g} s"
@@ -396,6 +393,8 @@ class ProcessGroupKeeper:
                 self._step.leave()
                 if not self.recovery_enabled:
                     raise
+                if self.ops is None and not self._aborted:  # relaunch hears it (R-30)
+                    progress.report_collective_failure(step, 0, self.generation, str(error))
                 self._abort()  # the peers still blocked in this collective fail now too
                 self._recover(step, snapshot, None, error)
                 step = self.completed + 1
