@@ -315,22 +315,24 @@ def test_fsdp2_restores_its_shards_from_peer_memory_through_a_lost_node_bit_iden
         },
         "spec": {
             "replicas": 2, "procs_per_pod": 1, "chips_per_pod": 2, "monitor_interval": 0.2,
-            # steps of 0.2 s: node-0 dies in step 26 or 27, nowhere near step 30's save (CI, at
-            # 0.05 s a step, once saw step 30 committed as node-0 died: rank 1's copy of it was
-            # never made, and both ranks rightly took step 30 from storage)
-            "command": f"python {FSDP_SCRIPT} --steps 45 --step-seconds 0.2",
+            # steps of 0.2 s, saves every 10: node-0 dies 1.6 s before step 30's save. Saves
+            # every 5 and a fault at step 26 raced step 30's: CI at 0.05 s a step, and at 0.2 s
+            # beside a CPU hog and a disk writer (the fault heard 4 steps late), saw step 30
+            # committed as node-0 died, rank 1's copy of it never made, and both ranks rightly
+            # take step 30 from storage
+            "command": f"python {FSDP_SCRIPT} --steps 45 --step-seconds 0.2 --ckpt-every 10",
             "peer_memory_mb": 16,
         },
     }  # fmt: skip
     result = cluster.run(
-        job, [{"kind": "node-down", "at_step": 26, "pod": 0}], CLUSTER, timeout=300, startup_s=60
+        job, [{"kind": "node-down", "at_step": 22, "pod": 0}], CLUSTER, timeout=300, startup_s=60
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.actions == ["isolated-job-reschedule"]
     restores = sorted(text for _, text in result.events() if " restored step " in text)
     assert len(restores) == 2, restores
     step = int(restores[0].split(" restored step ")[1].split()[0])
-    assert step >= 25 and step % 5 == 0, restores
+    assert step == 20, f"the fault came after step 30's save (heard late?): {restores}"
     assert restores[1] == f"pod 1 rank 1 restored step {step} from peer memory of node-2", restores
     assert restores[0] in (
         f"pod 0 rank 0 restored step {step} from peer memory of node-1",
@@ -363,12 +365,15 @@ def test_fsdp2_process_reschedule_keeps_the_healthy_rank_and_takes_the_moved_sha
         "spec": {
             "replicas": 2, "procs_per_pod": 1, "chips_per_pod": 2, "monitor_interval": 0.2,
             "hang_detect_seconds": 4,
-            "command": f"python {FSDP_SCRIPT} --process-recovery --steps 45 --step-seconds 0.2",
+            "command": (  # saves every 10, the fault at 22: see the test above
+                f"python {FSDP_SCRIPT} --process-recovery --steps 45 --step-seconds 0.2 "
+                "--ckpt-every 10"
+            ),
             "peer_memory_mb": 16,
         },
     }  # fmt: skip
     result = cluster.run(
-        job, [{"kind": "node-down", "at_step": 26, "pod": 1}], CLUSTER, timeout=300, startup_s=60
+        job, [{"kind": "node-down", "at_step": 22, "pod": 1}], CLUSTER, timeout=300, startup_s=60
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.actions == ["process-reschedule"], result.stdout[-3000:]
@@ -379,7 +384,7 @@ def test_fsdp2_process_reschedule_keeps_the_healthy_rank_and_takes_the_moved_sha
     restores = sorted(text for _, text in result.events() if " restored step " in text)
     assert len(restores) == 2, restores
     step = int(restores[0].split(" restored step ")[1].split()[0])
-    assert step >= 25 and step % 5 == 0, restores
+    assert step == 20, f"the fault came after step 30's save (heard late?): {restores}"
     assert restores == [
         f"pod 0 rank 0 restored step {step} from storage",
         f"pod 1 rank 1 restored step {step} from peer memory of node-2",
