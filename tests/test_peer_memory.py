@@ -392,6 +392,62 @@ def test_fsdp2_process_reschedule_keeps_the_healthy_rank_and_takes_the_moved_sha
     assert final_hash(result.logs()) == fsdp_unbroken
 
 
+def fsdp2_scaled_in(cluster: Cluster) -> tuple[str, list[str], str]:
+    """The FSDP2 example under process-level recovery through a lost node with no standby
+    (elastic training): its final hash, the restores on record, its logs."""
+    from tests.test_process_recovery import ELASTIC, ELASTIC_CLUSTER, elastic_cluster
+
+    elastic_cluster(cluster)
+    job = {
+        "kind": "job",
+        "metadata": {
+            "name": "fsdp-elastic",
+            "annotations": {"fault-tolerance/job-retry-num": "3",
+                            "fault-tolerance/pod-retry-num": "2", "recover-strategy": ELASTIC},
+            "labels": {"fault-scheduling": "grace", "grace-over-time": "5",
+                       "process-recover-enable": "on", "pod-rescheduling": "on"},
+        },
+        "spec": {
+            "replicas": 2, "procs_per_pod": 1, "chips_per_pod": 2, "monitor_interval": 0.2,
+            "hang_detect_seconds": 4, "peer_memory_mb": 16,
+            "command": (  # saves every 10, the fault at 22: see the lost-node test above
+                f"python {FSDP_SCRIPT} --process-recovery --steps 45 --step-seconds 0.2 "
+                "--ckpt-every 10"
+            ),
+        },
+    }  # fmt: skip
+    result = cluster.run(
+        job, [{"kind": "node-down", "at_step": 22, "pod": 1}], ELASTIC_CLUSTER, timeout=300,
+        startup_s=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.actions == ["scale-in"], result.stdout[-3000:]
+    restores = sorted(text for _, text in result.events() if " restored step " in text)
+    return final_hash(result.logs()), restores, result.logs()
+
+
+def test_r33_fsdp2_scales_in_by_resharding_its_checkpoint_the_same_way_twice(
+    tmp_path: Path, fsdp_unbroken: str
+) -> None:
+    """Elastic training on sharded state: node-1 is lost with pod 1 and no node stands by, so
+    the job goes on with rank 0 alone (scale-in, R-33). Rank 0 keeps its process, builds the
+    model anew on a group of one and loads step 20, which DCP reshards from the two ranks' files
+    onto one. The checkpoint is the boundary, so two runs side by side end with the same
+    parameters; one rank computing the whole batch sums in another order than two, so the hash
+    is not the fault-free run's (which shows the scale-in did take effect)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        runs = list(pool.map(fsdp2_scaled_in, [Cluster(tmp_path / n) for n in ("a", "b")]))
+    for _, restores, logs in runs:
+        found = re.findall(r"start: rank (\d)/2 pid=(\d+) resume_step=(\d+)", logs)
+        assert sorted(rank for rank, _, _ in found) == ["0", "1"], found  # rank 0: one process
+        assert re.findall(r"rank 0: rejoin at step \d+, generation 2, now rank 0 of 1", logs)
+        assert restores == ["pod 0 rank 0 restored step 20 from storage"], restores
+    assert runs[0][0] == runs[1][0]
+    assert runs[0][0] != fsdp_unbroken
+
+
 def test_a_sharded_ranks_own_file_comes_from_peer_memory_and_an_altered_one_from_storage(
     world_of_one: None, tmp_path: Path, nodes: dict[str, PeerMemoryServer]
 ) -> None:

@@ -142,7 +142,7 @@ def _collective_failed(c: ControllerContext, link: LauncherLink, message: Collec
             return
         c.event(
             f"pod {link.pod} rank {message.rank}: a collective of step {message.step} failed "
-            f"({message.why[:120]}); no data link is down: its cause is decided where it is seen"
+            f"({message.why[:160]}); no data link is down: its cause is decided where it is seen"
         )
         return
     found = collective_fault(link, message, down)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import socket
 import time
 from dataclasses import dataclass
@@ -113,12 +114,13 @@ def report_phase(phase: str) -> None:
 
 def report_collective_failure(step: int, collective: int, generation: int, why: str) -> None:
     """Tell relaunch that a collective failed on its transport (R-29): collective `collective`
-    of step `step`, in generation `generation` of the group (`why`: its first line). A step not
+    of step `step`, in generation `generation` of the group (`why`: its first line, without the
+    source location gloo puts first, so that the datagram keeps the cause). A step not
     sent yet goes first. Without operator retry the keeper says so too, as collective 0 (it
     does not count a step's collectives then): relaunch re-forms the group if a data link is
     down (R-30), else the fault that broke it is decided where it is seen."""
     _flush_pending(urgent=True)
-    line = why.strip().split("\n", 1)[0]
+    line = re.sub(r"^\[[^\]]*\]\s*", "", why.strip()).split("\n", 1)[0]  # gloo's file:line
     _send(collective_failure_datagram(_rank(), step, collective, generation, line), urgent=True)
 
 

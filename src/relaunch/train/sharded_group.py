@@ -25,7 +25,8 @@ and resumes; the healthy ranks build, regroup and resume.
 
 An online retry (a memory error) restores each rank from its own copy of the step's start: the
 keeper takes one before every step (`StepRollback.SNAPSHOT`), the price of state with no replica.
-A change of world size is refused (DCP would reshard, but the rebuild is not tested for it)."""
+A change of world size (elastic training) goes the same way: the newest checkpoint, which DCP
+reshards onto the new group, is the step every member goes back to."""
 
 from __future__ import annotations
 
@@ -67,7 +68,6 @@ class ShardedGroupKeeper(ProcessGroupKeeper):
         )
         self.build = build
         self.elastic = False  # no boundary copies: a re-formed group reloads a checkpoint
-        self._world: int | None = None
         self._checkpoint: Any = None
         self._resume: Callable[[], int] | None = None
 
@@ -77,17 +77,13 @@ class ShardedGroupKeeper(ProcessGroupKeeper):
     def _build(self) -> None:
         self.model, self.optimizer = self.build()
         self.module = self.model
-        self._world = self.world_size
 
     def _rejoin(self, m: Membership) -> None:
-        """Build anew on the re-formed group, regroup the checkpoint, load the newest step."""
+        """Build anew on the re-formed group, regroup the checkpoint, load the newest step: at
+        a new world size too (elastic scale-in or out), DCP resharding the saved shards onto
+        the new group. The checkpoint is the boundary every member goes back to."""
         if self._resume is None or self._checkpoint is None:
             raise GroupLost("a sharded keeper re-forms its group only inside run(..., resume=)")
-        if m.world_size != self._world:
-            raise GroupLost(
-                f"the group re-formed with {m.world_size} ranks, not {self._world}: a sharded "
-                "keeper restarts the job for a change of world size"
-            )
         self._build()
         self._checkpoint.regroup()
         self.completed = int(self._resume())
