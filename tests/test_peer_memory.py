@@ -8,6 +8,9 @@ from __future__ import annotations
 import json
 import re
 import socket
+import subprocess
+import sys
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +26,7 @@ from relaunch.protocol.peer_memory import parse_peers, send_header
 from relaunch.train import CheckpointManager, CheckpointWarning
 from relaunch.train.peer import PeerCopies
 from tests.runtime import DDP_CLUSTER as CLUSTER
-from tests.runtime import FSDP_SCRIPT, Cluster, ddp_job, final_hash
+from tests.runtime import FSDP_SCRIPT, ROOT, Cluster, ddp_job, final_hash
 
 JOB = "7"
 
@@ -392,13 +395,11 @@ def test_fsdp2_process_reschedule_keeps_the_healthy_rank_and_takes_the_moved_sha
     assert final_hash(result.logs()) == fsdp_unbroken
 
 
-def fsdp2_scaled_in(cluster: Cluster) -> tuple[str, list[str], str]:
-    """The FSDP2 example under process-level recovery through a lost node with no standby
-    (elastic training): its final hash, the restores on record, its logs."""
-    from tests.test_process_recovery import ELASTIC, ELASTIC_CLUSTER, elastic_cluster
+def fsdp2_elastic_job(steps: int = 45) -> dict[str, Any]:
+    """The FSDP2 example under process-level recovery with elastic training on."""
+    from tests.test_process_recovery import ELASTIC
 
-    elastic_cluster(cluster)
-    job = {
+    return {
         "kind": "job",
         "metadata": {
             "name": "fsdp-elastic",
@@ -411,15 +412,25 @@ def fsdp2_scaled_in(cluster: Cluster) -> tuple[str, list[str], str]:
             "replicas": 2, "procs_per_pod": 1, "chips_per_pod": 2, "monitor_interval": 0.2,
             "hang_detect_seconds": 4, "peer_memory_mb": 16,
             "command": (  # saves every 10, the fault at 22: see the lost-node test above
-                f"python {FSDP_SCRIPT} --process-recovery --steps 45 --step-seconds 0.2 "
+                f"python {FSDP_SCRIPT} --process-recovery --steps {steps} --step-seconds 0.2 "
                 "--ckpt-every 10"
             ),
         },
     }  # fmt: skip
+
+
+LOSE_POD_1 = [{"kind": "node-down", "at_step": 22, "pod": 1}]
+
+
+def fsdp2_scaled_in(cluster: Cluster) -> tuple[str, list[str], str]:
+    """The FSDP2 job through a lost node with no standby (elastic training): its final hash,
+    the restores on record, its logs."""
+    from tests.test_process_recovery import ELASTIC_CLUSTER, elastic_cluster
+
+    elastic_cluster(cluster)
     result = cluster.run(
-        job, [{"kind": "node-down", "at_step": 22, "pod": 1}], ELASTIC_CLUSTER, timeout=300,
-        startup_s=60,
-    )  # fmt: skip
+        fsdp2_elastic_job(), LOSE_POD_1, ELASTIC_CLUSTER, timeout=300, startup_s=60
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.actions == ["scale-in"], result.stdout[-3000:]
     restores = sorted(text for _, text in result.events() if " restored step " in text)
@@ -446,6 +457,61 @@ def test_r33_fsdp2_scales_in_by_resharding_its_checkpoint_the_same_way_twice(
         assert restores == ["pod 0 rank 0 restored step 20 from storage"], restores
     assert runs[0][0] == runs[1][0]
     assert runs[0][0] != fsdp_unbroken
+
+
+def test_r33_fsdp2_scales_out_when_the_node_comes_back_and_both_ranks_reload(
+    cluster: Cluster,
+) -> None:
+    """After the scale-in, node-2 is released: pod 1 comes back there (scale-out), a new rank 1
+    joins, and the group grows to 2 again. Rank 0 keeps its process, builds anew on the larger
+    group and goes back to the newest checkpoint with the newcomer, DCP resharding it from one
+    rank's file onto two; the job ends."""
+    from tests.test_controller_restart import query
+    from tests.test_process_recovery import ELASTIC_CLUSTER, elastic_cluster
+
+    elastic_cluster(cluster)
+    job = fsdp2_elastic_job(steps=150)
+    running = subprocess.Popen(
+        cluster.command(job, LOSE_POD_1, ELASTIC_CLUSTER, startup_s=60),
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.time() + 120
+        while not query(cluster.state, "SELECT 1 FROM recoveries WHERE outcome = 'succeeded'"):
+            assert time.time() < deadline and running.poll() is None, "no scale-in"
+            time.sleep(0.2)
+        released = subprocess.run(
+            [sys.executable, "-m", "relaunch", "release", "node-2", "--state-dir", str(cluster.state)],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        assert released.returncode == 0, released.stderr
+        stdout, stderr = running.communicate(timeout=240)
+    finally:
+        if running.poll() is None:
+            running.kill()
+    result = cluster.result(running.returncode, stdout, stderr)
+    assert result.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert result.actions == ["scale-in"]
+    assert "scale-out: pod 1 back on node-2" in stdout
+    logs = result.logs()
+    found = re.findall(r"start: rank (\d)/2 pid=(\d+) resume_step=(\d+)", logs)
+    assert sorted(rank for rank, _, _ in found) == ["0", "1", "1"], found  # rank 0: one process
+    assert re.findall(r"rank 0: rejoin at step \d+, generation 2, now rank 0 of 1", logs)
+    assert re.findall(r"rank 0: rejoin at step \d+, generation 3, now rank 0 of 2", logs)
+    restores = [text for _, text in result.events() if " restored step " in text]
+    assert len(restores) == 3, restores  # rank 0 at the scale-in; both ranks at the scale-out
+    assert restores[0] == "pod 0 rank 0 restored step 20 from storage", restores
+    # both at the newest checkpoint when node-2 came back: step 20 (the two ranks' files, rank
+    # 1's copy still in node-2's memory) or a later one rank 0 saved alone (its copy in node-2's
+    # memory if it got there first; the newcomer's part resharded from rank 0's file: storage)
+    tiers = "(storage|peer memory of node-2)"
+    grown = [
+        re.fullmatch(rf"pod (\d) rank \1 restored step (\d+) from {tiers}", r) for r in restores[1:]
+    ]
+    matched = [m for m in grown if m]
+    assert len(matched) == 2 and sorted(m[1] for m in matched) == ["0", "1"], restores
+    assert len({m[2] for m in matched}) == 1 and int(matched[0][2]) % 10 == 0, restores
+    final_hash(logs)
 
 
 def test_a_sharded_ranks_own_file_comes_from_peer_memory_and_an_altered_one_from_storage(
