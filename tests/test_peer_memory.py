@@ -8,9 +8,6 @@ from __future__ import annotations
 import json
 import re
 import socket
-import subprocess
-import sys
-import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +23,7 @@ from relaunch.protocol.peer_memory import parse_peers, send_header
 from relaunch.train import CheckpointManager, CheckpointWarning
 from relaunch.train.peer import PeerCopies
 from tests.runtime import DDP_CLUSTER as CLUSTER
-from tests.runtime import FSDP_SCRIPT, ROOT, Cluster, ddp_job, final_hash
+from tests.runtime import FSDP_SCRIPT, Cluster, ddp_job, final_hash
 
 JOB = "7"
 
@@ -466,33 +463,12 @@ def test_r33_fsdp2_scales_out_when_the_node_comes_back_and_both_ranks_reload(
     joins, and the group grows to 2 again. Rank 0 keeps its process, builds anew on the larger
     group and goes back to the newest checkpoint with the newcomer, DCP resharding it from one
     rank's file onto two; the job ends."""
-    from tests.test_controller_restart import query
-    from tests.test_process_recovery import ELASTIC_CLUSTER, elastic_cluster
+    from tests.test_process_recovery import elastic_cluster, scale_in_then_release
 
     elastic_cluster(cluster)
-    job = fsdp2_elastic_job(steps=150)
-    running = subprocess.Popen(
-        cluster.command(job, LOSE_POD_1, ELASTIC_CLUSTER, startup_s=60),
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        deadline = time.time() + 120
-        while not query(cluster.state, "SELECT 1 FROM recoveries WHERE outcome = 'succeeded'"):
-            assert time.time() < deadline and running.poll() is None, "no scale-in"
-            time.sleep(0.2)
-        released = subprocess.run(
-            [sys.executable, "-m", "relaunch", "release", "node-2", "--state-dir", str(cluster.state)],
-            capture_output=True, text=True, check=False,
-        )  # fmt: skip
-        assert released.returncode == 0, released.stderr
-        stdout, stderr = running.communicate(timeout=240)
-    finally:
-        if running.poll() is None:
-            running.kill()
-    result = cluster.result(running.returncode, stdout, stderr)
-    assert result.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    result = scale_in_then_release(cluster, fsdp2_elastic_job(steps=150), LOSE_POD_1)
     assert result.actions == ["scale-in"]
-    assert "scale-out: pod 1 back on node-2" in stdout
+    assert "scale-out: pod 1 back on node-2" in result.stdout
     logs = result.logs()
     found = re.findall(r"start: rank (\d)/2 pid=(\d+) resume_step=(\d+)", logs)
     assert sorted(rank for rank, _, _ in found) == ["0", "1", "1"], found  # rank 0: one process

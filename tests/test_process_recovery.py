@@ -225,19 +225,15 @@ def test_r33_scale_in_continues_at_the_smaller_world_size_the_same_way_twice(
     assert first == second
 
 
-def test_r33_scale_out_when_a_node_comes_back(cluster: Cluster) -> None:
-    elastic_cluster(cluster)
-    out = cluster.dir / "hash.txt"
-    faults = [{"kind": "node-down", "at_step": 40, "pod": 1}]
-    job = process_job(out, strategies=ELASTIC)
-    job["spec"]["command"] = job["spec"]["command"].replace("--steps 120", "--steps 200")
+def scale_in_then_release(
+    cluster: Cluster, job: dict[str, Any], faults: list[dict[str, Any]]
+) -> Result:
+    """`relaunch run` of `job` on the elastic cluster; once a recovery (the scale-in) has
+    worked, node-2 is released (`relaunch release`), and the run goes on to its end."""
     running = subprocess.Popen(
         cluster.command(job, faults, ELASTIC_CLUSTER, startup_s=60),
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
     try:
         deadline = time.time() + 120
         while not query(cluster.state, "SELECT 1 FROM recoveries WHERE outcome = 'succeeded'"):
@@ -254,8 +250,18 @@ def test_r33_scale_out_when_a_node_comes_back(cluster: Cluster) -> None:
             running.kill()
     result = cluster.result(running.returncode, stdout, stderr)
     assert result.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    return result
+
+
+def test_r33_scale_out_when_a_node_comes_back(cluster: Cluster) -> None:
+    elastic_cluster(cluster)
+    out = cluster.dir / "hash.txt"
+    faults = [{"kind": "node-down", "at_step": 40, "pod": 1}]
+    job = process_job(out, strategies=ELASTIC)
+    job["spec"]["command"] = job["spec"]["command"].replace("--steps 120", "--steps 200")
+    result = scale_in_then_release(cluster, job, faults)
     assert result.actions == ["scale-in"]
-    assert "scale-out: pod 1 back on node-2" in stdout
+    assert "scale-out: pod 1 back on node-2" in result.stdout
     found = starts(result)
     assert_kept(found, [0, 1])
     for rank in (2, 3):
