@@ -341,8 +341,9 @@ def test_fsdp2_restores_its_shards_from_peer_memory_through_a_lost_node_bit_iden
     assert final_hash(result.logs()) == fsdp_unbroken
 
 
+@pytest.mark.parametrize("warm_spares", [0, 1])
 def test_fsdp2_process_reschedule_keeps_the_healthy_rank_and_takes_the_moved_shard_from_peer_memory(
-    cluster: Cluster, fsdp_unbroken: str
+    cluster: Cluster, fsdp_unbroken: str, warm_spares: int
 ) -> None:
     """The FSDP2 example under process-level recovery (`--process-recovery`: ShardedGroupKeeper)
     with `peer_memory_mb`: node-1 is lost with pod 1 (rank 1) on it; the controller moves that pod
@@ -350,7 +351,8 @@ def test_fsdp2_process_reschedule_keeps_the_healthy_rank_and_takes_the_moved_sha
     ranks build the model anew on the re-formed group and load the newest checkpoint: rank 1's
     shard from node-2's memory, where its copies went (the node after its own), rank 0's from
     storage (its copies were in node-1's memory, lost with it). The parameters end bit for bit
-    as the fault-free run's under torchrun."""
+    as the fault-free run's under torchrun. With a warm spare, the standby node's launcher and
+    its spare (torch imported) become the moved pod and its rank: the same ending."""
     job = {
         "kind": "job",
         "metadata": {
@@ -369,7 +371,7 @@ def test_fsdp2_process_reschedule_keeps_the_healthy_rank_and_takes_the_moved_sha
                 f"python {FSDP_SCRIPT} --process-recovery --steps 45 --step-seconds 0.2 "
                 "--ckpt-every 10"
             ),
-            "peer_memory_mb": 16,
+            "peer_memory_mb": 16, "warm_spares": warm_spares,
         },
     }  # fmt: skip
     result = cluster.run(
@@ -377,6 +379,12 @@ def test_fsdp2_process_reschedule_keeps_the_healthy_rank_and_takes_the_moved_sha
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.actions == ["process-reschedule"], result.stdout[-3000:]
+    took_spare = "pod 1 takes the standby launcher on node-2 and its warm spares" in result.stdout
+    assert took_spare == bool(warm_spares), result.stdout[-3000:]
+    moved = (cluster.state / "jobs" / "1" / "pods" / "pod-1-g2" / "logs" / "rank-1.log").read_text()
+    spare = re.findall(r"warm spare pid (\d+) ---", moved)
+    started = re.findall(r"start: rank 1/2 pid=(\d+)", moved)
+    assert spare == (started if warm_spares else []), moved[-2000:]  # the spare became rank 1
     found = re.findall(r"start: rank (\d)/2 pid=(\d+) resume_step=(\d+)", result.logs())
     assert sorted(rank for rank, _, _ in found) == ["0", "1", "1"], found  # rank 0: one process
     kept = [line for line in result.logs().splitlines() if "[relaunch] rank 0: rejoin" in line]
