@@ -106,8 +106,8 @@ def _stalls(directory: Path, state: Any, peers: Any) -> dict[str, Any]:
     """The loop's wait in an asynchronous save without the copy and with it, steady state (after
     the manager's first save made its host buffer). One manager saves both kinds, its peers
     switched off and on, so that both copy into the same host buffer and write to the same disk
-    (with a manager for each kind, the two buffers' pages made one kind 5-10 % slower in one run
-    and the other in the next); the kinds are taken in turn, the order swapped every pair, so that
+    (with a manager, and a host buffer, for each kind, the ratio moved between 0.93 and 1.17 from
+    run to run, either way); the kinds are taken in turn, the order swapped every pair, so that
     the machine's drift touches both alike; each save is written, and copied, before the next.
     The medians of each kind and every pair's ratio (pooled over repeats by the benchmark)."""
     from relaunch.train import CheckpointManager

@@ -151,12 +151,18 @@ def chip_faults(beat: Heartbeat, pod: int | None, injected_at: InjectedAt) -> li
 
 
 def collective_fault(
-    link: LauncherLink, message: CollectiveFailed, links_down: list[str]
-) -> Detected:
-    """A collective the SDK issued failed on its transport (R-29). The rank that says so may be
+    link: LauncherLink, message: CollectiveFailed, links_down: list[str], operator_retry: bool
+) -> Detected | None:
+    """A collective the SDK issued failed on its transport. It is a fault where relaunch acts on
+    it: with operator retry on (R-29), or while a data link of the job is down (R-30: the group
+    is formed anew once it is back; a blip's ranks whose collective timed out would otherwise
+    wait for a group nobody re-forms). Else None: a symptom, whose cause (a rank that exited,
+    hung, or was lost with its node) is decided where it is seen. The rank that says so may be
     the healthy end of the link: the node blamed is the one whose data link is down now, if
     one is. Every rank whose collective failed says so: one fault per collective and
     generation."""
+    if not operator_retry and not links_down:
+        return None
     node = links_down[0] if len(links_down) == 1 else None
     fault = Fault(
         FaultKind.COLLECTIVE,

@@ -130,24 +130,20 @@ def _from_launcher(c: ControllerContext, link: LauncherLink, message: Message) -
 
 
 def _collective_failed(c: ControllerContext, link: LauncherLink, message: CollectiveFailed) -> None:
-    """A failed collective is a fault where relaunch acts on it: with operator retry on (R-29),
-    or while a data link of the job is down (R-30: the group is formed anew once it is back; a
-    blip's ranks whose collective timed out would otherwise wait for a group nobody re-forms).
-    Else it is a symptom, on record: what broke it (a rank that exited, hung, or was lost with
-    its node) is decided where it is seen."""
-    down = commands.links_down(c)
-    if c.recovery.operator_retry is None and not down:
-        said, link.failed_collective = link.failed_collective, (message.generation, message.step)
-        if said == link.failed_collective:
-            return
+    """A fault (detectors.collective_fault), or a symptom put on record once a pod."""
+    found = collective_fault(
+        link, message, commands.links_down(c), c.recovery.operator_retry is not None
+    )
+    if found is not None:
+        c.recoveries.fault(found.fault, found.source)
+        c.hurry()
+        return
+    said, link.failed_collective = link.failed_collective, (message.generation, message.step)
+    if said != link.failed_collective:
         c.event(
             f"pod {link.pod} rank {message.rank}: a collective of step {message.step} failed "
             f"({message.why[:160]}); no data link is down: its cause is decided where it is seen"
         )
-        return
-    found = collective_fault(link, message, down)
-    c.recoveries.fault(found.fault, found.source)
-    c.hurry()
 
 
 def _phases(
