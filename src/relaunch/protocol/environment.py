@@ -92,6 +92,9 @@ class Env:
     ``node=host:port,...`` (unset: none)."""
     PEER_MEMORY_BYTES: Final = "RELAUNCH_PEER_MEMORY_BYTES"
     """How many bytes of the job's copies one node keeps at most (the spec's `peer_memory_mb`)."""
+    LOCAL_CHECKPOINTS: Final = "RELAUNCH_LOCAL_CHECKPOINTS"
+    """A directory on each node's own disk where a rank also keeps copies of its checkpoints
+    (the spec's `local_checkpoint_dir`; train.local); unset: none."""
     # relaunch's own processes
     FAILPOINT: Final = "RELAUNCH_FAILPOINT"
     STATE_DIR: Final = "RELAUNCH_STATE_DIR"
@@ -165,6 +168,8 @@ class PodEnvironment:
     """The nodes' peer memories (``node=host:port,...``) where the job keeps checkpoint copies
     in memory; "" : it keeps none."""
     peer_memory_bytes: int = 0
+    local_checkpoints: str = ""
+    """Where on each node's own disk ranks keep checkpoint copies; "": they keep none."""
 
     def variables(self, attempt: Mapping[str, str]) -> dict[str, str]:
         """`attempt`: the attempt's variables (`AttemptEnvironment.variables`)."""
@@ -180,6 +185,8 @@ class PodEnvironment:
         if self.peer_memory and self.peer_memory_bytes > 0:
             env[Env.PEER_MEMORY] = self.peer_memory
             env[Env.PEER_MEMORY_BYTES] = str(self.peer_memory_bytes)
+        if self.local_checkpoints:
+            env[Env.LOCAL_CHECKPOINTS] = self.local_checkpoints
         if self.membership_file is not None:
             env[Env.MEMBERSHIP] = self.membership_file
             env[Env.POD_GENERATION] = str(self.generation)

@@ -83,6 +83,7 @@ def _build(parsed: File, data: Mapping[str, Any]) -> JobSpec:
         recovery=recovery_settings(parsed.metadata.annotations, parsed.metadata.labels, work),
         warm_spares=work.warm_spares,
         peer_memory_mb=work.peer_memory_mb,
+        local_checkpoint_dir=work.local_checkpoint_dir,
     )
 
 

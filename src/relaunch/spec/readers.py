@@ -84,6 +84,17 @@ def path(value: Any) -> str:
     raise reject("a directory path (a non-empty string without NUL bytes)")
 
 
+def absolute_path(value: Any) -> str:
+    if (
+        isinstance(value, str)
+        and value.startswith("/")
+        and "\0" not in value
+        and len(value) <= 4096
+    ):
+        return value
+    raise reject("an absolute directory path on each node's own disk (it starts with /)")
+
+
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 

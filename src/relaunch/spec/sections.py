@@ -117,6 +117,7 @@ class Workload(BaseModel):
     peer_memory_mb: Annotated[
         int, v(integer(0, 1 << 30, "MiB of the job's checkpoint copies a node keeps in memory"))
     ] = 0
+    local_checkpoint_dir: Annotated[str | None, v(r.absolute_path)] = None
     step_rollback: Annotated[
         StepRollback,
         v(

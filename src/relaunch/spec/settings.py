@@ -95,6 +95,9 @@ class JobSpec:
     peer_memory_mb: int = 0
     """Each rank's checkpoint is also copied into another node's memory, and a node keeps at
     most this many MiB of the job's copies (0: no copies; relaunch.cluster.keeper)."""
+    local_checkpoint_dir: str | None = None
+    """Each rank's checkpoint is also copied to this directory on its node's own disk, and a
+    rank that restarts on that node reads it from there (relaunch.train.local)."""
 
     @property
     def world_size(self) -> int:

@@ -11,9 +11,9 @@ to a temporary name (tensors as raw bytes, hashed as they are written), fsynced,
 directory fsynced, and only then the manifest is written the same way. `load` takes the newest
 step that verifies and falls back, with a warning, past a truncated or corrupted one. Shards
 written as `relaunch-shard-1` still load; 0.1.0's (`torch.save`, SHA-256) are refused, never
-unpickled. With peer memory (relaunch.train.peer), each shard is also copied into another node's
-memory, and a load reads it from there first, checked against the manifest on storage.
-Importable without torch.
+unpickled. Each shard may also be copied into another node's memory (relaunch.train.peer) and
+onto the node's own disk (relaunch.train.local); a load reads it from there first, in that
+order, checked against the manifest on storage. Importable without torch.
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ from relaunch.protocol.environment import Env
 from relaunch.protocol.layout import FENCE_FILE
 from relaunch.train import overlap, rng, shard
 from relaunch.train.atomic import TMP_MARK, write_atomic, write_bytes
+from relaunch.train.fence import StaleProcess, check_fence
+from relaunch.train.local import LocalCopies
 from relaunch.train.peer import GASP_COPY_WAIT_S, PeerCopies
 from relaunch.train.progress import SdkPhase, flush_progress, report_phase, report_restore
 
@@ -55,30 +57,6 @@ __all__ = [
 _T = TypeVar("_T")
 StateChangedDuringSave = overlap.StateChangedDuringSave
 _STEP_DIR = re.compile(r"step-(\d{9})")
-
-
-class StaleProcess(RuntimeError):
-    """This process belongs to a pod generation the job has left behind (its node was declared
-    lost and the pod runs elsewhere now): it must not write a checkpoint."""
-
-
-def check_fence() -> None:
-    """Raise StaleProcess if the controller's fence says this process is stale. Outside relaunch
-    (no RELAUNCH_SHARED_DIR) nothing is fenced."""
-    shared = os.environ.get(Env.SHARED_DIR)
-    if not shared:
-        return
-    try:
-        fence = json.loads((Path(shared) / FENCE_FILE).read_text())
-        oldest = int(fence["generations"][os.environ.get(Env.POD, "")])
-    except (OSError, ValueError, KeyError, TypeError):
-        return
-    generation = int(os.environ.get(Env.GENERATION, "0"))
-    if generation < oldest:
-        raise StaleProcess(
-            f"pod generation {generation} is stale (the pod was moved off a lost node and runs "
-            f"as generation {oldest} now): checkpoint not written"
-        )
 
 
 class CheckpointWarning(UserWarning):
@@ -122,7 +100,9 @@ class CheckpointManager:
     forward and backward, and the optimizer's next step waits for it (relaunch.train.overlap).
     `peers`: where each saved shard is also copied, in another node's memory, and read back from
     at a restore (relaunch.train.peer); by default the peers relaunch gives the rank where the
-    job's spec asks for it (`peer_memory_mb`), else none.
+    job's spec asks for it (`peer_memory_mb`), else none. `local`: where each shard is also
+    copied on the node's own disk (relaunch.train.local; by default the job's
+    `local_checkpoint_dir`), read back by a rank that restarts on the same node.
     """
 
     WAITS_AT_EXIT: ClassVar[bool] = True
@@ -138,6 +118,7 @@ class CheckpointManager:
         async_save: bool = False,
         overlap_copy: bool = False,
         peers: PeerCopies | None = None,
+        local: LocalCopies | None = None,
     ) -> None:
         if overlap_copy and not async_save:
             raise ValueError(
@@ -170,9 +151,10 @@ class CheckpointManager:
         self._gasp: Callable[[], Any] | None = None
         self._host = shard.HostBuffer()  # reused by every asynchronous save
         self.peers = peers if peers is not None else PeerCopies.from_env()
+        self.local = local if local is not None else LocalCopies.from_env(keep)
         self.restored_from: dict[tuple[int, int], str] = {}
         """(rank, step) -> which tier served each shard this manager loaded: "peer memory of
-        NODE" or "storage"."""
+        NODE", "local disk of NODE" or "storage"."""
         self.sweep()
         if async_save and self.WAITS_AT_EXIT:  # a script that ends right after a save writes it
             atexit.register(_wait_at_exit, weakref.ref(self))
@@ -274,8 +256,10 @@ class CheckpointManager:
                 write_bytes(json.dumps(manifest).encode()),
             )
             self._rotate()
-            if self.peers is not None:  # in the background: the save stands without it
+            if self.peers is not None:  # in the background: the save stands without them
                 self.peers.copy(self.rank, step, manifest, directory / name)
+            if self.local is not None:
+                self.local.copy(step, name, directory / name)
 
     def sweep(self) -> int:
         """Remove this rank's temporary files that no save of this process is writing: what a
@@ -362,7 +346,7 @@ class CheckpointManager:
             manifest = json.loads(self._manifest_path(step, rank).read_text())
             (name, expected), *_ = manifest["files"].items()
             ours = warn and manifest.get("format") in shard.FORMATS  # else never sent to memory
-            state, source = self._from_peers(step, rank, manifest) if ours else (None, "")
+            state, source = self._from_copies(step, rank, manifest) if ours else (None, "")
             if not source:
                 state, source = (
                     _read_shard(directory / name, manifest["format"], expected),
@@ -388,27 +372,33 @@ class CheckpointManager:
             return None
         return Checkpoint(step, state, directory)
 
-    def _from_peers(
+    def _from_copies(
         self, step: int, rank: int, manifest: dict[str, Any], read: Any = shard.read_buffer
     ) -> tuple[Any, str]:
-        """What `read(bytes, hash)` makes of `rank`'s copy of `step` in a peer's memory, checked
-        against `manifest`, and the tier that served it; (None, "") where none did (each refused
-        copy warned about)."""
-        if self.peers is None:
-            return None, ""
-        state, node, refusals = self.peers.restore(rank, step, manifest, read)
+        """What `read(bytes, hash)` makes of `rank`'s copy of `step` in a peer's memory, else on
+        this node's disk, checked against `manifest`, and the tier that served it; (None, "")
+        where none did (each refused copy warned about)."""
+        state, source, refusals = None, "", list[str]()
+        if self.peers is not None:
+            state, node, refusals = self.peers.restore(rank, step, manifest, read)
+            source = f"peer memory of {node}" if node is not None else ""
+        if not source and self.local is not None:
+            ((name, expected),) = manifest["files"].items()
+            state, served, refusal = self.local.restore(step, name, expected, read)
+            source = f"local disk of {self.local.node}" if served else ""
+            refusals += [refusal] if refusal else []
         for refusal in refusals:
             warnings.warn(
                 f"checkpoint step {step} of rank {rank}: {refusal}; trying the next tier",
                 CheckpointWarning,
                 stacklevel=4,
             )
-        return state, f"peer memory of {node}" if node is not None else ""
+        return state, source
 
     def _restored(self, step: int, rank: int, source: str) -> None:
-        """Which tier served, where peer memory is in use: said to relaunch (the job's record)
-        and on the rank's output."""
-        if self.peers is None:
+        """Which tier served, where copies are kept: said to relaunch (the job's record) and on
+        the rank's output."""
+        if self.peers is None and self.local is None:
             return
         self.restored_from[(rank, step)] = source
         whose = "" if rank == self.rank else f" (rank {rank}'s shard)"
@@ -487,8 +477,9 @@ class CheckpointManager:
                 if streams is not None:
                     rng.restore(streams)  # as of the end of the completed step
                 self.save(step, self._gasp(), blocking=True)
-                if self.peers is not None:  # its copy too, or a restore reads it from storage
-                    self.peers.wait(GASP_COPY_WAIT_S)
+                for copies in (self.peers, self.local):  # its copies too, or storage serves
+                    if copies is not None:
+                        copies.wait(GASP_COPY_WAIT_S)
                 print(
                     f"relaunch: dying gasp saved step {step} (rank {self.rank})",
                     flush=True,

@@ -13,10 +13,10 @@ Importable without torch; standard library only.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import socket
-import threading
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -33,6 +33,7 @@ from relaunch.protocol.peer_memory import (
     send_header,
     stall_timeout,
 )
+from relaunch.train.background import NewestOnly
 
 __all__ = ["FetchedCopy", "PeerCopies"]
 
@@ -63,12 +64,7 @@ class PeerCopies:
         self.node = node
         self.peers = dict(peers)
         self.budget = budget
-        self._pending: tuple[int, int, dict[str, Any], Path] | None = None
-        self._lock = threading.Condition()
-        self._running = False
-        """A sender thread is running (it clears this under the lock as it ends)."""
-        self._busy = False
-        """The sender is sending a copy now."""
+        self._sender = NewestOnly()
         self.sent: deque[tuple[int, str]] = deque(maxlen=KEPT_RECORDS)
         """(step, node) of the newest copies a peer kept, newest last (for tests and diagnosis)."""
         self.failures: deque[str] = deque(maxlen=KEPT_RECORDS)
@@ -107,33 +103,12 @@ class PeerCopies:
     def copy(self, rank: int, step: int, manifest: dict[str, Any], path: Path) -> None:
         """Copy the shard at `path` to the target's memory in the background. A copy still
         waiting when the next comes is replaced by it: the loop never waits for a peer."""
-        with self._lock:
-            self._pending = (rank, step, manifest, path)
-            if not self._running:
-                self._running = True
-                threading.Thread(target=self._send_pending, daemon=True).start()
+        self._sender.submit(functools.partial(self._send, rank, step, manifest, path))
 
     def wait(self, timeout: float | None = None) -> bool:
         """Until the copies asked for so far were sent (or failed), at most `timeout` seconds;
         False if one is still on its way."""
-        with self._lock:
-            return self._lock.wait_for(lambda: self._pending is None and not self._busy, timeout)
-
-    def _send_pending(self) -> None:
-        while True:
-            with self._lock:
-                if self._pending is None:
-                    self._running = False  # a copy asked for after this starts a new sender
-                    return
-                rank, step, manifest, path = self._pending
-                self._pending = None
-                self._busy = True
-            try:
-                self._send(rank, step, manifest, path)
-            finally:
-                with self._lock:
-                    self._busy = False
-                    self._lock.notify_all()
+        return self._sender.wait(timeout)
 
     def _send(self, rank: int, step: int, manifest: dict[str, Any], path: Path) -> None:
         order = self.candidates()

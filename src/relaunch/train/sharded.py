@@ -39,12 +39,9 @@ from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_asyn
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from relaunch.train.atomic import fsync_dir, write_atomic, write_bytes
-from relaunch.train.checkpoint import (
-    Checkpoint,
-    CheckpointManager,
-    CheckpointWarning,
-    check_fence,
-)
+from relaunch.train.checkpoint import Checkpoint, CheckpointManager, CheckpointWarning
+from relaunch.train.fence import check_fence
+from relaunch.train.local import LocalCopies
 from relaunch.train.peer import PeerCopies
 from relaunch.train.progress import SdkPhase, report_phase
 
@@ -137,9 +134,11 @@ class ShardedCheckpointManager(CheckpointManager):
     `{"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt),
     "step": step}` or `get_state_dict`'s pair); every rank passes its own and calls together.
 
-    `every`, `keep`, `async_save`, `peers`, :meth:`step` and :meth:`dying_gasp` are
-    CheckpointManager's: with peer memory, each rank's own DCP file is copied to the next node's
-    memory, and a load reads it from there (checked against the manifest), the rest from storage. An asynchronous save returns once DCP has staged the state in host
+    `every`, `keep`, `async_save`, `peers`, `local`, :meth:`step` and :meth:`dying_gasp` are
+    CheckpointManager's: with peer memory (or a local checkpoint directory), each rank's own DCP
+    file is copied to the next node's memory (onto its node's disk), and a load reads it from
+    there (checked against the manifest), the rest from storage. An asynchronous save returns
+    once DCP has staged the state in host
     memory; the save is committed (hashed, renamed, manifest written) at the next save, `wait`
     or `load`, which every rank reaches together."""
 
@@ -153,6 +152,7 @@ class ShardedCheckpointManager(CheckpointManager):
         keep: int = 3,
         async_save: bool = False,
         peers: PeerCopies | None = None,
+        local: LocalCopies | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError(
@@ -162,7 +162,7 @@ class ShardedCheckpointManager(CheckpointManager):
         self._pending: tuple[int, Path, Any] | None = None
         self.regroup()
         super().__init__(directory, rank=dist.get_rank(), every=every, keep=keep,
-                         async_save=async_save, peers=peers)  # fmt: skip
+                         async_save=async_save, peers=peers, local=local)  # fmt: skip
 
     def regroup(self) -> None:
         """The checkpoint's own group, of the current process group: at the start, and again
@@ -241,11 +241,13 @@ class ShardedCheckpointManager(CheckpointManager):
             write_atomic(final / MANIFEST, write_bytes(json.dumps(manifest).encode()))
             self._rotate()
         dist.barrier(group=self.group)
-        if self.peers is not None:  # this rank's own file, into the next node's memory
-            own = [name for name in mine if _own_file(name, self.rank)]
-            if len(own) == 1:
-                final = self.directory / f"step-{step:09d}"
-                self.peers.copy(self.rank, step, {"files": {own[0]: mine[own[0]]}}, final / own[0])
+        own = [name for name in mine if _own_file(name, self.rank)]
+        if len(own) == 1:  # this rank's own file, into the next node's memory, onto this disk
+            path = self.directory / f"step-{step:09d}" / own[0]
+            if self.peers is not None:
+                self.peers.copy(self.rank, step, {"files": {own[0]: mine[own[0]]}}, path)
+            if self.local is not None:
+                self.local.copy(step, own[0], path)
 
     def sweep(self) -> int:
         """Remove what an earlier run's save left half-written (rank 0; the others: none)."""
@@ -307,7 +309,7 @@ class ShardedCheckpointManager(CheckpointManager):
         self.wait()
         candidates = [step] if step is not None else self._agreed_steps()
         for candidate in candidates:
-            held, source = self._own_from_peers(candidate)
+            held, source = self._own_from_copies(candidate)
             if self._verified(candidate, warn=True, held=held):
                 directory = self.directory / f"step-{candidate:09d}"
                 reader = TieredReader(directory, held)
@@ -316,10 +318,11 @@ class ShardedCheckpointManager(CheckpointManager):
                 return Checkpoint(candidate, into, directory)
         return None
 
-    def _own_from_peers(self, step: int) -> tuple[dict[str, Any], str]:
-        """This rank's own file of `step`, from a peer's memory and checked against the manifest
-        on storage: ({name: its bytes}, which peer served it), or ({}, "storage")."""
-        if self.peers is None:
+    def _own_from_copies(self, step: int) -> tuple[dict[str, Any], str]:
+        """This rank's own file of `step`, from a peer's memory or the node's disk, checked
+        against the manifest on storage: ({name: its bytes}, which tier served), or ({},
+        "storage")."""
+        if self.peers is None and self.local is None:
             return {}, "storage"
         try:
             manifest = json.loads((self.directory / f"step-{step:09d}" / MANIFEST).read_text())
@@ -327,7 +330,7 @@ class ShardedCheckpointManager(CheckpointManager):
             expected = {"files": {name: manifest["files"][name]}}
         except (OSError, ValueError, KeyError, TypeError):
             return {}, "storage"
-        data, source = self._from_peers(step, self.rank, expected, _checked)
+        data, source = self._from_copies(step, self.rank, expected, _checked)
         return ({name: data}, source) if source else ({}, "storage")
 
     def _agreed_steps(self) -> list[int]:
