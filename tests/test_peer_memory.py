@@ -341,9 +341,11 @@ def test_fsdp2_restores_its_shards_from_peer_memory_through_a_lost_node_bit_iden
     assert final_hash(result.logs()) == fsdp_unbroken
 
 
-@pytest.mark.parametrize("warm_spares", [0, 1])
+@pytest.mark.parametrize(
+    ("warm_spares", "local"), [(0, False), (1, True)], ids=["plain", "spare-and-local-disk"]
+)
 def test_fsdp2_process_reschedule_keeps_the_healthy_rank_and_takes_the_moved_shard_from_peer_memory(
-    cluster: Cluster, fsdp_unbroken: str, warm_spares: int
+    cluster: Cluster, fsdp_unbroken: str, warm_spares: int, local: bool
 ) -> None:
     """The FSDP2 example under process-level recovery (`--process-recovery`: ShardedGroupKeeper)
     with `peer_memory_mb`: node-1 is lost with pod 1 (rank 1) on it; the controller moves that pod
@@ -351,8 +353,11 @@ def test_fsdp2_process_reschedule_keeps_the_healthy_rank_and_takes_the_moved_sha
     ranks build the model anew on the re-formed group and load the newest checkpoint: rank 1's
     shard from node-2's memory, where its copies went (the node after its own), rank 0's from
     storage (its copies were in node-1's memory, lost with it). The parameters end bit for bit
-    as the fault-free run's under torchrun. With a warm spare, the standby node's launcher and
-    its spare (torch imported) become the moved pod and its rank: the same ending."""
+    as the fault-free run's under torchrun. The second run has a warm spare and a local
+    checkpoint directory: the standby node's launcher and its spare (torch imported) become the
+    moved pod and its rank, and rank 0, which kept its node, reads its shard from that node's
+    disk instead of storage; the moved rank still from node-2's memory (the local disk comes
+    after a peer's memory, and a moved rank's node holds no copy of it). The same ending."""
     job = {
         "kind": "job",
         "metadata": {
@@ -374,6 +379,8 @@ def test_fsdp2_process_reschedule_keeps_the_healthy_rank_and_takes_the_moved_sha
             "peer_memory_mb": 16, "warm_spares": warm_spares,
         },
     }  # fmt: skip
+    if local:
+        job["spec"]["local_checkpoint_dir"] = str(cluster.dir / "node-disks")
     result = cluster.run(
         job, [{"kind": "node-down", "at_step": 22, "pod": 1}], CLUSTER, timeout=300, startup_s=60
     )
@@ -394,7 +401,7 @@ def test_fsdp2_process_reschedule_keeps_the_healthy_rank_and_takes_the_moved_sha
     step = int(restores[0].split(" restored step ")[1].split()[0])
     assert step == 20, f"the fault came after step 30's save (heard late?): {restores}"
     assert restores == [
-        f"pod 0 rank 0 restored step {step} from storage",
+        f"pod 0 rank 0 restored step {step} from {'local disk of node-0' if local else 'storage'}",
         f"pod 1 rank 1 restored step {step} from peer memory of node-2",
     ], restores
     assert final_hash(result.logs()) == fsdp_unbroken

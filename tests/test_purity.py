@@ -143,4 +143,5 @@ def test_the_training_sdk_loads_no_wire_messages_and_no_controller() -> None:
         "relaunch.train.checkpoint", "relaunch.train.overlap", "relaunch.train.progress",
         "relaunch.train.reentrancy", "relaunch.train.rng", "relaunch.train.shard",
         "relaunch.train.atomic", "relaunch.train.peer", "relaunch.protocol.peer_memory",
+        "relaunch.train.fence", "relaunch.train.local", "relaunch.train.background",
     }, loaded  # fmt: skip

@@ -78,7 +78,7 @@ class LocalCopies:
         tmp = target.with_name(f".{name}{TMP_MARK}{os.getpid()}")
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(source, tmp)  # the kernel copies (copy_file_range / sendfile)
+            shutil.copyfile(source, tmp)  # in the kernel (sendfile), not through Python
             os.replace(tmp, target)  # unsynced: a copy torn by a crash fails its check
         except OSError as error:  # the copy is an extra: the save stands on storage
             self.failures.append(f"step {step}: {error}")
