@@ -129,8 +129,10 @@ def test_quick_bench_writes_json_markdown_and_chart(tmp_path: Path) -> None:
     (peer_memory,) = result["peer_memory"]
     if os.geteuid() == 0:  # a data link between two node namespaces needs root
         assert all(
-            peer_memory[f"{k}_mb_s"] > 0 for k in ("link", "peer_restore", "storage_restore")
+            peer_memory[f"{k}_mb_s"] > 0
+            for k in ("link", "peer_restore", "local_restore", "storage_restore")
         )
+        assert peer_memory["local_copy_s"] > 0
         assert peer_memory["stall_plain_s"] > 0 and peer_memory["stall_copy_s"] > 0
         low, high = peer_memory["stall_ratio_95"]  # 21 pairs: an interval exists
         assert (

@@ -5,8 +5,9 @@ Every part is a process of its own in its node's namespace (relaunch_bench.peer_
 as in a job: node-1's keeper (an agent's peer memory), the rank on node-0 that saves (to storage,
 and its copy into node-1's memory), and for each restore a fresh rank on node-0 that loads the
 step, timed from `load()` to its return: from node-1's memory (fetched over the data link,
-checked against the manifest, loaded), then from storage with the page cache dropped (the
-shard's pages evicted, and the machine's caches dropped where we may). Beside them, the link's
+checked against the manifest, loaded), then from node-0's own disk (relaunch.train.local's copy)
+and from storage, each with the page cache dropped (the files' pages evicted, and the machine's
+caches dropped where we may). On one machine the node's disk and storage are the same disk. Beside them, the link's
 raw speed (one process's memory into another's over the same link, plain TCP) and the disk's (a
 cold sequential read of the same size). And the loop's stall in an asynchronous save with and
 without the copy (it is sent after the write, from a thread of its own).
@@ -74,7 +75,10 @@ def _size(
     med = {k: statistics.median(v) for k, v in samples.items()}
     size = mb << 20
     row: dict[str, Any] = {"size_mb": mb, "repeats": repeats}
-    for key in ("link", "disk_read", "peer_restore", "storage_restore", "save", "copy"):
+    for key in (
+        "link", "disk_read", "peer_restore", "local_restore", "storage_restore", "save", "copy",
+        "local_copy",
+    ):  # fmt: skip
         row[f"{key}_s"] = round(med[key], 4)
         row[f"{key}_mb_s"] = round(size / 1e6 / med[key], 1)
     row["peer_over_link"] = round(med["link"] / med["peer_restore"], 3)
@@ -123,9 +127,11 @@ def _round(network: ClusterNetwork, directory: Path, mb: int) -> dict[str, Any]:
         restored = _worker(network, "node-0", "restore", str(directory), peer, str(mb))
         assert restored["tier"] == "peer memory of node-1", restored
         timings["peer_restore"] = restored["seconds"]
-    _drop_caches(directory)
-    restored = _worker(network, "node-0", "restore", str(directory), "storage", str(mb))
-    timings["storage_restore"] = restored["seconds"]
+    for tier, served in (("local", "local disk of node-0"), ("storage", "storage")):
+        _drop_caches(directory)
+        restored = _worker(network, "node-0", "restore", str(directory), tier, str(mb))
+        assert restored["tier"] == served, restored
+        timings[f"{tier}_restore"] = restored["seconds"]
     timings.update(_dlrover(directory / "dlrover", mb))
     return timings
 
@@ -167,7 +173,7 @@ def _dlrover(directory: Path, mb: int) -> dict[str, float]:
 
 def _drop_caches(directory: Path) -> None:
     """The shards' pages out of the page cache; with root, every clean page of the machine."""
-    for shard in directory.glob("ckpt/step-*/rank-*.ckpt"):
+    for shard in (*directory.glob("ckpt/step-*/rank-*.ckpt"), *directory.glob("local/**/*.ckpt")):
         _drop_cache(shard)
     os.sync()
     with contextlib.suppress(OSError), open("/proc/sys/vm/drop_caches", "w") as caches:

@@ -6,7 +6,7 @@ saves, and the fresh rank that restores. Each prints one JSON line.
     python -m relaunch_bench.peer_memory_worker send HOST BYTES
     python -m relaunch_bench.peer_memory_worker receive HOST PORT BYTES
     python -m relaunch_bench.peer_memory_worker save DIR MB PEER_HOST:PORT
-    python -m relaunch_bench.peer_memory_worker restore DIR PEER_HOST:PORT|storage MB
+    python -m relaunch_bench.peer_memory_worker restore DIR PEER_HOST:PORT|local|storage MB
 """
 
 from __future__ import annotations
@@ -86,6 +86,13 @@ def _peers(peer: str, mb: int, job: str = JOB) -> Any:
     return PeerCopies(job, "node-0", {"node-1": (host, int(port))}, 3 * (mb << 20) + (64 << 20))
 
 
+def _local(directory: str) -> Any:
+    """Rank 0's copies on node-0's own disk (here: this machine's, as storage is)."""
+    from relaunch.train.local import LocalCopies
+
+    return LocalCopies(Path(directory) / "local" / "node-0" / f"job-{JOB}", "node-0", keep=3)
+
+
 def save(directory: str, mb: int, peer: str, stall: bool) -> None:
     from relaunch.train import CheckpointManager
 
@@ -97,6 +104,11 @@ def save(directory: str, mb: int, peer: str, stall: bool) -> None:
     assert manager.peers is not None and manager.peers.wait(600), "the copy did not end"
     assert manager.peers.sent, manager.peers.failures
     result: dict[str, Any] = {"save_s": saved - start, "copy_s": time.perf_counter() - saved}
+    local = _local(directory)  # after the peer's copy, so that neither slows the other
+    start = time.perf_counter()
+    local.copy(1, "rank-0.ckpt", Path(directory) / "ckpt" / "step-000000001" / "rank-0.ckpt")
+    assert local.wait(600) and not local.failures, local.failures
+    result["local_copy_s"] = time.perf_counter() - start
     if stall:
         result.update(_stalls(Path(directory), state, _peers(peer, mb, "stall")))
     _say(**result)
@@ -138,8 +150,9 @@ def restore(directory: str, peer: str, mb: int) -> None:
 
     from relaunch.train import CheckpointManager
 
-    peers = None if peer == "storage" else _peers(peer, mb)
-    manager = CheckpointManager(Path(directory) / "ckpt", rank=0, peers=peers)
+    peers = None if peer in ("storage", "local") else _peers(peer, mb)
+    local = _local(directory) if peer == "local" else None
+    manager = CheckpointManager(Path(directory) / "ckpt", rank=0, peers=peers, local=local)
     start = time.perf_counter()
     loaded = manager.load()
     took = time.perf_counter() - start
