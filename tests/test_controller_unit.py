@@ -474,6 +474,41 @@ def test_a_fault_no_level_takes_fails_the_job_then_pods_then_agents_shut_down(
     assert sim.engine.calls[-1] == ("shutdown",)
 
 
+@pytest.mark.parametrize(
+    ("ending", "local_dir", "told"),
+    [
+        ("failed", "/local/ckpt", "/local/ckpt"),
+        ("stopped by its terminal's hangup", "/local/ckpt", ""),
+        ("stopped by the user", "/local/ckpt", "/local/ckpt"),
+        ("failed", None, ""),
+    ],
+)
+def test_a_job_ended_for_good_has_every_agent_remove_its_nodes_local_copies_of_the_job(
+    tmp_path: Path, ending: str, local_dir: str | None, told: str
+) -> None:
+    """The agents' last message says where the job's local checkpoint copies are, for each to
+    remove its node's (relaunch.train.local.forget_job), only where the job ended for good: a
+    job stopped by a hangup is carried on by `relaunch run --resume`, maybe on the same nodes."""
+    from relaunch.controller import lifecycle
+    from relaunch.states import HANGUP
+
+    extra = {"local_checkpoint_dir": local_dir} if local_dir else {}
+    sim = booted(tmp_path, AUTO, **extra)
+    c = sim.controller
+    if ending == "failed":
+        sim.crash(3)
+        sim.run(0.3)
+        assert c.job.status is JobStatus.FAILED
+        sim.finish()
+    else:
+        for peer in sim.launchers.values():
+            peer.closes_on_shutdown = True
+        lifecycle.stop(c, f"stopped {HANGUP if 'hangup' in ending else '(Ctrl-C)'}")
+    said = [m for peer in sim.agents.values() for m in peer.of(Shutdown)]
+    assert len(said) == 4
+    assert {(m.local_checkpoints, m.job) for m in said} == {(told, sim.job_id)}
+
+
 def test_r32_a_replacement_that_never_progresses_fails_at_wait_reschedule_timeout(
     tmp_path: Path,
 ) -> None:

@@ -18,7 +18,7 @@ from relaunch.cluster.keeper import PeerMemoryServer
 from relaunch.errors import SpecError
 from relaunch.protocol.environment import Env, PodEnvironment
 from relaunch.train import CheckpointManager, CheckpointWarning
-from relaunch.train.local import LocalCopies
+from relaunch.train.local import LocalCopies, forget_job
 from tests.builders import AUTO, job
 from tests.test_peer_memory import JOB, nodes, peers_of, same, state
 
@@ -213,3 +213,16 @@ def test_a_local_checkpoint_dir_that_is_not_an_absolute_path_is_refused_with_wha
 def test_a_local_checkpoint_dir_reaches_the_spec() -> None:
     assert job(AUTO, local_checkpoint_dir="/local/ckpt").local_checkpoint_dir == "/local/ckpt"
     assert job(AUTO).local_checkpoint_dir is None
+
+
+def test_an_agent_forgets_only_the_ended_jobs_copies_on_its_own_node(tmp_path: Path) -> None:
+    saved(tmp_path, [20, 30])
+    other = LocalCopies(tmp_path / "local" / "node-0" / "job-8", "node-0", keep=2)
+    other.copy(5, "rank-0.ckpt", tmp_path / "storage" / "step-000000030" / "rank-0.ckpt")
+    assert other.wait(30) and other.path(5, "rank-0.ckpt").exists()
+    assert not forget_job(tmp_path / "local", "node-1", JOB)  # another node's: nothing there
+    assert forget_job(tmp_path / "local", "node-0", JOB)
+    assert not local_of(tmp_path, "node-0").root.exists()
+    assert other.path(5, "rank-0.ckpt").exists()  # job 8 runs on
+    assert forget_job(tmp_path / "local", "node-0", 8)
+    assert list((tmp_path / "local").iterdir()) == []  # the node's directory went with its last

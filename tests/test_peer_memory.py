@@ -405,6 +405,12 @@ def test_fsdp2_process_reschedule_keeps_the_healthy_rank_and_takes_the_moved_sha
         f"pod 1 rank 1 restored step {step} from peer memory of node-2",
     ], restores
     assert final_hash(result.logs()) == fsdp_unbroken
+    if local:  # the job ended: every agent removed its node's copies; node-1's died with it
+        disks = cluster.dir / "node-disks"
+        assert sorted(p.relative_to(disks).parts[:2] for p in disks.rglob("*.distcp")) == [
+            ("node-1", "job-1")
+        ] * len(list(disks.rglob("*.distcp")))
+        assert sorted(p.name for p in disks.iterdir()) == ["node-1"]
 
 
 def fsdp2_elastic_job(steps: int = 45) -> dict[str, Any]:

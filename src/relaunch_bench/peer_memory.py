@@ -33,6 +33,9 @@ from relaunch_bench.jobs import Progress
 from relaunch_bench.peers import peer_environment, peer_python
 
 DLROVER_FLASH = Path(__file__).parent / "workloads" / "dlrover_flash.py"
+SHM = Path("/dev/shm")
+DLROVER_SHM = "*_ckpt_shm_*"
+"""The shared memory DLRover's flash checkpoint keeps the state in, one segment a rank."""
 
 SIZES_MB = (256, 1024, 4096)
 ONE_REPEAT_FROM_MB = 4096
@@ -150,7 +153,8 @@ def _dlrover(directory: Path, mb: int) -> dict[str, float]:
         "--max_restarts", "1", "--monitor_interval", "0.1", str(DLROVER_FLASH),
         "--mb", str(mb), "--dir", str(directory / "ckpt"), "--out", str(out),
     ]  # fmt: skip
-    with open(directory / "dlrover.log", "w") as log:
+    shm = set(SHM.glob(DLROVER_SHM))
+    with open(directory / "dlrover.log", "w") as log, _removing_new(shm):
         agent = subprocess.Popen(
             args, stdout=log, stderr=subprocess.STDOUT, env=peer_environment(python.parent),
             cwd=directory, start_new_session=True,
@@ -169,6 +173,19 @@ def _dlrover(directory: Path, mb: int) -> dict[str, float]:
         "dlrover_save_stall": said["memory_save_stall_s"],
         "dlrover_restore": said["memory_restore_s"],
     }
+
+
+@contextlib.contextmanager
+def _removing_new(before: set[Path]) -> Any:
+    """DLRover's shared memory, removed once its run ended: its agent leaves the segment in
+    /dev/shm when it exits (4 GB a run of that size), and a few runs took the machine's memory
+    (a later round's keeper was killed for it)."""
+    try:
+        yield
+    finally:
+        for path in set(SHM.glob(DLROVER_SHM)) - before:
+            with contextlib.suppress(OSError):
+                path.unlink()
 
 
 def _drop_caches(directory: Path) -> None:

@@ -7,8 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from relaunch.errors import InputError, Problem
-from relaunch.states import RESUMABLE_ENDS
-from relaunch.store import JobRow, JobStatus, Store
+from relaunch.store import JobRow, Store
 
 __all__ = ["resumable", "unfinished"]
 
@@ -20,7 +19,7 @@ def unfinished(store: Store, ref: Path | None, document: tuple[dict[str, Any], s
             "relaunch run --resume",
             [Problem("SCRIPT", str(ref), "the job's name or id, with --resume")],
         )
-    jobs = [j for j in store.jobs() if j.status.active or resumable(j)]
+    jobs = [j for j in store.jobs() if j.status.active or j.resumable]
     if ref is not None:
         jobs = [j for j in jobs if j.name == str(ref) or str(j.id) == str(ref)]
     if not jobs:
@@ -41,4 +40,4 @@ def unfinished(store: Store, ref: Path | None, document: tuple[dict[str, Any], s
 def resumable(job: JobRow) -> bool:
     """Stopped because its run's terminal closed (an accident), or for want of nodes on an
     engine whose nodes come back: --resume carries it on."""
-    return job.status is JobStatus.STOPPED and job.reason.endswith(RESUMABLE_ENDS)
+    return job.resumable

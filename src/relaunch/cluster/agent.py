@@ -65,6 +65,7 @@ from relaunch.protocol.messages import (
     StartPod,
 )
 from relaunch.protocol.wire import Connection, controller_address, write_controller_address
+from relaunch.train.local import forget_job
 
 
 @dataclass
@@ -252,6 +253,11 @@ class Agent:
                 self.link = None
         return ok
 
+    def forget(self, ended: Shutdown) -> None:
+        """The ended job's copies on this node's disk (its local checkpoint directory)."""
+        if ended.local_checkpoints and forget_job(ended.local_checkpoints, self.node, ended.job):
+            print(f"agent {self.node}: removed job {ended.job}'s local checkpoint copies")
+
     def reap(self) -> None:
         """Kill the pods on this node whose launcher died (see the module docstring)."""
         if self.cgroups is None:
@@ -318,6 +324,7 @@ class Agent:
                 def read(c: Connection = conn, done: threading.Event = done) -> None:
                     for message in c:
                         if isinstance(message, Shutdown):
+                            self.forget(message)
                             if self.host is not None:
                                 left = self.host.end()
                                 print(f"agent {self.node}: the pods left {left} process(es)")

@@ -190,8 +190,9 @@ def shutdown_pods(c: ControllerContext) -> None:
     deadline = c.clock.now() + grace + 5
     while c.clock.now() < deadline and not all(link.peer.closed for link in links):
         c.drain(TICK_S)
+    ended = Shutdown(local_checkpoints=_forgotten_copies(c), job=c.job_id)
     for agent in c.agents.values():
-        agent.peer.send(Shutdown())
+        agent.peer.send(ended)
     c.engine.shutdown()
     left = c.engine.left_behind
     if left is not None:
@@ -200,6 +201,15 @@ def shutdown_pods(c: ControllerContext) -> None:
         what = c.engine.left_behind_what
         named = f": {'; '.join(what[:8])}{' ...' if len(what) > 8 else ''}" if what else ""
         c.event(f"the pods left {left} process(es) behind in their cgroups, killed{named}")
+
+
+def _forgotten_copies(c: ControllerContext) -> str:
+    """The job's local checkpoint directory, for the agents to remove their nodes' copies of it,
+    where the job ended for good; "" where it keeps none or `relaunch run --resume` may carry it
+    on (its ranks may restart on the same nodes)."""
+    if c.job.resumable or c.job.status.active:
+        return ""
+    return c.spec.local_checkpoint_dir or ""
 
 
 def stop(c: ControllerContext, reason: str) -> None:

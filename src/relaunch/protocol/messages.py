@@ -198,6 +198,10 @@ class Shutdown(Message):
 
     KIND = "shutdown"
     grace: float = 0.0
+    local_checkpoints: str = ""
+    """To an agent, where job `job` ended for good: the job's `local_checkpoint_dir`, whose
+    copies of the job on the agent's node it removes before it exits (relaunch.train.local)."""
+    job: int = 0
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ Layout, under the job's `local_checkpoint_dir` (a path on each node's own disk):
     DIR/NODE/job-ID/step-000000120/rank-3.ckpt        a copy of storage's file, byte for byte
 
 NODE keeps nodes that share one machine (the embedded cluster) apart. A node keeps each rank's
-newest `keep` steps, as storage does. Standard library only.
+newest `keep` steps, as storage does; its agent removes the job's directory once the job ended
+for good (`forget_job`: not a job `relaunch run --resume` may carry on). Standard library only.
 """
 
 from __future__ import annotations
@@ -31,11 +32,27 @@ from relaunch.protocol.environment import Env
 from relaunch.train.atomic import TMP_MARK
 from relaunch.train.background import NewestOnly
 
-__all__ = ["LocalCopies"]
+__all__ = ["LocalCopies", "forget_job", "job_root"]
 
 KEPT_RECORDS = 64
 """How many failures to copy a rank remembers."""
 _STEP_DIR = re.compile(r"step-(\d{9})")
+
+
+def job_root(base: str | os.PathLike[str], node: str, job: int | str) -> Path:
+    """Where `node` keeps job `job`'s copies under the job's `local_checkpoint_dir`."""
+    return Path(base) / (node or "node") / f"job-{job}"
+
+
+def forget_job(base: str | os.PathLike[str], node: str, job: int | str) -> bool:
+    """Remove `node`'s copies of job `job` (it ended for good); True if there were any."""
+    root = job_root(base, node, job)
+    if not root.exists():
+        return False
+    shutil.rmtree(root, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        root.parent.rmdir()  # the node's directory, once no job's copies are left in it
+    return True
 
 
 class LocalCopies:
@@ -56,8 +73,8 @@ class LocalCopies:
         job = environ.get(Env.JOB_ID, "")
         if not base or not job:
             return None
-        node = environ.get(Env.NODE, "") or "node"
-        return cls(Path(base) / node / f"job-{job}", node, keep)
+        node = environ.get(Env.NODE, "")
+        return cls(job_root(base, node, job), node or "node", keep)
 
     def path(self, step: int, name: str) -> Path:
         return self.root / f"step-{step:09d}" / name
