@@ -418,6 +418,55 @@ def test_an_operator_retry_through_a_flap_is_resumed_from_a_kill_at_each_point(
     )  # no rollback (process-retry)
 
 
+@pytest.mark.parametrize("kill", ["fault-stored", "decision-stored", "link-down", "link-back"])
+def test_r30_a_collective_failed_while_a_link_is_down_is_resumed_from_a_kill_at_each_point(
+    tmp_path: Path, kill_at: list[str], kill: str
+) -> None:
+    """R-30 with operator retry off: node-1's data link goes down, two ranks' collectives time
+    out and their keepers say so (collective 0), which is a fault while the link is down, decided
+    process-retry; the link comes back within R-12's 20 s (its outage recorded only: `ignore`)
+    and the group re-forms. The controller killed once the fault is stored (nothing decided
+    yet), once the decision is stored, while the link is down, and just after the link-back is
+    recorded, resumes with the one process-retry, settled by the next step: nothing stopped or
+    started, the group re-formed with every rank."""
+    from relaunch.protocol.messages import LinkReport, Stop
+
+    sim = booted(tmp_path, PROCESS, labels=PROCESS_LABELS, hang_detect_seconds=60)
+    sim.train(6)
+    sim.tick()
+    down_at = sim.clock.now()
+    sim.links_down = {"node-1"}
+    sim.tick()
+    if kill in ("fault-stored", "decision-stored"):
+        kill_at.append(kill)
+    collective_failed(sim, 3, 7, 0, 1)
+    collective_failed(sim, 0, 7, 0, 1)
+    if kill in ("fault-stored", "decision-stored"):
+        die_in(sim)
+        sim.restart_controller()
+    sim.run(1.0)
+    assert sim.actions() == [("process-retry", "running")], sim.events[-6:]
+    if kill == "link-down":
+        sim.restart_controller()
+    sim.run(2.5)
+    sim.links_down = set()
+    sim.link_reports["node-1"] = LinkReport(1, down_at, sim.clock.now() - down_at, "carrier lost")
+    sim.tick()
+    sim.tick()
+    assert sim.actions() == [("process-retry", "running"), ("ignore", "succeeded")]
+    if kill == "link-back":
+        sim.restart_controller()
+    sim.run(3.5)
+    latest = sim.controller.membership.current()
+    assert latest is not None and sorted(latest.ranks) == [0, 1, 2, 3] and not latest.retry
+    assert generations(sim)[-1] == latest.generation == 2  # re-formed once, kill or not
+    sim.train(7)
+    sim.tick()
+    assert sim.actions() == [("process-retry", "succeeded"), ("ignore", "succeeded")]
+    assert starts_sent(sim) == [("0-g1", 1, None), ("1-g1", 1, None)]  # the boot's, only
+    assert not any(isinstance(m, Stop) for _, m in sim.wire)
+
+
 KILL_MATRIX = {
     # fault: (annotations, how it comes, the level decided, the points a kill is tried at)
     "crash": (
