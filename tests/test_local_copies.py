@@ -6,6 +6,7 @@ shards, real torch state; the peers are the keepers every agent runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import warnings
 from pathlib import Path
@@ -186,14 +187,7 @@ def test_a_job_without_a_local_checkpoint_dir_copies_nothing_and_its_ranks_are_t
 ) -> None:
     pod = PodEnvironment(pod=1, node="node-1", generation=1, schedule_cnt=1, proc_start_cnt=1)
     assert Env.LOCAL_CHECKPOINTS not in pod.variables({})
-    told = PodEnvironment(
-        pod=1,
-        node="node-1",
-        generation=1,
-        schedule_cnt=1,
-        proc_start_cnt=1,
-        local_checkpoints="/local/ckpt",
-    ).variables({Env.JOB_ID: JOB})
+    told = dataclasses.replace(pod, local_checkpoints="/local/ckpt").variables({Env.JOB_ID: JOB})
     local = LocalCopies.from_env(3, told)
     assert local is not None and local.root == Path(f"/local/ckpt/node-1/job-{JOB}")
     assert LocalCopies.from_env(3, {Env.JOB_ID: JOB}) is None

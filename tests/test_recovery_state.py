@@ -359,6 +359,27 @@ def test_a_recovery_with_a_fault_recorded_during_it_is_resumed_after_a_kill(
     assert len(sent) == len(set(sent)), sent  # nothing started twice
 
 
+def flap_carried_on(sim: Sim, level: str, kill: str, down_at: float) -> None:
+    """The rest of node-1's flap with `level` running: the link back within R-12's 20 s (its
+    outage then recorded only: `ignore`), the controller restarted where `kill` says (while the
+    link is down, or just after the link-back is recorded)."""
+    from relaunch.protocol.messages import LinkReport
+
+    sim.run(1.0)
+    assert sim.actions() == [(level, "running")], sim.events[-6:]
+    if kill == "link-down":
+        sim.restart_controller()
+    sim.run(2.5)
+    sim.links_down = set()
+    sim.link_reports["node-1"] = LinkReport(1, down_at, sim.clock.now() - down_at, "carrier lost")
+    sim.tick()
+    sim.tick()
+    assert sim.actions() == [(level, "running"), ("ignore", "succeeded")]
+    if kill == "link-back":
+        sim.restart_controller()
+    sim.run(3.5)
+
+
 @pytest.mark.parametrize("kill", ["decision", "link-down", "link-back", "re-issue"])
 def test_an_operator_retry_through_a_flap_is_resumed_from_a_kill_at_each_point(
     tmp_path: Path, kill_at: list[str], kill: str
@@ -371,7 +392,7 @@ def test_an_operator_retry_through_a_flap_is_resumed_from_a_kill_at_each_point(
     started, no group formed anew for a rollback, no step run twice. Before: killed after the
     link-back's record, the resumed controller took the ignore for the newest recovery, the
     retry stayed `running` for ever, and the ranks gave up on their group."""
-    from relaunch.protocol.messages import LinkReport, Stop
+    from relaunch.protocol.messages import Stop
 
     sim = booted(tmp_path, PROCESS, labels=PROCESS_LABELS, env=OP_ENV, hang_detect_seconds=60)
     sim.train(6)
@@ -386,19 +407,7 @@ def test_an_operator_retry_through_a_flap_is_resumed_from_a_kill_at_each_point(
     if kill == "decision":
         die_in(sim)
         sim.restart_controller()
-    sim.run(1.0)
-    assert sim.actions() == [("operator-retry", "running")]
-    if kill == "link-down":
-        sim.restart_controller()
-    sim.run(2.5)
-    sim.links_down = set()
-    sim.link_reports["node-1"] = LinkReport(1, down_at, sim.clock.now() - down_at, "carrier lost")
-    sim.tick()
-    sim.tick()
-    assert sim.actions() == [("operator-retry", "running"), ("ignore", "succeeded")]
-    if kill == "link-back":
-        sim.restart_controller()
-    sim.run(3.5)
+    flap_carried_on(sim, "operator-retry", kill, down_at)
     orders = [
         m.membership.operator
         for name, m in sim.wire
@@ -429,7 +438,7 @@ def test_r30_a_collective_failed_while_a_link_is_down_is_resumed_from_a_kill_at_
     yet), once the decision is stored, while the link is down, and just after the link-back is
     recorded, resumes with the one process-retry, settled by the next step: nothing stopped or
     started, the group re-formed with every rank."""
-    from relaunch.protocol.messages import LinkReport, Stop
+    from relaunch.protocol.messages import Stop
 
     sim = booted(tmp_path, PROCESS, labels=PROCESS_LABELS, hang_detect_seconds=60)
     sim.train(6)
@@ -444,19 +453,7 @@ def test_r30_a_collective_failed_while_a_link_is_down_is_resumed_from_a_kill_at_
     if kill in ("fault-stored", "decision-stored"):
         die_in(sim)
         sim.restart_controller()
-    sim.run(1.0)
-    assert sim.actions() == [("process-retry", "running")], sim.events[-6:]
-    if kill == "link-down":
-        sim.restart_controller()
-    sim.run(2.5)
-    sim.links_down = set()
-    sim.link_reports["node-1"] = LinkReport(1, down_at, sim.clock.now() - down_at, "carrier lost")
-    sim.tick()
-    sim.tick()
-    assert sim.actions() == [("process-retry", "running"), ("ignore", "succeeded")]
-    if kill == "link-back":
-        sim.restart_controller()
-    sim.run(3.5)
+    flap_carried_on(sim, "process-retry", kill, down_at)
     latest = sim.controller.membership.current()
     assert latest is not None and sorted(latest.ranks) == [0, 1, 2, 3] and not latest.retry
     assert generations(sim)[-1] == latest.generation == 2  # re-formed once, kill or not
