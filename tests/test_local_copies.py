@@ -220,3 +220,36 @@ def test_an_agent_forgets_only_the_ended_jobs_copies_on_its_own_node(tmp_path: P
     assert other.path(5, "rank-0.ckpt").exists()  # job 8 runs on
     assert forget_job(tmp_path / "local", "node-0", 8)
     assert list((tmp_path / "local").iterdir()) == []  # the node's directory went with its last
+
+
+def test_a_step_only_the_nodes_disk_holds_whole_counts_for_the_common_checkpoint(
+    world_of_one: None, tmp_path: Path
+) -> None:
+    """Step 30's shard is gone from storage (its manifest is there): the node's copy makes it a
+    step this rank can resume from, so `load_common_checkpoint` takes it from the node's disk
+    instead of going back to step 20. A copy of another size does not count."""
+    from relaunch.train.distributed import load_common_checkpoint
+
+    saved(tmp_path, [20, 30])
+    (tmp_path / "storage" / "step-000000030" / "rank-0.ckpt").unlink()
+    assert CheckpointManager(tmp_path / "storage", rank=0).verified_steps() == [20]
+    manager = restarted(tmp_path)
+    assert manager.verified_steps() == [30, 20]
+    loaded = load_common_checkpoint(manager)
+    assert loaded is not None and loaded.step == 30 and same(loaded.state, state(30))
+    assert manager.restored_from == {(0, 30): "local disk of node-0"}
+    path = local_file(tmp_path, 30)
+    path.write_bytes(path.read_bytes() + b"\0")
+    assert restarted(tmp_path).verified_steps() == [20]
+
+
+def test_what_a_copy_killed_half_way_left_goes_when_its_step_rotates_out(tmp_path: Path) -> None:
+    manager = saved(tmp_path, [10])
+    torn = local_file(tmp_path, 20).with_name(".rank-0.ckpt.tmp-999999")
+    torn.parent.mkdir(parents=True)
+    torn.write_bytes(b"half")  # the process that copied step 20 was killed mid-copy
+    for step in (30, 40):
+        manager.save(step, state(step))
+        assert manager.local is not None and manager.local.wait(30)
+    root = local_of(tmp_path, "node-0").root
+    assert sorted(p.name for p in root.iterdir()) == ["step-000000030", "step-000000040"]

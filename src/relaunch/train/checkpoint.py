@@ -57,6 +57,8 @@ __all__ = [
 _T = TypeVar("_T")
 StateChangedDuringSave = overlap.StateChangedDuringSave
 _STEP_DIR = re.compile(r"step-(\d{9})")
+_UNUSABLE = (OSError, ValueError, KeyError, EOFError, pickle.UnpicklingError, RuntimeError)
+"""What reading a shard that cannot be used raises (torn, altered, another format)."""
 
 
 class CheckpointWarning(UserWarning):
@@ -299,27 +301,39 @@ class CheckpointManager:
 
     def verified_steps(self, rank: int | None = None) -> list[int]:
         """Steps this rank (or `rank`) can restore: those whose copy a peer holds with the
-        storage manifest's hash (checked in full when it is loaded), and those whose shard on
-        storage verifies."""
+        storage manifest's hash, or this node's disk with its size (each checked in full when it
+        is loaded), and those whose shard on storage verifies."""
         rank = self.rank if rank is None else rank
         held = self.peers.index() if self.peers is not None else {}
         return [
             s
             for s in self.steps(rank)
-            if self.held_by_peer(held, rank, s) or self._read(s, warn=False, rank=rank)
+            if self.held_by_peer(held, rank, s)
+            or self.held_locally(rank, s)
+            or self._read(s, warn=False, rank=rank)
         ]
+
+    def held_locally(self, rank: int, step: int) -> bool:
+        """This node's disk holds `rank`'s copy of `step` at the size storage's manifest says."""
+        local, entry = self.local, self._entry(step, rank)
+        return local is not None and entry is not None and local.holds(step, *entry)
 
     def held_by_peer(self, held: dict[Any, list[tuple[str, str]]], rank: int, step: int) -> bool:
         """A peer holds `rank`'s copy of `step` with storage's hash (`held`: PeerCopies.index)."""
-        if (rank, step) not in held:
-            return False
+        entry = self._entry(step, rank) if (rank, step) in held else None
+        return entry is not None and any(
+            digest == entry[1].get(shard.HASH) for _, digest in held[(rank, step)]
+        )
+
+    def _entry(self, step: int, rank: int) -> tuple[str, dict[str, Any]] | None:
+        """(file name, {size, hash}) of `rank`'s shard of `step` in storage's manifest."""
         try:
-            ((_, expected),) = json.loads(self._manifest_path(step, rank).read_text())[
+            ((name, expected),) = json.loads(self._manifest_path(step, rank).read_text())[
                 "files"
             ].items()
         except (OSError, ValueError, KeyError):
-            return False
-        return any(digest == expected.get(shard.HASH) for _, digest in held[(rank, step)])
+            return None
+        return name, expected
 
     def _manifest_path(self, step: int, rank: int) -> Path:
         return self.directory / f"step-{step:09d}" / f"rank-{rank}.manifest.json"
@@ -354,14 +368,7 @@ class CheckpointManager:
                 )
             if warn:
                 self._restored(step, rank, source)
-        except (
-            OSError,
-            ValueError,
-            KeyError,
-            EOFError,
-            pickle.UnpicklingError,
-            RuntimeError,
-        ) as error:
+        except _UNUSABLE as error:
             if warn:
                 warnings.warn(
                     f"checkpoint step {step} of rank {rank} in {directory} is unusable ({error}); "

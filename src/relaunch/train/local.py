@@ -104,19 +104,30 @@ class LocalCopies:
         self._rotate(name)
 
     def _rotate(self, name: str) -> None:
-        """Keep this file's newest `keep` steps; drop the older ones (and emptied directories)."""
+        """Keep this file's newest `keep` steps; drop the older ones, with what a copy killed
+        half-way left of them (and emptied directories)."""
         held = []
         with contextlib.suppress(OSError):
             for directory in self.root.iterdir():
                 match = _STEP_DIR.fullmatch(directory.name)
-                if match and (directory / name).exists():
+                torn = any(directory.glob(f".{name}{TMP_MARK}*"))
+                if match and ((directory / name).exists() or torn):
                     held.append((int(match.group(1)), directory))
         for _, directory in sorted(held, reverse=True)[self.keep :]:
+            for path in (directory / name, *directory.glob(f".{name}{TMP_MARK}*")):
+                with contextlib.suppress(OSError):
+                    path.unlink()
             with contextlib.suppress(OSError):
-                (directory / name).unlink()
                 directory.rmdir()  # only once every rank's copy is gone
 
     # -- reading back ------------------------------------------------------------------------------
+
+    def holds(self, step: int, name: str, expected: Mapping[str, Any]) -> bool:
+        """A copy of `name` of `step` is here, of `expected`'s size (its bytes unchecked)."""
+        try:
+            return self.path(step, name).stat().st_size == expected.get("size")
+        except OSError:
+            return False
 
     def restore(
         self,
