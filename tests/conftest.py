@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -145,13 +144,13 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
 
 
 @pytest.fixture
-def world_of_one() -> Iterator[None]:
-    """torch.distributed in this process, alone: rank 0 of 1 (gloo, on the loopback)."""
+def world_of_one(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """torch.distributed in this process, alone: rank 0 of 1 (gloo), met through a file store:
+    a port found free, then bound by a TCP store, was now and then taken in between by a test
+    on the other worker."""
     import torch.distributed as dist
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    store = tmp_path_factory.mktemp("world-of-one") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import warnings
@@ -174,10 +173,9 @@ def test_an_async_save_counts_once_committed_and_a_dead_runs_leftovers_are_swept
 
 
 GASPING = """
-import os, socket, sys, time, torch, torch.distributed as dist
+import os, sys, time, torch, torch.distributed as dist
 from relaunch.train.sharded import ShardedCheckpointManager
-s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}/store", rank=0, world_size=1)
 ckpt = ShardedCheckpointManager(sys.argv[1], every=1000)
 w = torch.zeros(4)
 ckpt.dying_gasp(lambda: {"w": w.clone(), "step": ckpt.completed_step})
@@ -207,10 +205,8 @@ def test_a_sharded_dying_gasp_saves_the_last_completed_step(tmp_path: Path) -> N
     assert child.wait(timeout=60) == 143
     saved = int(re.findall(r"dying gasp saved step (\d+)", rest)[0])
     assert saved >= 5
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    store = tmp_path / "store-again"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     try:
         into = {"w": torch.zeros(4), "step": 0}
         loaded = ShardedCheckpointManager(tmp_path).load(into=into)

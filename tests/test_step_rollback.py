@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,8 +32,8 @@ from torch import nn
 from relaunch.protocol.plans import Membership
 from relaunch.train.distributed import parameter_hash, replica_restore
 
-rank, port, suspects = int(sys.argv[1]), int(sys.argv[2]), tuple(json.loads(sys.argv[3]))
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+rank, store, suspects = int(sys.argv[1]), sys.argv[2], tuple(json.loads(sys.argv[3]))
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 1))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -45,7 +45,7 @@ if rank in suspects:  # the memory error: garbage in the parameters and the opti
         for p in model.parameters():
             p.add_(1000.0)
         optimizer.state[model[0].weight]["momentum_buffer"].fill_(7.0)
-m = Membership.of_pods({0: 1, 1: 1}, 1, generation=2, addr="127.0.0.1", port=port,
+m = Membership.of_pods({0: 1, 1: 1}, 1, generation=2, addr="127.0.0.1", port=29500,
                        retry=True, suspects=suspects)
 source = replica_restore(model, optimizer, m, rank, 1)
 after = parameter_hash(model), optimizer.state_dict()["state"][0]["momentum_buffer"].sum().item()
@@ -53,14 +53,14 @@ print(json.dumps({"source": source, "healthy": healthy, "after": after}))
 """
 
 
-def _two_ranks(suspects: tuple[int, ...]) -> list[dict[str, object]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def _two_ranks(suspects: tuple[int, ...], tmp: Path) -> list[dict[str, object]]:
+    """The two ranks meet through a file store: a port found free and then bound by the store
+    was taken in between by a test on the other worker, now and then."""
+    store = tmp / "store"
     env = {k: v for k, v in os.environ.items() if not k.startswith("RELAUNCH_")}
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", TWO_RANKS, str(rank), str(port), json.dumps(suspects)],
+            [sys.executable, "-c", TWO_RANKS, str(rank), str(store), json.dumps(suspects)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -76,20 +76,24 @@ def _two_ranks(suspects: tuple[int, ...]) -> list[dict[str, object]]:
     return found
 
 
-def test_r30_a_rank_whose_memory_a_fault_touched_takes_model_and_optimizer_from_a_replica() -> None:
+def test_r30_a_rank_whose_memory_a_fault_touched_takes_model_and_optimizer_from_a_replica(
+    tmp_path: Path,
+) -> None:
     """Rank 0's parameters and momentum are garbage after the memory error; the retry's
     membership names it a suspect, and it ends with rank 1's state, bit for bit, as it was
     before the error (the step changed neither before its commit)."""
-    struck, healthy = _two_ranks((0,))
+    struck, healthy = _two_ranks((0,), tmp_path)
     assert struck["source"] == healthy["source"] == 1
     assert struck["healthy"] == healthy["healthy"], "two replicas of one model"
     assert struck["after"] == healthy["after"] == healthy["healthy"]
 
 
-def test_r30_with_every_rank_a_suspect_no_replica_serves_and_each_keeps_its_own() -> None:
+def test_r30_with_every_rank_a_suspect_no_replica_serves_and_each_keeps_its_own(
+    tmp_path: Path,
+) -> None:
     """A job of one replica (every rank on the struck pod) has no healthy replica: nothing is
     sent, each rank keeps what it holds (`snapshot` is the choice for such a job)."""
-    struck, other = _two_ranks((0, 1))
+    struck, other = _two_ranks((0, 1), tmp_path)
     assert struck["source"] is None and other["source"] is None
     assert struck["after"] != struck["healthy"], "no replica could repair it"
 
