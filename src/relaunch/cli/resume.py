@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from relaunch.errors import InputError, Problem
-from relaunch.store import JobRow, Store
+from relaunch.store import Store
 
-__all__ = ["resumable", "unfinished"]
+__all__ = ["unfinished"]
 
 
 def unfinished(store: Store, ref: Path | None, document: tuple[dict[str, Any], str] | None) -> Any:
@@ -35,9 +35,3 @@ def unfinished(store: Store, ref: Path | None, document: tuple[dict[str, Any], s
             ],
         )
     return jobs[-1]
-
-
-def resumable(job: JobRow) -> bool:
-    """Stopped because its run's terminal closed (an accident), or for want of nodes on an
-    engine whose nodes come back: --resume carries it on."""
-    return job.resumable

@@ -138,9 +138,8 @@ class ShardedCheckpointManager(CheckpointManager):
     CheckpointManager's: with peer memory (or a local checkpoint directory), each rank's own DCP
     file is copied to the next node's memory (onto its node's disk), and a load reads it from
     there (checked against the manifest), the rest from storage. An asynchronous save returns
-    once DCP has staged the state in host
-    memory; the save is committed (hashed, renamed, manifest written) at the next save, `wait`
-    or `load`, which every rank reaches together."""
+    once DCP has staged the state in host memory; the save is committed (hashed, renamed,
+    manifest written) at the next save, `wait` or `load`, which every rank reaches together."""
 
     WAITS_AT_EXIT = False  # its wait is a collective: a rank exiting alone would hang in it
 
