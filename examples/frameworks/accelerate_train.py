@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import time
 from pathlib import Path
 
 import torch
@@ -44,6 +45,13 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--save-every", type=int, default=20)
     parser.add_argument("--root", default="accelerate-run")
+    parser.add_argument(
+        "--min-step-seconds",
+        type=float,
+        default=0.0,
+        help="each step takes at least this long: a stand-in for a real model's step, so that "
+        "seconds of training are steps of training on any machine",
+    )
     args = parser.parse_args()
 
     root = Path(args.root)
@@ -79,6 +87,7 @@ def main() -> None:
     )
     data = torch.Generator().manual_seed(accelerator.process_index)
     while counter.step < args.steps:
+        began = time.monotonic()
         x = torch.randn(64, 32, generator=data)
         y = torch.randn(64, 1, generator=data)
         loss = nn.functional.mse_loss(model(x), y)
@@ -90,6 +99,7 @@ def main() -> None:
             accelerator.save_state()
         if counter.step % 10 == 0:
             print(f"step {counter.step}", flush=True)
+        time.sleep(max(0.0, args.min_step_seconds - (time.monotonic() - began)))
     accelerator.wait_for_everyone()
     accelerator.print(f"done: step={counter.step}")
 

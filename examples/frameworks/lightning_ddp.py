@@ -9,6 +9,7 @@ run it with `torchrun` or with `relaunch run` alike. It resumes from its own las
 from __future__ import annotations
 
 import argparse
+import time
 
 import lightning as L
 import torch
@@ -49,6 +50,21 @@ class Progress(Callback):
             print(f"step {trainer.global_step}", flush=True)
 
 
+class Pace(Callback):
+    """Each step takes at least `seconds`: a stand-in for a real model's step, so that seconds
+    of training are steps of training on any machine."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.began = 0.0
+
+    def on_train_batch_start(self, *args: object) -> None:
+        self.began = time.monotonic()
+
+    def on_train_batch_end(self, *args: object) -> None:
+        time.sleep(max(0.0, self.seconds - (time.monotonic() - self.began)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--num-nodes", type=int, default=1)
@@ -57,6 +73,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--every-n-steps", type=int, default=20)
     parser.add_argument("--root", default="lightning-run")
+    parser.add_argument("--min-step-seconds", type=float, default=0.0)
     args = parser.parse_args()
 
     L.seed_everything(0)
@@ -71,7 +88,7 @@ def main() -> None:
         strategy="ddp",
         max_steps=args.max_steps,
         default_root_dir=args.root,
-        callbacks=[checkpoints, Progress()],
+        callbacks=[checkpoints, Progress(), Pace(args.min_step_seconds)],
         enable_progress_bar=False,
         enable_model_summary=False,
         logger=False,
