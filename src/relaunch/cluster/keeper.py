@@ -15,6 +15,7 @@ live as long as the agent: a lost node loses them, and its ranks' restores fall 
 from __future__ import annotations
 
 import contextlib
+import functools
 import mmap
 import socket
 import socketserver
@@ -157,5 +158,7 @@ class PeerMemoryServer(socketserver.ThreadingTCPServer):
         return str(host), int(port)
 
     def start(self) -> PeerMemoryServer:
-        threading.Thread(target=self.serve_forever, name="peer-memory", daemon=True).start()
+        # polled every 0.1 s, not socketserver's 0.5: an agent's shutdown waits for the poll
+        serve = functools.partial(self.serve_forever, poll_interval=0.1)
+        threading.Thread(target=serve, name="peer-memory", daemon=True).start()
         return self
