@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from relaunch.errors import SpecError
 from relaunch.protocol.environment import Env, PodEnvironment
 from relaunch.train import CheckpointManager, CheckpointWarning
 from relaunch.train.local import LocalCopies, forget_job
+from relaunch.train.peer import PeerCopies
 from tests.builders import AUTO, job
 from tests.test_peer_memory import JOB, nodes, peers_of, same, state
 
@@ -253,3 +255,48 @@ def test_what_a_copy_killed_half_way_left_goes_when_its_step_rotates_out(tmp_pat
         assert manager.local is not None and manager.local.wait(30)
     root = local_of(tmp_path, "node-0").root
     assert sorted(p.name for p in root.iterdir()) == ["step-000000030", "step-000000040"]
+
+
+@pytest.mark.parametrize("async_save", [True, False], ids=["async-save", "sync-save"])
+def test_a_save_returns_while_both_copies_are_still_being_made_off_the_training_thread(
+    tmp_path: Path,
+    nodes: dict[str, PeerMemoryServer],
+    monkeypatch: pytest.MonkeyPatch,
+    async_save: bool,
+) -> None:
+    """The copies add nothing to the loop's wait (issue 48's stall): the loop only hands them
+    over. Each copy is held at its start until the loop is past the save and its wait for the
+    asynchronous write; a copy made on the loop's thread, or waited for by it, would hold the
+    loop instead, and the copy would find the loop not yet past (its hold ends in 30 s)."""
+    loop = threading.current_thread()
+    past_the_save = threading.Event()
+    seen: list[tuple[str, bool, bool]] = []  # (copy, on the loop's thread, loop past the save)
+
+    def held(kind: str, make: Any) -> Any:
+        def start(self: Any, *args: Any) -> None:
+            seen.append((kind, threading.current_thread() is loop, past_the_save.wait(30)))
+            make(self, *args)
+
+        return start
+
+    monkeypatch.setattr(PeerCopies, "_send", held("peer", PeerCopies._send))
+    monkeypatch.setattr(LocalCopies, "_copy", held("local", LocalCopies._copy))
+    manager = CheckpointManager(
+        tmp_path / "storage",
+        rank=0,
+        keep=2,
+        async_save=async_save,
+        peers=peers_of("node-0", nodes),
+        local=local_of(tmp_path, "node-0"),
+    )
+    manager.save(20, state(20))
+    manager.wait()  # the write to storage, which the copies follow
+    past_the_save.set()
+    assert manager.peers is not None and manager.peers.wait(30)
+    assert manager.local is not None and manager.local.wait(30)
+    assert sorted(seen) == [("local", False, True), ("peer", False, True)]
+    assert manager.peers.sent[-1] == (20, "node-1") and not manager.local.failures
+    assert (
+        local_file(tmp_path, 20).read_bytes()
+        == (tmp_path / "storage" / "step-000000020" / "rank-0.ckpt").read_bytes()
+    )
