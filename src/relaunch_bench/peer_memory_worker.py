@@ -12,6 +12,7 @@ saves, and the fresh rank that restores. Each prints one JSON line.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import statistics
 import sys
@@ -120,7 +121,8 @@ def _stalls(directory: Path, state: Any, peers: Any) -> dict[str, Any]:
     switched off and on, so that both copy into the same host buffer and write to the same disk
     (with a manager, and a host buffer, for each kind, the ratio moved between 0.93 and 1.17 from
     run to run, either way); the kinds are taken in turn, the order swapped every pair, so that
-    the machine's drift touches both alike; each save is written, and copied, before the next.
+    the machine's drift touches both alike; each save is written, and copied, and the kernel's
+    writeback of it done (`os.sync`), before the next.
     The medians of each kind and every pair's ratio (pooled over repeats by the benchmark)."""
     from relaunch.train import CheckpointManager
 
@@ -131,6 +133,7 @@ def _stalls(directory: Path, state: Any, peers: Any) -> dict[str, Any]:
         for kind in ("plain", "copy") if pair % 2 else ("copy", "plain"):
             manager.peers = peers if kind == "copy" else None
             step += 1
+            os.sync()  # the last save's pages written back: not flushed under this one's copy
             start = time.perf_counter()
             manager.save(step, state)
             stalls[kind].append(time.perf_counter() - start)
