@@ -135,8 +135,9 @@ def sbatch(slurm: TrialSlurm, script: Path) -> int:
     return int(fields["ExitCode"].split(":")[0])
 
 
+@pytest.mark.parametrize("tier", ["peer-memory", "local-disk"])
 def test_ddp_example_on_slurm_same_decisions_bit_identical_nothing_left(
-    slurm: TrialSlurm, tmp_path: Path, unbroken: str
+    slurm: TrialSlurm, tmp_path: Path, unbroken: str, tier: str
 ) -> None:
     """The DDP example's faults (a crash, a chip fault that heals, a lost node, a hang) inside a
     Slurm allocation: the embedded cluster's decisions, one record each, every one worked; the
@@ -144,14 +145,21 @@ def test_ddp_example_on_slurm_same_decisions_bit_identical_nothing_left(
     relaunch's reason; no step of relaunch's, no cgroup and no process left after the job.
     With `peer_memory_mb`: each rank's checkpoint also goes to another node's agent (a process
     srun started, as every agent here), and the pod moved off the lost node restores from a
-    peer's memory, on record, as on the embedded cluster (test_peer_memory.py)."""
+    peer's memory, on record, as on the embedded cluster (test_peer_memory.py). With
+    `local_checkpoint_dir` instead: each rank's checkpoint also goes to its node's disk, a rank
+    restarted on the node that saved restores from there, the moved pod from storage, and the
+    job's end leaves no copy but the lost node's (test_local_copies.py)."""
     out = tmp_path / "hash.txt"
     body = """relaunch run --engine slurm $JOB $FILES --startup-seconds 60 --quiet
 code=$?
 COLUMNS=200 relaunch nodes --engine slurm --state-dir $STATE
 exit $code"""
     job = ddp_job(out, 10)
-    job["spec"]["peer_memory_mb"] = 16
+    disks = tmp_path / "node-disks"
+    if tier == "peer-memory":
+        job["spec"]["peer_memory_mb"] = 16
+    else:
+        job["spec"]["local_checkpoint_dir"] = str(disks)
     code = sbatch(slurm, batch_script(tmp_path, job, DDP_FAULTS, body=body))
     log = (tmp_path / "out.txt").read_text()
     report = json.loads((tmp_path / "report.json").read_text())
@@ -161,11 +169,24 @@ exit $code"""
     assert all(r["outcome"] == "succeeded" for r in report["recoveries"]), log
     assert out.read_text().strip() == unbroken, log
     events = [text for _, text in result.events()]
-    lost = next(i for i, text in enumerate(events) if text.startswith("fault: node-lost"))
-    moved = [e for e in events[lost:] if e.startswith("pod 1 rank 1 restored step ")]
-    assert moved and re.fullmatch(
-        r"pod 1 rank 1 restored step \d+ from peer memory of n[134]", moved[0]
-    ), events
+    if tier == "peer-memory":
+        lost = next(i for i, text in enumerate(events) if text.startswith("fault: node-lost"))
+        moved = [e for e in events[lost:] if e.startswith("pod 1 rank 1 restored step ")]
+        assert moved and re.fullmatch(
+            r"pod 1 rank 1 restored step \d+ from peer memory of n[134]", moved[0]
+        ), events
+    else:  # each pod's rank restores where it saved, but the moved pod's, from storage
+        assert [tiers_after(events, n) for n in range(len(decisions(events)))] == [
+            {0: "local disk of n1", 1: tiers_after(events, 0)[1]},
+            {0: "local disk of n1", 1: "local disk of n2"},
+            {0: "local disk of n1", 1: "storage"},
+            {0: "local disk of n1", 1: f"local disk of {result.launch_nodes()[-1]}"},
+        ], events
+        # the crashed rank's copy of its last step may have died with it (no dying gasp for a
+        # crash: the copy is made in the background after the save); then storage serves
+        assert tiers_after(events, 0)[1] in ("local disk of n2", "storage"), events
+        left = {p.relative_to(disks).parts[:2] for p in disks.rglob("*.ckpt")}
+        assert left == {("n2", "job-1")}, left  # the lost node's: its agent died with it
     assert (
         "n2 relaunch: lost and isolated: node-lost"
         in slurm.slurm(["sinfo", "-R", "-h", "-o", "%n %E"]).stdout
@@ -177,6 +198,22 @@ exit $code"""
     # `relaunch nodes --engine slurm`, inside the allocation: Slurm's state beside relaunch's
     row = next(line for line in log.splitlines() if line.strip().startswith("n2 "))
     assert "DRAIN" in row and "Lost" in row and "relaunch: lost and isolated" in row, row
+
+
+def decisions(events: list[str]) -> list[int]:
+    """Where in the record each decision is."""
+    return [i for i, text in enumerate(events) if text.startswith("decision: ")]
+
+
+def tiers_after(events: list[str], decision: int) -> dict[int, str]:
+    """Which tier served each pod's restore after the record's `decision`th decision (one rank
+    a pod), up to the next decision."""
+    at = [*decisions(events), len(events)]
+    found = (
+        re.fullmatch(r"pod (\d) rank \d restored step \d+ from (.+)", text)
+        for text in events[at[decision] : at[decision + 1]]
+    )
+    return {int(m[1]): m[2] for m in found if m}
 
 
 def job_state(slurm: TrialSlurm, job_id: str) -> dict[str, str]:
