@@ -440,18 +440,24 @@ def fsdp2_elastic_job(steps: int = 45) -> dict[str, Any]:
 LOSE_POD_1 = [{"kind": "node-down", "at_step": 22, "pod": 1}]
 
 
-def fsdp2_scaled_in(cluster: Cluster) -> tuple[str, list[str], str]:
+def fsdp2_scaled_in(cluster: Cluster, local: bool) -> tuple[str, list[str], str]:
     """The FSDP2 job through a lost node with no standby (elastic training): its final hash,
-    the restores on record, its logs."""
+    the restores on record, its logs. `local`: each rank's file also copied to its node's disk
+    (`local_checkpoint_dir`), which the job's end empties but for the lost node's copies."""
     from tests.test_process_recovery import ELASTIC_CLUSTER, elastic_cluster
 
     elastic_cluster(cluster)
-    result = cluster.run(
-        fsdp2_elastic_job(), LOSE_POD_1, ELASTIC_CLUSTER, timeout=300, startup_s=60
-    )
+    job = fsdp2_elastic_job()
+    disks = cluster.dir / "node-disks"
+    if local:
+        job["spec"]["local_checkpoint_dir"] = str(disks)
+    result = cluster.run(job, LOSE_POD_1, ELASTIC_CLUSTER, timeout=300, startup_s=60)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.actions == ["scale-in"], result.stdout[-3000:]
     restores = sorted(text for _, text in result.events() if " restored step " in text)
+    if local:
+        left = {p.relative_to(disks).parts[:2] for p in disks.rglob("*.distcp")}
+        assert left == {("node-1", "job-1")}, left  # node-1's agent was lost with it
     return final_hash(result.logs()), restores, result.logs()
 
 
@@ -463,16 +469,19 @@ def test_r33_fsdp2_scales_in_by_resharding_its_checkpoint_the_same_way_twice(
     model anew on a group of one and loads step 20, which DCP reshards from the two ranks' files
     onto one. The checkpoint is the boundary, so two runs side by side end with the same
     parameters; one rank computing the whole batch sums in another order than two, so the hash
-    is not the fault-free run's (which shows the scale-in did take effect)."""
+    is not the fault-free run's (which shows the scale-in did take effect). The second run keeps
+    copies on each node's disk too: rank 0 takes its own file from node-0's disk and rank 1's,
+    whose copy was lost with node-1, from storage, and the reshard gives the same bits."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(2) as pool:
-        runs = list(pool.map(fsdp2_scaled_in, [Cluster(tmp_path / n) for n in ("a", "b")]))
-    for _, restores, logs in runs:
+        clusters = [Cluster(tmp_path / n) for n in ("a", "b")]
+        runs = list(pool.map(fsdp2_scaled_in, clusters, [False, True]))
+    for (_, restores, logs), tier in zip(runs, ["storage", "local disk of node-0"], strict=True):
         found = re.findall(r"start: rank (\d)/2 pid=(\d+) resume_step=(\d+)", logs)
         assert sorted(rank for rank, _, _ in found) == ["0", "1"], found  # rank 0: one process
         assert re.findall(r"rank 0: rejoin at step \d+, generation 2, now rank 0 of 1", logs)
-        assert restores == ["pod 0 rank 0 restored step 20 from storage"], restores
+        assert restores == [f"pod 0 rank 0 restored step 20 from {tier}"], restores
     assert runs[0][0] == runs[1][0]
     assert runs[0][0] != fsdp_unbroken
 
