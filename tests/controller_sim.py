@@ -254,7 +254,8 @@ class Sim:
         """As lifecycle.run does, without sockets: agents connect, the job runs, pods start."""
         c = self.controller
         for spec in self.cluster.nodes:
-            peer = FakePeer(f"agent-{spec.name}", self.wire)
+            # exits at its Shutdown, as an agent does
+            peer = FakePeer(f"agent-{spec.name}", self.wire, closes_on_shutdown=True)
             self.agents[spec.name] = peer
             c.receive(peer, AgentHello(spec.name, spec.chips))
         c.drain(0)
@@ -375,7 +376,7 @@ class Sim:
         for node in list(self.agents):
             if node in self.engine.dead:
                 continue
-            peer = FakePeer(f"agent-{node}-again", self.wire)
+            peer = FakePeer(f"agent-{node}-again", self.wire, closes_on_shutdown=True)
             self.agents[node] = peer
             c.receive(peer, AgentHello(node, 2))
         for index, pod in old.pods.items():

@@ -20,6 +20,7 @@ from relaunch.protocol.environment import Env
 from relaunch.protocol.messages import (
     CaptureStacks,
     Exited,
+    ForgetCopies,
     Heal,
     Lease,
     MembershipUpdate,
@@ -30,6 +31,7 @@ from relaunch.protocol.messages import (
     Start,
     Stop,
 )
+from relaunch.states import HANGUP
 from relaunch.store import JobStatus, NodeState, Outcome
 from tests.controller_sim import Sim, job_spec, waiting_stack
 
@@ -490,7 +492,6 @@ def test_a_job_ended_for_good_has_every_agent_remove_its_nodes_local_copies_of_t
     remove its node's (relaunch.train.local.forget_job), only where the job ended for good: a
     job stopped by a hangup is carried on by `relaunch run --resume`, maybe on the same nodes."""
     from relaunch.controller import lifecycle
-    from relaunch.states import HANGUP
 
     extra = {"local_checkpoint_dir": local_dir} if local_dir else {}
     sim = booted(tmp_path, AUTO, **extra)
@@ -504,9 +505,52 @@ def test_a_job_ended_for_good_has_every_agent_remove_its_nodes_local_copies_of_t
         for peer in sim.launchers.values():
             peer.closes_on_shutdown = True
         lifecycle.stop(c, f"stopped {HANGUP if 'hangup' in ending else '(Ctrl-C)'}")
-    said = [m for peer in sim.agents.values() for m in peer.of(Shutdown)]
-    assert len(said) == 4
-    assert {(m.local_checkpoints, m.job) for m in said} == {(told, sim.job_id)}
+    assert len([m for peer in sim.agents.values() for m in peer.of(Shutdown)]) == 4
+    said = [
+        (n, m)
+        for n, m in sim.wire
+        if n.startswith("agent") and isinstance(m, ForgetCopies | Shutdown)
+    ]
+    forget = [ForgetCopies(((told, sim.job_id),))] if told else []
+    assert said == [  # each agent told before its Shutdown, which it exits at once removed
+        (f"agent-node-{i}", m) for i in range(4) for m in (*forget, Shutdown())
+    ]
+
+
+@pytest.mark.parametrize(
+    ("first", "status", "reason", "local_dir", "named"),
+    [
+        ("succeeded, its controller killed before its last message", JobStatus.SUCCEEDED,
+         "every rank exited 0", "/disks/a", True),
+        ("failed, its controller killed before its last message", JobStatus.FAILED,
+         "no budget left", "/disks/a", True),
+        ("stopped by its terminal's hangup", JobStatus.STOPPED, f"stopped {HANGUP}", "/disks/a",
+         False),
+        ("running, its controller killed", JobStatus.RUNNING, "", "/disks/a", False),
+        ("succeeded, keeping no local copies", JobStatus.SUCCEEDED, "every rank exited 0", None,
+         False),
+    ],
+)  # fmt: skip
+def test_the_next_jobs_agents_remove_the_local_copies_of_a_job_whose_agents_never_heard_its_end(
+    tmp_path: Path,
+    first: str,
+    status: JobStatus,
+    reason: str,
+    local_dir: str | None,
+    named: bool,
+) -> None:
+    """Job 1's agents never got its last message (its controller was killed after the job's end
+    was written, or a node was lost during it): as each agent of the next job in the same state
+    directory joins, it is told to remove its node's copies of job 1 where job 1 ended for good,
+    never of a job that may be carried on (`relaunch run --resume`) nor of the job itself."""
+    earlier = booted(tmp_path, AUTO, **({"local_checkpoint_dir": local_dir} if local_dir else {}))
+    if status is not JobStatus.RUNNING:  # written, and then the controller was killed
+        earlier.controller.update_job(status=status, reason=reason, ended_at=earlier.clock.now())
+    assert earlier.controller.job.resumable == ("hangup" in first)
+    sim = Sim(tmp_path, job_spec(AUTO, local_checkpoint_dir="/disks/b"))
+    sim.boot()
+    told = [m for peer in sim.agents.values() for m in peer.of(ForgetCopies)]
+    assert told == ([ForgetCopies((("/disks/a", earlier.job_id),))] * 4 if named else [])
 
 
 def test_r32_a_replacement_that_never_progresses_fails_at_wait_reschedule_timeout(

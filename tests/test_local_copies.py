@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import socket
+import subprocess
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -19,8 +22,10 @@ import torch
 from relaunch.cluster.keeper import PeerMemoryServer
 from relaunch.errors import SpecError
 from relaunch.protocol.environment import Env, PodEnvironment
+from relaunch.protocol.messages import AgentHello, ForgetCopies, Heartbeat, Shutdown
+from relaunch.protocol.wire import Connection
 from relaunch.train import CheckpointManager, CheckpointWarning
-from relaunch.train.local import LocalCopies, forget_job
+from relaunch.train.local import LocalCopies, forget_job, job_root
 from relaunch.train.peer import PeerCopies
 from tests.builders import AUTO, job
 from tests.test_peer_memory import JOB, nodes, peers_of, same, state
@@ -300,3 +305,49 @@ def test_a_save_returns_while_both_copies_are_still_being_made_off_the_training_
         local_file(tmp_path, 20).read_bytes()
         == (tmp_path / "storage" / "step-000000020" / "rank-0.ckpt").read_bytes()
     )
+
+
+def test_an_agent_told_as_it_joins_of_ended_jobs_removes_its_nodes_copies_of_them_only(
+    tmp_path: Path,
+) -> None:
+    """A real agent process, its controller a socket here. Job 1 ended while no agent of node-1
+    heard it (the controller killed before its last message, or node-1 lost during the job);
+    job 2 runs now. As the agent joins, it is told of job 1 (ForgetCopies) and removes its
+    node's copies of job 1, not job 2's, and beats on while it does. At job 2's end it is told
+    of job 2 and shut down at once: it removes those copies before it exits."""
+    base = tmp_path / "local"
+    for job_id in (1, 2):
+        shard = job_root(base, "node-1", job_id) / "step-000000010" / "rank-1.ckpt"
+        shard.parent.mkdir(parents=True)
+        shard.write_bytes(bytes(4096))
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        server.settimeout(60)
+        agent = subprocess.Popen(
+            [sys.executable, "-m", "relaunch.cluster.agent", "--state-dir", str(tmp_path / "s"),
+             "--node", "node-1", "--chips", "1", "--simulate-chips", "--interval", "0.1",
+             "--controller", f"127.0.0.1:{server.getsockname()[1]}"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        try:
+            conn = Connection(server.accept()[0])
+            heard = iter(conn)
+            assert isinstance(hello := next(heard), AgentHello) and hello.node == "node-1"
+            conn.send(ForgetCopies(((str(base), 1), (str(tmp_path / "elsewhere"), 7))))
+            beats = 0
+            for message in heard:  # at most 300 beats (30 s) for the removal
+                beats += isinstance(message, Heartbeat)
+                if not job_root(base, "node-1", 1).exists() or beats == 300:
+                    break
+            left = [p.relative_to(base).parts[:2] for p in base.rglob("*.ckpt")]
+            # job 2's end: told, then shut down at once; the agent removes before it exits
+            conn.send(ForgetCopies(((str(base), 2),)))
+            conn.send(Shutdown())
+            said, _ = agent.communicate(timeout=60)
+        finally:
+            agent.kill()
+            agent.wait()
+    assert agent.returncode == 0, said
+    assert left == [("node-1", "job-2")], said
+    assert "agent node-1: removed job 1's local checkpoint copies" in said, said
+    assert "agent node-1: removed job 2's local checkpoint copies" in said, said
+    assert list(base.iterdir()) == [] and not (tmp_path / "elsewhere").exists()

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import signal
 import sys
@@ -53,6 +54,7 @@ from relaunch.protocol.messages import (
     AgentHello,
     ChipReport,
     Crash,
+    ForgetCopies,
     Heal,
     Healed,
     Heartbeat,
@@ -129,6 +131,8 @@ class Agent:
         self.sent_down = False
         """Whether the last heartbeat said the data link is down."""
         self.lock = threading.Lock()
+        self.forgetting: list[threading.Thread] = []
+        """Removals of ended jobs' copies from the node's disk (ForgetCopies), each a thread."""
 
     def heartbeat(self) -> Heartbeat:
         now = time.time()
@@ -253,10 +257,15 @@ class Agent:
                 self.link = None
         return ok
 
-    def forget(self, ended: Shutdown) -> None:
-        """The ended job's copies on this node's disk (its local checkpoint directory)."""
-        if ended.local_checkpoints and forget_job(ended.local_checkpoints, self.node, ended.job):
-            print(f"agent {self.node}: removed job {ended.job}'s local checkpoint copies")
+    def forget(self, directory: str, job: int) -> None:
+        """An ended job's copies on this node's disk (under its local checkpoint directory)."""
+        if directory and forget_job(directory, self.node, job):
+            print(f"agent {self.node}: removed job {job}'s local checkpoint copies", flush=True)
+
+    def forget_all(self, copies: tuple[tuple[str, int], ...]) -> None:
+        """Other ended jobs' copies on this node's disk (ForgetCopies), each (directory, job)."""
+        for directory, job in copies:
+            self.forget(directory, job)
 
     def reap(self) -> None:
         """Kill the pods on this node whose launcher died (see the module docstring)."""
@@ -324,11 +333,17 @@ class Agent:
                 def read(c: Connection = conn, done: threading.Event = done) -> None:
                     for message in c:
                         if isinstance(message, Shutdown):
-                            self.forget(message)
+                            for forgetting in self.forgetting:  # the job's end: copies go first
+                                forgetting.join()
                             if self.host is not None:
                                 left = self.host.end()
                                 print(f"agent {self.node}: the pods left {left} process(es)")
                             os._exit(0)
+                        if isinstance(message, ForgetCopies):  # beats, pod starts go on
+                            forget = functools.partial(self.forget_all, message.copies)
+                            self.forgetting.append(threading.Thread(target=forget, daemon=True))
+                            self.forgetting[-1].start()
+                            continue
                         if isinstance(message, StartPod | Crash) and self.host is not None:
                             self.hosted(message)
                             continue

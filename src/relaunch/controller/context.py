@@ -193,6 +193,9 @@ class ControllerContext(Protocol):
     on_output: Callable[[int, int, str], None] | None
 
     job: JobRow
+    ended_copies: tuple[tuple[str, int], ...]
+    """Other jobs' copies on the nodes' disks, for each agent that joins to remove its node's
+    (lifecycle.ended_jobs_copies)."""
     nodes: dict[str, NodeRow]
     pods: dict[int, Pod]
     agents: dict[str, AgentLink]

@@ -103,6 +103,7 @@ class Controller:
         self.listener = None
         self.caught_up_at = self.clock.now()
         self.job: JobRow = store.job(job_id)
+        self.ended_copies = lifecycle.ended_jobs_copies(store.jobs(), job_id)
         self.nodes: dict[str, NodeRow] = {}
         self.refresh_nodes()
         self.pods: dict[int, Pod] = {p.idx: Pod(p) for p in store.pods(job_id)}

@@ -13,6 +13,7 @@ from relaunch.protocol.messages import (
     AgentHello,
     CollectiveFailed,
     Exited,
+    ForgetCopies,
     Healed,
     Heartbeat,
     Injected,
@@ -50,6 +51,8 @@ def dispatch(c: ControllerContext, peer: Peer, message: Message | None) -> None:
         case AgentHello(node=node):
             c.agents[node] = AgentLink(peer, node, c.clock.now(), message.peer_memory)
             c.engine.agent_heard(node, peer, message)
+            if c.ended_copies:
+                peer.send(ForgetCopies(c.ended_copies))
         case LauncherHello():
             _launcher_hello(c, peer, message)
             c.hurry()  # its pod's processes start in this pass, not the next

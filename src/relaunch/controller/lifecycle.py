@@ -4,25 +4,31 @@ the job ends, and shutting its pods and agents down."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Final
 
 from relaunch.controller.active import RecoveryPhase
 from relaunch.controller.clock import TICK_S
 from relaunch.controller.commands import master_port, request_heal, slow_window_unusable, stop_grace
 from relaunch.controller.listener import Listener
+from relaunch.errors import SpecError
 from relaunch.faults import Fault, FaultKind
-from relaunch.protocol.messages import Shutdown
+from relaunch.protocol.messages import ForgetCopies, Shutdown
 from relaunch.protocol.wire import write_controller_address
+from relaunch.spec import parse_job
 from relaunch.states import WANTS_NODES
 from relaunch.store import JobRow, JobStatus, NodeState
 
 if TYPE_CHECKING:
     from relaunch.controller.context import ControllerContext
+    from relaunch.controller.peers import Peer
 
 __all__ = ["adopted", "listen", "run", "stop"]
 
 AGENTS_START_S: Final = 15.0
 """How long a start waits for the node agents it started to connect."""
+AGENTS_FORGET_S: Final = 30.0
+"""How long a job's end waits for its agents to remove their nodes' copies of it and exit."""
 
 
 def listen(c: ControllerContext) -> Listener:
@@ -187,12 +193,15 @@ def shutdown_pods(c: ControllerContext) -> None:
     links += list(c.reconciler.standby.values())
     for link in links:
         link.peer.send(Shutdown(grace))
-    deadline = c.clock.now() + grace + 5
-    while c.clock.now() < deadline and not all(link.peer.closed for link in links):
-        c.drain(TICK_S)
-    ended = Shutdown(local_checkpoints=_forgotten_copies(c), job=c.job_id)
-    for agent in c.agents.values():
-        agent.peer.send(ended)
+    _until_closed(c, [link.peer for link in links], grace + 5)
+    forgotten = _forgotten_copies(c)
+    agents = [agent.peer for agent in c.agents.values()]
+    for peer in agents:
+        if forgotten:  # removed by the agent before it exits
+            peer.send(ForgetCopies(((forgotten, c.job_id),)))
+        peer.send(Shutdown())
+    if forgotten:  # the engine's end kills what still runs: the agents' removals end first
+        _until_closed(c, agents, AGENTS_FORGET_S)
     c.engine.shutdown()
     left = c.engine.left_behind
     if left is not None:
@@ -201,6 +210,32 @@ def shutdown_pods(c: ControllerContext) -> None:
         what = c.engine.left_behind_what
         named = f": {'; '.join(what[:8])}{' ...' if len(what) > 8 else ''}" if what else ""
         c.event(f"the pods left {left} process(es) behind in their cgroups, killed{named}")
+
+
+def _until_closed(c: ControllerContext, peers: list[Peer], seconds: float) -> None:
+    """Read on until every one of `peers` closed its connection, at most `seconds`."""
+    deadline = c.clock.now() + seconds
+    while c.clock.now() < deadline and not all(peer.closed for peer in peers):
+        c.drain(TICK_S)
+
+
+def ended_jobs_copies(jobs: Iterable[JobRow], current: int) -> tuple[tuple[str, int], ...]:
+    """(`local_checkpoint_dir`, job) of every job but `current` that ended for good and kept
+    copies on its nodes' disks, for each agent that joins to remove its node's (ForgetCopies):
+    the copies of a job whose controller was killed between its end and its last message, and
+    of a node lost during its job, are removed by the next job's agents. A job that may still be
+    carried on (active, or stopped resumably) keeps its copies."""
+    found = []
+    for job in jobs:
+        if job.id == current or job.resumable or not job.status.ended:
+            continue
+        try:
+            directory = parse_job(job.spec["raw"]).local_checkpoint_dir
+        except (SpecError, KeyError, TypeError):  # a job this version reads no more: none known
+            continue
+        if directory:
+            found.append((directory, job.id))
+    return tuple(found)
 
 
 def _forgotten_copies(c: ControllerContext) -> str:

@@ -4,8 +4,8 @@ One frozen dataclass per message; `encode` and `decode` are the only places they
 line on the wire is `{"t": KIND, ...fields}`, its kind first). Who sends what:
 
     agent -> controller      AgentHello, Heartbeat, Healed, Injected
-    controller -> agent      InjectChipFault, InjectNetworkFault, Heal, Shutdown, and to an
-                             agent that hosts its node's pods: StartPod, Crash
+    controller -> agent      InjectChipFault, InjectNetworkFault, Heal, ForgetCopies, Shutdown,
+                             and to an agent that hosts its node's pods: StartPod, Crash
     launcher -> controller   LauncherHello, Started, Output, ProgressBatch, Exited, Stopped,
                              Usage, Injected, Stacks, CollectiveFailed, Restored
     controller -> launcher   Start, Stop, Shutdown, InjectProcessFault, MembershipUpdate, Assume,
@@ -42,6 +42,7 @@ __all__ = [
     "CollectiveFailed",
     "Crash",
     "Exited",
+    "ForgetCopies",
     "Heal",
     "Healed",
     "Heartbeat",
@@ -97,8 +98,7 @@ class AgentHello(Message):
     an agent on a machine of its own (Slurm's steps, `relaunch agent` by hand). False: the
     engine starts them (the embedded cluster, Ray's node hosts)."""
     address: str = ""
-    """The node's address its peers reach (MASTER_ADDR when rank 0 is there); "" : the
-    engine knows it."""
+    """The node's address for its peers (MASTER_ADDR where rank 0 runs); "": the engine's."""
     free_port: int = 0
     """A TCP port free on the node when the agent said so (MASTER_PORT; refreshed in every
     heartbeat)."""
@@ -142,9 +142,8 @@ class Heartbeat(Message):
     """The node's data link is down now (said at once, before R-12 makes it a fault: ranks
     that wait for the network meanwhile are not hung)."""
     data_rtt_ms: float | None = None
-    """The node's data-link round trip as its agent's probes of its neighbours find it (the
-    median over them of each one's 90th percentile; None: no real link): a degraded link
-    queues them."""
+    """The node's data-link round trip as its agent's probes of its neighbours find it (the median
+    of each one's 90th percentile; None: no real link): a degraded link queues them."""
     free_port: int = 0
     """An agent that hosts its node's pods: a TCP port free on the node now (0: none said)."""
 
@@ -198,10 +197,16 @@ class Shutdown(Message):
 
     KIND = "shutdown"
     grace: float = 0.0
-    local_checkpoints: str = ""
-    """To an agent, where job `job` ended for good: the job's `local_checkpoint_dir`, whose
-    copies of the job on the agent's node it removes before it exits (relaunch.train.local)."""
-    job: int = 0
+
+
+@dataclass(frozen=True)
+class ForgetCopies(Message):
+    """Jobs that ended for good, as (`local_checkpoint_dir`, job): the agent removes its node's
+    copies of each (relaunch.train.local.forget_job), before it exits at a Shutdown. Sent at the
+    job's end, and as an agent joins, for ended jobs whose agents may never have heard it."""
+
+    KIND = "forget-copies"
+    copies: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -250,9 +255,8 @@ class LauncherHello(Message):
 
 @dataclass(frozen=True)
 class Started(Message):
-    """The ranks one Start started, with their pids, in one message (a pod of many ranks tells
-    its controller once, not once a rank: a restart of thousands of pods is thousands of
-    messages, not tens of thousands)."""
+    """The ranks one Start started, with their pids, in one message (not one a rank: a restart
+    of thousands of pods is thousands of messages, not tens of thousands)."""
 
     KIND = "started"
     attempt: int
@@ -358,8 +362,7 @@ class Stacks(Message):
     request: int
     attempt: int
     stacks: tuple[StackGroup, ...] = ()
-    """The launcher's ranks' stacks, alike ones once (a hung pod's ranks mostly wait in one
-    collective)."""
+    """The launcher's ranks' stacks, alike ones once (a hung pod's wait in one collective)."""
 
 
 @dataclass(frozen=True)
@@ -422,8 +425,8 @@ class CollectiveFailed(Message):
 
 @dataclass(frozen=True)
 class Restored(Message):
-    """A rank restored a checkpoint's step, and `source` says which tier served its bytes (peer
-    memory of a node, or storage): for the job's record."""
+    """A rank restored a checkpoint's step; `source` says which tier served its bytes (a peer's
+    memory, the node's disk, or storage): for the job's record."""
 
     KIND = "restored"
     rank: int
@@ -435,10 +438,9 @@ class Restored(Message):
 
 @dataclass(frozen=True)
 class Lease(Message):
-    """The controller still hears the pod: its lease runs on (R-14). A launcher that hears
-    nothing from its controller for the plan's `lease_s` takes its pod for abandoned and stops
-    its processes, as when the connection closes: a node cut off from the controller, but still
-    running, never trains beside the replacements of its pods."""
+    """The controller still hears the pod: its lease runs on (R-14). A launcher that hears nothing
+    from its controller for the plan's `lease_s` takes its pod for abandoned and stops its
+    processes: a node cut off from the controller never trains beside its pods' replacements."""
 
     KIND = "lease"
 
@@ -447,9 +449,9 @@ _KINDS: Final[dict[str, type[Message]]] = {
     cls.KIND: cls
     for cls in (
         AgentHello, Heartbeat, Healed, InjectChipFault, InjectNetworkFault, Heal, Injected,
-        Shutdown, LauncherHello, Started, Output, ProgressBatch, Exited, Stopped, Usage, Start,
-        Stop, InjectProcessFault, MembershipUpdate, Assume, CaptureStacks, Stacks, Lease,
-        CollectiveFailed, StartPod, Crash, Restored,
+        Shutdown, ForgetCopies, LauncherHello, Started, Output, ProgressBatch, Exited, Stopped,
+        Usage, Start, Stop, InjectProcessFault, MembershipUpdate, Assume, CaptureStacks, Stacks,
+        Lease, CollectiveFailed, StartPod, Crash, Restored,
     )
 }  # fmt: skip
 
