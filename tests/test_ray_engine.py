@@ -302,9 +302,15 @@ def test_hang_restarts_in_place_on_ray_as_on_embedded(cluster: Cluster, whole: R
 def test_ddp_loses_a_ray_node_and_ends_bit_identical_to_the_fault_free_run(
     cluster: Cluster, whole: RayTrial, unbroken: str
 ) -> None:
+    """Each rank's checkpoint also goes to its node's disk (`local_checkpoint_dir`): pod 0,
+    kept where it saved, restores from node-0's disk, the moved pod from storage, and the job's
+    end leaves only the lost node's copies (its agent was lost with it)."""
     out = cluster.dir / "hash.txt"
     faults = [{"kind": "node-down", "at_step": 40, "pod": 1}]
-    result = whole.run(cluster, ddp_job(out, 10), faults, DDP_CLUSTER, timeout=300, startup_s=60)
+    job = ddp_job(out, 10)
+    disks = cluster.dir / "node-disks"
+    job["spec"]["local_checkpoint_dir"] = str(disks)
+    result = whole.run(cluster, job, faults, DDP_CLUSTER, timeout=300, startup_s=60)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.actions == ["pod-reschedule"]
     pods = result.report["pods"]
@@ -312,6 +318,11 @@ def test_ddp_loses_a_ray_node_and_ends_bit_identical_to_the_fault_free_run(
     assert (pods[1]["node"], pods[1]["generation"]) == ("node-2", 2)
     assert result.launch_nodes() == ["node-0", "node-1", "node-2"]  # only the lost pod moved
     assert out.read_text().strip() == unbroken
+    restores = [text for _, text in result.events() if " restored step " in text]
+    tiers = sorted(re.sub(r" restored step \d+ ", " ", text) for text in restores)
+    assert tiers == ["pod 0 rank 0 from local disk of node-0", "pod 1 rank 1 from storage"]
+    left = {p.relative_to(disks).parts[:2] for p in disks.rglob("*.ckpt")}
+    assert left == {("node-1", "job-1")}, left
 
 
 def _family(pid: int) -> list[psutil.Process]:
