@@ -464,6 +464,42 @@ def test_r30_a_collective_failed_while_a_link_is_down_is_resumed_from_a_kill_at_
     assert not any(isinstance(m, Stop) for _, m in sim.wire)
 
 
+def test_r30_collective_reports_lost_with_a_killed_controller_fall_to_the_process_ladder(
+    tmp_path: Path,
+) -> None:
+    """R-30 with operator retry off, the collective reports lost: node-1's link goes down and the
+    controller is killed while two ranks' reports are on their way (a datagram, not sent again).
+    The resumed controller never hears them: the outage is recorded only (`ignore`, back within
+    R-12's 20 s), no process-retry is decided, and the two ranks, told of no new group within
+    RELAUNCH_RECOVERY_WAIT, raise GroupLost and exit. Their exits are decided on the process
+    ladder, like any: slower than the retry, nothing lost, no job-level restart."""
+    from relaunch.protocol.messages import LinkReport
+
+    sim = booted(tmp_path, PROCESS, labels=PROCESS_LABELS, hang_detect_seconds=60)
+    sim.train(6)
+    sim.tick()
+    down_at = sim.clock.now()
+    sim.links_down = {"node-1"}
+    sim.tick()
+    sim.restart_controller()  # the reports of ranks 0 and 3 die with it
+    sim.run(3.0)
+    sim.links_down = set()
+    sim.link_reports["node-1"] = LinkReport(1, down_at, sim.clock.now() - down_at, "carrier lost")
+    sim.run(2.0)
+    assert sim.actions() == [("ignore", "succeeded")], sim.events[-6:]
+    sim.crash(3)  # GroupLost: no group within the wait
+    sim.crash(0)
+    sim.run(3.0)
+    sim.train(7)
+    sim.tick()
+    actions = sim.actions()
+    assert {action for action, _ in actions[1:]} <= {"process-reschedule", "process-in-place"}
+    assert len(actions) > 1 and actions[-1][1] == "succeeded", actions
+    assert {attempt for _, attempt, _ in starts_sent(sim)} == {1}, starts_sent(sim)  # no job-level
+    latest = sim.controller.membership.current()
+    assert latest is not None and sorted(latest.ranks) == [0, 1, 2, 3]
+
+
 KILL_MATRIX = {
     # fault: (annotations, how it comes, the level decided, the points a kill is tried at)
     "crash": (
