@@ -175,6 +175,15 @@ exit $code"""
         assert moved and re.fullmatch(
             r"pod 1 rank 1 restored step \d+ from peer memory of n[134]", moved[0]
         ), events
+        # at every level (job-level, in-place, pod-level, hang-restart) both pods restore from
+        # a peer's memory; after the crash, the crashed rank's copy may have died with it
+        served = [tiers_after(events, n) for n in range(len(decisions(events)))]
+        assert len(served) == 4 and all(sorted(by_pod) == [0, 1] for by_pod in served), events
+        assert all(
+            re.fullmatch(r"peer memory of n\d", tier) or (n, pod, tier) == (0, 1, "storage")
+            for n, by_pod in enumerate(served)
+            for pod, tier in by_pod.items()
+        ), served
     else:  # each pod's rank restores where it saved, but the moved pod's, from storage
         assert [tiers_after(events, n) for n in range(len(decisions(events)))] == [
             {0: "local disk of n1", 1: tiers_after(events, 0)[1]},
