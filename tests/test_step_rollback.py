@@ -49,7 +49,8 @@ m = Membership.of_pods({0: 1, 1: 1}, 1, generation=2, addr="127.0.0.1", port=295
                        retry=True, suspects=suspects)
 source = replica_restore(model, optimizer, m, rank, 1)
 after = parameter_hash(model), optimizer.state_dict()["state"][0]["momentum_buffer"].sum().item()
-print(json.dumps({"source": source, "healthy": healthy, "after": after}))
+print("result:", json.dumps({"source": source, "healthy": healthy, "after": after}), flush=True)
+dist.destroy_process_group()
 """
 
 
@@ -71,8 +72,10 @@ def _two_ranks(suspects: tuple[int, ...], tmp: Path) -> list[dict[str, object]]:
     found = []
     for proc in procs:
         out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, err
-        found.append(json.loads(out.strip().splitlines()[-1]))
+        said = f"exit {proc.returncode}\n--- stdout:\n{out}\n--- stderr:\n{err}"
+        results = [line for line in out.splitlines() if line.startswith("result: ")]
+        assert proc.returncode == 0 and len(results) == 1, said
+        found.append(json.loads(results[0].removeprefix("result: ")))
     return found
 
 
