@@ -21,6 +21,7 @@ PURE = [
     *sorted((SRC / "faults").glob("*.py")),
     *sorted((SRC / "policy").glob("*.py")),
     *sorted((SRC / "diagnosis").glob("*.py")),
+    SRC / "restores.py",
 ]
 IMPURE_MODULES = {
     "time",

@@ -321,6 +321,8 @@ def test_ddp_loses_a_ray_node_and_ends_bit_identical_to_the_fault_free_run(
     restores = [text for _, text in result.events() if " restored step " in text]
     tiers = sorted(re.sub(r" restored step \d+ ", " ", text) for text in restores)
     assert tiers == ["pod 0 rank 0 from local disk of node-0", "pod 1 rank 1 from storage"]
+    reported = result.report["restores"]  # the report's reading of the same record
+    assert sorted(f"pod {r['pod']} rank {r['rank']} from {r['source']}" for r in reported) == tiers
     left = {p.relative_to(disks).parts[:2] for p in disks.rglob("*.ckpt")}
     assert left == {("node-1", "job-1")}, left
 

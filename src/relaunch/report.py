@@ -10,6 +10,7 @@ from relaunch.errors import InputError
 from relaunch.faults import FaultKind, reschedule_reason
 from relaunch.faults.plan import parse_plan
 from relaunch.policy import Action, Budget
+from relaunch.restores import restores
 from relaunch.spec import parse_job
 from relaunch.store import JobRow, NodeRow, RecordRow, Store
 
@@ -70,6 +71,7 @@ def build_report(store: Store, job_id: int, now: float | None = None) -> dict[st
             for p in pods
         ],
         "recoveries": [r.to_json() for r in records],
+        "restores": restores(store.events(job_id)),
         "reschedules": reschedule_records(job.name, records),
         "fault_plan": plan_view(store, job),
         "goodput": job_goodput(store, job, now).to_json(),

@@ -9,6 +9,7 @@ from rich.table import Table
 
 from relaunch.cli.common import out, visible_all
 from relaunch.diagnosis import ranks_text
+from relaunch.restores import tiers_text
 
 __all__ = ["print_summary"]
 
@@ -25,6 +26,8 @@ def print_summary(summary: dict[str, Any]) -> None:
     _records_table(summary)
     _root_causes(summary)
     _goodput(summary.get("goodput"))
+    if summary.get("restores"):
+        out.print(f"checkpoints restored: {tiers_text(summary['restores'])}", highlight=False)
     out.print(
         f"job-level restarts used: {summary['restarts_used']}; pod-level: {summary['pod_restarts_used']}; "
         f"isolated nodes: {', '.join(summary['isolated_nodes']) or 'none'}",

@@ -30,6 +30,7 @@ from relaunch.protocol.messages import (
     Stopped,
     Usage,
 )
+from relaunch.restores import restore_event
 from relaunch.store import NodeState
 
 if TYPE_CHECKING:
@@ -120,7 +121,7 @@ def _from_launcher(c: ControllerContext, link: LauncherLink, message: Message) -
             if message.attempt == c.job.attempt:
                 _collective_failed(c, link, message)
         case Restored(rank=rank, step=step, source=source):  # which tier served, on record
-            c.event(f"pod {link.pod} rank {rank} restored step {step} from {source}")
+            c.event(restore_event(link.pod, rank, step, source))
         case Stopped(exited=exited):
             for rank, (attempt, code, signum) in exited.items():
                 _ended(link, rank, attempt, code, signum)
