@@ -345,6 +345,7 @@ def test_cli_verbs_talk_to_the_server(server: Server, tmp_path: Path) -> None:
     summary = json.loads(described.stdout)
     assert summary["status"] == "Succeeded"
     assert [r["action"] for r in summary["recoveries"]] == ["job-reschedule"]
+    assert summary["restores"] == []  # the toy script restores through no SDK checkpoint
     table = cli("describe", "1")
     assert "job-reschedule" in table.stdout and "Fault recovery details" in table.stdout
 

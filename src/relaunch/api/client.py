@@ -104,4 +104,5 @@ def summary_from_view(view: dict[str, Any]) -> dict[str, Any]:
         "recoveries": recovery.get("records", []),
         "fault_plan": recovery.get("fault_plan", []),
         "goodput": recovery.get("goodput"),
+        "restores": recovery.get("restores", []),
     }

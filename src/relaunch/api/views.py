@@ -51,5 +51,6 @@ def job_view(store: Store, row: JobRow, brief: bool = False) -> dict[str, Any]:
         "records": report["recoveries"],
         "fault_plan": report["fault_plan"],
         "goodput": report["goodput"],
+        "restores": report["restores"],
     }
     return view
