@@ -427,6 +427,18 @@ def test_an_operator_retry_through_a_flap_is_resumed_from_a_kill_at_each_point(
     )  # no rollback (process-retry)
 
 
+def link_down_at_step_6(tmp_path: Path) -> tuple[Sim, float]:
+    """A process-level job (operator retry off) at step 6, node-1's data link down since the
+    second returned."""
+    sim = booted(tmp_path, PROCESS, labels=PROCESS_LABELS, hang_detect_seconds=60)
+    sim.train(6)
+    sim.tick()
+    down_at = sim.clock.now()
+    sim.links_down = {"node-1"}
+    sim.tick()
+    return sim, down_at
+
+
 @pytest.mark.parametrize("kill", ["fault-stored", "decision-stored", "link-down", "link-back"])
 def test_r30_a_collective_failed_while_a_link_is_down_is_resumed_from_a_kill_at_each_point(
     tmp_path: Path, kill_at: list[str], kill: str
@@ -440,12 +452,7 @@ def test_r30_a_collective_failed_while_a_link_is_down_is_resumed_from_a_kill_at_
     started, the group re-formed with every rank."""
     from relaunch.protocol.messages import Stop
 
-    sim = booted(tmp_path, PROCESS, labels=PROCESS_LABELS, hang_detect_seconds=60)
-    sim.train(6)
-    sim.tick()
-    down_at = sim.clock.now()
-    sim.links_down = {"node-1"}
-    sim.tick()
+    sim, down_at = link_down_at_step_6(tmp_path)
     if kill in ("fault-stored", "decision-stored"):
         kill_at.append(kill)
     collective_failed(sim, 3, 7, 0, 1)
@@ -475,12 +482,7 @@ def test_r30_collective_reports_lost_with_a_killed_controller_fall_to_the_proces
     ladder, like any: slower than the retry, nothing lost, no job-level restart."""
     from relaunch.protocol.messages import LinkReport
 
-    sim = booted(tmp_path, PROCESS, labels=PROCESS_LABELS, hang_detect_seconds=60)
-    sim.train(6)
-    sim.tick()
-    down_at = sim.clock.now()
-    sim.links_down = {"node-1"}
-    sim.tick()
+    sim, down_at = link_down_at_step_6(tmp_path)
     sim.restart_controller()  # the reports of ranks 0 and 3 die with it
     sim.run(3.0)
     sim.links_down = set()
