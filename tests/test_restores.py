@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from relaunch.api.metrics import StoreCollector
 from relaunch.cli import summary
 from relaunch.protocol.messages import Restored
 from relaunch.report import build_report
@@ -29,12 +30,15 @@ def test_a_restore_event_reads_back_as_written_and_other_events_are_not_restores
     ]  # fmt: skip
 
 
-def test_the_tiers_are_counted_whichever_node_served() -> None:
-    found = [
-        {"source": s}
-        for s in ("peer memory of node-2", "storage", "peer memory of node-3", "local disk of n1")
-    ]
-    assert tiers_text(found) == "2 from peer memory, 1 from storage, 1 from local disk"
+def test_the_tiers_are_counted_whichever_node_or_rank_served() -> None:
+    sources = (
+        "peer memory of node-2", "storage", "peer memory of node-3", "local disk of n1",
+        "the memory of rank 1, a healthy replica",
+    )  # fmt: skip
+    found = [{"source": s} for s in sources]
+    assert tiers_text(found) == (
+        "2 from peer memory, 1 from storage, 1 from local disk, 1 from a healthy replica"
+    )
     assert tiers_text([]) == ""
 
 
@@ -42,7 +46,7 @@ def test_a_ranks_restore_reaches_the_report_and_the_summary(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The real controller records what the ranks' launchers say (the simulator's wire): the
-    report lists each restore, the summary counts them by tier."""
+    report lists each restore, the summary and the metrics count them by tier."""
     sim = booted(tmp_path, AUTO)
     c = sim.controller
     for rank, source in ((0, "peer memory of node-1"), (1, "storage")):
@@ -56,3 +60,7 @@ def test_a_ranks_restore_reaches_the_report_and_the_summary(
     ]
     summary.print_summary(report)
     assert "checkpoints restored: 1 from peer memory, 1 from storage" in capsys.readouterr().out
+    (family,) = [
+        f for f in StoreCollector(sim.store).collect() if f.name == "relaunch_checkpoint_restores"
+    ]  # /metrics: every job's restores in the state directory, by tier
+    assert {s.labels["tier"]: s.value for s in family.samples} == {"peer memory": 1, "storage": 1}

@@ -9,9 +9,11 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any, Final
 
-__all__ = ["restore_event", "restores", "tiers_text"]
+__all__ = ["EVENT_LIKE", "restore_event", "restores", "tier_of", "tiers_text"]
 
 _EVENT: Final = re.compile(r"pod (\d+) rank (\d+) restored step (\d+) from (.+)")
+EVENT_LIKE: Final = "pod % rank % restored step % from %"
+"""The events that may be restores, as SQL's LIKE finds them (`restores` then reads them)."""
 
 
 def restore_event(pod: int, rank: int, step: int, source: str) -> str:
@@ -31,8 +33,20 @@ def restores(events: Iterable[tuple[float, str]]) -> list[dict[str, Any]]:
     return found
 
 
+def tier_of(source: str) -> str:
+    """The tier a restore's source names, whichever node or rank served: "peer memory", "local
+    disk", "storage", "a healthy replica" (an online retry's, from a rank's memory)."""
+    for prefix, tier in (
+        ("peer memory of ", "peer memory"),
+        ("local disk of ", "local disk"),
+        ("the memory of rank ", "a healthy replica"),
+    ):
+        if source.startswith(prefix):
+            return tier
+    return source
+
+
 def tiers_text(found: Iterable[dict[str, Any]]) -> str:
-    """How many restores each tier served, most first: "3 from peer memory, 1 from storage"
-    (a node's memory or disk counted as one tier, whichever node)."""
-    tiers = Counter(re.sub(r" of \S+$", "", r["source"]) for r in found)
+    """How many restores each tier served, most first: "3 from peer memory, 1 from storage"."""
+    tiers = Counter(tier_of(r["source"]) for r in found)
     return ", ".join(f"{n} from {tier}" for tier, n in tiers.most_common())

@@ -20,6 +20,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from relaunch.report import budgets_left, job_goodput
+from relaunch.restores import EVENT_LIKE, restores, tier_of
 from relaunch.store import JobRow, JobStatus, NodeState, RecordRow, Store
 
 __all__ = ["StoreCollector"]
@@ -70,6 +71,19 @@ class StoreCollector(Collector):
         )
         yield self._budgets(jobs)
         yield from self._goodput(jobs)
+        yield self._restores()
+
+    def _restores(self) -> CounterMetricFamily:
+        """Checkpoint restores, by the tier that served them (relaunch.restores)."""
+        family = CounterMetricFamily(
+            "relaunch_checkpoint_restores",
+            "Checkpoints ranks restored, by the tier that served them.",
+            labels=["tier"],
+        )
+        found = restores(self.store.events_like(EVENT_LIKE))
+        for tier, n in sorted(Counter(tier_of(r["source"]) for r in found).items()):
+            family.add_metric([tier], n)
+        return family
 
     def _goodput(self, jobs: list[JobRow]) -> Iterator[GaugeMetricFamily]:
         """Each job's effective training time ratio and the seconds it lost, by cause."""

@@ -275,3 +275,8 @@ class EventTable(Database):
     def events(self, job_id: int) -> list[tuple[float, str]]:
         rows = self._all("SELECT at, text FROM events WHERE job_id = ? ORDER BY id", (job_id,))
         return [(r["at"], r["text"]) for r in rows]
+
+    def events_like(self, pattern: str) -> list[tuple[float, str]]:
+        """Every job's events that SQL's LIKE `pattern` matches, in order."""
+        rows = self._all("SELECT at, text FROM events WHERE text LIKE ? ORDER BY id", (pattern,))
+        return [(r["at"], r["text"]) for r in rows]
