@@ -227,7 +227,7 @@ def ended_jobs_copies(jobs: Iterable[JobRow], current: int) -> tuple[tuple[str, 
     carried on (active, or stopped resumably) keeps its copies."""
     found = []
     for job in jobs:
-        if job.id == current or job.resumable or not job.status.ended:
+        if job.id == current or not job.ended_for_good:
             continue
         try:
             directory = parse_job(job.spec["raw"]).local_checkpoint_dir
@@ -242,7 +242,7 @@ def _forgotten_copies(c: ControllerContext) -> str:
     """The job's local checkpoint directory, for the agents to remove their nodes' copies of it,
     where the job ended for good; "" where it keeps none or `relaunch run --resume` may carry it
     on (its ranks may restart on the same nodes)."""
-    if c.job.resumable or c.job.status.active:
+    if not c.job.ended_for_good:
         return ""
     return c.spec.local_checkpoint_dir or ""
 

@@ -75,6 +75,12 @@ class JobRow:
         engine whose nodes come back: `relaunch run --resume` carries it on."""
         return self.status is JobStatus.STOPPED and self.reason.endswith(RESUMABLE_ENDS)
 
+    @property
+    def ended_for_good(self) -> bool:
+        """Succeeded, failed, or stopped in a way no `relaunch run --resume` carries on: what it
+        kept on its nodes' disks may go."""
+        return self.status.ended and not self.resumable
+
 
 @dataclass(frozen=True)
 class PodRow:

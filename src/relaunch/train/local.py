@@ -106,15 +106,18 @@ class LocalCopies:
     def _rotate(self, name: str) -> None:
         """Keep this file's newest `keep` steps; drop the older ones, with what a copy killed
         half-way left of them (and emptied directories)."""
-        held = []
+        held: list[tuple[int, Path, list[Path]]] = []  # (step, its directory, this file's there)
         with contextlib.suppress(OSError):
             for directory in self.root.iterdir():
                 match = _STEP_DIR.fullmatch(directory.name)
-                torn = any(directory.glob(f".{name}{TMP_MARK}*"))
-                if match and ((directory / name).exists() or torn):
-                    held.append((int(match.group(1)), directory))
-        for _, directory in sorted(held, reverse=True)[self.keep :]:
-            for path in (directory / name, *directory.glob(f".{name}{TMP_MARK}*")):
+                if match is None:
+                    continue
+                torn = directory.glob(f".{name}{TMP_MARK}*")
+                files = [p for p in (directory / name, *torn) if p.exists()]
+                if files:
+                    held.append((int(match.group(1)), directory, files))
+        for _, directory, files in sorted(held, reverse=True)[self.keep :]:
+            for path in files:
                 with contextlib.suppress(OSError):
                     path.unlink()
             with contextlib.suppress(OSError):
