@@ -49,10 +49,22 @@ $(SLURMD):
 	    --no-install-recommends slurmd slurmctld slurm-client munge >/dev/null; \
 	else echo "note: not root with apt: the Slurm tests will skip (they need Debian's slurmd, slurmctld, slurm-client, munge)"; fi
 
+# The peer-memory benchmark's shared storage is a file server on a node of its own (OpenSSH's
+# sshd, read through sshfs: relaunch_bench.file_server); tests/test_bench.py measures it as root.
+# Installed here when missing, where this is root with apt.
+SSHFS := /usr/bin/sshfs
+.PHONY: shared-storage
+shared-storage: $(SSHFS)
+$(SSHFS):
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    --no-install-recommends openssh-server sshfs >/dev/null; \
+	else echo "note: not root with apt: the peer-memory benchmark measures no shared storage (it needs Debian's openssh-server, sshfs)"; fi
+
 # Two workers, a test file to each at a time (a file's module fixtures, such as its fault-free
 # baseline, run once); every test's duration is kept in build/test-report/durations.txt.
 # `pytest -m "not real"` runs the tier that starts no real run, cluster or server.
-unit: $(STAMP) $(CHROMIUM) $(SLURMD)
+unit: $(STAMP) $(CHROMIUM) $(SLURMD) $(SSHFS)
 	@# relaunch's own bytecode, ahead: where PYTHONDONTWRITEBYTECODE is set, each of the
 	@# suite's thousands of processes (agents, launchers, controllers) compiled it again
 	$(BIN)/python -m compileall -q -j 0 src

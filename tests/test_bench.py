@@ -66,6 +66,7 @@ def test_quick_bench_writes_json_markdown_and_chart(tmp_path: Path) -> None:
     bin_dir = _installed_from_wheel(tmp_path)
     out, scratch = tmp_path / "bench", tmp_path / "scratch"
     scratch.mkdir()
+    ssh_before = _ssh_processes()
     done = subprocess.run(
         # the sections that make the chart, the ratios and the report's every kind of table;
         # `make bench` runs the others (hang, scale, sizes, slow, network): they repeat jobs the
@@ -133,6 +134,11 @@ def test_quick_bench_writes_json_markdown_and_chart(tmp_path: Path) -> None:
             for k in ("link", "peer_restore", "local_restore", "storage_restore")
         )
         assert peer_memory["local_copy_s"] > 0
+        # shared storage over the data link (`make test` installs its sshd and sshfs as root)
+        assert all(
+            peer_memory.get(f"{k}_mb_s", 0) > 0 for k in ("shared_read", "shared_restore")
+        ), peer_memory.get("shared_storage")
+        assert peer_memory["shared_over_peer"] > 0
         assert peer_memory["stall_plain_s"] > 0 and peer_memory["stall_copy_s"] > 0
         low, high = peer_memory["stall_ratio_95"]  # 21 pairs: an interval exists
         assert (
@@ -159,6 +165,17 @@ def test_quick_bench_writes_json_markdown_and_chart(tmp_path: Path) -> None:
         if f"{scratch}/relaunch-bench-" in " ".join(p.info["cmdline"] or [])
     ]
     assert not left, "benchmark processes outlived the benchmark"
+    # the shared storage's sshd, its connections' sshd (renamed: no path to know them by) and the
+    # mounts' sshfs and ssh: no other test starts any
+    assert _ssh_processes() <= ssh_before, "the shared storage's processes outlived the benchmark"
+
+
+def _ssh_processes() -> set[int]:
+    return {
+        p.pid
+        for p in psutil.process_iter(["name", "status"])
+        if p.info["name"] in ("sshd", "sshfs", "ssh") and p.info["status"] != psutil.STATUS_ZOMBIE
+    }
 
 
 def test_bench_without_torch_says_what_to_install(tmp_path: Path) -> None:

@@ -7,10 +7,13 @@ and its copy into node-1's memory), and for each restore a fresh rank on node-0 
 step, timed from `load()` to its return: from node-1's memory (fetched over the data link,
 checked against the manifest, loaded), then from node-0's own disk (relaunch.train.local's copy)
 and from storage, each with the page cache dropped (the files' pages evicted, and the machine's
-caches dropped where we may). On one machine the node's disk and storage are the same disk. Beside them, the link's
-raw speed (one process's memory into another's over the same link, plain TCP) and the disk's (a
-cold sequential read of the same size). And the loop's stall in an asynchronous save with and
-without the copy (it is sent after the write, from a thread of its own).
+caches dropped where we may). On one machine the node's disk and storage are the same disk; so
+storage is also read as a cluster reads it, from a file server on a node of its own over node-0's
+data link (relaunch_bench.file_server: sshd, mounted by sshfs), where this machine has one.
+Beside them, the link's raw speed (one process's memory into another's over the same link, plain
+TCP), the disk's (a cold sequential read of the same size) and the shared storage's (a cold
+sequential read of the step's file through the mount). And the loop's stall in an asynchronous
+save with and without the copy (it is sent after the write, from a thread of its own).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any
 
 from relaunch.cluster.local import kill_tree
 from relaunch.cluster.network import ClusterNetwork
+from relaunch_bench import file_server
 from relaunch_bench.checkpoint import _drop_cache, _raw
 from relaunch_bench.jobs import Progress
 from relaunch_bench.peers import peer_environment, peer_python
@@ -43,6 +47,8 @@ ONE_REPEAT_FROM_MB = 4096
 STALL_UP_TO_MB = 1024
 """The stall is measured up to this size (an asynchronous save keeps a host copy of the state)."""
 NODES = ("node-0", "node-1")
+STORAGE_NODE = "storage"
+"""The node the shared storage's file server runs on (relaunch_bench.file_server)."""
 WORKER = "relaunch_bench.peer_memory_worker"
 
 
@@ -56,22 +62,41 @@ def peer_memory_rows(
         try:
             for node in NODES:
                 network.ensure_node(node)
-            return [
-                _size(network, Path(tmp), mb, 1 if mb >= ONE_REPEAT_FROM_MB else repeats, say)
-                for mb in sizes
-            ]
+            with _shared_storage(network, Path(tmp) / "file-server") as server:
+                return [_size(network, server, Path(tmp), mb, repeats, say) for mb in sizes]
         finally:
             network.remove()
 
 
+@contextlib.contextmanager
+def _shared_storage(network: ClusterNetwork, scratch: Path) -> Any:
+    """The storage node's file server (relaunch_bench.file_server), or why there is none."""
+    why = file_server.unavailable()
+    if why is not None:
+        yield why
+        return
+    network.ensure_node(STORAGE_NODE)
+    namespace = network.layout.namespace(STORAGE_NODE)
+    with file_server.file_server(
+        namespace, network.layout.data_address(STORAGE_NODE), scratch
+    ) as server:
+        yield server
+
+
 def _size(
-    network: ClusterNetwork, tmp: Path, mb: int, repeats: int, say: Progress
+    network: ClusterNetwork,
+    server: file_server.FileServer | str,
+    tmp: Path,
+    mb: int,
+    repeats: int,
+    say: Progress,
 ) -> dict[str, Any]:
     samples: dict[str, list[float]] = {}
     ratios: list[float] = []  # every pair's stall with the copy over without, all repeats
+    repeats = 1 if mb >= ONE_REPEAT_FROM_MB else repeats
     for repeat in range(repeats):
         say(f"peer memory: {mb} MB, repeat {repeat + 1}/{repeats}")
-        timings = _round(network, tmp / f"r{mb}-{repeat}", mb)
+        timings = _round(network, server, tmp / f"r{mb}-{repeat}", mb)
         ratios += timings.pop("stall_ratios", [])
         for key, value in timings.items():
             samples.setdefault(key, []).append(value)
@@ -79,13 +104,18 @@ def _size(
     size = mb << 20
     row: dict[str, Any] = {"size_mb": mb, "repeats": repeats}
     for key in (
-        "link", "disk_read", "peer_restore", "local_restore", "storage_restore", "save", "copy",
-        "local_copy",
+        "link", "disk_read", "peer_restore", "local_restore", "storage_restore", "shared_read",
+        "shared_restore", "save", "copy", "local_copy",
     ):  # fmt: skip
-        row[f"{key}_s"] = round(med[key], 4)
-        row[f"{key}_mb_s"] = round(size / 1e6 / med[key], 1)
+        if key in med:
+            row[f"{key}_s"] = round(med[key], 4)
+            row[f"{key}_mb_s"] = round(size / 1e6 / med[key], 1)
     row["peer_over_link"] = round(med["link"] / med["peer_restore"], 3)
     row["storage_over_peer"] = round(med["storage_restore"] / med["peer_restore"], 2)
+    if "shared_restore" in med:
+        row["shared_over_peer"] = round(med["shared_restore"] / med["peer_restore"], 2)
+    else:
+        row["shared_storage"] = server
     for key in ("dlrover_save_stall", "dlrover_restore"):
         if key in med:
             row[f"{key}_s"] = round(med[key], 5)
@@ -114,7 +144,9 @@ def median_interval(values: list[float], level: float = 0.95) -> tuple[float, fl
     return (ordered[k - 1], ordered[n - k]) if k else None
 
 
-def _round(network: ClusterNetwork, directory: Path, mb: int) -> dict[str, Any]:
+def _round(
+    network: ClusterNetwork, server: file_server.FileServer | str, directory: Path, mb: int
+) -> dict[str, Any]:
     directory.mkdir(parents=True)
     size = mb << 20
     timings: dict[str, Any] = {"link": _link(network, size)}
@@ -135,8 +167,24 @@ def _round(network: ClusterNetwork, directory: Path, mb: int) -> dict[str, Any]:
         restored = _worker(network, "node-0", "restore", str(directory), tier, str(mb))
         assert restored["tier"] == served, restored
         timings[f"{tier}_restore"] = restored["seconds"]
+    if isinstance(server, file_server.FileServer):
+        timings.update(_shared(network, server, directory, mb))
     timings.update(_dlrover(directory / "dlrover", mb))
     return timings
+
+
+def _shared(
+    network: ClusterNetwork, server: file_server.FileServer, directory: Path, mb: int
+) -> dict[str, float]:
+    """Node-0 reads the step from the storage node over its data link, cold on both ends: the
+    file raw, then a fresh rank's restore (relaunch_bench.file_server)."""
+    login = (server.address, str(server.key), str(directory))
+    _drop_caches(directory)
+    read = _worker(network, "node-0", "shared-read", *login)
+    _drop_caches(directory)
+    restored = _worker(network, "node-0", "shared-restore", *login, str(mb))
+    assert restored["tier"] == "storage", restored
+    return {"shared_read": read["seconds"], "shared_restore": restored["seconds"]}
 
 
 def _dlrover(directory: Path, mb: int) -> dict[str, float]:

@@ -7,6 +7,11 @@ saves, and the fresh rank that restores. Each prints one JSON line.
     python -m relaunch_bench.peer_memory_worker receive HOST PORT BYTES
     python -m relaunch_bench.peer_memory_worker save DIR MB PEER_HOST:PORT
     python -m relaunch_bench.peer_memory_worker restore DIR PEER_HOST:PORT|local|storage MB
+    python -m relaunch_bench.peer_memory_worker shared-read SERVER KEY DIR
+    python -m relaunch_bench.peer_memory_worker shared-restore SERVER KEY DIR MB
+
+The last two read DIR from the storage node's file server (relaunch_bench.file_server), mounted
+in this process's own mount namespace for their run.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from relaunch.protocol.peer_memory import memory_for, receive_into, stall_timeout
+from relaunch_bench.file_server import FileServer, mounted
 
 JOB = "bench"
 STALL_PAIRS = 21
@@ -163,6 +169,26 @@ def restore(directory: str, peer: str, mb: int) -> None:
     _say(seconds=took, tier=manager.restored_from.get((0, 1), "storage"))
 
 
+SHARD = Path("ckpt") / "step-000000001" / "rank-0.ckpt"
+"""The step the benchmark saves, rank 0's file: what the storage's raw read reads."""
+
+
+def shared_read(server: FileServer, directory: str) -> None:
+    """The shared storage's raw speed: a cold sequential read of the step's file through the
+    mount, in the chunks the disk's raw read uses (relaunch_bench.checkpoint)."""
+    with mounted(server, Path(directory)) as at:
+        start = time.perf_counter()
+        with open(at / SHARD, "rb") as f:
+            while f.read(8 << 20):
+                pass
+        _say(seconds=time.perf_counter() - start)
+
+
+def shared_restore(server: FileServer, directory: str, mb: int) -> None:
+    with mounted(server, Path(directory)) as at:
+        restore(str(at), "storage", mb)
+
+
 def main(argv: list[str]) -> None:
     command, *args = argv
     if command == "keeper":
@@ -175,6 +201,10 @@ def main(argv: list[str]) -> None:
         save(args[0], int(args[1]), args[2], stall=len(args) > 3 and args[3] == "stall")
     elif command == "restore":
         restore(args[0], args[1], int(args[2]))
+    elif command == "shared-read":
+        shared_read(FileServer(args[0], Path(args[1])), args[2])
+    elif command == "shared-restore":
+        shared_restore(FileServer(args[0], Path(args[1])), args[2], int(args[3]))
     else:
         raise SystemExit(f"unknown command {command!r}")
 
