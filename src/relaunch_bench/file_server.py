@@ -106,8 +106,8 @@ def mounted(server: FileServer, remote: Path) -> Iterator[Path]:
     options = ",".join(
         (
             "ro", f"IdentityFile={server.key}", "StrictHostKeyChecking=no",
-            "UserKnownHostsFile=/dev/null", f"Ciphers={CIPHER}", "Compression=no",
-            "LogLevel=ERROR",
+            "UserKnownHostsFile=/dev/null", "BatchMode=yes", f"Ciphers={CIPHER}",
+            "Compression=no", "LogLevel=ERROR",
         )
     )  # fmt: skip
     # not our stdout: the benchmark reads that to its end
