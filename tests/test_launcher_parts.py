@@ -193,6 +193,34 @@ def test_the_relay_sends_a_first_step_and_a_phase_at_once_and_steps_once_an_inte
     assert not relay.drain(workers, 1)
 
 
+def test_an_older_step_read_after_a_newer_one_does_not_replace_it() -> None:
+    """A phase sends its step on the urgent socket, which the relay reads first; a routine step
+    reported before it, still in the other queue, must not make the save's step look older."""
+    sent: list[tuple[Message, bool | None]] = []
+    relay = ProgressRelay(
+        f"relaunch-test-order-{os.getpid()}", 10.0, lambda m, urgent=None: sent.append((m, urgent))
+    )
+    workers = {0: _worker(0, NotStarted(0))}
+    sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    address = lambda name: "\0" + name[1:]  # noqa: E731
+    routine = address(relay.environment()["RELAUNCH_PROGRESS_SOCKET"])
+    urgent = address(relay.environment()["RELAUNCH_URGENT_SOCKET"])
+    sender.sendto(progress_datagram(0, 38, 100.0), routine)
+    sender.sendto(progress_datagram(0, 40, 101.0), urgent)
+    sender.sendto(phase_datagram(0, SdkPhase.CHECKPOINT), urgent)
+    assert relay.drain(workers, 1)
+    relay.flush(workers, force=True)
+    ((batch, _),) = sent
+    assert isinstance(batch, ProgressBatch)
+    assert [(p.step, p.at) for p in batch.reports] == [(40, 101.0)]
+    assert [p.phase for p in batch.phases] == [SdkPhase.CHECKPOINT]
+    sender.sendto(progress_datagram(0, 31, 102.0), routine)  # later: a rollback's step counts
+    relay.drain(workers, 1)
+    relay.flush(workers, force=True)
+    assert [p.step for p in sent[-1][0].reports] == [31]
+    sender.close()
+
+
 def _sleeper(tmp: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": str(INJECT_DIR), "RELAUNCH_INJECT_DIR": str(tmp)}
     return subprocess.Popen(

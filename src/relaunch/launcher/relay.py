@@ -99,7 +99,11 @@ class ProgressRelay:
             if isinstance(value, str):
                 self.phases.append(RankPhase(rank, attempt, value, now))
                 return True
-            self.latest[rank] = Progress(rank, value, attempt, reported_at or now)
+            kept = self.latest.get(rank)
+            at = reported_at or now
+            if kept is None or kept.at <= at:  # an older step read after a newer one stays out:
+                # the urgent socket is read first, and a phase sends the step it is about there
+                self.latest[rank] = Progress(rank, value, attempt, at)
             if worker is None:
                 return False
             first = not worker.stepped

@@ -36,9 +36,12 @@ _addresses: tuple[str, str, float] | None = None
 _sent_at: float | None = None
 """When this process last sent a step (None: it has sent none)."""
 _pending: tuple[int, float] | None = None
-"""A step held back by the interval, and when the script reported it."""
-"""A step reported within the interval and not sent yet: it goes with the next phase report
-(so the controller knows the step a checkpoint is saved at) or when the process exits."""
+"""A step reported within the interval and not sent yet, and when the script reported it: it
+goes when the process exits, unless a phase report sends it first."""
+_newest: tuple[int, float] | None = None
+"""The newest step reported, and when: a phase or a collective's failure is about it, so it goes
+again, urgently, before them (so the controller knows the step a checkpoint is saved at, R-37;
+a routine send of it may have been dropped by a launcher's full queue)."""
 
 
 @dataclass(frozen=True)
@@ -93,33 +96,34 @@ def report_progress(step: int) -> None:
     """Tell the launcher that training reached `step`. One datagram, at most every
     RELAUNCH_PROGRESS_EVERY_S (the launcher forwards no more often; the first step of the
     process goes at once: it proves a restart worked); a no-op outside relaunch."""
-    global _sent_at, _pending
+    global _sent_at, _pending, _newest
     now = time.monotonic()
     first = _sent_at is None
+    _newest = (step, time.time())
     if not first and now - (_sent_at or 0.0) < _targets()[2]:
-        _pending = (step, time.time())
+        _pending = _newest
         return
     _sent_at, _pending = now, None
-    _send(progress_datagram(_rank(), step, time.time()), urgent=first)
+    _send(progress_datagram(_rank(), *_newest), urgent=first)
 
 
 def report_phase(phase: str) -> None:
     """Tell the launcher what this rank is doing (`SdkPhase`): relaunch does not attempt a
     process-level recovery while a rank saves a checkpoint or builds its group (R-37). The SDK's
-    checkpoints and process-group keeper call it; a no-op outside relaunch. A step not sent yet
-    goes first: the phase is about that step."""
-    _flush_pending(urgent=True)
+    checkpoints and process-group keeper call it; a no-op outside relaunch. The newest step goes
+    first, again if it went already: the phase is about that step."""
+    _send_newest()
     _send(phase_datagram(_rank(), phase), urgent=True)
 
 
 def report_collective_failure(step: int, collective: int, generation: int, why: str) -> None:
     """Tell relaunch that a collective failed on its transport (R-29): collective `collective`
     of step `step`, in generation `generation` of the group (`why`: its first line, without the
-    source location gloo puts first, so that the datagram keeps the cause). A step not
-    sent yet goes first. Without operator retry the keeper says so too, as collective 0 (it
+    source location gloo puts first, so that the datagram keeps the cause). The newest step
+    goes first. Without operator retry the keeper says so too, as collective 0 (it
     does not count a step's collectives then): relaunch re-forms the group if a data link is
     down (R-30), else the fault that broke it is decided where it is seen."""
-    _flush_pending(urgent=True)
+    _send_newest()
     line = re.sub(r"^\[[^\]]*\]\s*", "", why.strip()).split("\n", 1)[0]  # gloo's file:line
     _send(collective_failure_datagram(_rank(), step, collective, generation, line), urgent=True)
 
@@ -136,6 +140,16 @@ def flush_progress() -> None:
     and calls this first, or its last step is never heard (a job that completed step 160
     reported 159)."""
     _flush_pending(urgent=True)
+
+
+def _send_newest() -> None:
+    """The newest step, urgently: held back by the interval, or sent routinely and perhaps dropped
+    (a routine step is dropped at once where a starved launcher's queue is full)."""
+    global _pending, _sent_at
+    if _newest is None:
+        return
+    _pending, _sent_at = None, time.monotonic()
+    _send(progress_datagram(_rank(), *_newest), urgent=True)
 
 
 @atexit.register
