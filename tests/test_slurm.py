@@ -26,13 +26,19 @@ from relaunch.cluster.slurm import Allocation, parse_nodes
 from relaunch.cluster.slurm_trial import TrialSlurm, unavailable
 from relaunch.containers import cluster_root
 from relaunch.errors import EngineError
+from relaunch_bench import timeline
 from tests.runtime import DDP_CLUSTER, DDP_FAULTS, ROOT, Result, ddp_job, wait_gone
 from tests.test_networks import Incarnations
+from tests.test_operator_retry import ddp as ddp_command
+from tests.test_operator_retry import job as operator_retry_job
 from tests.test_process_recovery import assert_kept, process_job, starts
 
 NODES = ["n1", "n2", "n3", "n4"]
 """Two for the job's pods, two standby nodes, as the embedded tests' four nodes."""
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+FLAP_S = 6.0
+"""Longer than the collective timeout the operator-retry job sets (3 s), shorter than its
+re-issues last (the first 5 s after the failure, 8 in all, 1 s apart)."""
 EMBEDDED_ACTIONS = ["job-reschedule", "in-place", "pod-reschedule", "hang-restart"]
 """What the embedded cluster decides for the DDP example's fault plan (test_sdk_bit_identical)."""
 
@@ -404,3 +410,42 @@ def test_a_slow_pod_on_slurm_moves_to_the_standby_node(slurm: TrialSlurm, tmp_pa
     first = json.loads((tmp_path / "report.json").read_text())["recoveries"][0]
     assert (first["fault"]["kind"], first["fault"]["pod"]) == ("slow", 1), log
     assert (first["action"], first["outcome"]) == ("pod-reschedule", "succeeded"), log
+
+
+def test_r29_a_flap_of_the_data_network_on_slurm_issues_the_collective_again_nothing_restarts(
+    slurm: TrialSlurm, tmp_path: Path, unbroken_process_pair: str
+) -> None:
+    """The ranks' collectives on the nodes' data network (`GLOO_SOCKET_IFNAME=data0`, as a user
+    points NCCL at InfiniBand), the agents and Slurm on the management network: pod 1's node's
+    data link down for 6 s in the middle of training. The SDK's report of the failed collective
+    travels its launcher's path to the controller, as on the embedded cluster
+    (test_operator_retry): the collective is issued again once the link is back, no process
+    restarts, no step runs twice, and the job ends bit-identical to the fault-free run."""
+    out, steps = tmp_path / "hash.txt", tmp_path / "steps.txt"
+    spec = operator_retry_job(f"{ddp_command(out, steps)} --step-seconds 0.1")
+    spec["spec"]["env"]["GLOO_SOCKET_IFNAME"] = "data0"
+    script = batch_script(tmp_path, spec, [])
+    job_id = slurm.slurm(["sbatch", "--parsable", str(script)]).stdout.strip().split(";")[0]
+    logs = tmp_path / "state" / "jobs" / "1" / "pods"
+    deadline = time.monotonic() + 120
+    while "step 40" not in _read(logs / "pod-0-g1" / "logs"):
+        assert time.monotonic() < deadline, (tmp_path / "out.txt").read_text()
+        time.sleep(0.2)
+    node = json.loads((logs / "pod-1-g1" / "launch.json").read_text())["node"]
+    slurm.set_data_link(node, up=False)
+    try:
+        time.sleep(FLAP_S)
+    finally:
+        slurm.set_data_link(node, up=True)
+    fields = wait_for_job(slurm, job_id, lambda f: f.get("JobState") in ENDED)
+    log = (tmp_path / "out.txt").read_text()
+    assert fields["JobState"] == "COMPLETED", log
+    report = json.loads((tmp_path / "report.json").read_text())
+    records = report["recoveries"]
+    assert [(r["action"], r["outcome"]) for r in records] == [("operator-retry", "succeeded")], log
+    assert records[0]["fault"]["kind"] == "collective", records
+    result = Result(0, report, log, "", tmp_path / "state")
+    assert result.logs().count("--- relaunch: attempt") == 2, "a process restarted"
+    done = [s for e, s, _ in timeline.read(steps) if e == "step"]
+    assert done == list(range(1, 121)), "a step ran twice, or one is missing"
+    assert out.read_text().strip() == unbroken_process_pair, log

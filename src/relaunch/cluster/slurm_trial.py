@@ -211,6 +211,17 @@ class TrialSlurm:
             ["ip", "-n", layout.switch, "link", "set", f"m{layout.nodes[node]}", state], check=True
         )
 
+    def set_data_link(self, node: str, up: bool) -> None:
+        """The node's data link (its switch port) down or up again: its ranks' collectives fail
+        where they talk over it (`GLOO_SOCKET_IFNAME=data0`); the agent and Slurm, on the
+        management link, hear nothing of it."""
+        assert self.network is not None
+        layout = self.network.layout
+        state = "up" if up else "down"
+        subprocess.run(
+            ["ip", "-n", layout.switch, "link", "set", f"d{layout.nodes[node]}", state], check=True
+        )
+
     def _kill_in_namespace(self, node: str) -> None:
         if self.network is None:
             return
