@@ -335,11 +335,7 @@ def test_r14_a_node_cut_off_is_fenced_before_its_replacement_starts_and_slurm_ke
     watcher = threading.Thread(target=seen.watch, args=(SlurmJob(slurm, job_id),), daemon=True)
     watcher.start()
     logs = tmp_path / "state" / "jobs" / "1" / "pods"
-    deadline = time.monotonic() + 120
-    while "step 40" not in _read(logs / "pod-0-g1" / "logs"):
-        assert time.monotonic() < deadline, (tmp_path / "out.txt").read_text()
-        time.sleep(0.2)
-    node = json.loads((logs / "pod-1-g1" / "launch.json").read_text())["node"]
+    node = pod_1_node_at_step_40(tmp_path)
     slurm.cut_node(node)
     try:
         fields = wait_for_job(slurm, job_id, lambda f: f.get("JobState") in ENDED)
@@ -357,6 +353,16 @@ def test_r14_a_node_cut_off_is_fenced_before_its_replacement_starts_and_slurm_ke
     assert old[1] < new[0], f"the old incarnation ran until {old[1]}, the new one from {new[0]}"
     assert "no word from the controller" in (logs / "pod-1-g1" / "launcher.log").read_text()
     assert out.read_text().strip() == unbroken, log
+
+
+def pod_1_node_at_step_40(tmp: Path) -> str:
+    """Once the job's rank 0 printed step 40: the node pod 1 runs on."""
+    logs = tmp / "state" / "jobs" / "1" / "pods"
+    deadline = time.monotonic() + 120
+    while "step 40" not in _read(logs / "pod-0-g1" / "logs"):
+        assert time.monotonic() < deadline, (tmp / "out.txt").read_text()
+        time.sleep(0.2)
+    return str(json.loads((logs / "pod-1-g1" / "launch.json").read_text())["node"])
 
 
 def _read(directory: Path) -> str:
@@ -426,12 +432,7 @@ def test_r29_a_flap_of_the_data_network_on_slurm_issues_the_collective_again_not
     spec["spec"]["env"]["GLOO_SOCKET_IFNAME"] = "data0"
     script = batch_script(tmp_path, spec, [])
     job_id = slurm.slurm(["sbatch", "--parsable", str(script)]).stdout.strip().split(";")[0]
-    logs = tmp_path / "state" / "jobs" / "1" / "pods"
-    deadline = time.monotonic() + 120
-    while "step 40" not in _read(logs / "pod-0-g1" / "logs"):
-        assert time.monotonic() < deadline, (tmp_path / "out.txt").read_text()
-        time.sleep(0.2)
-    node = json.loads((logs / "pod-1-g1" / "launch.json").read_text())["node"]
+    node = pod_1_node_at_step_40(tmp_path)
     slurm.set_data_link(node, up=False)
     try:
         time.sleep(FLAP_S)
