@@ -128,9 +128,18 @@ def mounted(server: FileServer, remote: Path) -> Iterator[Path]:
 
 def _until_mounted(sshfs: subprocess.Popen[str], at: Path) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
-    while not at.is_mount():
+    while not _mounted_at(at):
         if sshfs.poll() is not None or time.monotonic() > deadline:
             sshfs.kill()
             _, said = sshfs.communicate()
             raise RuntimeError(f"sshfs could not mount the shared storage: {said.strip()}")
         time.sleep(0.02)
+
+
+def _mounted_at(at: Path) -> bool:
+    """Whether the mount is there; not where its sshfs mounted it and died (the kernel then
+    answers ENOTCONN: CI once saw it, the server refusing after the mount)."""
+    try:
+        return at.is_mount() and bool(at.stat())
+    except OSError:
+        return False
