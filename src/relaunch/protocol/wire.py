@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import threading
 from collections.abc import Iterator
@@ -169,8 +170,11 @@ class Connection:
 
 
 def write_controller_address(state_dir: Path, host: str, port: int, pid: int) -> None:
+    """Written whole, then moved into place. The temporary file is this process's own: agents
+    started by hand at once on one state directory each write it (with one name, one agent's
+    move took the file another was about to move, and that agent died of it in CI)."""
     path = StateDir(state_dir).controller_address
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps({"host": host, "port": port, "pid": pid}))
     tmp.replace(path)
 
