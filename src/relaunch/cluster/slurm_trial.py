@@ -134,6 +134,9 @@ class TrialSlurm:
             "TaskPlugin=task/none",
             "MpiDefault=none",
             "SelectType=select/linear",
+            # the backfill pass, not an event, starts a requeued job once its credential is out
+            # (every 30 s by default): each second, so a requeue costs cred_expire, not 30 s more
+            "SchedulerParameters=bf_interval=1",
             "ReturnToService=2",
             "SlurmdTimeout=5",
             "InactiveLimit=0",
