@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -21,6 +23,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+import relaunch.cluster.slurm as slurm_engine
 from relaunch.cli import app
 from relaunch.cluster.slurm import Allocation, parse_nodes
 from relaunch.cluster.slurm_trial import TrialSlurm, unavailable
@@ -50,6 +53,7 @@ SCONTROL = (
     "NodeName=n3 NodeAddr=10.9.0.4 State=DOWN* Reason=Not responding\n"
     "NodeName=n4 NodeAddr=10.9.0.5 State=ALLOCATED\n"
 )
+SCONTROL_UP = "NodeName=n1 NodeAddr=10.9.0.2 State=IDLE\nNodeName=n2 NodeAddr=10.9.0.3 State=IDLE\n"
 
 
 def test_scontrol_nodes_parsed_with_slurms_states_as_lost_or_not() -> None:
@@ -62,6 +66,34 @@ def test_scontrol_nodes_parsed_with_slurms_states_as_lost_or_not() -> None:
         "n4": False,
     }
     assert nodes["n2"].reason.startswith("relaunch: isolated: node-lost (node n2)")
+
+
+def test_at_the_end_a_taken_out_nodes_step_is_cancelled_first_and_its_srun_not_waited_for(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A node cut off (isolated) never hears the job's end, and its srun lasts until Slurm marks
+    the node down: its step is cancelled before the others are waited for, and its srun is
+    killed, not waited for; a healthy node's agent ends on its own. Slurm's commands are
+    stand-ins here (what they were asked is the test); the srun's are real processes. The real
+    cut node: test_r14_... below."""
+    asked: list[list[str]] = []
+
+    def scontrol(args: list[str], timeout: float = 0.0) -> str:
+        asked.append(args)
+        return "5.0 relaunch-agent-n1\n5.1 relaunch-agent-n2\n" if args[0] == "squeue" else ""
+
+    monkeypatch.setattr(slurm_engine, "_slurm", scontrol)
+    monkeypatch.setattr(slurm_engine, "node_states", lambda names: parse_nodes(SCONTROL_UP))
+    engine = slurm_engine.SlurmCluster(tmp_path, Allocation("5", ("n1", "n2"), "n1"), 3600.0)
+    ends = [sys.executable, "-c", "import time; time.sleep(0.5)"]
+    healthy, cut = subprocess.Popen(ends), subprocess.Popen(["sleep", "600"])
+    engine.steps = {"n1": healthy, "n2": cut}
+    assert engine.isolate_node("n2", "lost and isolated: node-lost (node n2)") is None
+    engine.shutdown()
+    assert cut.returncode == -signal.SIGKILL, "the cut node's srun was left"
+    assert healthy.returncode == 0, "a healthy agent's step was cut short"
+    cancels = [args for args in asked if args[0] == "scancel"]
+    assert cancels[0] == ["scancel", "5.1"], asked  # before the healthy step is waited for
 
 
 def test_outside_an_allocation_the_slurm_engine_says_how_to_run_it(tmp_path: Path) -> None:

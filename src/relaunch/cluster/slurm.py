@@ -31,6 +31,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -49,6 +50,8 @@ AGENT_STEP: Final = "relaunch-agent"
 LOST_STATES: Final = ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING", "POWER_DOWN", "POWERED_DOWN")
 """Slurm node states (or flags) under which relaunch takes a node for lost."""
 CALL_TIMEOUT_S: Final = 10.0
+STEP_WAIT_S: Final = 10.0
+"""At the job's end, how long the agents' steps are waited for (then again, once cancelled)."""
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,8 @@ class SlurmCluster(AgentsCluster):
         self.slurm_addresses = addresses
         self.steps: dict[str, subprocess.Popen[bytes]] = {}
         self._lost: set[str] = {name for name in allocation.nodes if name not in known}
+        self._isolated: set[str] = set()
+        """The nodes relaunch took out (`isolate_node`): no pod of the job is left there."""
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.slurm_said: dict[str, SlurmNode] = known
@@ -225,7 +230,7 @@ class SlurmCluster(AgentsCluster):
         """The fault plan's node-down: the node's agent kills its pods and exits, which ends its
         step (its srun exits: the node is lost). Where the agent is gone, its step is cancelled."""
         if not self.hosted.crash(node):
-            self._cancel_steps(only=node)
+            self._cancel_steps(only={node})
 
     def isolate_node(self, node: str, reason: str) -> str | None:
         """Drain `node` in Slurm with relaunch's reason; why not, where Slurm refused."""
@@ -234,6 +239,9 @@ class SlurmCluster(AgentsCluster):
                     f"Reason=relaunch: {reason}"[:200]])  # fmt: skip
         except EngineError as error:
             return str(error)
+        finally:
+            with self._lock:
+                self._isolated.add(node)
         return None
 
     def node_address(self, node: str) -> str:
@@ -241,15 +249,23 @@ class SlurmCluster(AgentsCluster):
 
     def shutdown(self) -> None:
         """The agents were told to end (they kill what their pods left); their steps are waited
-        for, and any still there cancelled: no step of relaunch's outlives the job."""
+        for, and any still there cancelled: no step of relaunch's outlives the job. A node
+        relaunch took out (isolated or lost) has no pod of the job; its agent may not have heard
+        the end (a node cut off): its step is cancelled at once and its srun not waited for, which
+        would last until Slurm marks the node down (SlurmdTimeout, and its pings' timeouts). Slurm
+        ends that step when it marks the node down or hears from it."""
         self._stop.set()
-        for step in self.steps.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                step.wait(timeout=10)
+        with self._lock:
+            out = self._lost | self._isolated
+        self._cancel_steps(only=out)
+        kept = [step for node, step in self.steps.items() if node not in out]
+        _wait_all(kept, STEP_WAIT_S)
         self._cancel_steps()
+        _wait_all(kept, STEP_WAIT_S)
         for step in self.steps.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                step.wait(timeout=10)
+            if step.poll() is None:  # an srun waiting on a node that does not answer
+                step.kill()
+                step.wait()
 
     def agent_steps(self) -> dict[str, str]:
         """relaunch's agent steps in the allocation now: step id -> name (`squeue -s`)."""
@@ -261,9 +277,20 @@ class SlurmCluster(AgentsCluster):
                 steps[step_id] = name
         return steps
 
-    def _cancel_steps(self, only: str | None = None) -> None:
+    def _cancel_steps(self, only: set[str] | None = None) -> None:
+        """`scancel` relaunch's agent steps (of the nodes `only`, where given)."""
+        if only is not None and not only:
+            return
         with contextlib.suppress(EngineError):
             for step_id, name in self.agent_steps().items():
-                if only is None or name == f"{AGENT_STEP}-{only}":
+                if only is None or name.removeprefix(f"{AGENT_STEP}-") in only:
                     with contextlib.suppress(EngineError):
                         _slurm(["scancel", step_id])
+
+
+def _wait_all(steps: list[subprocess.Popen[bytes]], seconds: float) -> None:
+    """Until each of `steps` exited, `seconds` in all."""
+    deadline = time.monotonic() + seconds
+    for step in steps:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            step.wait(timeout=max(0.0, deadline - time.monotonic()))
