@@ -6,8 +6,12 @@ shards, real torch state; the keeper is the one every agent runs (relaunch.clust
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import socket
+import subprocess
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -294,6 +298,48 @@ def test_a_lost_nodes_pod_restores_from_peer_memory_and_ends_bit_identical(
     ), restores
     assert restores[1] == f"pod 1 rank 1 restored step {step} from peer memory of node-2"
     assert out.read_text().strip() == unbroken
+
+
+def test_a_restore_made_while_the_controller_is_away_is_on_record_once_it_is_back(
+    cluster: Cluster, unbroken: str
+) -> None:
+    """The joint of peer memory and a controller outage: the DDP example as one pod of two ranks,
+    its node lost at step 75 (the job rebuilt without it), and the controller killed the moment
+    it has started the rebuilt pod (failpoint `starting`). Both ranks restore from a peer's
+    memory while no controller is there; the test waits for that before it resumes the
+    controller. The launcher keeps what the ranks said of their restore with their progress and
+    exits, and the resumed controller records it: one record, each rank's restore and the tier
+    that served it, the parameters bit for bit the unbroken run's (world size 2 either way)."""
+    out = cluster.dir / "hash.txt"
+    job = ddp_job(out, 10)
+    job["spec"].update(replicas=1, procs_per_pod=2, peer_memory_mb=16)
+    faults = [{"kind": "node-down", "at_step": 75, "pod": 0}]
+    command = cluster.command(job, faults, {**CLUSTER, "adopt_grace_s": 60}, startup_s=60)
+    env = {**os.environ, Env.FAILPOINT: "starting"}
+    killed = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+    logs = cluster.state / "jobs" / "1" / "pods" / "pod-0-g2" / "logs"
+    deadline = time.monotonic() + 60
+    while _read(logs).count("resume_step=") < 2:  # after each rank's restore
+        assert time.monotonic() < deadline, _read(logs)
+        time.sleep(0.1)
+    result = cluster.resume()
+    assert result.returncode == 0, result.stdout + result.stderr
+    # pod 0 holds rank 0: the job is rebuilt without the node (R-23)
+    assert result.actions == ["isolated-job-reschedule"], result.report["recoveries"]
+    restores = sorted(text for _, text in result.events() if " restored step " in text)
+    assert len(restores) == 2, (restores, result.events())
+    step = int(restores[0].split(" restored step ")[1].split()[0])
+    assert step >= 70, restores
+    for rank, text in enumerate(restores):
+        assert re.fullmatch(
+            rf"pod 0 rank {rank} restored step {step} from peer memory of node-\d", text
+        )
+    assert out.read_text().strip() == unbroken
+
+
+def _read(directory: Path) -> str:
+    return "".join(p.read_text() for p in directory.glob("*.log")) if directory.exists() else ""
 
 
 def test_fsdp2_restores_its_shards_from_peer_memory_through_a_lost_node_bit_identical(

@@ -3,7 +3,8 @@ none is connected, and when the pod counts as abandoned.
 
 The link connects to the controller whose address the state directory holds and, when that
 controller goes away, to whichever writes its address next: a controller restart loses no pod.
-While no controller is connected, exits, stops and progress are kept and sent to the next one.
+While no controller is connected, exits, stops, progress and restores are kept and sent to the
+next one.
 The pod is **abandoned** after `adopt_grace_s` without a controller, or, with a connection that
 stays open while nothing comes over it (a node cut off from the controller but running), once
 the plan's `lease_s` passes without a word (the controller renews it every quarter lease, R-14).
@@ -29,6 +30,7 @@ from relaunch.protocol.messages import (
     Lease,
     Message,
     ProgressBatch,
+    Restored,
     Stopped,
 )
 from relaunch.protocol.plans import LaunchPlan
@@ -36,8 +38,12 @@ from relaunch.protocol.wire import Connection, controller_address
 
 __all__ = ["KEPT_WHILE_AWAY", "ControllerLink"]
 
-KEPT_WHILE_AWAY = (Exited, Stopped, ProgressBatch)
-"""Messages kept for the next controller while none is connected."""
+KEPT_WHILE_AWAY = (Exited, Stopped, ProgressBatch, Restored)
+"""Messages kept for the next controller while none is connected: what decides a fault or ends a
+recovery, and what the job's record holds (which tier served a restore: a rank replaced just
+before the controller was killed restores while it is away). Not a collective's failure: the
+ranks waited for an order only as long as the job's retry settings, and a group they have
+formed anew since must not be re-formed for it."""
 RECONNECT_S = 0.1
 
 
