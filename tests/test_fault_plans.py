@@ -123,6 +123,10 @@ def test_plan_local_rank_is_within_the_pod_and_rank_is_global() -> None:
         ({"kind": "hang", "at_step": 1, "pod": 0, "while_saving": "yes"}, "while_saving"),
         ({"kind": "hang", "at_step": 1, "pod": 0, "while_saving": 1}, "while_saving"),
         ({"kind": "hang", "at_step": 1, "pod": 0, "while_saving": None}, "while_saving"),
+        ({"kind": "peer-copy-corrupt", "at_step": 1, "node": "node-1", "chip": 0}, "chip"),
+        ({"kind": "peer-copy-corrupt", "at_step": 1, "pod": 0, "rank": 0}, "rank"),
+        ({"kind": "peer-copy-corrupt", "at_step": 1, "pod": 0, "node": "node-1"}, "pod"),
+        ({"kind": "peer-copy-corrupt", "at_step": 1, "pod": 0, "duration_s": 5}, "duration_s"),
     ],
 )
 def test_plan_key_that_means_nothing_or_is_out_of_bounds_is_refused(
@@ -130,6 +134,23 @@ def test_plan_key_that_means_nothing_or_is_out_of_bounds_is_refused(
 ) -> None:
     found = problems([entry])
     assert f"faults[0].{key}" in found, found
+
+
+def test_plan_peer_copy_corrupt_needs_a_job_that_keeps_copies_in_peer_memory() -> None:
+    entry = {"kind": "peer-copy-corrupt", "at_step": 30, "node": "node-1"}
+    found = problems([entry])
+    assert list(found) == ["faults[0].kind"], found
+    assert (
+        "keeps no checkpoint copies in peer memory (spec.peer_memory_mb)" in found["faults[0].kind"]
+    )
+    keeps = {**JOB, "spec": {**JOB["spec"], "peer_memory_mb": 16}}
+    assert problems([entry, {"kind": "peer-copy-corrupt", "at_step": 30, "pod": 1}], keeps) == {}
+    (parsed,) = parse_plan([entry])
+    assert (
+        parsed.describe()
+        == "peer memory corrupted (one byte of each copy) on node node-1 at step 30"
+    )
+    assert not parsed.targets_process
 
 
 def test_plan_while_saving_waits_for_its_step_and_a_save() -> None:

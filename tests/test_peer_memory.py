@@ -160,6 +160,24 @@ def test_a_copy_of_an_older_step_is_refused_and_storage_serves(
     refused(restorer(tmp_path, nodes), "checksum")
 
 
+def test_a_peer_memory_gone_bad_spoils_what_it_holds_and_what_comes_after(
+    tmp_path: Path, nodes: dict[str, PeerMemoryServer]
+) -> None:
+    """The fault plan's `peer-copy-corrupt`, a failing memory module: node-1 flips one byte of
+    each copy of the job it holds, and of each it receives after. A replaced rank refuses them
+    (their checksum) and storage serves; another job's copies there stay whole."""
+    manager = saved(tmp_path, nodes, [10])
+    memory = nodes["node-1"].memory
+    assert memory.put(copy(5, job="other"), budget=1 << 20) is None
+    before = bytes(memory.get(JOB, 0, 10).data)  # type: ignore[union-attr]
+    assert memory.go_bad(JOB) == 1
+    assert bytes(memory.get(JOB, 0, 10).data) != before  # type: ignore[union-attr]
+    manager.save(20, state(20))  # its copy arrives after the memory went bad
+    assert manager.peers is not None and manager.peers.wait(30) and manager.peers.sent
+    refused(restorer(tmp_path, nodes), "checksum")
+    assert bytes(memory.get("other", 0, 5).data) == bytes(10)  # type: ignore[union-attr]
+
+
 class _LostMidway(keeper._Handler):
     """A peer lost in the middle of a restore: it sends half the copy, then its connection ends."""
 
@@ -300,20 +318,26 @@ def test_a_lost_nodes_pod_restores_from_peer_memory_and_ends_bit_identical(
     assert out.read_text().strip() == unbroken
 
 
-def test_a_restore_made_while_the_controller_is_away_is_on_record_once_it_is_back(
+def test_a_peer_memory_gone_bad_is_refused_while_the_controller_is_away_and_put_on_record(
     cluster: Cluster, unbroken: str
 ) -> None:
-    """The joint of peer memory and a controller outage: the DDP example as one pod of two ranks,
-    its node lost at step 75 (the job rebuilt without it), and the controller killed the moment
-    it has started the rebuilt pod (failpoint `starting`). Both ranks restore from a peer's
-    memory while no controller is there; the test waits for that before it resumes the
-    controller. The launcher keeps what the ranks said of their restore with their progress and
-    exits, and the resumed controller records it: one record, each rank's restore and the tier
-    that served it, the parameters bit for bit the unbroken run's (world size 2 either way)."""
+    """Issue 48's altered copy end to end, in the agents' own memory, at the joint with a
+    controller outage. The DDP example as one pod of two ranks, whose copies go to node-1's
+    memory. The fault plan makes node-1's memory go bad at step 30 (`peer-copy-corrupt`: one
+    byte of every copy of the job flipped there, and of every later one), then loses the pod's
+    node at step 75, and the controller is killed the moment it has started the rebuilt pod
+    (failpoint `starting`). Both ranks find their copies in node-1's memory, refuse them (their
+    checksum, said in their output) and restore from storage while no controller is there; the
+    test waits for that before it resumes the controller. The launcher keeps what the ranks said
+    of their restore, and the resumed controller records it: one record, each rank's restore
+    from storage, the parameters bit for bit the unbroken run's (world size 2 either way)."""
     out = cluster.dir / "hash.txt"
     job = ddp_job(out, 10)
     job["spec"].update(replicas=1, procs_per_pod=2, peer_memory_mb=16)
-    faults = [{"kind": "node-down", "at_step": 75, "pod": 0}]
+    faults = [
+        {"kind": "peer-copy-corrupt", "at_step": 30, "node": "node-1"},
+        {"kind": "node-down", "at_step": 75, "pod": 0},
+    ]
     command = cluster.command(job, faults, {**CLUSTER, "adopt_grace_s": 60}, startup_s=60)
     env = {**os.environ, Env.FAILPOINT: "starting"}
     killed = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
@@ -325,16 +349,16 @@ def test_a_restore_made_while_the_controller_is_away_is_on_record_once_it_is_bac
         time.sleep(0.1)
     result = cluster.resume()
     assert result.returncode == 0, result.stdout + result.stderr
+    assert [e["state"] for e in result.report["fault_plan"]] == ["fired", "fired"]
     # pod 0 holds rank 0: the job is rebuilt without the node (R-23)
     assert result.actions == ["isolated-job-reschedule"], result.report["recoveries"]
     restores = sorted(text for _, text in result.events() if " restored step " in text)
-    assert len(restores) == 2, (restores, result.events())
-    step = int(restores[0].split(" restored step ")[1].split()[0])
-    assert step >= 70, restores
-    for rank, text in enumerate(restores):
-        assert re.fullmatch(
-            rf"pod 0 rank {rank} restored step {step} from peer memory of node-\d", text
-        )
+    step = int(restores[0].split(" restored step ")[1].split()[0]) if restores else -1
+    assert step >= 60 and restores == [
+        f"pod 0 rank {rank} restored step {step} from storage" for rank in (0, 1)
+    ], (restores, result.events())
+    refusals = re.findall(r"the copy in node-1's memory was refused: [^\n]*", result.logs())
+    assert refusals and all("checksum" in r for r in refusals), refusals
     assert out.read_text().strip() == unbroken
 
 

@@ -59,6 +59,7 @@ from relaunch.protocol.messages import (
     Healed,
     Heartbeat,
     InjectChipFault,
+    InjectCopyCorruption,
     Injected,
     InjectNetworkFault,
     LinkReport,
@@ -237,6 +238,15 @@ class Agent:
                 case InjectNetworkFault(index=index):
                     self.seq += 1
                     self.link = LinkDown(self.seq, time.time(), message.duration_s, message.heals)
+                    conn.send(Injected(index, True, "", time.time()))
+                case InjectCopyCorruption(index=index, job=job):
+                    if self.peer_memory is None:
+                        why = f"node {self.node} keeps no peer memory"
+                        conn.send(Injected(index, False, why, time.time()))
+                        return
+                    spoiled = self.peer_memory.memory.go_bad(job)
+                    print(f"agent {self.node}: peer memory of job {job} gone bad ({spoiled} "
+                          "copies held spoiled, every later one too)", flush=True)  # fmt: skip
                     conn.send(Injected(index, True, "", time.time()))
                 case Heal(request=request):
                     conn.send(Healed(request, self.node, self._heal()))

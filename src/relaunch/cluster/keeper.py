@@ -59,6 +59,19 @@ class PeerMemory:
     def __init__(self) -> None:
         self._copies: dict[tuple[str, int, int], StoredCopy] = {}
         self._lock = threading.Lock()
+        self._bad: set[str] = set()
+        """Jobs whose copies this memory spoils (a fault plan's `peer-copy-corrupt`)."""
+
+    def go_bad(self, job: str) -> int:
+        """From now on, as a failing memory module would, one byte of each copy of `job` held
+        here, now or later, is flipped (the fault plan's `peer-copy-corrupt`; its readers'
+        checksums must refuse them). How many copies it spoiled now."""
+        with self._lock:
+            self._bad.add(job)
+            mine = [c for c in self._copies.values() if c.job == job]
+            for copy in mine:
+                _flip(copy)
+        return len(mine)
 
     def put(self, copy: StoredCopy, budget: int) -> str | None:
         """Keep `copy`, within `budget` bytes for its job; the reason it was refused, or None."""
@@ -80,6 +93,8 @@ class PeerMemory:
                     f"no room for step {copy.step}: the job's {used} bytes of newer or equal "
                     f"steps and this copy's {size} exceed its {budget} bytes on this node"
                 )
+            if copy.job in self._bad:
+                _flip(copy)
             self._copies[(copy.job, copy.rank, copy.step)] = copy
         return None
 
@@ -99,6 +114,12 @@ class PeerMemory:
     def size(self) -> int:
         with self._lock:
             return sum(len(c.data) for c in self._copies.values())
+
+
+def _flip(copy: StoredCopy) -> None:
+    """One bit of the middle byte of the copy (in a tensor's bytes, for a checkpoint)."""
+    if len(copy.data):
+        copy.data[len(copy.data) // 2] ^= 0x01
 
 
 class _Handler(socketserver.BaseRequestHandler):

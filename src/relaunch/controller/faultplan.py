@@ -16,6 +16,7 @@ from relaunch.faults.plan import LINK_KINDS, PlannedFault, PlannedFaultKind, par
 from relaunch.protocol.links import Cut, LinkFaultKind
 from relaunch.protocol.messages import (
     InjectChipFault,
+    InjectCopyCorruption,
     Injected,
     InjectNetworkFault,
     InjectProcessFault,
@@ -155,6 +156,9 @@ class FaultPlanRunner:
             return
         if entry.kind in LINK_KINDS:
             self._inject_link(entry, node, now)
+            return
+        if entry.kind is PlannedFaultKind.PEER_COPY_CORRUPT:  # nothing detects it: not awaited
+            c.agents[node].peer.send(InjectCopyCorruption(entry.index, str(c.job_id)))
             return
         if entry.targets_process:
             assert entry.pod is not None and rank is not None

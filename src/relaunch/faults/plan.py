@@ -13,6 +13,7 @@ A plan is YAML or JSON::
       - {kind: degraded-link, at_step: 50, pod: 1, rate_mbit: 2, duration_s: 120}
       - {kind: memory-uce, at_step: 10, pod: 1, chip: 1}
       - {kind: slow, at_step: 30, pod: 1, factor: 3, duration_s: 600}
+      - {kind: peer-copy-corrupt, at_step: 30, node: node-1}
 
 `at_step` fires when the job reports that step; `after_s` that many seconds after the current
 attempt started. Each entry fires once, in the order listed: an entry due while its rank
@@ -21,6 +22,10 @@ attempt started. Each entry fires once, in the order listed: an entry due while 
 rank within the pod (`LOCAL_RANK`). `chip` is a chip of the target node. `slow` makes every
 process of the pod `factor` times slower (it runs 1/factor of each 0.1 s and is stopped the rest,
 a CPU throttle's duty cycle) for `duration_s` (default: until the pod's processes end).
+`peer-copy-corrupt` makes the node's peer memory go bad for the job, as a failing memory module
+would: one byte of every checkpoint copy it holds of the job, and of every one it receives after,
+is flipped. Nothing detects it; a rank that restores from such a copy refuses it (its checksum)
+and reads the next tier.
 
 Link faults, for `duration_s` (default: until the job ends), are real where the embedded
 cluster's nodes are network namespaces (relaunch.cluster.network): `network` takes the node's data
@@ -89,6 +94,7 @@ class PlannedFaultKind(StrEnum):
     SLOW = "slow"
     PARTITION = "partition"
     DEGRADED_LINK = "degraded-link"
+    PEER_COPY_CORRUPT = "peer-copy-corrupt"
 
 
 _CHIP_KINDS: Final = (PlannedFaultKind.CHIP_FAULT, PlannedFaultKind.MEMORY_UCE)
@@ -244,6 +250,8 @@ class PlannedFault:
             )
         elif self.kind is PlannedFaultKind.DEGRADED_LINK:
             kind = f"degraded link ({self.rate_mbit:g} Mbit/s)"
+        elif self.kind is PlannedFaultKind.PEER_COPY_CORRUPT:
+            kind = "peer memory corrupted (one byte of each copy)"
         if self.kind in LINK_KINDS and self.duration_s is not None:
             kind += f" for {self.duration_s:g} s"
         return f"{kind} on {target} {trigger}"
@@ -352,29 +360,45 @@ def check_plan(
             problems.append(Problem(f"{where}.node", e.node, f"a node of the cluster: {known}"))
             continue
         if e.targets_process and e.pod is not None:
-            first, last = e.pod * ppp, e.pod * ppp + ppp - 1
-            held = f"{first}" if first == last else f"{first} to {last}"
-            if e.rank is not None and not first <= e.rank <= last:
-                problems.append(
-                    Problem(
-                        f"{where}.rank",
-                        e.rank,
-                        f"a global rank that pod {e.pod} holds: {held} (rank is global, as "
-                        f"RANK; use local_rank 0 to {ppp - 1} for a rank within the pod)",
-                    )
+            problems += _rank_problems(where, e, e.pod, ppp)
+        if e.kind is PlannedFaultKind.PEER_COPY_CORRUPT and not job.peer_memory_mb:
+            problems.append(
+                Problem(
+                    f"{where}.kind",
+                    e.kind.value,
+                    f"a fault of a kind job {job.name} can meet: it keeps no checkpoint copies "
+                    "in peer memory (spec.peer_memory_mb)",
                 )
-            if e.local_rank is not None and e.local_rank >= ppp:
-                problems.append(
-                    Problem(
-                        f"{where}.local_rank",
-                        e.local_rank,
-                        f"a rank within the pod: 0 to {ppp - 1} ({ppp} process(es) per pod)",
-                    )
-                )
+            )
         if e.kind in _CHIP_KINDS:
             problem = _chip_problem(where, e, nodes, hosts)
             if problem is not None:
                 problems.append(problem)
+    return problems
+
+
+def _rank_problems(where: str, e: PlannedFault, pod: int, ppp: int) -> list[Problem]:
+    """A process entry's rank must be one its pod holds."""
+    problems = []
+    first, last = pod * ppp, pod * ppp + ppp - 1
+    held = f"{first}" if first == last else f"{first} to {last}"
+    if e.rank is not None and not first <= e.rank <= last:
+        problems.append(
+            Problem(
+                f"{where}.rank",
+                e.rank,
+                f"a global rank that pod {pod} holds: {held} (rank is global, as "
+                f"RANK; use local_rank 0 to {ppp - 1} for a rank within the pod)",
+            )
+        )
+    if e.local_rank is not None and e.local_rank >= ppp:
+        problems.append(
+            Problem(
+                f"{where}.local_rank",
+                e.local_rank,
+                f"a rank within the pod: 0 to {ppp - 1} ({ppp} process(es) per pod)",
+            )
+        )
     return problems
 
 

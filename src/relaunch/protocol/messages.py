@@ -4,8 +4,9 @@ One frozen dataclass per message; `encode` and `decode` are the only places they
 line on the wire is `{"t": KIND, ...fields}`, its kind first). Who sends what:
 
     agent -> controller      AgentHello, Heartbeat, Healed, Injected
-    controller -> agent      InjectChipFault, InjectNetworkFault, Heal, ForgetCopies, Shutdown,
-                             and to an agent that hosts its node's pods: StartPod, Crash
+    controller -> agent      InjectChipFault, InjectNetworkFault, InjectCopyCorruption, Heal,
+                             ForgetCopies, Shutdown, and to an agent that hosts its node's
+                             pods: StartPod, Crash
     launcher -> controller   LauncherHello, Started, Output, ProgressBatch, Exited, Stopped,
                              Usage, Injected, Stacks, CollectiveFailed, Restored
     controller -> launcher   Start, Stop, Shutdown, InjectProcessFault, MembershipUpdate, Assume,
@@ -35,44 +36,13 @@ from relaunch.protocol.codec import from_data
 from relaunch.protocol.plans import LaunchPlan, Membership
 
 __all__ = [
-    "AgentHello",
-    "Assume",
-    "CaptureStacks",
-    "ChipReport",
-    "CollectiveFailed",
-    "Crash",
-    "Exited",
-    "ForgetCopies",
-    "Heal",
-    "Healed",
-    "Heartbeat",
-    "InjectChipFault",
-    "InjectNetworkFault",
-    "InjectProcessFault",
-    "Injected",
-    "LauncherHello",
-    "Lease",
-    "LinkReport",
-    "MembershipUpdate",
-    "Message",
-    "Output",
-    "ProcReport",
-    "Progress",
-    "ProgressBatch",
-    "RankPhase",
-    "Restored",
-    "Shutdown",
-    "Stacks",
-    "Start",
-    "StartPod",
-    "Started",
-    "Stop",
-    "Stopped",
-    "Usage",
-    "decode",
-    "encode",
-    "encode_line",
-]
+    "AgentHello", "Assume", "CaptureStacks", "ChipReport", "CollectiveFailed", "Crash", "Exited",
+    "ForgetCopies", "Heal", "Healed", "Heartbeat", "InjectChipFault", "InjectCopyCorruption",
+    "InjectNetworkFault", "InjectProcessFault", "Injected", "LauncherHello", "Lease", "LinkReport",
+    "MembershipUpdate", "Message", "Output", "ProcReport", "Progress", "ProgressBatch",
+    "RankPhase", "Restored", "Shutdown", "Stacks", "Start", "StartPod", "Started", "Stop",
+    "Stopped", "Usage", "decode", "encode", "encode_line",
+]  # fmt: skip
 
 
 class Message:
@@ -172,6 +142,15 @@ class InjectNetworkFault(Message):
     index: int
     duration_s: float | None
     heals: bool
+
+
+@dataclass(frozen=True)
+class InjectCopyCorruption(Message):
+    """The fault plan's `peer-copy-corrupt`: the node's peer memory goes bad for job `job`."""
+
+    KIND = "inject-copy-corruption"
+    index: int
+    job: str
 
 
 @dataclass(frozen=True)
@@ -448,7 +427,8 @@ class Lease(Message):
 _KINDS: Final[dict[str, type[Message]]] = {
     cls.KIND: cls
     for cls in (
-        AgentHello, Heartbeat, Healed, InjectChipFault, InjectNetworkFault, Heal, Injected,
+        AgentHello, Heartbeat, Healed, InjectChipFault, InjectNetworkFault, InjectCopyCorruption,
+        Heal, Injected,
         Shutdown, ForgetCopies, LauncherHello, Started, Output, ProgressBatch, Exited, Stopped,
         Usage, Start, Stop, InjectProcessFault, MembershipUpdate, Assume, CaptureStacks, Stacks,
         Lease, CollectiveFailed, StartPod, Crash, Restored,
