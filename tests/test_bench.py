@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
 import psutil
@@ -168,6 +170,49 @@ def test_quick_bench_writes_json_markdown_and_chart(tmp_path: Path) -> None:
     # the shared storage's sshd, its connections' sshd (renamed: no path to know them by) and the
     # mounts' sshfs and ssh: no other test starts any
     assert _ssh_processes() <= ssh_before, "the shared storage's processes outlived the benchmark"
+
+
+def test_a_bench_stopped_by_sigterm_cleans_up_as_ctrl_c_does(tmp_path: Path) -> None:
+    """`timeout` or systemd stop a bench with SIGTERM: it ends as Ctrl-C ends it (exit 130), and
+    each section's cleanup runs. Stopped in the middle of the peer-memory section, no worker, no
+    file server, no node namespace and no mount of it is left (before, SIGTERM ended the bench
+    at once and left them all)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the peer-memory section's node namespaces")
+    out, log = tmp_path / "out", tmp_path / "bench.log"
+
+    def ours() -> list[psutil.Process]:
+        return [
+            p
+            for p in psutil.process_iter(["cmdline"])
+            if str(out) in " ".join(p.info["cmdline"] or [])
+        ]
+
+    with open(log, "w") as said:
+        bench = subprocess.Popen(
+            [sys.executable, "-m", "relaunch", "bench", "--quick", "--only", "peer-memory",
+             "--out", str(out)],
+            stdout=said, stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True,
+        )  # fmt: skip
+    deadline = time.monotonic() + 180
+    while not any("peer_memory_worker" in " ".join(p.info["cmdline"] or []) for p in ours()):
+        assert bench.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
+    (layout,) = out.glob("relaunch-peer-memory-*/state/network.json")
+    digest = json.loads(layout.read_text())["digest"]
+    bench.send_signal(signal.SIGTERM)
+    namespaces: list[str] = []
+    try:
+        assert bench.wait(timeout=180) == 130, log.read_text()
+        assert not ours(), [p.info["cmdline"] for p in ours()]
+        namespaces = [n for n in os.listdir("/run/netns") if n.startswith(f"rl{digest}")]
+        assert not namespaces, namespaces
+        assert str(out) not in Path("/proc/mounts").read_text()
+    finally:  # what a failure left, so that it is this test's failure alone
+        for process in ours():
+            process.kill()
+        for namespace in namespaces:
+            subprocess.run(["ip", "netns", "delete", namespace], check=False)
 
 
 def _ssh_processes() -> set[int]:

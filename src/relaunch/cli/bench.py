@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+import signal
 import sys
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -65,6 +66,11 @@ def bench(
         out.parent.mkdir(parents=True, exist_ok=True)
         err.print(text, highlight=False, markup=False)
 
+    # stopped (SIGTERM: `timeout`, systemd; SIGHUP: its terminal gone) as Ctrl-C stops it: each
+    # section's cleanup runs (its runs' processes, the nodes' namespaces, the file server)
+    for stopping in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(stopping, _interrupted)
+
     result = run_bench(
         BenchOptions(
             out=out,
@@ -82,6 +88,10 @@ def bench(
     if failed:
         err.print(f"[bold red]{failed} relaunch recovery(ies) failed[/]", highlight=False)
         raise typer.Exit(1)
+
+
+def _interrupted(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def _needs(*modules: str) -> None:
