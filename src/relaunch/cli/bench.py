@@ -61,15 +61,11 @@ def bench(
     sections = _choices("--only", only, SECTIONS)
     device = _one("--device", device, ("cpu", "cuda"))
     runs = _choices("--series-systems", series_systems, SERIES_SYSTEMS)
+    _stopped_as_by_ctrl_c()
 
     def progress(text: str) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         err.print(text, highlight=False, markup=False)
-
-    # stopped (SIGTERM: `timeout`, systemd; SIGHUP: its terminal gone) as Ctrl-C stops it: each
-    # section's cleanup runs (its runs' processes, the nodes' namespaces, the file server)
-    for stopping in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(stopping, _interrupted)
 
     result = run_bench(
         BenchOptions(
@@ -88,6 +84,13 @@ def bench(
     if failed:
         err.print(f"[bold red]{failed} relaunch recovery(ies) failed[/]", highlight=False)
         raise typer.Exit(1)
+
+
+def _stopped_as_by_ctrl_c() -> None:
+    """SIGTERM (`timeout`, systemd) and SIGHUP (its terminal gone) stop the bench as Ctrl-C does:
+    each section's cleanup runs (its runs' processes, the nodes' namespaces, the file server)."""
+    for stopping in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(stopping, _interrupted)
 
 
 def _interrupted(signum: int, frame: Any) -> None:
