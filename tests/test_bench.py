@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -213,6 +214,28 @@ def test_a_bench_stopped_by_sigterm_cleans_up_as_ctrl_c_does(tmp_path: Path) -> 
             process.kill()
         for namespace in namespaces:
             subprocess.run(["ip", "netns", "delete", namespace], check=False)
+
+
+def test_a_peer_memory_size_the_disk_has_no_room_for_is_not_measured_and_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A round writes its state about five times over; on a disk without that room the size is
+    not measured, and the row and the progress say how much it needs (before, a disk that
+    filled under DLRover's save left the bench waiting 30 minutes). Nothing of it is left."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the peer-memory section's node namespaces")
+    from relaunch_bench import peer_memory
+
+    monkeypatch.setattr(
+        peer_memory.shutil,
+        "disk_usage",
+        lambda path: shutil._ntuple_diskusage(10**12, 10**12, 10**8),
+    )
+    said: list[str] = []
+    (row,) = peer_memory.peer_memory_rows((64,), 1, tmp_path, said.append)
+    assert row["size_mb"] == 64 and "0.3 GB free under" in row["error"], row
+    assert said and "not measured" in said[-1], said
+    assert not list(tmp_path.iterdir()), "the section left files"
 
 
 def _ssh_processes() -> set[int]:

@@ -22,6 +22,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -44,6 +45,10 @@ DLROVER_SHM = "*_ckpt_shm_*"
 SIZES_MB = (256, 1024, 4096)
 ONE_REPEAT_FROM_MB = 4096
 """From this size on, one repeat: a round of 4 GB takes about 8 minutes on two cores."""
+WRITTEN_PER_ROUND = 5
+"""A round writes the state about this many times over (the step on storage, the node's copy,
+the stall's saves, DLRover's checkpoint, and room to spare); each round's files go before the
+next round. A disk that fills under DLRover's save left its run waiting for 30 minutes."""
 STALL_UP_TO_MB = 1024
 """The stall is measured up to this size (an asynchronous save keeps a host copy of the state)."""
 NODES = ("node-0", "node-1")
@@ -95,8 +100,17 @@ def _size(
     ratios: list[float] = []  # every pair's stall with the copy over without, all repeats
     repeats = 1 if mb >= ONE_REPEAT_FROM_MB else repeats
     for repeat in range(repeats):
+        free, need = shutil.disk_usage(tmp).free, WRITTEN_PER_ROUND * (mb << 20)
+        if free < need:
+            why = f"needs {need / 1e9:.1f} GB free under {tmp}, {free / 1e9:.1f} GB is"
+            say(f"peer memory: {mb} MB not measured: it {why}")
+            return {"size_mb": mb, "error": f"not measured: it {why}"}
         say(f"peer memory: {mb} MB, repeat {repeat + 1}/{repeats}")
-        timings = _round(network, server, tmp / f"r{mb}-{repeat}", mb)
+        directory = tmp / f"r{mb}-{repeat}"
+        try:
+            timings = _round(network, server, directory, mb)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
         ratios += timings.pop("stall_ratios", [])
         for key, value in timings.items():
             samples.setdefault(key, []).append(value)
