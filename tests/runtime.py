@@ -262,6 +262,11 @@ def processes_of(state_dir: Path) -> list[psutil.Process]:
     return found
 
 
+def rank_logs(directory: Path) -> str:
+    """The rank logs (`*.log`) of one pod's `logs` directory, as they are now ("" before any)."""
+    return "".join(p.read_text() for p in directory.glob("*.log")) if directory.exists() else ""
+
+
 def wait_gone(state_dir: Path, timeout: float) -> list[psutil.Process]:
     deadline = time.time() + timeout
     left = processes_of(state_dir)

@@ -27,7 +27,7 @@ from relaunch.protocol.peer_memory import parse_peers, send_header
 from relaunch.train import CheckpointManager, CheckpointWarning
 from relaunch.train.peer import PeerCopies
 from tests.runtime import DDP_CLUSTER as CLUSTER
-from tests.runtime import FSDP_SCRIPT, Cluster, ddp_job, final_hash
+from tests.runtime import FSDP_SCRIPT, Cluster, ddp_job, final_hash, rank_logs
 
 JOB = "7"
 
@@ -344,8 +344,8 @@ def test_a_peer_memory_gone_bad_is_refused_while_the_controller_is_away_and_put_
     assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
     logs = cluster.state / "jobs" / "1" / "pods" / "pod-0-g2" / "logs"
     deadline = time.monotonic() + 60
-    while _read(logs).count("resume_step=") < 2:  # after each rank's restore
-        assert time.monotonic() < deadline, _read(logs)
+    while rank_logs(logs).count("resume_step=") < 2:  # after each rank's restore
+        assert time.monotonic() < deadline, rank_logs(logs)
         time.sleep(0.1)
     result = cluster.resume()
     assert result.returncode == 0, result.stdout + result.stderr
@@ -360,10 +360,6 @@ def test_a_peer_memory_gone_bad_is_refused_while_the_controller_is_away_and_put_
     refusals = re.findall(r"the copy in node-1's memory was refused: [^\n]*", result.logs())
     assert refusals and all("checksum" in r for r in refusals), refusals
     assert out.read_text().strip() == unbroken
-
-
-def _read(directory: Path) -> str:
-    return "".join(p.read_text() for p in directory.glob("*.log")) if directory.exists() else ""
 
 
 def test_fsdp2_restores_its_shards_from_peer_memory_through_a_lost_node_bit_identical(
