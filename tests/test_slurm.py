@@ -173,7 +173,7 @@ def sbatch(slurm: TrialSlurm, script: Path) -> int:
     return int(fields["ExitCode"].split(":")[0])
 
 
-@pytest.mark.parametrize("tier", ["peer-memory", "local-disk"])
+@pytest.mark.parametrize("tier", ["peer-memory", "bad-peer-memory-then-local-disk"])
 def test_ddp_example_on_slurm_same_decisions_bit_identical_nothing_left(
     slurm: TrialSlurm, tmp_path: Path, unbroken: str, tier: str
 ) -> None:
@@ -184,7 +184,9 @@ def test_ddp_example_on_slurm_same_decisions_bit_identical_nothing_left(
     With `peer_memory_mb`: each rank's checkpoint also goes to another node's agent (a process
     srun started, as every agent here), and the pod moved off the lost node restores from a
     peer's memory, on record, as on the embedded cluster (test_peer_memory.py). With
-    `local_checkpoint_dir` instead: each rank's checkpoint also goes to its node's disk, a rank
+    `local_checkpoint_dir` too, and every node's peer memory gone bad from the first step (the
+    fault plan's `peer-copy-corrupt`, one byte of every copy flipped): each rank refuses its
+    copies in peers' memory (their checksum) and takes the next tier, its node's disk; a rank
     restarted on the node that saved restores from there, the moved pod from storage, and the
     job's end leaves no copy but the lost node's (test_local_copies.py)."""
     out = tmp_path / "hash.txt"
@@ -194,11 +196,13 @@ COLUMNS=200 relaunch nodes --engine slurm --state-dir $STATE
 exit $code"""
     job = ddp_job(out, 10)
     disks = tmp_path / "node-disks"
-    if tier == "peer-memory":
-        job["spec"]["peer_memory_mb"] = 16
-    else:
+    job["spec"]["peer_memory_mb"] = 16
+    faults = DDP_FAULTS
+    if tier != "peer-memory":
         job["spec"]["local_checkpoint_dir"] = str(disks)
-    code = sbatch(slurm, batch_script(tmp_path, job, DDP_FAULTS, body=body))
+        bad = [{"kind": "peer-copy-corrupt", "at_step": 1, "node": node} for node in NODES]
+        faults = bad + DDP_FAULTS
+    code = sbatch(slurm, batch_script(tmp_path, job, faults, body=body))
     log = (tmp_path / "out.txt").read_text()
     report = json.loads((tmp_path / "report.json").read_text())
     result = Result(code, report, log, "", tmp_path / "state")
@@ -223,6 +227,9 @@ exit $code"""
             for pod, tier in by_pod.items()
         ), served
     else:  # each pod's rank restores where it saved, but the moved pod's, from storage
+        assert not [e for e in events if "from peer memory" in e], events
+        refusals = re.findall(r"the copy in n\d's memory was refused: [^\n]*", result.logs())
+        assert refusals and all("checksum" in r for r in refusals), refusals
         assert [tiers_after(events, n) for n in range(len(decisions(events)))] == [
             {0: "local disk of n1", 1: tiers_after(events, 0)[1]},
             {0: "local disk of n1", 1: "local disk of n2"},
