@@ -1,4 +1,10 @@
-"""Local trial clusters (a head and one `ray start` per node), the command that keeps one up, and the loopback-only network namespace tests and benchmarks run them in."""
+"""Local trial clusters (a head and one `ray start` per node), the command that keeps one up, and
+the loopback-only network namespace tests and benchmarks run them in.
+
+A trial cluster runs every node on 127.0.0.1, or, given the embedded cluster's network
+(`cluster.network`), each node's `ray start` in the node's own namespace with its management
+address, the head on the controller's address: then the nodes' ranks talk over their data links
+(`GLOO_SOCKET_IFNAME=data0` in the nodes' environment), and a link can be cut."""
 
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ import ray
 
 from relaunch.cluster.config import NodeSpec
 from relaunch.cluster.local import free_port, kill_tree
+from relaunch.cluster.network import DATA_IF, NETNS_DIR, ClusterNetwork
 from relaunch.cluster.ray.discovery import (
     CHIPS_RESOURCE,
     HEALTH_CHECK,
@@ -36,7 +43,8 @@ __all__ = ["LoopbackNamespace", "TrialCluster", "serve"]
 
 class TrialCluster:
     """A local multi-node Ray cluster: a head (no relaunch resources) and one `ray start` per
-    node, each named by ``relaunch_node:<name>`` with ``relaunch_chips``, on 127.0.0.1.
+    node, each named by ``relaunch_node:<name>`` with ``relaunch_chips``, on 127.0.0.1 or, with
+    `network`, each in its node's namespace (see the module docstring).
 
     Each node is a `ray start --block` process in a session of its own; removing a node kills
     that process and everything under it (raylet, workers, and relaunch's processes there)."""
@@ -49,14 +57,17 @@ class TrialCluster:
         object_store_mb: int = 80,
         log: Path | None = None,
         health_check: dict[str, str] | None = None,
+        network: ClusterNetwork | None = None,
     ) -> None:
         self.nodes = nodes
         self.memory = memory_mb * 1024 * 1024
         self.object_store = object_store_mb * 1024 * 1024
         self.temp_dir = Path(f"/tmp/relaunch-ray-{os.getpid()}-{int(time.time() * 1000) % 100000}")
         self.log = log or Path(f"{self.temp_dir}.log")
+        self.network = network
+        self.head_ip = network.layout.controller_address if network else "127.0.0.1"
         self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
+        self.address = f"{self.head_ip}:{self.port}"
         self.health_check = HEALTH_CHECK if health_check is None else health_check
         """GCS settings (environment variables); {} keeps Ray's defaults (benchmarks)."""
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -64,17 +75,24 @@ class TrialCluster:
 
     def _ray_start(self, name: str, args: list[str]) -> None:
         ray_bin = Path(sys.executable).with_name("ray")
-        command = [str(ray_bin), "start", "--block", "--node-ip-address", "127.0.0.1",
+        address, enter, interface = self.head_ip, [], "lo"
+        if self.network is not None and name != "head":
+            self.network.ensure_node(name)
+            address = self.network.layout.mgmt_address(name)
+            enter = ["nsenter", f"--net={NETNS_DIR / self.network.layout.namespace(name)}"]
+            interface = DATA_IF
+        command = [*enter, str(ray_bin), "start", "--block", "--node-ip-address", address,
                    "--memory", str(self.memory), "--object-store-memory", str(self.object_store),
                    "--disable-usage-stats", "--temp-dir", str(self.temp_dir),
                    "--include-log-monitor", "false", *args]  # fmt: skip
-        # Every node of a trial cluster is on 127.0.0.1: the node environment tells gloo so
-        # (it would look for the host name's address, absent in a loopback-only namespace).
+        # The node environment tells gloo which interface its ranks talk over: on 127.0.0.1 the
+        # loopback (it would look for the host name's address, absent in a loopback-only
+        # namespace), in a node's namespace its data link.
         env = {
             **os.environ,
             **self.health_check,
             "RAY_USAGE_STATS_ENABLED": "0",
-            "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+            "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", interface),
         }
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as out:
@@ -104,7 +122,7 @@ class TrialCluster:
             if self.procs["head"].poll() is not None:
                 raise EngineError(f"the Ray head did not start; see {self.log}")
             try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                socket.create_connection((self.head_ip, self.port), timeout=0.5).close()
                 break
             except OSError:
                 time.sleep(0.2)
@@ -195,10 +213,11 @@ class TrialCluster:
 
 
 def serve(argv: list[str] | None = None) -> None:
-    """`python -m relaunch.cluster.ray --cluster FILE --status FILE [--heal]`: keep a local trial
-    cluster up (for tests, or for several runs with --address) until SIGTERM, then remove it.
-    The status file says its address and which nodes are alive; with --heal, a removed node is
-    started again so that the next run finds the whole cluster."""
+    """`python -m relaunch.cluster.ray --cluster FILE --status FILE [--heal] [--network DIR]`:
+    keep a local trial cluster up (for tests, or for several runs with --address) until SIGTERM,
+    then remove it. The status file says its address and which nodes are alive; with --heal, a
+    removed node is started again so that the next run finds the whole cluster; with --network,
+    each node runs in a network namespace of its own, the network's state kept in DIR (root)."""
     import argparse
 
     from relaunch.cluster.config import parse_cluster
@@ -208,9 +227,13 @@ def serve(argv: list[str] | None = None) -> None:
     parser.add_argument("--cluster", type=Path, required=True)
     parser.add_argument("--status", type=Path, required=True)
     parser.add_argument("--heal", action="store_true")
+    parser.add_argument("--network", type=Path, help="give each node a network namespace")
     args = parser.parse_args(argv)
     shape = parse_cluster(read_document(args.cluster), source=str(args.cluster))
-    trial = TrialCluster(shape.nodes, log=args.status.with_suffix(".log"))
+    network = ClusterNetwork.open(args.network) if args.network else None
+    if isinstance(network, str):
+        parser.exit(2, f"the trial cluster's nodes cannot have networks of their own: {network}\n")
+    trial = TrialCluster(shape.nodes, log=args.status.with_suffix(".log"), network=network)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     signal.signal(signal.SIGINT, lambda *_: stopping.set())
@@ -231,6 +254,8 @@ def serve(argv: list[str] | None = None) -> None:
             status(sorted(n.name for n in discover()))
     finally:
         trial.stop()
+        if network is not None:
+            network.remove()
         args.status.unlink(missing_ok=True)
 
 
