@@ -267,6 +267,17 @@ def rank_logs(directory: Path) -> str:
     return "".join(p.read_text() for p in directory.glob("*.log")) if directory.exists() else ""
 
 
+def pod_1_node_at_step_40(tmp: Path) -> str:
+    """Once the job's rank 0 printed step 40: the node pod 1 runs on (the run's state in
+    `tmp`/state, its output, said if it never gets there, in `tmp`/out.txt)."""
+    logs = tmp / "state" / "jobs" / "1" / "pods"
+    deadline = time.monotonic() + 120
+    while "step 40" not in rank_logs(logs / "pod-0-g1" / "logs"):
+        assert time.monotonic() < deadline, (tmp / "out.txt").read_text()
+        time.sleep(0.2)
+    return str(json.loads((logs / "pod-1-g1" / "launch.json").read_text())["node"])
+
+
 def wait_gone(state_dir: Path, timeout: float) -> list[psutil.Process]:
     deadline = time.time() + timeout
     left = processes_of(state_dir)

@@ -30,7 +30,15 @@ from relaunch.cluster.slurm_trial import TrialSlurm, unavailable
 from relaunch.containers import cluster_root
 from relaunch.errors import EngineError
 from relaunch_bench import timeline
-from tests.runtime import DDP_CLUSTER, DDP_FAULTS, ROOT, Result, ddp_job, rank_logs, wait_gone
+from tests.runtime import (
+    DDP_CLUSTER,
+    DDP_FAULTS,
+    ROOT,
+    Result,
+    ddp_job,
+    pod_1_node_at_step_40,
+    wait_gone,
+)
 from tests.test_networks import Incarnations
 from tests.test_operator_retry import ddp as ddp_command
 from tests.test_operator_retry import job as operator_retry_job
@@ -392,16 +400,6 @@ def test_r14_a_node_cut_off_is_fenced_before_its_replacement_starts_and_slurm_ke
     assert old[1] < new[0], f"the old incarnation ran until {old[1]}, the new one from {new[0]}"
     assert "no word from the controller" in (logs / "pod-1-g1" / "launcher.log").read_text()
     assert out.read_text().strip() == unbroken, log
-
-
-def pod_1_node_at_step_40(tmp: Path) -> str:
-    """Once the job's rank 0 printed step 40: the node pod 1 runs on."""
-    logs = tmp / "state" / "jobs" / "1" / "pods"
-    deadline = time.monotonic() + 120
-    while "step 40" not in rank_logs(logs / "pod-0-g1" / "logs"):
-        assert time.monotonic() < deadline, (tmp / "out.txt").read_text()
-        time.sleep(0.2)
-    return str(json.loads((logs / "pod-1-g1" / "launch.json").read_text())["node"])
 
 
 PROCESS_FAULTS = [
