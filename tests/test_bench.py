@@ -137,6 +137,9 @@ def test_quick_bench_writes_json_markdown_and_chart(tmp_path: Path) -> None:
             for k in ("link", "peer_restore", "local_restore", "storage_restore")
         )
         assert peer_memory["local_copy_s"] > 0
+        # the link and the restore from peer memory taken in turn, three pairs a round
+        assert peer_memory["link_pairs"] == 3 * peer_memory["repeats"]
+        assert peer_memory["link_ratio"] > 0
         # shared storage over the data link (`make test` installs its sshd and sshfs as root)
         assert all(
             peer_memory.get(f"{k}_mb_s", 0) > 0 for k in ("shared_read", "shared_restore")

@@ -11,7 +11,7 @@ caches dropped where we may). On one machine the node's disk and storage are the
 storage is also read as a cluster reads it, from a file server on a node of its own over node-0's
 data link (relaunch_bench.file_server: sshd, mounted by sshfs), where this machine has one.
 Beside them, the link's raw speed (one process's memory into another's over the same link, plain
-TCP), the disk's (a cold sequential read of the same size) and the shared storage's (a cold
+TCP, just before and just after the restore from peer memory: the faster of the two), the disk's (a cold sequential read of the same size) and the shared storage's (a cold
 sequential read of the step's file through the mount). And the loop's stall in an asynchronous
 save with and without the copy (it is sent after the write, from a thread of its own).
 """
@@ -43,6 +43,8 @@ DLROVER_SHM = "*_ckpt_shm_*"
 """The shared memory DLRover's flash checkpoint keeps the state in, one segment a rank."""
 
 SIZES_MB = (256, 1024, 4096)
+LINK_PAIRS = 3
+"""Pairs of the link's raw transfer and a restore from peer memory, a round (in turn)."""
 ONE_REPEAT_FROM_MB = 4096
 """From this size on, one repeat: a round of 4 GB takes about 8 minutes on two cores."""
 WRITTEN_PER_ROUND = 5
@@ -98,6 +100,7 @@ def _size(
 ) -> dict[str, Any]:
     samples: dict[str, list[float]] = {}
     ratios: list[float] = []  # every pair's stall with the copy over without, all repeats
+    link_ratios: list[float] = []  # every pair's restore speed over the link's, all repeats
     repeats = 1 if mb >= ONE_REPEAT_FROM_MB else repeats
     for repeat in range(repeats):
         free, need = shutil.disk_usage(tmp).free, WRITTEN_PER_ROUND * (mb << 20)
@@ -112,6 +115,7 @@ def _size(
         finally:
             shutil.rmtree(directory, ignore_errors=True)
         ratios += timings.pop("stall_ratios", [])
+        link_ratios += timings.pop("link_ratios")
         for key, value in timings.items():
             samples.setdefault(key, []).append(value)
     med = {k: statistics.median(v) for k, v in samples.items()}
@@ -125,6 +129,7 @@ def _size(
             row[f"{key}_s"] = round(med[key], 4)
             row[f"{key}_mb_s"] = round(size / 1e6 / med[key], 1)
     row["peer_over_link"] = round(med["link"] / med["peer_restore"], 3)
+    row.update(_paired("link", link_ratios))
     row["storage_over_peer"] = round(med["storage_restore"] / med["peer_restore"], 2)
     if "shared_restore" in med:
         row["shared_over_peer"] = round(med["shared_restore"] / med["peer_restore"], 2)
@@ -137,11 +142,19 @@ def _size(
         row["stall_plain_s"] = round(med["stall_plain"], 5)
         row["stall_copy_s"] = round(med["stall_copy"], 5)
     if ratios:
-        row["stall_pairs"] = len(ratios)
-        row["stall_copy_over_plain"] = round(statistics.median(ratios), 3)
-        interval = median_interval(ratios)
-        row["stall_ratio_95"] = [round(x, 3) for x in interval] if interval else None
+        row.update(_paired("stall", ratios))
+        row["stall_copy_over_plain"] = row.pop("stall_ratio")
     return row
+
+
+def _paired(name: str, ratios: list[float]) -> dict[str, Any]:
+    """The pairs' count, their ratios' median and its 95 % interval (None: too few pairs)."""
+    interval = median_interval(ratios)
+    return {
+        f"{name}_pairs": len(ratios),
+        f"{name}_ratio": round(statistics.median(ratios), 3),
+        f"{name}_ratio_95": [round(x, 3) for x in interval] if interval else None,
+    }
 
 
 def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float] | None:
@@ -163,9 +176,8 @@ def _round(
 ) -> dict[str, Any]:
     directory.mkdir(parents=True)
     size = mb << 20
-    timings: dict[str, Any] = {"link": _link(network, size)}
     raw = bytearray(size)
-    timings["disk_read"] = _raw(directory, raw)[1]  # type: ignore[arg-type]
+    timings: dict[str, Any] = {"disk_read": _raw(directory, raw)[1]}  # type: ignore[arg-type]
     del raw
     host = network.layout.data_address("node-1")
     with _started(network, "node-1", "keeper", host) as (_, said):
@@ -173,9 +185,7 @@ def _round(
         stall = ["stall"] if mb <= STALL_UP_TO_MB else []
         saved = _worker(network, "node-0", "save", str(directory), str(mb), peer, *stall)
         timings.update({k.removesuffix("_s"): v for k, v in saved.items()})
-        restored = _worker(network, "node-0", "restore", str(directory), peer, str(mb))
-        assert restored["tier"] == "peer memory of node-1", restored
-        timings["peer_restore"] = restored["seconds"]
+        timings.update(_link_and_restore(network, directory, peer, mb))
     for tier, served in (("local", "local disk of node-0"), ("storage", "storage")):
         _drop_caches(directory)
         restored = _worker(network, "node-0", "restore", str(directory), tier, str(mb))
@@ -257,6 +267,30 @@ def _drop_caches(directory: Path) -> None:
     os.sync()
     with contextlib.suppress(OSError), open("/proc/sys/vm/drop_caches", "w") as caches:
         caches.write("1\n")
+
+
+def _link_and_restore(
+    network: ClusterNetwork, directory: Path, peer: str, mb: int
+) -> dict[str, Any]:
+    """The link's raw speed and a fresh rank's restore from peer memory, taken in turn
+    (`LINK_PAIRS` pairs, the order swapped every pair), so that both meet the machine in the
+    same state: each a median, and every pair's restore speed over the link's. (Until run 11 the
+    link was measured once, at the round's start: single timings of either moved 2 to 4 times
+    from run to run, so that the ratio said more of when each was taken than of the restore.)"""
+    links, restores = [], []
+    for pair in range(LINK_PAIRS):
+        for kind in ("link", "restore") if pair % 2 == 0 else ("restore", "link"):
+            if kind == "link":
+                links.append(_link(network, mb << 20))
+                continue
+            restored = _worker(network, "node-0", "restore", str(directory), peer, str(mb))
+            assert restored["tier"] == "peer memory of node-1", restored
+            restores.append(float(restored["seconds"]))
+    return {
+        "link": statistics.median(links),
+        "peer_restore": statistics.median(restores),
+        "link_ratios": [link / restore for link, restore in zip(links, restores, strict=True)],
+    }
 
 
 def _link(network: ClusterNetwork, size: int) -> float:

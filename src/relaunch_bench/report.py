@@ -76,6 +76,8 @@ LOOP_COLUMNS = {
 PEER_MEMORY_COLUMNS = {
     "size_mb": "state MB", "link_mb_s": "data link MB/s (raw)",
     "peer_restore_mb_s": "restore from peer memory MB/s", "peer_over_link": "peer / link",
+    "link_ratio": "peer / link (median of pairs)", "link_ratio_95": "95 % interval",
+    "link_pairs": "pairs",
     "disk_read_mb_s": "disk read MB/s (raw, cold)",
     "local_restore_mb_s": "restore from the node's disk MB/s (cold)",
     "storage_restore_mb_s": "restore from storage MB/s (cold)",
