@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -265,6 +266,41 @@ def processes_of(state_dir: Path) -> list[psutil.Process]:
 def rank_logs(directory: Path) -> str:
     """The rank logs (`*.log`) of one pod's `logs` directory, as they are now ("" before any)."""
     return "".join(p.read_text() for p in directory.glob("*.log")) if directory.exists() else ""
+
+
+FLAP_S = 6.0
+"""How long a flap of a data link lasts in the R-29 tests on Slurm and Ray: longer than the
+collective timeout the operator-retry job sets (3 s), shorter than its re-issues last (the first
+5 s after the failure, 8 in all, 1 s apart)."""
+
+
+def flap_pod_1_at_step_40(tmp: Path, set_data_link: Callable[[str, bool], None]) -> None:
+    """Once the job's rank 0 printed step 40: pod 1's node's data link down for `FLAP_S`, then
+    up again (`set_data_link(node, up)`: the engine's trial cluster cuts its switch port)."""
+    node = pod_1_node_at_step_40(tmp)
+    set_data_link(node, False)
+    try:
+        time.sleep(FLAP_S)
+    finally:
+        set_data_link(node, True)
+
+
+def assert_issued_again_nothing_restarted(
+    result: Result, steps: Path, out: Path, unbroken: str
+) -> None:
+    """R-29's promise after a flap: one operator retry that worked, for the failed collective; no
+    process restarted (each of the two ranks started once); every step of the 120 once, in
+    order; the parameters bit for bit the fault-free run's."""
+    from relaunch_bench import timeline
+
+    records = result.report["recoveries"]
+    actions = [(r["action"], r["outcome"]) for r in records]
+    assert actions == [("operator-retry", "succeeded")], result.stdout
+    assert records[0]["fault"]["kind"] == "collective", records
+    assert result.logs().count("--- relaunch: attempt") == 2, "a process restarted"
+    done = [s for e, s, _ in timeline.read(steps) if e == "step"]
+    assert done == list(range(1, 121)), "a step ran twice, or one is missing"
+    assert out.read_text().strip() == unbroken, result.stdout
 
 
 def pod_1_node_at_step_40(tmp: Path) -> str:

@@ -23,15 +23,17 @@ import pytest
 import yaml
 
 from relaunch.cluster.network import NETNS_DIR, ClusterNetwork
-from relaunch_bench import timeline
-from tests.runtime import DDP_CLUSTER, ROOT, Cluster, pod_1_node_at_step_40
+from tests.runtime import (
+    DDP_CLUSTER,
+    ROOT,
+    Cluster,
+    assert_issued_again_nothing_restarted,
+    flap_pod_1_at_step_40,
+)
 from tests.test_operator_retry import ddp as ddp_command
 from tests.test_operator_retry import job as operator_retry_job
 
 NODES = ["node-0", "node-1"]
-FLAP_S = 6.0
-"""Longer than the collective timeout the operator-retry job sets (3 s), shorter than its
-re-issues last (the first 5 s after the failure, 8 in all, 1 s apart)."""
 
 
 @dataclass
@@ -114,22 +116,11 @@ def test_r29_a_flap_of_a_ray_nodes_data_link_issues_the_collective_again_nothing
     with open(tmp_path / "out.txt", "w") as output:
         run = subprocess.Popen(args, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT)
     try:
-        node = pod_1_node_at_step_40(tmp_path)
-        ray_on_links.set_data_link(node, up=False)
-        try:
-            time.sleep(FLAP_S)
-        finally:
-            ray_on_links.set_data_link(node, up=True)
+        flap_pod_1_at_step_40(tmp_path, ray_on_links.set_data_link)
         code = run.wait(timeout=240)
     finally:
         run.kill()
     log = (tmp_path / "out.txt").read_text()
     result = cluster.result(code, log)
     assert code == 0, log
-    records = result.report["recoveries"]
-    assert [(r["action"], r["outcome"]) for r in records] == [("operator-retry", "succeeded")], log
-    assert records[0]["fault"]["kind"] == "collective", records
-    assert result.logs().count("--- relaunch: attempt") == 2, "a process restarted"
-    done = [s for e, s, _ in timeline.read(steps) if e == "step"]
-    assert done == list(range(1, 121)), "a step ran twice, or one is missing"
-    assert out.read_text().strip() == unbroken_process_pair, log
+    assert_issued_again_nothing_restarted(result, steps, out, unbroken_process_pair)

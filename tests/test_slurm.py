@@ -29,13 +29,14 @@ from relaunch.cluster.slurm import Allocation, parse_nodes
 from relaunch.cluster.slurm_trial import TrialSlurm, unavailable
 from relaunch.containers import cluster_root
 from relaunch.errors import EngineError
-from relaunch_bench import timeline
 from tests.runtime import (
     DDP_CLUSTER,
     DDP_FAULTS,
     ROOT,
     Result,
+    assert_issued_again_nothing_restarted,
     ddp_job,
+    flap_pod_1_at_step_40,
     pod_1_node_at_step_40,
     wait_gone,
 )
@@ -47,9 +48,6 @@ from tests.test_process_recovery import assert_kept, process_job, starts
 NODES = ["n1", "n2", "n3", "n4"]
 """Two for the job's pods, two standby nodes, as the embedded tests' four nodes."""
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
-FLAP_S = 6.0
-"""Longer than the collective timeout the operator-retry job sets (3 s), shorter than its
-re-issues last (the first 5 s after the failure, 8 in all, 1 s apart)."""
 EMBEDDED_ACTIONS = ["job-reschedule", "in-place", "pod-reschedule", "hang-restart"]
 """What the embedded cluster decides for the DDP example's fault plan (test_sdk_bit_identical)."""
 
@@ -465,21 +463,10 @@ def test_r29_a_flap_of_the_data_network_on_slurm_issues_the_collective_again_not
     spec["spec"]["env"]["GLOO_SOCKET_IFNAME"] = "data0"
     script = batch_script(tmp_path, spec, [])
     job_id = slurm.slurm(["sbatch", "--parsable", str(script)]).stdout.strip().split(";")[0]
-    node = pod_1_node_at_step_40(tmp_path)
-    slurm.set_data_link(node, up=False)
-    try:
-        time.sleep(FLAP_S)
-    finally:
-        slurm.set_data_link(node, up=True)
+    flap_pod_1_at_step_40(tmp_path, lambda node, up: slurm.set_data_link(node, up=up))
     fields = wait_for_job(slurm, job_id, lambda f: f.get("JobState") in ENDED)
     log = (tmp_path / "out.txt").read_text()
     assert fields["JobState"] == "COMPLETED", log
     report = json.loads((tmp_path / "report.json").read_text())
-    records = report["recoveries"]
-    assert [(r["action"], r["outcome"]) for r in records] == [("operator-retry", "succeeded")], log
-    assert records[0]["fault"]["kind"] == "collective", records
     result = Result(0, report, log, "", tmp_path / "state")
-    assert result.logs().count("--- relaunch: attempt") == 2, "a process restarted"
-    done = [s for e, s, _ in timeline.read(steps) if e == "step"]
-    assert done == list(range(1, 121)), "a step ran twice, or one is missing"
-    assert out.read_text().strip() == unbroken_process_pair, log
+    assert_issued_again_nothing_restarted(result, steps, out, unbroken_process_pair)
