@@ -98,7 +98,7 @@ def ray_on_links(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayOnLink
     left = _in_namespaces(inodes)
     assert not left, f"processes outlived the cluster: {[p.cmdline() for p in left]}"
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert network.layout.switch not in names, names
+    assert f"rl{network.layout.digest}" not in names, names  # the switch's and every node's
 
 
 def test_r29_a_flap_of_a_ray_nodes_data_link_issues_the_collective_again_nothing_restarts(
