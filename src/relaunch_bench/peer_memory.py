@@ -11,8 +11,9 @@ caches dropped where we may). On one machine the node's disk and storage are the
 storage is also read as a cluster reads it, from a file server on a node of its own over node-0's
 data link (relaunch_bench.file_server: sshd, mounted by sshfs), where this machine has one.
 Beside them, the link's raw speed (one process's memory into another's over the same link, plain
-TCP, just before and just after the restore from peer memory: the faster of the two), the disk's (a cold sequential read of the same size) and the shared storage's (a cold
-sequential read of the step's file through the mount). And the loop's stall in an asynchronous
+TCP, taken in turn with the restore from peer memory, three pairs a round), the disk's (a cold
+sequential read of the same size) and the shared storage's (a cold sequential read of the step's
+file through the mount). And the loop's stall in an asynchronous
 save with and without the copy (it is sent after the write, from a thread of its own).
 """
 
