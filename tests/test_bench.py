@@ -134,8 +134,11 @@ def test_quick_bench_writes_json_markdown_and_chart(tmp_path: Path) -> None:
     if os.geteuid() == 0:  # a data link between two node namespaces needs root
         assert all(
             peer_memory[f"{k}_mb_s"] > 0
-            for k in ("link", "peer_restore", "local_restore", "storage_restore")
-        )
+            for k in (
+                "link", "link_fresh", "fault_in", "peer_restore", "local_restore",
+                "storage_restore",
+            )
+        )  # fmt: skip
         assert peer_memory["local_copy_s"] > 0
         # the link and the restore from peer memory taken in turn, three pairs a round
         assert peer_memory["link_pairs"] == 3 * peer_memory["repeats"]

@@ -11,7 +11,9 @@ caches dropped where we may). On one machine the node's disk and storage are the
 storage is also read as a cluster reads it, from a file server on a node of its own over node-0's
 data link (relaunch_bench.file_server: sshd, mounted by sshfs), where this machine has one.
 Beside them, the link's raw speed (one process's memory into another's over the same link, plain
-TCP, taken in turn with the restore from peer memory, three pairs a round), the disk's (a cold
+TCP, into memory already faulted in, taken in turn with the restore from peer memory, three pairs
+a round; and, from the same transfers, the link into fresh memory as a restore receives, and what
+faulting fresh memory in costs on this machine: see `receive`), the disk's (a cold
 sequential read of the same size) and the shared storage's (a cold sequential read of the step's
 file through the mount). And the loop's stall in an asynchronous
 save with and without the copy (it is sent after the write, from a thread of its own).
@@ -123,7 +125,7 @@ def _size(
     size = mb << 20
     row: dict[str, Any] = {"size_mb": mb, "repeats": repeats}
     for key in (
-        "link", "disk_read", "peer_restore", "local_restore", "storage_restore", "shared_read",
+        "link", "link_fresh", "fault_in", "disk_read", "peer_restore", "local_restore", "storage_restore", "shared_read",
         "shared_restore", "save", "copy", "local_copy",
     ):  # fmt: skip
         if key in med:
@@ -278,7 +280,8 @@ def _link_and_restore(
     same state: each a median, and every pair's restore speed over the link's. (Until run 11 the
     link was measured once, at the round's start: single timings of either moved 2 to 4 times
     from run to run, so that the ratio said more of when each was taken than of the restore.)"""
-    links, restores = [], []
+    links: list[dict[str, float]] = []
+    restores: list[float] = []
     for pair in range(LINK_PAIRS):
         for kind in ("link", "restore") if pair % 2 == 0 else ("restore", "link"):
             if kind == "link":
@@ -288,17 +291,25 @@ def _link_and_restore(
             assert restored["tier"] == "peer memory of node-1", restored
             restores.append(float(restored["seconds"]))
     return {
-        "link": statistics.median(links),
+        "link": statistics.median(link["alone_seconds"] for link in links),
+        "link_fresh": statistics.median(link["fresh_seconds"] for link in links),
+        "fault_in": statistics.median(link["fault_in_seconds"] for link in links),
         "peer_restore": statistics.median(restores),
-        "link_ratios": [link / restore for link, restore in zip(links, restores, strict=True)],
+        "link_ratios": [
+            link["alone_seconds"] / restore for link, restore in zip(links, restores, strict=True)
+        ],
     }
 
 
-def _link(network: ClusterNetwork, size: int) -> float:
+def _link(network: ClusterNetwork, size: int) -> dict[str, float]:
+    """The link's raw transfers (relaunch_bench.peer_memory_worker.receive): into fresh memory
+    as a restore receives, then the link alone, into memory already faulted in; and the faulting
+    in of fresh memory. The link alone is the link's raw speed: on this VM fresh memory faults
+    in at 0.5 to 12 GB/s, by whether its host took the pages back (see BENCHMARKS.md, run 14)."""
     host = network.layout.data_address("node-1")
     with _started(network, "node-1", "send", host, str(size)) as (_, said):
         received = _worker(network, "node-0", "receive", host, str(said["port"]), str(size))
-    return float(received["seconds"])
+    return {k: float(received[k]) for k in ("fresh_seconds", "alone_seconds", "fault_in_seconds")}
 
 
 def _command(network: ClusterNetwork, node: str, *args: str) -> list[str]:

@@ -17,6 +17,7 @@ in this process's own mount namespace for their run.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import socket
 import statistics
@@ -29,6 +30,9 @@ from relaunch.protocol.peer_memory import memory_for, receive_into, stall_timeou
 from relaunch_bench.file_server import FileServer, mounted
 
 JOB = "bench"
+RECEIVES = ("as a restore receives", "the link alone")
+"""The link's raw transfers a measure takes, in this order (`receive`)."""
+PAGE = mmap.PAGESIZE
 STALL_PAIRS = 21
 """Pairs of saves a repeat measures the stall in (after one that makes the host buffer)."""
 
@@ -46,14 +50,16 @@ def keeper(host: str) -> None:
 
 
 def send(host: str, size: int) -> None:
+    """Serve the same memory to `RECEIVES` connections, one after the other."""
     data = memory_for(size)
     _touch(data)
     with socket.create_server((host, 0)) as server:
         _say(port=server.getsockname()[1])
-        conn, _ = server.accept()
-        with conn:
-            _as_peers_do(conn)
-            conn.sendall(data)
+        for _ in RECEIVES:
+            conn, _ = server.accept()
+            with conn:
+                _as_peers_do(conn)
+                conn.sendall(data)
 
 
 def _as_peers_do(sock: socket.socket) -> None:
@@ -71,11 +77,34 @@ def _touch(data: Any) -> None:
 
 
 def receive(host: str, port: int, size: int) -> None:
+    """The link's raw speed, twice from the same sender: first into fresh memory, as a restore
+    receives (its pages faulted in as the bytes arrive), then into memory already faulted in:
+    the link alone, after timing that faulting in (what fresh memory costs on this machine).
+    The first is taken first, in a process as fresh as a restoring rank's, and its memory kept
+    to the end, so that the second's memory is not the pages the first just freed."""
+    timings: dict[str, float] = {}
     with socket.create_connection((host, port)) as sock:
         _as_peers_do(sock)
         start = time.perf_counter()
-        receive_into(sock, memory_for(size))
-        _say(seconds=time.perf_counter() - start)
+        receive_into(sock, first := memory_for(size))
+        timings["fresh_seconds"] = time.perf_counter() - start
+    memory = memory_for(size)
+    start = time.perf_counter()
+    _fault_in(memory)
+    timings["fault_in_seconds"] = time.perf_counter() - start
+    with socket.create_connection((host, port)) as sock:
+        _as_peers_do(sock)
+        start = time.perf_counter()
+        receive_into(sock, memory)
+        timings["alone_seconds"] = time.perf_counter() - start
+    del first
+    _say(**timings)
+
+
+def _fault_in(memory: Any) -> None:
+    """Write one byte of each page: every page of `memory` faulted in, nothing more written."""
+    pages = range(0, len(memory), PAGE)
+    memoryview(memory)[::PAGE] = b"\x01" * len(pages)
 
 
 def _state(mb: int) -> dict[str, Any]:
