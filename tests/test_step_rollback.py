@@ -50,6 +50,7 @@ m = Membership.of_pods({0: 1, 1: 1}, 1, generation=2, addr="127.0.0.1", port=295
 source = replica_restore(model, optimizer, m, rank, 1)
 after = parameter_hash(model), optimizer.state_dict()["state"][0]["momentum_buffer"].sum().item()
 print("result:", json.dumps({"source": source, "healthy": healthy, "after": after}), flush=True)
+dist.barrier()  # neither tears gloo down while the other still uses it: that aborted, now and then
 dist.destroy_process_group()
 """
 
