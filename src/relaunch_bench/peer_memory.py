@@ -125,8 +125,8 @@ def _size(
     size = mb << 20
     row: dict[str, Any] = {"size_mb": mb, "repeats": repeats}
     for key in (
-        "link", "link_fresh", "fault_in", "disk_read", "peer_restore", "local_restore", "storage_restore", "shared_read",
-        "shared_restore", "save", "copy", "local_copy",
+        "link", "link_fresh", "fault_in", "disk_read", "peer_restore", "local_restore",
+        "storage_restore", "shared_read", "shared_restore", "save", "copy", "local_copy",
     ):  # fmt: skip
         if key in med:
             row[f"{key}_s"] = round(med[key], 4)
@@ -305,7 +305,7 @@ def _link(network: ClusterNetwork, size: int) -> dict[str, float]:
     """The link's raw transfers (relaunch_bench.peer_memory_worker.receive): into fresh memory
     as a restore receives, then the link alone, into memory already faulted in; and the faulting
     in of fresh memory. The link alone is the link's raw speed: on this VM fresh memory faults
-    in at 0.5 to 12 GB/s, by whether its host took the pages back (see BENCHMARKS.md, run 14)."""
+    in at 0.5 to 12 GB/s, by whether its host took the pages back (BENCHMARKS.md, runs 14-15)."""
     host = network.layout.data_address("node-1")
     with _started(network, "node-1", "send", host, str(size)) as (_, said):
         received = _worker(network, "node-0", "receive", host, str(said["port"]), str(size))

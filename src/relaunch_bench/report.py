@@ -75,7 +75,8 @@ LOOP_COLUMNS = {
 }  # fmt: skip
 PEER_MEMORY_COLUMNS = {
     "size_mb": "state MB", "link_mb_s": "data link MB/s (raw)",
-    "link_fresh_mb_s": "data link into fresh memory MB/s", "fault_in_mb_s": "fresh memory faulted in MB/s",
+    "link_fresh_mb_s": "data link into fresh memory MB/s",
+    "fault_in_mb_s": "fresh memory faulted in MB/s",
     "peer_restore_mb_s": "restore from peer memory MB/s", "peer_over_link": "peer / link",
     "link_ratio": "peer / link (median of pairs)", "link_ratio_95": "95 % interval",
     "link_pairs": "pairs",
