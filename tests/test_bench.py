@@ -135,14 +135,15 @@ def test_quick_bench_writes_json_markdown_and_chart(tmp_path: Path) -> None:
         assert all(
             peer_memory[f"{k}_mb_s"] > 0
             for k in (
-                "link", "link_fresh", "fault_in", "peer_restore", "local_restore",
-                "storage_restore",
+                "link", "link_fresh", "fault_in", "peer_restore", "peer_restore_late",
+                "local_restore", "storage_restore",
             )
         )  # fmt: skip
         assert peer_memory["local_copy_s"] > 0
         # the link and the restore from peer memory taken in turn, three pairs a round
         assert peer_memory["link_pairs"] == 3 * peer_memory["repeats"]
-        assert peer_memory["link_ratio"] > 0
+        assert peer_memory["link_ratio"] > 0 and peer_memory["late_over_link"] > 0
+        assert 0 <= peer_memory["ready_share"] <= 1  # of the copy, faulted in when load() began
         # shared storage over the data link (`make test` installs its sshd and sshfs as root)
         assert all(
             peer_memory.get(f"{k}_mb_s", 0) > 0 for k in ("shared_read", "shared_restore")

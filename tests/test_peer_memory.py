@@ -6,11 +6,13 @@ shards, real torch state; the keeper is the one every agent runs (relaunch.clust
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import re
 import signal
 import socket
 import subprocess
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -22,8 +24,9 @@ import torch
 
 from relaunch.cluster import keeper
 from relaunch.cluster.keeper import PeerMemory, PeerMemoryServer, StoredCopy
+from relaunch.protocol import peer_memory
 from relaunch.protocol.environment import Env, PodEnvironment
-from relaunch.protocol.peer_memory import parse_peers, send_header
+from relaunch.protocol.peer_memory import ReadyMemory, parse_peers, send_header
 from relaunch.train import CheckpointManager, CheckpointWarning
 from relaunch.train.peer import PeerCopies
 from tests.runtime import DDP_CLUSTER as CLUSTER
@@ -103,8 +106,13 @@ def saved(
 def restorer(
     directory: Path, servers: dict[str, PeerMemoryServer], node: str = "node-2"
 ) -> CheckpointManager:
-    """The rank replaced: a new process of rank 0, now on `node`."""
-    return CheckpointManager(directory, rank=0, keep=3, peers=peers_of(node, servers))
+    """The rank replaced: a new process of rank 0, now on `node`, its memory for the copy made
+    ready before it loads (as a rank's start gives it time to): every way a copy is refused is
+    met in that memory, and the next tier serves."""
+    manager = CheckpointManager(directory, rank=0, keep=3, peers=peers_of(node, servers))
+    assert manager.peers is not None and manager.peers.ready is not None
+    assert manager.peers.ready.wait(30)
+    return manager
 
 
 def test_a_replaced_rank_restores_from_a_peers_memory_without_storages_shard(
@@ -118,6 +126,115 @@ def test_a_replaced_rank_restores_from_a_peers_memory_without_storages_shard(
     assert loaded is not None and loaded.step == 20 and same(loaded.state, state(20))
     assert manager.restored_from == {(0, 20): "peer memory of node-1"}
     assert nodes["node-1"].memory.size() > 0 and nodes["node-2"].memory.size() == 0
+
+
+def test_a_replaced_ranks_copy_lands_in_the_memory_made_ready_while_it_started(
+    tmp_path: Path, nodes: dict[str, PeerMemoryServer]
+) -> None:
+    """The manager, made at the rank's start, maps and faults in memory of its newest copy's
+    size; the restore receives into it (its tensors are views of it), and the state is whole."""
+    saved(tmp_path, nodes, [10, 20])
+    held = nodes["node-1"].memory.get(JOB, 0, 20)
+    assert held is not None
+    manager = restorer(tmp_path, nodes)
+    assert manager.peers is not None
+    ready = manager.peers.ready
+    assert ready is not None and ready.held == ready.faulted == len(held.data)
+    loaded = manager.load()
+    assert loaded is not None and loaded.step == 20 and same(loaded.state, state(20))
+    assert manager.restored_from == {(0, 20): "peer memory of node-1"}
+    assert ready.taken and ready.held == 0 and manager.peers.ready is None
+
+
+def test_a_first_start_finds_no_copy_and_holds_no_memory_for_one(
+    tmp_path: Path, nodes: dict[str, PeerMemoryServer]
+) -> None:
+    manager = CheckpointManager(tmp_path, rank=0, peers=peers_of("node-0", nodes))
+    assert manager.peers is not None and manager.peers.ready is not None
+    assert manager.peers.ready.wait(30)
+    assert manager.peers.ready.held == manager.peers.ready.faulted == 0
+    assert manager.load() is None
+
+
+def test_a_rank_that_saves_instead_of_restoring_lets_its_ready_memory_go(
+    tmp_path: Path, nodes: dict[str, PeerMemoryServer]
+) -> None:
+    saved(tmp_path, nodes, [10])
+    manager = restorer(tmp_path, nodes, node="node-0")  # restarted in place, starts over
+    assert manager.peers is not None and manager.peers.ready is not None
+    ready = manager.peers.ready
+    assert ready.held > 0
+    manager.save(20, state(20))
+    assert ready.held == 0 and not ready.taken
+    assert manager.peers.wait(30) and (20, "node-1") in manager.peers.sent
+
+
+def test_a_restore_that_comes_before_its_memory_is_ready_receives_into_fresh_memory() -> None:
+    """The peers' answer still on its way when the copy is wanted: nothing is waited for, the
+    copy gets fresh memory, and the late answer maps nothing."""
+    answered, asked = threading.Event(), threading.Event()
+
+    def size_of() -> int:
+        asked.set()
+        answered.wait(30)
+        return 1 << 20
+
+    ready = ReadyMemory(size_of)
+    assert asked.wait(30)
+    memory = ready.take(4096)
+    assert len(memory) == 4096 and not ready.taken
+    answered.set()
+    assert ready.wait(30) and ready.held == ready.faulted == 0
+
+
+def test_a_copy_wanted_while_its_memory_faults_in_takes_it_as_it_is_and_the_rest_on_arrival(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The restore comes after two chunks were faulted in: the faulting stops there (no byte is
+    written under the copy's), and the copy takes the whole memory, its bytes all its own."""
+    chunks: list[int] = []
+    ready_box: list[ReadyMemory] = []
+    real = peer_memory.fault_in
+
+    def fault_in(view: Any) -> None:
+        real(view)
+        chunks.append(len(view))
+        if len(chunks) == 2:
+            ready_box[0]._stop.wait(30)  # the copy is wanted now
+
+    monkeypatch.setattr(peer_memory, "fault_in", fault_in)
+    size = 6 * peer_memory.FAULT_IN_CHUNK
+    ready = ReadyMemory(lambda: size)
+    ready_box.append(ready)
+    while not chunks:
+        ready.wait(0.01)
+    memory = ready.take(size)
+    assert ready.taken and len(memory) == size and ready.wait(30)
+    assert ready.faulted == 2 * peer_memory.FAULT_IN_CHUNK and len(chunks) == 2
+    data = os.urandom(size)
+    left, right = socket.socketpair()
+    with left, right:
+        sender = threading.Thread(target=left.sendall, args=(data,))
+        sender.start()
+        peer_memory.receive_into(right, memory)
+        sender.join()
+    assert bytes(memory) == data
+
+
+@pytest.mark.parametrize("how", ["populate", "written"])
+@pytest.mark.parametrize("kind", ["mapped", "bytearray", "unaligned"])
+def test_faulting_memory_in_leaves_every_byte_as_it_was(
+    how: str, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if how == "written":  # a kernel without MADV_POPULATE_WRITE: a byte a page, read and put back
+        monkeypatch.setattr(peer_memory, "_populate", lambda: None)
+    size = 3 * mmap.PAGESIZE + 123
+    memory: Any = peer_memory.memory_for(size) if kind == "mapped" else bytearray(size)
+    view = memoryview(memory)[1:] if kind == "unaligned" else memoryview(memory)
+    pattern = os.urandom(len(view))
+    view[:] = pattern
+    peer_memory.fault_in(view)
+    assert bytes(view) == pattern
 
 
 def refused(manager: CheckpointManager, why: str) -> Any:

@@ -75,24 +75,30 @@ def finished(where: torch.device) -> None:
         torch.cuda.synchronize(where)
 
 
-def build(
-    args: argparse.Namespace, rank: int
-) -> tuple[nn.Module, torch.optim.Optimizer, CheckpointManager, Callable[[], dict[str, object]]]:
-    """The model, its optimizer, the checkpoints and what a checkpoint holds."""
-    torch.manual_seed(0)
-    layers: list[nn.Module] = [nn.Linear(16, 64), nn.Tanh()]
-    if args.dropout > 0:
-        layers.append(nn.Dropout(args.dropout))
-    model = nn.Sequential(*layers, nn.Linear(64, 1)).to(args.where)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+def checkpoints(args: argparse.Namespace, rank: int) -> CheckpointManager:
+    """The rank's checkpoints, made first: where the job keeps copies in peers' memory, the
+    memory a restore receives its copy into is faulted in while the rank does the rest of its
+    start (relaunch.train.peer)."""
     shared = Path(os.environ.get("RELAUNCH_SHARED_DIR", "."))
-    ckpt = CheckpointManager(
+    return CheckpointManager(
         args.ckpt_dir or shared / "ckpt",
         rank=rank,
         every=args.ckpt_every or None,
         keep=3,
         async_save=args.async_save,
     )
+
+
+def build(
+    args: argparse.Namespace, ckpt: CheckpointManager
+) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], dict[str, object]]]:
+    """The model, its optimizer and what a checkpoint holds."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(16, 64), nn.Tanh()]
+    if args.dropout > 0:
+        layers.append(nn.Dropout(args.dropout))
+    model = nn.Sequential(*layers, nn.Linear(64, 1)).to(args.where)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
 
     def state() -> dict[str, object]:
         if args.slow_save_at is not None and ckpt.completed_step == args.slow_save_at:
@@ -103,7 +109,7 @@ def build(
             "rng": rng_state(),
         }
 
-    return model, optimizer, ckpt, state
+    return model, optimizer, state
 
 
 @record  # writes the exception to TORCHELASTIC_ERROR_FILE, as under torchrun
@@ -193,12 +199,13 @@ def main() -> None:
     if args.where.type == "cuda":
         torch.empty(1, device=args.where)  # CUDA's context (a warm spare's is there already)
     mark("cuda", 0)
+    ckpt = checkpoints(args, job.rank)
     dist.init_process_group(
         "nccl" if args.where.type == "cuda" else "gloo",
         timeout=timedelta(seconds=args.collective_timeout),
     )
     mark("group", 0)
-    model, optimizer, ckpt, state = build(args, job.rank)
+    model, optimizer, state = build(args, ckpt)
     mark("built", 0)
     ddp = DistributedDataParallel(model)  # its first broadcast makes the group's communicator
     mark("ddp", 0)
@@ -262,7 +269,8 @@ def process_level(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     job = env()
-    model, optimizer, ckpt, state = build(args, job.rank)
+    ckpt = checkpoints(args, job.rank)
+    model, optimizer, state = build(args, ckpt)
     keeper = ProcessGroupKeeper(
         model, optimizer, backend="nccl" if args.where.type == "cuda" else "gloo"
     )

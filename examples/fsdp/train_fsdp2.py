@@ -104,8 +104,8 @@ def main() -> None:
         return
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
+    ckpt = checkpoints(args)  # before the model: a restore's memory is made ready meanwhile
     model, optimizer = build()
-    ckpt = checkpoints(args)
 
     def state() -> dict[str, Any]:
         model_state, optim_state = get_state_dict(model, optimizer)

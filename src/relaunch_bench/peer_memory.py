@@ -125,13 +125,16 @@ def _size(
     size = mb << 20
     row: dict[str, Any] = {"size_mb": mb, "repeats": repeats}
     for key in (
-        "link", "link_fresh", "fault_in", "disk_read", "peer_restore", "local_restore",
+        "link", "link_fresh", "fault_in", "disk_read", "peer_restore", "peer_restore_late",
+        "local_restore",
         "storage_restore", "shared_read", "shared_restore", "save", "copy", "local_copy",
     ):  # fmt: skip
         if key in med:
             row[f"{key}_s"] = round(med[key], 4)
             row[f"{key}_mb_s"] = round(size / 1e6 / med[key], 1)
     row["peer_over_link"] = round(med["link"] / med["peer_restore"], 3)
+    row["late_over_link"] = round(med["link"] / med["peer_restore_late"], 3)
+    row["ready_share"] = round(med["ready_share"], 3)
     row.update(_paired("link", link_ratios))
     row["storage_over_peer"] = round(med["storage_restore"] / med["peer_restore"], 2)
     if "shared_restore" in med:
@@ -281,22 +284,26 @@ def _link_and_restore(
     link was measured once, at the round's start: single timings of either moved 2 to 4 times
     from run to run, so that the ratio said more of when each was taken than of the restore.)"""
     links: list[dict[str, float]] = []
-    restores: list[float] = []
+    restores: dict[str, list[dict[str, Any]]] = {"ready": [], "late": []}
     for pair in range(LINK_PAIRS):
-        for kind in ("link", "restore") if pair % 2 == 0 else ("restore", "link"):
+        for kind in ("link", "ready", "late") if pair % 2 == 0 else ("late", "ready", "link"):
             if kind == "link":
                 links.append(_link(network, mb << 20))
                 continue
-            restored = _worker(network, "node-0", "restore", str(directory), peer, str(mb))
+            late = ["late"] if kind == "late" else []
+            restored = _worker(network, "node-0", "restore", str(directory), peer, str(mb), *late)
             assert restored["tier"] == "peer memory of node-1", restored
-            restores.append(float(restored["seconds"]))
+            restores[kind].append(restored)
+    ready = [float(r["seconds"]) for r in restores["ready"]]
     return {
         "link": statistics.median(link["alone_seconds"] for link in links),
         "link_fresh": statistics.median(link["fresh_seconds"] for link in links),
         "fault_in": statistics.median(link["fault_in_seconds"] for link in links),
-        "peer_restore": statistics.median(restores),
+        "peer_restore": statistics.median(ready),
+        "ready_share": statistics.median(float(r["ready_share"]) for r in restores["ready"]),
+        "peer_restore_late": statistics.median(float(r["seconds"]) for r in restores["late"]),
         "link_ratios": [
-            link["alone_seconds"] / restore for link, restore in zip(links, restores, strict=True)
+            link["alone_seconds"] / restore for link, restore in zip(links, ready, strict=True)
         ],
     }
 

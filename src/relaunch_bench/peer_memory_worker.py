@@ -6,7 +6,7 @@ saves, and the fresh rank that restores. Each prints one JSON line.
     python -m relaunch_bench.peer_memory_worker send HOST BYTES
     python -m relaunch_bench.peer_memory_worker receive HOST PORT BYTES
     python -m relaunch_bench.peer_memory_worker save DIR MB PEER_HOST:PORT
-    python -m relaunch_bench.peer_memory_worker restore DIR PEER_HOST:PORT|local|storage MB
+    python -m relaunch_bench.peer_memory_worker restore DIR PEER_HOST:PORT|local|storage MB [late]
     python -m relaunch_bench.peer_memory_worker shared-read SERVER KEY DIR
     python -m relaunch_bench.peer_memory_worker shared-restore SERVER KEY DIR MB
 
@@ -17,7 +17,6 @@ in this process's own mount namespace for their run.
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import socket
 import statistics
@@ -26,13 +25,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from relaunch.protocol.peer_memory import memory_for, receive_into, stall_timeout
+from relaunch.protocol.peer_memory import fault_in, memory_for, receive_into, stall_timeout
 from relaunch_bench.file_server import FileServer, mounted
 
 JOB = "bench"
 RECEIVES = ("as a restore receives", "the link alone")
 """The link's raw transfers a measure takes, in this order (`receive`)."""
-PAGE = mmap.PAGESIZE
 STALL_PAIRS = 21
 """Pairs of saves a repeat measures the stall in (after one that makes the host buffer)."""
 
@@ -52,7 +50,7 @@ def keeper(host: str) -> None:
 def send(host: str, size: int) -> None:
     """Serve the same memory to `RECEIVES` connections, one after the other."""
     data = memory_for(size)
-    _fault_in(data)  # its pages in before the first byte is timed
+    fault_in(data)  # its pages in before the first byte is timed
     with socket.create_server((host, 0)) as server:
         _say(port=server.getsockname()[1])
         for _ in RECEIVES:
@@ -83,7 +81,7 @@ def receive(host: str, port: int, size: int) -> None:
         timings["fresh_seconds"] = time.perf_counter() - start
     memory = memory_for(size)
     start = time.perf_counter()
-    _fault_in(memory)
+    fault_in(memory)
     timings["fault_in_seconds"] = time.perf_counter() - start
     with socket.create_connection((host, port)) as sock:
         _as_peers_do(sock)
@@ -92,12 +90,6 @@ def receive(host: str, port: int, size: int) -> None:
         timings["alone_seconds"] = time.perf_counter() - start
     del first
     _say(**timings)
-
-
-def _fault_in(memory: Any) -> None:
-    """Write one byte of each page: every page of `memory` faulted in, nothing more written."""
-    pages = range(0, len(memory), PAGE)
-    memoryview(memory)[::PAGE] = b"\x01" * len(pages)
 
 
 def _state(mb: int) -> dict[str, Any]:
@@ -176,19 +168,33 @@ def _stalls(directory: Path, state: Any, peers: Any) -> dict[str, Any]:
     }
 
 
-def restore(directory: str, peer: str, mb: int) -> None:
+def restore(directory: str, peer: str, mb: int, late: bool = False) -> None:
+    """A fresh rank's restore, timed from `load()` to its return. Before it, as a rank does, it
+    makes its checkpoint manager and then its model (the state's tensors, drawn afresh), neither
+    timed; `late`: the manager made after the model, just before it loads, so that a copy from
+    peer memory lands in fresh memory (relaunch.protocol.peer_memory.ReadyMemory). Says which
+    tier served and how much of the copy's memory was faulted in when the load began."""
     import torch  # noqa: F401  (a rank has torch up before it loads: not part of the restore)
 
     from relaunch.train import CheckpointManager
 
-    peers = None if peer in ("storage", "local") else _peers(peer, mb)
-    local = _local(directory) if peer == "local" else None
-    manager = CheckpointManager(Path(directory) / "ckpt", rank=0, peers=peers, local=local)
+    def made() -> CheckpointManager:
+        peers = None if peer in ("storage", "local") else _peers(peer, mb)
+        local = _local(directory) if peer == "local" else None
+        return CheckpointManager(Path(directory) / "ckpt", rank=0, peers=peers, local=local)
+
+    manager = None if late else made()
+    model = _state(mb)
+    manager = made() if manager is None else manager
+    ready = manager.peers.ready if manager.peers is not None else None
+    faulted = ready.faulted if ready is not None else 0
     start = time.perf_counter()
     loaded = manager.load()
     took = time.perf_counter() - start
     assert loaded is not None and loaded.step == 1
-    _say(seconds=took, tier=manager.restored_from.get((0, 1), "storage"))
+    del model
+    tier = manager.restored_from.get((0, 1), "storage")
+    _say(seconds=took, tier=tier, ready_share=faulted / (mb << 20))
 
 
 SHARD = Path("ckpt") / "step-000000001" / "rank-0.ckpt"
@@ -222,7 +228,7 @@ def main(argv: list[str]) -> None:
     elif command == "save":
         save(args[0], int(args[1]), args[2], stall=len(args) > 3 and args[3] == "stall")
     elif command == "restore":
-        restore(args[0], args[1], int(args[2]))
+        restore(args[0], args[1], int(args[2]), late=args[3:] == ["late"])
     elif command == "shared-read":
         shared_read(FileServer(args[0], Path(args[1])), args[2])
     elif command == "shared-restore":

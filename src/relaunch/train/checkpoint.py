@@ -102,7 +102,8 @@ class CheckpointManager:
     forward and backward, and the optimizer's next step waits for it (relaunch.train.overlap).
     `peers`: where each saved shard is also copied, in another node's memory, and read back from
     at a restore (relaunch.train.peer); by default the peers relaunch gives the rank where the
-    job's spec asks for it (`peer_memory_mb`), else none. `local`: where each shard is also
+    job's spec asks for it (`peer_memory_mb`), else none; a manager made early in a rank's start
+    has the memory for a restore's copy faulted in by the time it loads. `local`: where each shard is also
     copied on the node's own disk (relaunch.train.local; by default the job's
     `local_checkpoint_dir`), read back by a rank that restarts on the same node.
     """
@@ -153,6 +154,8 @@ class CheckpointManager:
         self._gasp: Callable[[], Any] | None = None
         self._host = shard.HostBuffer()  # reused by every asynchronous save
         self.peers = peers if peers is not None else PeerCopies.from_env()
+        if self.peers is not None:  # a restore's memory made ready while the rank starts
+            self.peers.prepare(self.rank)
         self.local = local if local is not None else LocalCopies.from_env(keep)
         self.restored_from: dict[tuple[int, int], str] = {}
         """(rank, step) -> which tier served each shard this manager loaded: "peer memory of

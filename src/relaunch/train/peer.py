@@ -26,6 +26,7 @@ from typing import Any, BinaryIO
 from relaunch.protocol.environment import Env
 from relaunch.protocol.peer_memory import (
     PeerMemoryError,
+    ReadyMemory,
     memory_for,
     parse_peers,
     read_header,
@@ -71,6 +72,8 @@ class PeerCopies:
         """Why a copy was not kept, for the newest that were not."""
         self.unreachable: set[str] = set()
         """Nodes whose memory did not answer this rank's last copy to them."""
+        self.ready: ReadyMemory | None = None
+        """The memory `prepare` is making ready for a restore's copy (None: none asked for)."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> PeerCopies | None:
@@ -103,6 +106,8 @@ class PeerCopies:
     def copy(self, rank: int, step: int, manifest: dict[str, Any], path: Path) -> None:
         """Copy the shard at `path` to the target's memory in the background. A copy still
         waiting when the next comes is replaced by it: the loop never waits for a peer."""
+        if self.ready is not None:  # a rank that saves is past its restore
+            self.ready.release()
         self._sender.submit(functools.partial(self._send, rank, step, manifest, path))
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -144,9 +149,34 @@ class PeerCopies:
 
     # -- reading back ------------------------------------------------------------------------------
 
+    def prepare(self, rank: int) -> None:
+        """Make memory ready, in the background, for `rank`'s newest copy a peer holds (none
+        where no peer holds one: a first start), so that a restore receives it into pages
+        already faulted in (relaunch.protocol.peer_memory.ReadyMemory). The checkpoint manager
+        asks as it is made: the sooner a rank makes it, the more of its start this overlaps."""
+        self.ready = ReadyMemory(functools.partial(self._newest_size, rank))
+
+    def _newest_size(self, rank: int) -> int:
+        """The size of `rank`'s newest copy that a peer holds; 0 where none does."""
+        sizes = {
+            int(step): int(size)
+            for _, copies in self._listed()
+            for copy_rank, step, size, _digest in copies
+            if int(copy_rank) == rank
+        }
+        return sizes[max(sizes)] if sizes else 0
+
     def index(self) -> dict[tuple[int, int], list[tuple[str, str]]]:
         """Every copy of the job the peers say they hold: (rank, step) -> [(node, hash)], the
         target's first. A peer that does not answer holds nothing."""
+        found: dict[tuple[int, int], list[tuple[str, str]]] = {}
+        for node, copies in self._listed():
+            for rank, step, _size, digest in copies:
+                found.setdefault((int(rank), int(step)), []).append((node, str(digest)))
+        return found
+
+    def _listed(self) -> list[tuple[str, list[Any]]]:
+        """(node, its `index` answer) for every peer, the target's first, asked all at once."""
 
         def listed(node: str) -> list[Any]:
             try:
@@ -160,12 +190,8 @@ class PeerCopies:
 
         target = self.target()
         nodes = sorted(self.peers, key=lambda n: (n != target, n))
-        found: dict[tuple[int, int], list[tuple[str, str]]] = {}
         with ThreadPoolExecutor(max_workers=min(16, len(nodes) or 1)) as pool:
-            for node, copies in zip(nodes, pool.map(listed, nodes), strict=True):
-                for rank, step, _size, digest in copies:
-                    found.setdefault((int(rank), int(step)), []).append((node, str(digest)))
-        return found
+            return list(zip(nodes, pool.map(listed, nodes), strict=True))
 
     def restore(
         self,
@@ -182,28 +208,39 @@ class PeerCopies:
         ((_, expected),) = manifest["files"].items()
         refusals: list[str] = []
         holders = self.index().get((rank, step), [])
-        for node, _digest in holders:
-            try:
-                copy = self.fetch(node, rank, step)
-                if copy.manifest.get("files") != manifest["files"]:
-                    raise PeerMemoryError("its manifest is not the one on storage (another save)")
-                if len(copy.data) != expected["size"]:
-                    raise PeerMemoryError(
-                        f"{len(copy.data)} bytes where the manifest says {expected['size']}"
-                    )
-                return read(copy.data, expected["xxh3_128"]), node, refusals
-            except (OSError, ValueError) as error:
-                refusals.append(f"the copy in {node}'s memory was refused: {error}")
-        return None, None, refusals
+        ready, self.ready = self.ready, None  # the first copy received lands in it
+        try:
+            for node, _digest in holders:
+                try:
+                    copy = self.fetch(node, rank, step, ready)
+                    if copy.manifest.get("files") != manifest["files"]:
+                        raise PeerMemoryError(
+                            "its manifest is not the one on storage (another save)"
+                        )
+                    if len(copy.data) != expected["size"]:
+                        raise PeerMemoryError(
+                            f"{len(copy.data)} bytes where the manifest says {expected['size']}"
+                        )
+                    return read(copy.data, expected["xxh3_128"]), node, refusals
+                except (OSError, ValueError) as error:
+                    refusals.append(f"the copy in {node}'s memory was refused: {error}")
+            return None, None, refusals
+        finally:
+            if ready is not None:  # not taken (no peer served): its memory goes now
+                ready.release()
 
-    def fetch(self, node: str, rank: int, step: int) -> FetchedCopy:
-        """`rank`'s copy of `step` from `node`'s memory, as it sent it: not checked here."""
+    def fetch(
+        self, node: str, rank: int, step: int, ready: ReadyMemory | None = None
+    ) -> FetchedCopy:
+        """`rank`'s copy of `step` from `node`'s memory, as it sent it: not checked here. Its
+        bytes land in `ready`'s memory where it is the copy's size, else in fresh memory."""
         with self._connect(node) as sock:
             send_header(sock, {"op": "get", "job": self.job, "rank": rank, "step": step})
             answer = read_header(sock)
             if not answer.get("ok"):
                 raise PeerMemoryError(f"{node}: {answer.get('error')}")
-            data = memory_for(int(answer["size"]))
+            size = int(answer["size"])
+            data = ready.take(size) if ready is not None else memory_for(size)
             receive_into(sock, data)
         return FetchedCopy(node, dict(answer.get("manifest") or {}), data)
 
