@@ -156,17 +156,24 @@ def test_a_first_start_finds_no_copy_and_holds_no_memory_for_one(
     assert manager.load() is None
 
 
-def test_a_rank_that_saves_instead_of_restoring_lets_its_ready_memory_go(
-    tmp_path: Path, nodes: dict[str, PeerMemoryServer]
+@pytest.mark.parametrize("trains", ["saves", "steps-between-saves"])
+def test_a_rank_that_trains_instead_of_restoring_lets_its_ready_memory_go(
+    trains: str, tmp_path: Path, nodes: dict[str, PeerMemoryServer]
 ) -> None:
+    """A rank whose state came another way (a healthy replica's broadcast) trains on: its first
+    save, or its first step between saves, lets the memory go."""
     saved(tmp_path, nodes, [10])
     manager = restorer(tmp_path, nodes, node="node-0")  # restarted in place, starts over
+    manager.every = 10
     assert manager.peers is not None and manager.peers.ready is not None
     ready = manager.peers.ready
     assert ready.held > 0
-    manager.save(20, state(20))
-    assert ready.held == 0 and not ready.taken
-    assert manager.peers.wait(30) and (20, "node-1") in manager.peers.sent
+    if trains == "saves":
+        manager.save(20, state(20))
+        assert manager.peers.wait(30) and (20, "node-1") in manager.peers.sent
+    else:
+        assert not manager.maybe_save(11, state(11))
+    assert ready.held == 0 and not ready.taken and manager.peers.ready is None
 
 
 def test_a_restore_that_comes_before_its_memory_is_ready_receives_into_fresh_memory() -> None:

@@ -158,8 +158,7 @@ class CheckpointManager:
             self.peers.prepare(self.rank)
         self.local = local if local is not None else LocalCopies.from_env(keep)
         self.restored_from: dict[tuple[int, int], str] = {}
-        """(rank, step) -> which tier served each shard this manager loaded: "peer memory of
-        NODE", "local disk of NODE" or "storage"."""
+        """(rank, step) -> its tier: "peer memory of NODE", "local disk of NODE" or "storage"."""
         self.sweep()
         if async_save and self.WAITS_AT_EXIT:  # a script that ends right after a save writes it
             atexit.register(_wait_at_exit, weakref.ref(self))
@@ -207,6 +206,8 @@ class CheckpointManager:
     def maybe_save(self, step: int, state: Any | Callable[[], Any]) -> bool:
         """Save if `step` is a multiple of `every`; `state` may be a function, called only then
         (its call is part of the save)."""
+        if self.peers is not None:  # a rank that trains is past its restore: its memory goes
+            self.peers.release_ready()
         if self.every is None or step % self.every:
             return False
         with self.hold_gasp():
@@ -344,9 +345,8 @@ class CheckpointManager:
     def load(self, step: int | None = None, *, rank: int | None = None) -> Checkpoint | None:
         """The newest checkpoint that verifies (or exactly `step`); None if there is none.
 
-        A newer one that fails verification is skipped with a :class:`CheckpointWarning`.
-        `rank` reads another rank's shard: for replicated state (data parallelism), any healthy
-        replica's shard will do.
+        A newer one that fails verification is skipped with a :class:`CheckpointWarning`. `rank`
+        reads another rank's shard: for replicated state (data parallelism), any replica's will do.
         """
         self.wait()
         candidates = [step] if step is not None else self.steps(rank)

@@ -106,8 +106,7 @@ class PeerCopies:
     def copy(self, rank: int, step: int, manifest: dict[str, Any], path: Path) -> None:
         """Copy the shard at `path` to the target's memory in the background. A copy still
         waiting when the next comes is replaced by it: the loop never waits for a peer."""
-        if self.ready is not None:  # a rank that saves is past its restore
-            self.ready.release()
+        self.release_ready()  # a rank that saves is past its restore
         self._sender.submit(functools.partial(self._send, rank, step, manifest, path))
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -155,6 +154,12 @@ class PeerCopies:
         already faulted in (relaunch.protocol.peer_memory.ReadyMemory). The checkpoint manager
         asks as it is made: the sooner a rank makes it, the more of its start this overlaps."""
         self.ready = ReadyMemory(functools.partial(self._newest_size, rank))
+
+    def release_ready(self) -> None:
+        """The memory `prepare` made ready goes: no restore is coming (the rank trains)."""
+        ready, self.ready = self.ready, None
+        if ready is not None:
+            ready.release()
 
     def _newest_size(self, rank: int) -> int:
         """The size of `rank`'s newest copy that a peer holds; 0 where none does."""
