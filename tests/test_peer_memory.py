@@ -228,6 +228,17 @@ def test_a_copy_wanted_while_its_memory_faults_in_takes_it_as_it_is_and_the_rest
     assert bytes(memory) == data
 
 
+def test_memory_that_cannot_be_had_is_not_made_ready_and_the_copy_gets_fresh_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A peer's index that names a size this machine cannot map: the thread ends quietly."""
+    raised: list[Any] = []
+    monkeypatch.setattr(threading, "excepthook", raised.append)
+    ready = ReadyMemory(lambda: 1 << 62)
+    assert ready.wait(30) and ready.held == ready.faulted == 0 and not raised
+    assert len(ready.take(4096)) == 4096 and not ready.taken
+
+
 @pytest.mark.parametrize("how", ["populate", "written"])
 @pytest.mark.parametrize("kind", ["mapped", "bytearray", "unaligned"])
 def test_faulting_memory_in_leaves_every_byte_as_it_was(

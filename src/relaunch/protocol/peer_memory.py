@@ -175,7 +175,10 @@ class ReadyMemory:
             return
         if size <= 0 or self._stop.is_set():
             return
-        memory = memory_for(size)
+        try:
+            memory = memory_for(size)
+        except (OSError, OverflowError, MemoryError):  # no room now: the copy gets fresh memory
+            return
         view = memoryview(memory)
         with self._lock:
             if self._stop.is_set():
