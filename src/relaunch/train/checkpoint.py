@@ -103,8 +103,8 @@ class CheckpointManager:
     `peers`: where each saved shard is also copied, in another node's memory, and read back from
     at a restore (relaunch.train.peer); by default the peers relaunch gives the rank where the
     job's spec asks for it (`peer_memory_mb`), else none; a manager made early in a rank's start
-    has the memory for a restore's copy faulted in by the time it loads. `local`: where each shard is also
-    copied on the node's own disk (relaunch.train.local; by default the job's
+    has the memory for a restore's copy faulted in by the time it loads. `local`: where each
+    shard is also copied on the node's own disk (relaunch.train.local; by default the job's
     `local_checkpoint_dir`), read back by a rank that restarts on the same node.
     """
 
