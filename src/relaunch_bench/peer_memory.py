@@ -47,7 +47,8 @@ DLROVER_SHM = "*_ckpt_shm_*"
 
 SIZES_MB = (256, 1024, 4096)
 LINK_PAIRS = 3
-"""Pairs of the link's raw transfer and a restore from peer memory, a round (in turn)."""
+"""Pairs of the link's raw transfer and a restore from peer memory, a round (in turn); one in
+`--quick` (each pair starts four workers, each importing torch: 8 s of the suite's bench)."""
 ONE_REPEAT_FROM_MB = 4096
 """From this size on, one repeat: a round of 4 GB takes about 8 minutes on two cores."""
 WRITTEN_PER_ROUND = 5
@@ -63,7 +64,7 @@ WORKER = "relaunch_bench.peer_memory_worker"
 
 
 def peer_memory_rows(
-    sizes: tuple[int, ...], repeats: int, out: Path, say: Progress
+    sizes: tuple[int, ...], repeats: int, out: Path, say: Progress, pairs: int = LINK_PAIRS
 ) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="relaunch-peer-memory-", dir=out) as tmp:
         network = ClusterNetwork.open(Path(tmp) / "state")
@@ -73,7 +74,7 @@ def peer_memory_rows(
             for node in NODES:
                 network.ensure_node(node)
             with _shared_storage(network, Path(tmp) / "file-server") as server:
-                return [_size(network, server, Path(tmp), mb, repeats, say) for mb in sizes]
+                return [_size(network, server, Path(tmp), mb, repeats, pairs, say) for mb in sizes]
         finally:
             network.remove()
 
@@ -99,6 +100,7 @@ def _size(
     tmp: Path,
     mb: int,
     repeats: int,
+    pairs: int,
     say: Progress,
 ) -> dict[str, Any]:
     samples: dict[str, list[float]] = {}
@@ -114,7 +116,7 @@ def _size(
         say(f"peer memory: {mb} MB, repeat {repeat + 1}/{repeats}")
         directory = tmp / f"r{mb}-{repeat}"
         try:
-            timings = _round(network, server, directory, mb)
+            timings = _round(network, server, directory, mb, pairs)
         finally:
             shutil.rmtree(directory, ignore_errors=True)
         ratios += timings.pop("stall_ratios", [])
@@ -178,7 +180,11 @@ def median_interval(values: list[float], level: float = 0.95) -> tuple[float, fl
 
 
 def _round(
-    network: ClusterNetwork, server: file_server.FileServer | str, directory: Path, mb: int
+    network: ClusterNetwork,
+    server: file_server.FileServer | str,
+    directory: Path,
+    mb: int,
+    pairs: int,
 ) -> dict[str, Any]:
     directory.mkdir(parents=True)
     size = mb << 20
@@ -191,7 +197,7 @@ def _round(
         stall = ["stall"] if mb <= STALL_UP_TO_MB else []
         saved = _worker(network, "node-0", "save", str(directory), str(mb), peer, *stall)
         timings.update({k.removesuffix("_s"): v for k, v in saved.items()})
-        timings.update(_link_and_restore(network, directory, peer, mb))
+        timings.update(_link_and_restore(network, directory, peer, mb, pairs))
     for tier, served in (("local", "local disk of node-0"), ("storage", "storage")):
         _drop_caches(directory)
         restored = _worker(network, "node-0", "restore", str(directory), tier, str(mb))
@@ -276,16 +282,16 @@ def _drop_caches(directory: Path) -> None:
 
 
 def _link_and_restore(
-    network: ClusterNetwork, directory: Path, peer: str, mb: int
+    network: ClusterNetwork, directory: Path, peer: str, mb: int, pairs: int
 ) -> dict[str, Any]:
     """The link's raw speed and a fresh rank's restore from peer memory, taken in turn
-    (`LINK_PAIRS` pairs, the order swapped every pair), so that both meet the machine in the
+    (`pairs` pairs, the order swapped every pair), so that both meet the machine in the
     same state: each a median, and every pair's restore speed over the link's. (Until run 11 the
     link was measured once, at the round's start: single timings of either moved 2 to 4 times
     from run to run, so that the ratio said more of when each was taken than of the restore.)"""
     links: list[dict[str, float]] = []
     restores: dict[str, list[dict[str, Any]]] = {"ready": [], "late": []}
-    for pair in range(LINK_PAIRS):
+    for pair in range(pairs):
         for kind in ("link", "ready", "late") if pair % 2 == 0 else ("late", "ready", "link"):
             if kind == "link":
                 links.append(_link(network, mb << 20))

@@ -18,8 +18,8 @@ from relaunch_bench.jobs import Progress
 from relaunch_bench.mttr import SIZES, Row, hang_rows, mttr_rows, ratios, size_rows
 from relaunch_bench.network import network_rows
 from relaunch_bench.overhead import overhead_rows
+from relaunch_bench.peer_memory import LINK_PAIRS, peer_memory_rows
 from relaunch_bench.peer_memory import SIZES_MB as PEER_MEMORY_SIZES
-from relaunch_bench.peer_memory import peer_memory_rows
 from relaunch_bench.peers import peer_ratio_spreads, peer_ratios, peer_rows
 from relaunch_bench.reliability import RELIABILITY_LEVELS, reliability_rows
 from relaunch_bench.rollback import rollback_rows
@@ -158,7 +158,11 @@ def _sections(
         measured["slurm"] = slurm_rows(say)
     if "peer-memory" in sections:
         measured["peer_memory"] = peer_memory_rows(
-            (64,) if quick else PEER_MEMORY_SIZES, 1 if quick else 3, options.out, say
+            (64,) if quick else PEER_MEMORY_SIZES,
+            1 if quick else 3,
+            options.out,
+            say,
+            pairs=1 if quick else LINK_PAIRS,
         )
     if "rollback" in sections:
         measured["rollback"] = rollback_rows(quick, say, options.device)
