@@ -366,6 +366,61 @@ def test_a_copy_torn_on_its_way_to_the_peer_is_never_kept(
         assert read_header(sock) == {"ok": True, "copies": []}
 
 
+class _AllAtOnce(keeper._Handler):
+    """A keeper that begins no put and answers no get until `together` of them are under way
+    at once: one that served a connection at a time would keep the others waiting for ever."""
+
+    together: threading.Barrier
+
+    def _answer(self, sock: socket.socket, header: dict[str, Any]) -> None:
+        if header.get("op") in ("put", "get"):
+            self.together.wait(timeout=30)  # broken: the transfer ends, and the test with it
+        super()._answer(sock, header)
+
+
+def test_a_pods_ranks_restore_at_once_from_one_peer_while_another_rank_copies_to_it(
+    tmp_path: Path, nodes: dict[str, PeerMemoryServer]
+) -> None:
+    """A lost node's pod of four ranks starts afresh on node-2, and its ranks restore at once
+    from node-1, which holds all four copies, while a rank still on node-0 copies its next step
+    there: the keeper serves the four gets and the put together (it answers none until all five
+    are under way), and each rank gets its own state bit for bit, from peer memory (storage's
+    shards are gone)."""
+    ranks = range(4)
+    for rank in ranks:
+        manager = CheckpointManager(tmp_path, rank=rank, peers=peers_of("node-0", nodes))
+        manager.save(10, state(rank))
+        assert manager.peers is not None and manager.peers.wait(30)
+        assert list(manager.peers.sent) == [(10, "node-1")], manager.peers.failures
+    for rank in ranks:
+        (tmp_path / "step-000000010" / f"rank-{rank}.ckpt").unlink()
+    copying = CheckpointManager(tmp_path, rank=4, peers=peers_of("node-0", nodes))
+    moved = [
+        CheckpointManager(tmp_path, rank=rank, peers=peers_of("node-2", nodes)) for rank in ranks
+    ]
+    assert all(m.peers is not None and m.peers.ready and m.peers.ready.wait(30) for m in moved)
+    _AllAtOnce.together = threading.Barrier(len(moved) + 1)
+    nodes["node-1"].RequestHandlerClass = _AllAtOnce
+    loaded: dict[int, Any] = {}
+    loads = [threading.Thread(target=lambda m=m: loaded.update({m.rank: m.load()})) for m in moved]
+    for thread in loads:
+        thread.start()
+    copying.save(20, state(4))
+    assert copying.peers is not None and copying.peers.wait(60)
+    for thread in loads:
+        thread.join(60)
+    assert list(copying.peers.sent) == [(20, "node-1")], copying.peers.failures
+    assert not _AllAtOnce.together.broken
+    for manager in moved:
+        checkpoint = loaded[manager.rank]
+        assert checkpoint is not None and checkpoint.step == 10
+        assert same(checkpoint.state, state(manager.rank))
+        assert manager.restored_from == {(manager.rank, 10): "peer memory of node-1"}
+    assert [(r, s) for r, s, _, _ in nodes["node-1"].memory.index(JOB)] == [
+        *((rank, 10) for rank in ranks), (4, 20),
+    ]  # fmt: skip
+
+
 def test_no_node_holds_both_a_ranks_state_and_its_only_copy(
     nodes: dict[str, PeerMemoryServer],
 ) -> None:
