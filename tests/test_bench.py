@@ -144,6 +144,9 @@ def test_quick_bench_writes_json_markdown_and_chart(tmp_path: Path) -> None:
         assert peer_memory["link_pairs"] == peer_memory["repeats"] == 1
         assert peer_memory["link_ratio"] > 0 and peer_memory["late_over_link"] > 0
         assert 0 <= peer_memory["ready_share"] <= 1  # of the copy, faulted in when load() began
+        # two ranks restoring at once from the one keeper, each from its memory
+        assert peer_memory["together_ranks"] == 2 and peer_memory["together_mb_s"] > 0
+        assert peer_memory["together_over_alone"] > 0 and peer_memory["together_over_link"] > 0
         # shared storage over the data link (`make test` installs its sshd and sshfs as root)
         assert all(
             peer_memory.get(f"{k}_mb_s", 0) > 0 for k in ("shared_read", "shared_restore")

@@ -55,6 +55,11 @@ WRITTEN_PER_ROUND = 5
 """A round writes the state about this many times over (the step on storage, the node's copy,
 the stall's saves, DLRover's checkpoint, and room to spare); each round's files go before the
 next round. A disk that fills under DLRover's save left its run waiting for 30 minutes."""
+TOGETHER = 2
+"""Ranks of a pod that restore at once from one keeper (a lost node's pod, all its ranks fresh)."""
+TOGETHER_UP_TO_MB = 1024
+"""Restores at once are measured up to this size (each rank holds its model and the copy's
+memory: two ranks of 4 GB and the keeper's copy are 20 GB, more than this machine's memory)."""
 STALL_UP_TO_MB = 1024
 """The stall is measured up to this size (an asynchronous save keeps a host copy of the state)."""
 NODES = ("node-0", "node-1")
@@ -137,6 +142,12 @@ def _size(
     row["peer_over_link"] = round(med["link"] / med["peer_restore"], 3)
     row["late_over_link"] = round(med["link"] / med["peer_restore_late"], 3)
     row["ready_share"] = round(med["ready_share"], 3)
+    if "together" in med:  # the ranks' bytes together over their wall time, against one alone
+        row["together_ranks"] = TOGETHER
+        row["together_s"] = round(med["together"], 4)
+        row["together_mb_s"] = round(TOGETHER * size / 1e6 / med["together"], 1)
+        row["together_over_alone"] = round(TOGETHER * med["peer_restore"] / med["together"], 3)
+        row["together_over_link"] = round(TOGETHER * med["link"] / med["together"], 3)
     row.update(_paired("link", link_ratios))
     row["storage_over_peer"] = round(med["storage_restore"] / med["peer_restore"], 2)
     if "shared_restore" in med:
@@ -198,6 +209,8 @@ def _round(
         saved = _worker(network, "node-0", "save", str(directory), str(mb), peer, *stall)
         timings.update({k.removesuffix("_s"): v for k, v in saved.items()})
         timings.update(_link_and_restore(network, directory, peer, mb, pairs))
+        if mb <= TOGETHER_UP_TO_MB:
+            timings.update(_together(network, directory, peer, mb))
     for tier, served in (("local", "local disk of node-0"), ("storage", "storage")):
         _drop_caches(directory)
         restored = _worker(network, "node-0", "restore", str(directory), tier, str(mb))
@@ -314,6 +327,24 @@ def _link_and_restore(
     }
 
 
+def _together(network: ClusterNetwork, directory: Path, peer: str, mb: int) -> dict[str, float]:
+    """`TOGETHER` fresh ranks on node-0 restoring the step at once from node-1's keeper, as the
+    ranks of a pod moved off a lost node do (here each the same copy, the keeper's memory read
+    by each): each made ready as a rank alone is, then all told to load at the same moment. The
+    wall time from the first load's start to the last one's end."""
+    args = ("restore", str(directory), peer, str(mb), "together")
+    with contextlib.ExitStack() as stack:
+        ranks = [stack.enter_context(_started(network, "node-0", *args)) for _ in range(TOGETHER)]
+        for proc, _ in ranks:
+            assert proc.stdin is not None
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        # each rank's last line: it says which tier served it on a line of its own before it
+        said = [json.loads(proc.stdout.read().strip().splitlines()[-1]) for proc, _ in ranks]
+    assert all(s["tier"] == "peer memory of node-1" for s in said), said
+    return {"together": max(s["ended"] for s in said) - min(s["began"] for s in said)}
+
+
 def _link(network: ClusterNetwork, size: int) -> dict[str, float]:
     """The link's raw transfers (relaunch_bench.peer_memory_worker.receive): into fresh memory
     as a restore receives, then the link alone, into memory already faulted in; and the faulting
@@ -349,7 +380,7 @@ def _started(network: ClusterNetwork, node: str, *args: str) -> Any:
         assert proc.stdout is not None
         line = proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"{args[0]} on {node} ended before it said its port")
+            raise RuntimeError(f"{args[0]} on {node} ended before its first line")
         yield proc, json.loads(line)
     finally:
         with contextlib.suppress(OSError):

@@ -7,6 +7,7 @@ saves, and the fresh rank that restores. Each prints one JSON line.
     python -m relaunch_bench.peer_memory_worker receive HOST PORT BYTES
     python -m relaunch_bench.peer_memory_worker save DIR MB PEER_HOST:PORT
     python -m relaunch_bench.peer_memory_worker restore DIR PEER_HOST:PORT|local|storage MB [late]
+    python -m relaunch_bench.peer_memory_worker restore DIR PEER_HOST:PORT MB together
     python -m relaunch_bench.peer_memory_worker shared-read SERVER KEY DIR
     python -m relaunch_bench.peer_memory_worker shared-restore SERVER KEY DIR MB
 
@@ -168,12 +169,15 @@ def _stalls(directory: Path, state: Any, peers: Any) -> dict[str, Any]:
     }
 
 
-def restore(directory: str, peer: str, mb: int, late: bool = False) -> None:
+def restore(directory: str, peer: str, mb: int, late: bool = False, together: bool = False) -> None:
     """A fresh rank's restore, timed from `load()` to its return. Before it, as a rank does, it
     makes its checkpoint manager and then its model (the state's tensors, drawn afresh), neither
     timed; `late`: the manager made after the model, just before it loads, so that a copy from
     peer memory lands in fresh memory (relaunch.protocol.peer_memory.ReadyMemory). Says which
-    tier served and how much of the copy's memory was faulted in when the load began."""
+    tier served and how much of the copy's memory was faulted in when the load began.
+    `together`: one of the ranks of a pod that restore at once; it says it is ready, loads once
+    its stdin gives the word (the benchmark gives it to all of them at once), and says when its
+    load began and ended (the machine's clock: the ranks' wall time together)."""
     import torch  # noqa: F401  (a rank has torch up before it loads: not part of the restore)
 
     from relaunch.train import CheckpointManager
@@ -187,14 +191,20 @@ def restore(directory: str, peer: str, mb: int, late: bool = False) -> None:
     model = _state(mb)
     manager = made() if manager is None else manager
     ready = manager.peers.ready if manager.peers is not None else None
+    if together:
+        if ready is not None:
+            ready.wait(600)  # each as ready as a rank alone is (`ready_share`)
+        _say(ready=True)
+        sys.stdin.readline()
     faulted = ready.faulted if ready is not None else 0
+    began = time.time()
     start = time.perf_counter()
     loaded = manager.load()
     took = time.perf_counter() - start
     assert loaded is not None and loaded.step == 1
     del model
     tier = manager.restored_from.get((0, 1), "storage")
-    _say(seconds=took, tier=tier, ready_share=faulted / (mb << 20))
+    _say(seconds=took, tier=tier, ready_share=faulted / (mb << 20), began=began, ended=time.time())
 
 
 SHARD = Path("ckpt") / "step-000000001" / "rank-0.ckpt"
@@ -228,7 +238,10 @@ def main(argv: list[str]) -> None:
     elif command == "save":
         save(args[0], int(args[1]), args[2], stall=len(args) > 3 and args[3] == "stall")
     elif command == "restore":
-        restore(args[0], args[1], int(args[2]), late=args[3:] == ["late"])
+        extra = args[3:]
+        restore(
+            args[0], args[1], int(args[2]), late=extra == ["late"], together=extra == ["together"]
+        )
     elif command == "shared-read":
         shared_read(FileServer(args[0], Path(args[1])), args[2])
     elif command == "shared-restore":

@@ -82,6 +82,8 @@ PEER_MEMORY_COLUMNS = {
     "link_pairs": "pairs", "ready_share": "share of its memory ready at load()",
     "peer_restore_late_mb_s": "... into fresh memory (manager made just before load) MB/s",
     "late_over_link": "fresh / link",
+    "together_mb_s": "2 ranks restoring at once from one peer MB/s (together)",
+    "together_over_alone": "at once / one alone", "together_over_link": "at once / link",
     "disk_read_mb_s": "disk read MB/s (raw, cold)",
     "local_restore_mb_s": "restore from the node's disk MB/s (cold)",
     "storage_restore_mb_s": "restore from storage MB/s (cold)",
