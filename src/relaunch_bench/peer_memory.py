@@ -12,11 +12,12 @@ storage is also read as a cluster reads it, from a file server on a node of its 
 data link (relaunch_bench.file_server: sshd, mounted by sshfs), where this machine has one.
 Beside them, the link's raw speed (one process's memory into another's over the same link, plain
 TCP, into memory already faulted in, taken in turn with the restore from peer memory, three pairs
-a round; and, from the same transfers, the link into fresh memory as a restore receives, and what
-faulting fresh memory in costs on this machine: see `receive`), the disk's (a cold
-sequential read of the same size) and the shared storage's (a cold sequential read of the step's
-file through the mount). And the loop's stall in an asynchronous
-save with and without the copy (it is sent after the write, from a thread of its own).
+a round, one in `--quick`; and, from the same transfers, the link into fresh memory as a restore
+receives, and what faulting fresh memory in costs on this machine: see `receive`), the disk's
+(a cold sequential read of the same size) and the shared storage's (a cold sequential read of the
+step's file through the mount). And the loop's stall in an asynchronous save with and without the
+copy (it is sent after the write, from a thread of its own), and, up to 1 GB, two ranks
+restoring at once from node-1's keeper, as a lost node's pod does (`_together`).
 """
 
 from __future__ import annotations
