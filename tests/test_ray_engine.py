@@ -299,18 +299,26 @@ def test_hang_restarts_in_place_on_ray_as_on_embedded(cluster: Cluster, whole: R
     assert [p["proc_start_count"] for p in on_ray.report["pods"]] == [2, 2]
 
 
+@pytest.mark.parametrize("tier", ["peer-memory", "bad-peer-memory-then-local-disk"])
 def test_ddp_loses_a_ray_node_and_ends_bit_identical_to_the_fault_free_run(
-    cluster: Cluster, whole: RayTrial, unbroken: str
+    cluster: Cluster, whole: RayTrial, unbroken: str, tier: str
 ) -> None:
     """Each rank's checkpoint also goes to the next node's agent's memory (`peer_memory_mb`:
     node-0's to node-1, node-1's to node-2, the next one that answers) and to its node's disk
     (`local_checkpoint_dir`). The moved pod restores from node-2's memory, which holds its
     rank's copies. Pod 0, kept where it saved, restores from node-0's disk where its copy of the
     step was lost with node-1, or from node-2's memory where node-1 no longer answered when the
-    copy was sent (the ranks may save once more before the node is gone). The job's end leaves
-    only the lost node's disk copies (its agent was lost with it)."""
+    copy was sent (the ranks may save once more before the node is gone). With every node's
+    peer memory gone bad from the first step (the fault plan's `peer-copy-corrupt`, delivered
+    to the agents Ray started as to the embedded cluster's), each rank refuses its copies in
+    peers' memory by their checksums: pod 0 restores from node-0's disk, the moved pod from
+    storage. The job's end leaves only the lost node's disk copies (its agent was lost with
+    it)."""
     out = cluster.dir / "hash.txt"
     faults = [{"kind": "node-down", "at_step": 40, "pod": 1}]
+    if tier != "peer-memory":
+        bad = [{"kind": "peer-copy-corrupt", "at_step": 1, "node": node} for node in NODES]
+        faults = bad + faults
     job = ddp_job(out, 10)
     disks = cluster.dir / "node-disks"
     job["spec"].update(local_checkpoint_dir=str(disks), peer_memory_mb=16)
@@ -324,11 +332,16 @@ def test_ddp_loses_a_ray_node_and_ends_bit_identical_to_the_fault_free_run(
     assert out.read_text().strip() == unbroken
     restores = [text for _, text in result.events() if " restored step " in text]
     tiers = sorted(re.sub(r" restored step \d+ ", " ", text) for text in restores)
-    assert tiers[1] == "pod 1 rank 1 from peer memory of node-2", tiers
-    assert tiers[0] in (
-        "pod 0 rank 0 from local disk of node-0",
-        "pod 0 rank 0 from peer memory of node-2",
-    ), tiers
+    if tier == "peer-memory":
+        assert tiers[1] == "pod 1 rank 1 from peer memory of node-2", tiers
+        assert tiers[0] in (
+            "pod 0 rank 0 from local disk of node-0",
+            "pod 0 rank 0 from peer memory of node-2",
+        ), tiers
+    else:
+        assert tiers == ["pod 0 rank 0 from local disk of node-0", "pod 1 rank 1 from storage"]
+        refusals = re.findall(r"the copy in node-\d's memory was refused: [^\n]*", result.logs())
+        assert refusals and all("checksum" in r for r in refusals), refusals
     assert len(tiers) == 2, tiers
     reported = result.report["restores"]  # the report's reading of the same record
     assert sorted(f"pod {r['pod']} rank {r['rank']} from {r['source']}" for r in reported) == tiers
