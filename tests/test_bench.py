@@ -140,6 +140,8 @@ def test_quick_bench_writes_json_markdown_and_chart(tmp_path: Path) -> None:
             )
         )  # fmt: skip
         assert peer_memory["local_copy_s"] > 0
+        assert peer_memory["copy_fresh_mb_s"] > 0 and peer_memory["copy_again_mb_s"] > 0
+        assert peer_memory["again_over_fresh"] > 0
         # the link and the restore from peer memory taken in turn, one pair a round in --quick
         assert peer_memory["link_pairs"] == peer_memory["repeats"] == 1
         assert peer_memory["link_ratio"] > 0 and peer_memory["late_over_link"] > 0

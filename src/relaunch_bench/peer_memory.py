@@ -17,7 +17,10 @@ receives, and what faulting fresh memory in costs on this machine: see `receive`
 (a cold sequential read of the same size) and the shared storage's (a cold sequential read of the
 step's file through the mount). And the loop's stall in an asynchronous save with and without the
 copy (it is sent after the write, from a thread of its own), and, up to 1 GB, two ranks
-restoring at once from node-1's keeper, as a lost node's pod does (`_together`).
+restoring at once from node-1's keeper, as a lost node's pod does (`_together`). And the copy
+into a keeper whose job's budget is full, received into the memory of the step it replaces,
+beside the same copy into fresh memory (`copy-again`, to a keeper of its own with room for one
+step).
 """
 
 from __future__ import annotations
@@ -136,6 +139,7 @@ def _size(
         "link", "link_fresh", "fault_in", "disk_read", "peer_restore", "peer_restore_late",
         "local_restore",
         "storage_restore", "shared_read", "shared_restore", "save", "copy", "local_copy",
+        "copy_fresh", "copy_again",
     ):  # fmt: skip
         if key in med:
             row[f"{key}_s"] = round(med[key], 4)
@@ -143,6 +147,7 @@ def _size(
     row["peer_over_link"] = round(med["link"] / med["peer_restore"], 3)
     row["late_over_link"] = round(med["link"] / med["peer_restore_late"], 3)
     row["ready_share"] = round(med["ready_share"], 3)
+    row["again_over_fresh"] = round(med["copy_fresh"] / med["copy_again"], 2)  # how much faster
     if "together" in med:  # the ranks' bytes together over their wall time, against one alone
         row["together_ranks"] = TOGETHER
         row["together_s"] = round(med["together"], 4)
@@ -209,6 +214,10 @@ def _round(
         stall = ["stall"] if mb <= STALL_UP_TO_MB else []
         saved = _worker(network, "node-0", "save", str(directory), str(mb), peer, *stall)
         timings.update({k.removesuffix("_s"): v for k, v in saved.items()})
+        with _started(network, "node-1", "keeper", host) as (_, again):  # room for one step
+            peer_again = f"{host}:{again['port']}"
+            copied = _worker(network, "node-0", "copy-again", str(directory), str(mb), peer_again)
+        timings.update({k.removesuffix("_s"): v for k, v in copied.items()})
         timings.update(_link_and_restore(network, directory, peer, mb, pairs))
         if mb <= TOGETHER_UP_TO_MB:
             timings.update(_together(network, directory, peer, mb))

@@ -6,6 +6,7 @@ saves, and the fresh rank that restores. Each prints one JSON line.
     python -m relaunch_bench.peer_memory_worker send HOST BYTES
     python -m relaunch_bench.peer_memory_worker receive HOST PORT BYTES
     python -m relaunch_bench.peer_memory_worker save DIR MB PEER_HOST:PORT
+    python -m relaunch_bench.peer_memory_worker copy-again DIR MB PEER_HOST:PORT
     python -m relaunch_bench.peer_memory_worker restore DIR PEER_HOST:PORT|local|storage MB [late]
     python -m relaunch_bench.peer_memory_worker restore DIR PEER_HOST:PORT MB together
     python -m relaunch_bench.peer_memory_worker shared-read SERVER KEY DIR
@@ -136,6 +137,26 @@ def save(directory: str, mb: int, peer: str, stall: bool) -> None:
     _say(**result)
 
 
+def copy_again(directory: str, mb: int, peer: str) -> None:
+    """The saved step copied twice, as steps 1 and 2, to a keeper with room for one: the first
+    into fresh memory, the second into the memory of the first, which the keeper drops as the
+    second begins (relaunch.cluster.keeper): a job's copies once its budget is full."""
+    from relaunch.train.peer import PeerCopies
+
+    path = Path(directory) / SHARD
+    manifest = json.loads(path.with_name("rank-0.manifest.json").read_text())
+    host, _, port = peer.rpartition(":")
+    peers = PeerCopies("again", "node-0", {"node-1": (host, int(port))}, (mb + 64) << 20)
+    timings = {}
+    for step, name in ((1, "copy_fresh_s"), (2, "copy_again_s")):
+        start = time.perf_counter()
+        peers.copy(0, step, manifest, path)
+        assert peers.wait(600), "the copy did not end"
+        timings[name] = time.perf_counter() - start
+    assert [step for step, _ in peers.sent] == [1, 2], peers.failures
+    _say(**timings)
+
+
 def _stalls(directory: Path, state: Any, peers: Any) -> dict[str, Any]:
     """The loop's wait in an asynchronous save without the copy and with it, steady state (after
     the manager's first save made its host buffer). One manager saves both kinds, its peers
@@ -237,6 +258,8 @@ def main(argv: list[str]) -> None:
         receive(args[0], int(args[1]), int(args[2]))
     elif command == "save":
         save(args[0], int(args[1]), args[2], stall=len(args) > 3 and args[3] == "stall")
+    elif command == "copy-again":
+        copy_again(args[0], int(args[1]), args[2])
     elif command == "restore":
         extra = args[3:]
         restore(

@@ -93,6 +93,8 @@ PEER_MEMORY_COLUMNS = {
     "shared_over_peer": "shared storage s / peer s",
     "copy_s": "copy to the peer s (after the save)",
     "local_copy_s": "copy to the node's disk s",
+    "copy_fresh_mb_s": "copy into fresh memory MB/s",
+    "copy_again_mb_s": "... into the dropped step's MB/s", "again_over_fresh": "dropped's / fresh",
     "stall_plain_s": "async save stalls s", "stall_copy_s": "... with the copy s",
     "stall_copy_over_plain": "with / without (median of pairs)",
     "stall_ratio_95": "95 % interval", "stall_pairs": "pairs",
