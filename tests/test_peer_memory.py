@@ -201,19 +201,23 @@ def test_a_copy_wanted_while_its_memory_faults_in_takes_it_as_it_is_and_the_rest
     written under the copy's), and the copy takes the whole memory, its bytes all its own."""
     chunks: list[int] = []
     ready_box: list[ReadyMemory] = []
+    boxed = threading.Event()
     real = peer_memory.fault_in
 
     def fault_in(view: Any) -> None:
         real(view)
+        if not ready_box or threading.current_thread() is not ready_box[0]._thread:
+            return  # an earlier test's memory, still faulting in on its own thread
         chunks.append(len(view))
         if len(chunks) == 2:
             ready_box[0]._stop.wait(30)  # the copy is wanted now
 
     monkeypatch.setattr(peer_memory, "fault_in", fault_in)
     size = 6 * peer_memory.FAULT_IN_CHUNK
-    ready = ReadyMemory(lambda: size)
+    ready = ReadyMemory(lambda: size if boxed.wait(30) else 0)  # its first chunk once boxed
     ready_box.append(ready)
-    while not chunks:
+    boxed.set()
+    while len(chunks) < 2:  # the second chunk faulted in, its thread waiting for the word
         ready.wait(0.01)
     memory = ready.take(size)
     assert ready.taken and len(memory) == size and ready.wait(30)
