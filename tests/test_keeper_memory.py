@@ -119,7 +119,7 @@ def test_memory_of_a_copy_torn_on_its_way_is_a_spare_and_never_served() -> None:
 
 OPS = st.lists(
     st.tuples(
-        st.sampled_from(["arrive", "arrive", "tear", "read", "done"]),
+        st.sampled_from(["begin", "begin", "arrive", "arrive", "tear", "read", "done"]),
         st.integers(0, 1),  # rank
         st.integers(1, 5),  # step
         st.integers(0, 1),  # pages more than the base size (an uneven shard)
@@ -134,31 +134,37 @@ OPS = st.lists(
 def test_no_memory_ever_holds_two_copies_and_the_kept_copies_stay_whole(
     ops: list[tuple[str, int, int, int]],
 ) -> None:
-    """Copies of any ranks, steps and sizes arriving, torn, read and done being read, in any
-    order: every kept copy's bytes are its own, no two kept or read copies share memory, and
-    the job's copies and spare memory stay within its budget."""
+    """Copies of any ranks, steps and sizes beginning to arrive (several on their way at once,
+    as a pod's ranks send them), arriving whole or torn, read and done being read, in any
+    order: every kept copy's bytes are its own, no two copies kept, read or on their way share
+    memory, a copy's bytes on their way are not written under, and the job's copies stay within
+    its budget, its spare memory too whenever none is on its way."""
     memory = PeerMemory()
     budget = 3 * SIZE
+    coming: list[tuple[StoredCopy, bytes]] = []
     reading: list[Any] = []
     expected: dict[tuple[int, int], bytes] = {}
     for op, rank, step, more in ops:
         size = SIZE + more * PAGE
-        if op in ("arrive", "tear"):
+        if op == "begin" or (op in ("arrive", "tear") and not coming):
             data = memory.memory_for(JOB, step, size, budget)
             content = os.urandom(size)
             data[:] = content
             manifest = {"files": {"r": {"size": size, "xxh3_128": ""}}}
-            copy = StoredCopy(JOB, rank, step, manifest, data)
+            coming.append((StoredCopy(JOB, rank, step, manifest, data), content))
+        if op in ("arrive", "tear"):
+            copy, content = coming.pop(0)
+            assert bytes(copy.data) == content  # nothing was received into it meanwhile
             if op == "tear" or memory.put(copy, budget) is not None:
-                memory.give_back(data, budget)
+                memory.give_back(copy.data, budget)  # type: ignore[arg-type]
             else:
-                expected[(rank, step)] = content
+                expected[(copy.rank, copy.step)] = content
         elif op == "read":
             lent = memory.lent(JOB, rank, step)
             found = lent.__enter__()
             if found is not None:
                 reading.append((lent, found, bytes(found.data)))
-        elif reading:
+        elif op == "done" and reading:
             lent, found, content = reading.pop(0)
             assert bytes(found.data) == content  # nothing arrived into it while it was read
             lent.__exit__(None, None, None)
@@ -167,8 +173,13 @@ def test_no_memory_ever_holds_two_copies_and_the_kept_copies_stay_whole(
         live = [pages_of(c.data) for c in kept if c is not None]
         read = {id(f): f for _, f, _ in reading if all(f is not c for c in kept)}  # one a copy
         live += [pages_of(f.data) for f in read.values()]
+        live += [pages_of(c.data) for c, _ in coming]
         assert len(live) == len(set(live)), "two copies in one memory"
-        assert memory.used(JOB) <= budget  # its copies and its spare memory
+        assert sum(len(c.data) for c in kept if c is not None) <= budget
+        if not coming:
+            assert memory.used(JOB) <= budget  # its copies and its spare memory
+    for copy, content in coming:
+        assert bytes(copy.data) == content
     for _, found, content in reading:
         assert bytes(found.data) == content
 
