@@ -102,7 +102,7 @@ class PeerMemory:
         with self._lock:
             memory = self._take_spare(job, size)
             while memory is None and self._used(job) + size > budget:
-                if self._spare[job]:  # of other sizes: room from them before any copy goes
+                if self._spare[job]:  # of other sizes: room from them (oldest first) before a copy
                     self._spare[job].pop(0)
                 elif self._drop_oldest(job, before=step, spare=True):
                     memory = self._take_spare(job, size)
@@ -130,8 +130,8 @@ class PeerMemory:
             self._coming.pop(id(copy.data), None)
             self._copies.pop((copy.job, copy.rank, copy.step), None)
             while self._used(copy.job) + size > budget:
-                if self._spare[copy.job]:  # room first from memory no copy holds
-                    self._spare[copy.job].pop()
+                if self._spare[copy.job]:  # room first from memory no copy holds, oldest first
+                    self._spare[copy.job].pop(0)
                 elif not self._drop_oldest(copy.job, before=copy.step, spare=False):
                     break
             used = self._used(copy.job)
