@@ -520,13 +520,16 @@ def test_a_peer_memory_gone_bad_is_refused_while_the_controller_is_away_and_put_
     memory. The fault plan makes node-1's memory go bad at step 30 (`peer-copy-corrupt`: one
     byte of every copy of the job flipped there, and of every later one), then loses the pod's
     node at step 75, and the controller is killed the moment it has started the rebuilt pod
-    (failpoint `starting`). Both ranks find their copies in node-1's memory, refuse them (their
+    (failpoint `starting`). Step 80's save is held 5 s, so that the node goes before it: the
+    newest step is 70, whose copies node-1 holds (beside a CPU hog, the node went after step
+    80 was on storage but before its copies were sent, and storage served it without a copy to
+    refuse). Both ranks find their copies in node-1's memory, refuse them (their
     checksum, said in their output) and restore from storage while no controller is there; the
     test waits for that before it resumes the controller. The launcher keeps what the ranks said
     of their restore, and the resumed controller records it: one record, each rank's restore
     from storage, the parameters bit for bit the unbroken run's (world size 2 either way)."""
     out = cluster.dir / "hash.txt"
-    job = ddp_job(out, 10)
+    job = ddp_job(out, 10, extra="--slow-save-at 80 --slow-save-s 5")
     job["spec"].update(replicas=1, procs_per_pod=2, peer_memory_mb=16)
     faults = [
         {"kind": "peer-copy-corrupt", "at_step": 30, "node": "node-1"},
@@ -548,7 +551,7 @@ def test_a_peer_memory_gone_bad_is_refused_while_the_controller_is_away_and_put_
     assert result.actions == ["isolated-job-reschedule"], result.report["recoveries"]
     restores = sorted(text for _, text in result.events() if " restored step " in text)
     step = int(restores[0].split(" restored step ")[1].split()[0]) if restores else -1
-    assert step >= 60 and restores == [
+    assert step == 70 and restores == [
         f"pod 0 rank {rank} restored step {step} from storage" for rank in (0, 1)
     ], (restores, result.events())
     refusals = re.findall(r"the copy in node-1's memory was refused: [^\n]*", result.logs())
