@@ -53,6 +53,9 @@ SIZES_MB = (256, 1024, 4096)
 LINK_PAIRS = 3
 """Pairs of the link's raw transfer and a restore from peer memory, a round (in turn); one in
 `--quick` (each pair starts four workers, each importing torch: 8 s of the suite's bench)."""
+STALL_PAIRS_PER_LINK_PAIR = 7
+"""Pairs of saves the stall is measured in, for each pair of the link's measure: 21 a round, 7 in
+`--quick` (each save is written back before the next: 44 of them took 7 s of the suite's bench)."""
 ONE_REPEAT_FROM_MB = 4096
 """From this size on, one repeat: a round of 4 GB takes about 8 minutes on two cores."""
 WRITTEN_PER_ROUND = 5
@@ -211,7 +214,7 @@ def _round(
     host = network.layout.data_address("node-1")
     with _started(network, "node-1", "keeper", host) as (_, said):
         peer = f"{host}:{said['port']}"
-        stall = ["stall"] if mb <= STALL_UP_TO_MB else []
+        stall = [f"stall={STALL_PAIRS_PER_LINK_PAIR * pairs}"] if mb <= STALL_UP_TO_MB else []
         saved = _worker(network, "node-0", "save", str(directory), str(mb), peer, *stall)
         timings.update({k.removesuffix("_s"): v for k, v in saved.items()})
         timings.update(_link_and_restore(network, directory, peer, mb, pairs))

@@ -5,7 +5,7 @@ saves, and the fresh rank that restores. Each prints one JSON line.
     python -m relaunch_bench.peer_memory_worker keeper HOST
     python -m relaunch_bench.peer_memory_worker send HOST BYTES
     python -m relaunch_bench.peer_memory_worker receive HOST PORT BYTES
-    python -m relaunch_bench.peer_memory_worker save DIR MB PEER_HOST:PORT
+    python -m relaunch_bench.peer_memory_worker save DIR MB PEER_HOST:PORT [stall=PAIRS]
     python -m relaunch_bench.peer_memory_worker copy-again DIR MB PEER_HOST:PORT
     python -m relaunch_bench.peer_memory_worker restore DIR PEER_HOST:PORT|local|storage MB [late]
     python -m relaunch_bench.peer_memory_worker restore DIR PEER_HOST:PORT MB together
@@ -33,8 +33,6 @@ from relaunch_bench.file_server import FileServer, mounted
 JOB = "bench"
 RECEIVES = ("as a restore receives", "the link alone")
 """The link's raw transfers a measure takes, in this order (`receive`)."""
-STALL_PAIRS = 21
-"""Pairs of saves a repeat measures the stall in (after one that makes the host buffer)."""
 
 
 def _say(**values: Any) -> None:
@@ -116,7 +114,9 @@ def _local(directory: str) -> Any:
     return LocalCopies(Path(directory) / "local" / "node-0" / f"job-{JOB}", "node-0", keep=3)
 
 
-def save(directory: str, mb: int, peer: str, stall: bool) -> None:
+def save(directory: str, mb: int, peer: str, stall_pairs: int) -> None:
+    """Step 1 saved to storage, then copied to `peer` and to the node's disk, each timed; and
+    with `stall_pairs`, the loop's stall in an asynchronous save with and without the copy."""
     from relaunch.train import CheckpointManager
 
     state = _state(mb)
@@ -132,8 +132,8 @@ def save(directory: str, mb: int, peer: str, stall: bool) -> None:
     local.copy(1, "rank-0.ckpt", Path(directory) / "ckpt" / "step-000000001" / "rank-0.ckpt")
     assert local.wait(600) and not local.failures, local.failures
     result["local_copy_s"] = time.perf_counter() - start
-    if stall:
-        result.update(_stalls(Path(directory), state, _peers(peer, mb, "stall")))
+    if stall_pairs:
+        result.update(_stalls(Path(directory), state, _peers(peer, mb, "stall"), stall_pairs))
     _say(**result)
 
 
@@ -161,21 +161,21 @@ def copy_again(directory: str, mb: int, peer: str) -> None:
     _say(**timings)
 
 
-def _stalls(directory: Path, state: Any, peers: Any) -> dict[str, Any]:
-    """The loop's wait in an asynchronous save without the copy and with it, steady state (after
-    the manager's first save made its host buffer). One manager saves both kinds, its peers
-    switched off and on, so that both copy into the same host buffer and write to the same disk
-    (with a manager, and a host buffer, for each kind, the ratio moved between 0.93 and 1.17 from
-    run to run, either way); the kinds are taken in turn, the order swapped every pair, so that
-    the machine's drift touches both alike; each save is written, and copied, and the kernel's
-    writeback of it done (`os.sync`), before the next.
+def _stalls(directory: Path, state: Any, peers: Any, pairs: int) -> dict[str, Any]:
+    """The loop's wait in an asynchronous save without the copy and with it, `pairs` pairs, steady
+    state (after a first pair, in which the manager's first save made its host buffer). One
+    manager saves both kinds, its peers switched off and on, so that both copy into the same host
+    buffer and write to the same disk (with a manager, and a host buffer, for each kind, the
+    ratio moved between 0.93 and 1.17 from run to run, either way); the kinds are taken in turn,
+    the order swapped every pair, so that the machine's drift touches both alike; each save is
+    written, and copied, and the kernel's writeback of it done (`os.sync`), before the next.
     The medians of each kind and every pair's ratio (pooled over repeats by the benchmark)."""
     from relaunch.train import CheckpointManager
 
     manager = CheckpointManager(directory / "stall", rank=0, async_save=True, keep=1)
     stalls: dict[str, list[float]] = {"plain": [], "copy": []}
     step = 0
-    for pair in range(STALL_PAIRS + 1):
+    for pair in range(pairs + 1):
         for kind in ("plain", "copy") if pair % 2 else ("copy", "plain"):
             manager.peers = peers if kind == "copy" else None
             step += 1
@@ -261,7 +261,8 @@ def main(argv: list[str]) -> None:
     elif command == "receive":
         receive(args[0], int(args[1]), int(args[2]))
     elif command == "save":
-        save(args[0], int(args[1]), args[2], stall=len(args) > 3 and args[3] == "stall")
+        stall = args[3].removeprefix("stall=") if len(args) > 3 else "0"
+        save(args[0], int(args[1]), args[2], stall_pairs=int(stall))
     elif command == "copy-again":
         copy_again(args[0], int(args[1]), args[2])
     elif command == "restore":
