@@ -69,3 +69,22 @@ def test_each_commands_help_fits_80_columns(command: str) -> None:
     assert "Usage: relaunch " + command in text
     cut = [line for line in text.splitlines() if "…" in line]
     assert not cut, "\n".join(cut)
+
+
+def test_the_help_names_every_engine_a_command_runs_on() -> None:
+    """`relaunch run` runs on each engine, and its help says so (once it said "the embedded
+    cluster or Ray" while Slurm and hand-started agents ran too)."""
+    said = " ".join(help_text("run").replace("│", " ").split())
+    for engine in ("embedded", "ray:", "slurm:", "agents:"):
+        assert engine in said, engine
+    listed = " ".join(help_text().replace("│", " ").split())
+    assert "on Ray, in a Slurm allocation or on agents" in listed, listed
+
+
+@pytest.mark.parametrize("engine", ["slurm", "agents"])
+def test_a_server_refuses_an_engine_it_does_not_run_jobs_on(engine: str) -> None:
+    result = CliRunner().invoke(app, ["server", "--engine", engine])
+    assert result.exit_code == 2
+    assert "a server runs its jobs on the embedded cluster or on Ray" in " ".join(
+        result.stderr.split()
+    )

@@ -4,6 +4,9 @@ as under torchrun; before it, relaunch's and torchrun's options mix freely."""
 
 from __future__ import annotations
 
+import importlib.machinery
+import os
+import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Annotated, Any
@@ -11,9 +14,10 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperCommand
 
+from relaunch.cluster.nvml import gpu_count
 from relaunch.errors import Problem, SpecError
 from relaunch.spec import parse_job
-from relaunch.spec.launch import Launch, launch_job, option_problems
+from relaunch.spec.launch import Launch, Machine, launch_job, nproc_of, option_problems
 
 __all__ = [
     "LaunchOptions",
@@ -21,12 +25,17 @@ __all__ = [
     "launch_document",
 ]
 
-_TORCHRUN_OPTIONS = frozenset({"--nnodes", "--nproc-per-node", "--nproc_per_node", "--standalone"})
+_TORCHRUN_OPTIONS = frozenset(
+    {"--nnodes", "--nproc-per-node", "--nproc_per_node", "--standalone", "-m", "--module"}
+)
 """Options that say the command line is in torchrun's form. Every option of more than one word
 is taken in torchrun's two spellings, `--max-restarts` and `--max_restarts`: the second is
 written as the first before the command line is parsed (`dashed`), so that `--help` lists
 one name an option."""
 _JOB_FILE_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+_MODULE_OPTIONS = frozenset({"-m", "--module"})
 
 
 def torchrun_form(args: list[str]) -> bool:
@@ -51,9 +60,15 @@ class TorchrunForm(TyperCommand):
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         """`ctx` is click's Context: typer's own copy of click since typer 0.2x, click itself
         before; not named, so that both work."""
-        args = dashed(args)
+        flags = frozenset(
+            name
+            for param in self.params
+            if getattr(param, "is_flag", False)
+            for name in (*param.opts, *param.secondary_opts)
+        )
+        args = dashed(args, flags)
         if torchrun_form(args):
-            args = _defaults_dropped(args)
+            args = _defaults_dropped(args, flags)
             ctx.allow_interspersed_args = False
             ctx.allow_extra_args = True
         return super().parse_args(ctx, args)
@@ -68,10 +83,10 @@ lists only the latter; the default's own name is taken (a torchrun user may say 
 before parsing, and the two together are refused."""
 
 
-def _defaults_dropped(args: list[str]) -> list[str]:
+def _defaults_dropped(args: list[str], flags: frozenset[str]) -> list[str]:
     """The command line without the switches that say a default (DEFAULT_SWITCHES), up to the
     script; BadParameter where one is given with its opposite."""
-    script = _script_at(args)
+    script = _script_at(args, flags | frozenset(DEFAULT_SWITCHES))
     ours, theirs = args[:script], args[script:]
     for on, off in DEFAULT_SWITCHES.items():
         if on in ours and off in ours:
@@ -79,10 +94,11 @@ def _defaults_dropped(args: list[str]) -> list[str]:
     return [a for a in ours if a not in DEFAULT_SWITCHES] + theirs
 
 
-def dashed(args: list[str]) -> list[str]:
+def dashed(args: list[str], flags: frozenset[str] = frozenset()) -> list[str]:
     """torchrun's underscore spellings (`--nproc_per_node=4`) written with dashes, up to the
-    script: what follows it is the script's, untouched."""
-    script = _script_at(args)
+    script: what follows it is the script's, untouched. `flags`: the options that take no
+    value, to find a module's name after `-m`."""
+    script = _script_at([_dashed(arg) for arg in args], flags | frozenset(DEFAULT_SWITCHES))
     return [_dashed(arg) for arg in args[:script]] + args[script:]
 
 
@@ -93,17 +109,26 @@ def _dashed(arg: str) -> str:
     return name.replace("_", "-") + sep + value
 
 
-def _script_at(args: list[str]) -> int:
+def _script_at(args: list[str], flags: frozenset[str]) -> int:
     """Where the script (a `.py` file, or what follows `--`) begins: relaunch's options are
-    before it, the script's after."""
-    return next(
-        (
-            i
-            for i, a in enumerate(args)
-            if a == "--" or (not a.startswith("-") and a.endswith(".py"))
-        ),
-        len(args),
-    )
+    before it, the script's after. With torchrun's `-m` before it, the module is the first
+    word that no option takes as its value (`flags`: the options that take none), as
+    torchrun's parser reads it."""
+    module, i = False, 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--":
+            return i
+        if arg.startswith("-") and arg != "-":
+            name = arg.split("=", 1)[0]
+            takes_value = "=" not in arg and name not in flags and name not in _MODULE_OPTIONS
+            module = module or name in _MODULE_OPTIONS
+            i += 2 if module and takes_value else 1
+            continue
+        if module or arg.endswith(".py"):
+            return i
+        i += 1
+    return len(args)
 
 
 TORCHRUN_PANEL = "torchrun's form (a script instead of a job file)"
@@ -124,7 +149,17 @@ NprocOption = Annotated[
     typer.Option(
         "--nproc-per-node",
         rich_help_panel=TORCHRUN_PANEL,
-        help="Processes (ranks) per pod.",
+        help="Processes (ranks) per pod: a number, or torchrun's gpu (one per GPU), cpu (one "
+        "per CPU) or auto (gpu where there are GPUs, else cpu).",
+    ),
+]
+ModuleOption = Annotated[
+    bool,
+    typer.Option(
+        "--module",
+        "-m",
+        rich_help_panel=TORCHRUN_PANEL,
+        help="The script is a module, run as `python -m MODULE` (torchrun's -m).",
     ),
 ]
 StandaloneOption = Annotated[
@@ -226,6 +261,7 @@ class LaunchOptions:
 
     nnodes: str | None = None
     nproc_per_node: str | None = None
+    module: bool = False
     standalone: bool = False
     max_restarts: int | None = None
     monitor_interval: float | None = None
@@ -281,11 +317,16 @@ def launch_document(
         return None
     source = f"relaunch {ctx.info_name} (torchrun form)"
     problems = _script_problems(first, options)  # reported with the options' own, at once
+    procs = nproc_of(options.nproc_per_node or "1", this_machine())
+    if procs.problem is not None:
+        problems.append(procs.problem)
     launch = Launch(
         script=str(first) if first is not None else "",
         args=tuple(ctx.args),
         nnodes=options.nnodes or "1",
-        nproc_per_node=options.nproc_per_node or "1",
+        nproc_per_node=procs.procs,
+        chips_per_pod=procs.chips,
+        module=options.module,
         name=options.name,
         **({} if options.max_restarts is None else {"max_restarts": options.max_restarts}),
         pod_retry_num=options.pod_retry_num,
@@ -309,12 +350,38 @@ def launch_document(
     return raw, source
 
 
+def this_machine() -> Machine:
+    """The GPUs and CPUs `--nproc-per-node auto|gpu|cpu` counts here, as torchrun counts them:
+    the GPUs a process sees (NVML's, or as many as CUDA_VISIBLE_DEVICES names where it is set)
+    and the CPUs this process may run on."""
+    gpus = gpu_count() or 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:  # CUDA stops at the first entry it cannot use ("", "-1")
+        named = 0
+        for device in visible.split(","):
+            if not device.strip() or device.strip() == "-1":
+                break
+            named += 1
+        gpus = min(gpus, named)
+    return Machine(gpus=gpus, cpus=len(os.sched_getaffinity(0)))
+
+
 def _script_problems(first: Path | None, options: LaunchOptions) -> list[Problem]:
     problems: list[Problem] = []
     if options.standalone and options.nnodes not in (None, "1"):
         problems.append(Problem("--standalone", options.nnodes, "one node: drop --nnodes"))
     if first is None:
         problems.append(Problem("SCRIPT", "", "the training script after the options"))
+    elif options.module:
+        if not _importable(str(first)):
+            problems.append(
+                Problem(
+                    "MODULE",
+                    str(first),
+                    "a module `python -m` finds from this directory (its top-level package on "
+                    "sys.path or here)",
+                )
+            )
     elif first.suffix in _JOB_FILE_SUFFIXES:
         problems.append(
             Problem(
@@ -327,3 +394,13 @@ def _script_problems(first: Path | None, options: LaunchOptions) -> list[Problem
     elif not first.is_file():
         problems.append(Problem("SCRIPT", str(first), "a training script that exists"))
     return problems
+
+
+def _importable(module: str) -> bool:
+    """Whether `python -m MODULE` run here finds MODULE's top-level package (its ranks run in
+    this directory, which `-m` puts first on their path); found, not imported: nothing of it
+    runs here."""
+    top = module.split(".", 1)[0]
+    if not top.isidentifier() or not all(part.isidentifier() for part in module.split(".")):
+        return False
+    return importlib.machinery.PathFinder.find_spec(top, [os.getcwd(), *sys.path]) is not None

@@ -1,4 +1,4 @@
-"""`relaunch run`: a job run in the foreground, on the embedded cluster or on Ray."""
+"""`relaunch run`: a job run in the foreground, on the embedded cluster, Ray, Slurm or agents."""
 
 from __future__ import annotations
 
@@ -48,6 +48,7 @@ from relaunch.cli.launch import (
     LabelOption,
     LaunchOptions,
     MaxRestartsOption,
+    ModuleOption,
     MonitorOption,
     NameOption,
     NnodesOption,
@@ -112,7 +113,8 @@ EngineOption = Annotated[
         "--engine",
         help="embedded: the embedded cluster; ray: a Ray cluster (--address, or a local "
         "trial cluster shaped by --cluster); slurm: the Slurm allocation this runs in "
-        "(sbatch, salloc: docs/slurm.md).",
+        "(sbatch, salloc: docs/slurm.md); agents: node agents started by hand (`relaunch "
+        "agent`) that dial --address.",
     ),
 ]
 
@@ -137,6 +139,7 @@ def run(
     ray_select: RaySelectOption = None,
     nnodes: NnodesOption = None,
     nproc_per_node: NprocOption = None,
+    module: ModuleOption = False,
     standalone: StandaloneOption = False,
     max_restarts: MaxRestartsOption = None,
     monitor_interval: MonitorOption = None,
@@ -151,8 +154,9 @@ def run(
     env: EnvOption = None,
 ) -> None:
     """Run a job until it succeeds or fails (exit 0 / 1; 2 for bad input), on the embedded
-    cluster or on Ray. Either from a job file, or as torchrun would run a script: `relaunch run
-    --nnodes 2 --nproc-per-node 4 train.py --epochs 3` (everything after the script is the
+    cluster, on Ray, in a Slurm allocation or on agents started by hand (--engine). Either from
+    a job file, or as torchrun would run a script: `relaunch run --nnodes 2 --nproc-per-node 4
+    train.py --epochs 3`, or a module with `-m pkg.train` (everything after the script is the
     script's)."""
     engine = _engine_checked(engine, address, ray_select, simulate_chips)
     directory = state_dir_of(state_dir)

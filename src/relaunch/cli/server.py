@@ -34,7 +34,12 @@ def server(
     host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port to listen on.")] = 8080,
     engine: Annotated[
-        str, typer.Option("--engine", help="embedded, or ray (with --address).")
+        str,
+        typer.Option(
+            "--engine",
+            help="embedded, or ray (with --address); a Slurm allocation or hand-started "
+            "agents take `relaunch run`.",
+        ),
     ] = "embedded",
     address: AddressOption = None,
     ray_select: RaySelectOption = None,
@@ -56,7 +61,14 @@ def server(
     """Serve the REST API, the dashboard and /metrics, and run submitted jobs."""
 
     engine_spec = None
-    if engine_name(engine) == "ray" and address is None:
+    if engine_name(engine) not in ("embedded", "ray"):
+        err.print(
+            f"[bold red]error:[/] --engine {engine}: a server runs its jobs on the embedded "
+            "cluster or on Ray; a Slurm allocation or hand-started agents take `relaunch run`",
+            highlight=False,
+        )
+        raise typer.Exit(EXIT_INVALID)
+    if engine == "ray" and address is None:
         err.print("[bold red]error:[/] a server on Ray needs --address (a running Ray cluster)")
         raise typer.Exit(EXIT_INVALID)
     directory = state_dir_of(state_dir)

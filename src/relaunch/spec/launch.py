@@ -15,9 +15,20 @@ from relaunch.spec.vocabulary import (
     JOB_RETRY_NUM,
     JOB_UNCONDITIONAL_RETRY,
     POD_RETRY_NUM,
+    RECOVER_STRATEGY,
+    RecoverStrategy,
 )
 
-__all__ = ["DEFAULT_MAX_RESTARTS", "OPTION_OF", "Launch", "launch_job", "option_problems"]
+__all__ = [
+    "DEFAULT_MAX_RESTARTS",
+    "NPROC_WORDS",
+    "OPTION_OF",
+    "Launch",
+    "Machine",
+    "launch_job",
+    "nproc_of",
+    "option_problems",
+]
 
 DEFAULT_MAX_RESTARTS: Final = 3
 """Job-level restarts when `--max-restarts` is not given. torchrun's default is 0 (the first
@@ -42,6 +53,67 @@ OPTION_OF: Final[Mapping[str, str]] = {
 
 _NAME_CHARS = re.compile(r"[^a-z0-9-]+")
 
+NPROC_WORDS: Final = ("auto", "gpu", "cpu")
+"""The words torchrun's `--nproc-per-node` takes besides a number (torch.distributed.run's
+determine_local_world_size): a process per GPU, per CPU, or per GPU where there are GPUs and per
+CPU where there are none. torchrun's `xpu` and private-backend words name devices relaunch does
+not run on, and are refused."""
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What `--nproc-per-node auto|gpu|cpu` counts, read by the command line on the machine it
+    runs on: the GPUs a process there sees (CUDA_VISIBLE_DEVICES' share of NVML's) and the CPUs
+    it may run on (its affinity, as torchrun counts them)."""
+
+    gpus: int
+    cpus: int
+
+
+@dataclass(frozen=True)
+class Procs:
+    """`--nproc-per-node` resolved: processes per pod as text (parse_job checks a number), the
+    chips they hold (None: as many as processes, parse_job's default), or the problem."""
+
+    procs: str
+    chips: int | None = None
+    problem: Problem | None = None
+
+
+def nproc_of(value: str, machine: Machine) -> Procs:
+    """`--nproc-per-node` as torchrun resolves it on `machine`: a number as typed (a chip per
+    process, as torchrun on GPUs), `gpu` one per GPU (refused without one, as torchrun raises
+    "Cuda is not available"), `cpu` one per CPU with no chips (CPU processes), `auto` `gpu`
+    where there are GPUs, else `cpu`."""
+    word = value.strip().lower()
+    if word == "auto":
+        word = "gpu" if machine.gpus > 0 else "cpu"
+    if word == "gpu":
+        if machine.gpus <= 0:
+            return Procs(
+                "1",  # the problem below is the one to report
+                problem=Problem(
+                    "--nproc-per-node",
+                    value,
+                    "a process per GPU, and this machine has none that NVML sees: give a "
+                    "number, or auto (a process per CPU where there is no GPU)",
+                ),
+            )
+        return Procs(str(machine.gpus))
+    if word == "cpu":
+        return Procs(str(max(1, machine.cpus)), chips=0)
+    if value.strip().lstrip("+-").isdigit():
+        return Procs(value)  # parse_job checks the number's range, as a job file's
+    return Procs(
+        "1",
+        problem=Problem(
+            "--nproc-per-node",
+            value,
+            "a number of processes, or torchrun's gpu, cpu or auto (relaunch runs on NVIDIA "
+            "GPUs and CPUs: no xpu or other device)",
+        ),
+    )
+
 
 @dataclass(frozen=True)
 class Launch:
@@ -49,9 +121,15 @@ class Launch:
     typed, so that a wrong one is reported against its option like any other bad input."""
 
     script: str
+    """The training script's path, or with `module` the module `python -m` runs."""
     args: tuple[str, ...] = ()
     nnodes: str = "1"
     nproc_per_node: str = "1"
+    """A number as typed; torchrun's words (NPROC_WORDS) are resolved before, by nproc_of."""
+    chips_per_pod: int | None = None
+    """nproc_of's chips (0 for CPU processes); None: a chip per process."""
+    module: bool = False
+    """torchrun's `-m`: the script is a module, run as `python -m MODULE ARGS`."""
     name: str | None = None
     max_restarts: int = DEFAULT_MAX_RESTARTS
     pod_retry_num: int | None = None
@@ -72,11 +150,12 @@ class Launch:
 
 def launch_job(launch: Launch) -> tuple[dict[str, Any], list[Problem]]:
     """The job mapping of a torchrun-shaped command line: `--nnodes` pods of `--nproc-per-node`
-    processes with a chip each, running `python SCRIPT ARGS`; `--max-restarts` job-level restarts
-    on any failure (torchrun's meaning: unconditional retry), hang retry on; the rest as a job file would say it. Returned with the
-    problems of what cannot even be put into a mapping (a MIN:MAX node range, a pair without
-    `=`), each naming its option; the values themselves are `parse_job`'s to check, as a file's
-    are (counts are passed on as typed, so that parse_job names a bad one)."""
+    processes with a chip each, running `python SCRIPT ARGS` (`python -m MODULE ARGS` with
+    `-m`); `--max-restarts` job-level restarts on any failure (torchrun's meaning: unconditional
+    retry), hang retry on; the rest as a job file would say it. Returned with the problems of
+    what cannot even be put into a mapping (a MIN:MAX node range relaunch has no equivalent of,
+    a pair without `=`), each naming its option; the values themselves are `parse_job`'s to
+    check, as a file's are (counts are passed on as typed, so that parse_job names a bad one)."""
     problems: list[Problem] = []
     annotations = _pairs(launch.annotations, "--annotation", problems)
     labels = _pairs(launch.labels, "--label", problems)
@@ -89,23 +168,19 @@ def launch_job(launch: Launch) -> tuple[dict[str, Any], list[Problem]]:
         annotations.setdefault(HANG_RETRY, "true")
     if launch.pod_retry_num is not None:
         annotations.setdefault(POD_RETRY_NUM, str(launch.pod_retry_num))
+    program = ["-m", launch.script] if launch.module else [launch.script]
     spec: dict[str, Any] = {
         "procs_per_pod": launch.nproc_per_node,
-        "command": ["python", launch.script, *launch.args],
+        "command": ["python", *program, *launch.args],
     }
-    if ":" in launch.nnodes:
-        problems.append(
-            Problem(
-                "--nnodes",
-                launch.nnodes,
-                "a number of nodes; relaunch scales a job in and out with the recovery "
-                "strategy elastic-training (--annotation recover-strategy=elastic-training,...), "
-                "not a MIN:MAX range",
-            )
-        )
+    replicas, problem = _nodes(launch.nnodes, annotations)
+    if problem is not None:
+        problems.append(problem)
     else:
-        spec["replicas"] = launch.nnodes
-    if launch.nproc_per_node.isdigit():
+        spec["replicas"] = replicas
+    if launch.chips_per_pod is not None:
+        spec["chips_per_pod"] = launch.chips_per_pod
+    elif launch.nproc_per_node.isdigit():
         spec["chips_per_pod"] = launch.nproc_per_node  # a chip per rank, as torchrun on GPUs
     for key, value in (
         ("hang_detect_seconds", launch.hang_detect_seconds),
@@ -128,9 +203,37 @@ def launch_job(launch: Launch) -> tuple[dict[str, Any], list[Problem]]:
     return document, problems
 
 
+def _nodes(nnodes: str, annotations: Mapping[str, str]) -> tuple[str, Problem | None]:
+    """`--nnodes` as torchrun parses it (parse_min_max_nnodes): `N`, or `MIN:MAX`, whose equal
+    bounds are N. A range of unequal bounds is torchrun's elastic job, which restarts every
+    worker at a new world size; relaunch's elastic-training strategy scales in whole replicas
+    down to one, with no restart, through the SDK's keeper: `1:MAX` is exactly its bounds where
+    the job asks for it (MAX pods), anything else is refused with what to say instead."""
+    low, sep, high = nnodes.partition(":")
+    if not sep:
+        return nnodes, None
+    if low.strip().isdigit() and high.strip().isdigit():
+        if int(low) == int(high):
+            return high.strip(), None
+        strategies = {word.strip() for word in annotations.get(RECOVER_STRATEGY, "").split(",")}
+        elastic = RecoverStrategy.ELASTIC_TRAINING.value in strategies
+        if int(low) == 1 and int(high) > 1 and elastic:
+            return high.strip(), None
+    return nnodes, Problem(
+        "--nnodes",
+        nnodes,
+        "N; or 1:MAX with the elastic-training strategy (--annotation "
+        "recover-strategy=elastic-training --label process-recover-enable=on --label "
+        "fault-scheduling=grace, the SDK's keeper in the script), which keeps MAX pods and "
+        "scales in down to one without a restart; torchrun's other ranges restart every worker "
+        "at a new size, which relaunch does not",
+    )
+
+
 def job_name_of(script: str) -> str:
-    """A job's name from its script's file name: `train_ddp.py` -> `train-ddp`."""
-    stem = script.replace("\\", "/").rsplit("/", 1)[-1].removesuffix(".py")
+    """A job's name from its script's file name (`train_ddp.py` -> `train-ddp`), or from a
+    module's name (`torchtitan.train` -> `torchtitan-train`)."""
+    stem = script.replace("\\", "/").rsplit("/", 1)[-1].removesuffix(".py").replace(".", "-")
     name = _NAME_CHARS.sub("-", stem.lower()).strip("-")[:63].strip("-")
     return name or "job"
 
