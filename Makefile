@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint typecheck unit clean peers gpu-checks
+.PHONY: run test lint typecheck docs unit clean peers gpu-checks
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
@@ -70,8 +70,14 @@ unit: $(STAMP) $(CHROMIUM) $(SLURMD) $(SSHFS)
 	$(BIN)/python -m compileall -q -j 0 src
 	$(BIN)/pytest -q -n 2 --dist loadfile
 
-# Sets up and runs everything CI runs: lint, types, tests.
-test: lint typecheck unit
+# The manual (docs/): a Sphinx site, every warning an error (a broken link, a page no table of
+# contents holds); its CLI reference is written from the commands at each build.
+docs: $(STAMP)
+	$(BIN)/sphinx-build -W --keep-going -q -b html docs build/docs
+	@echo "the manual: build/docs/index.html"
+
+# Sets up and runs everything CI runs: lint, types, the manual, tests.
+test: lint typecheck docs unit
 
 # The specialists `relaunch bench --only peers` measures beside relaunch, each in a virtual
 # environment of its own under .peers/ (their pins conflict), with the torch CPU wheel.
@@ -106,4 +112,4 @@ gpu-checks:
 	bash benchmarks/gpu-checks.sh
 
 clean:
-	rm -rf $(VENV) $(PEERS) .relaunch .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(PEERS) .relaunch .pytest_cache .mypy_cache .ruff_cache build/docs

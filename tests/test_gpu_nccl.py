@@ -4,7 +4,7 @@ replaced in place, a pod moved to a standby node), each run ending bit-identical
 run, with dropout drawing from the GPU's random stream (which the checkpoints then hold).
 
 Runs where torch sees a CUDA GPU and NCCL, and is skipped elsewhere, saying so (CI has no GPU;
-docs/gpus.md and BENCHMARKS.md say where it ran). One rank per pod: NCCL refuses two ranks of one
+docs/gpus.md and docs/benchmark-history.md say where it ran). One rank per pod: NCCL refuses two ranks of one
 host on one GPU, and each pod's node is a host of its own to NCCL (NCCL_HOSTID), so the pods' ranks
 may share the machine's one GPU."""
 

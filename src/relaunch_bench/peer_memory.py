@@ -363,7 +363,7 @@ def _link(network: ClusterNetwork, size: int) -> dict[str, float]:
     """The link's raw transfers (relaunch_bench.peer_memory_worker.receive): into fresh memory
     as a restore receives, then the link alone, into memory already faulted in; and the faulting
     in of fresh memory. The link alone is the link's raw speed: on this VM fresh memory faults
-    in at 0.5 to 12 GB/s, by whether its host took the pages back (BENCHMARKS.md, runs 14-15)."""
+    in at 0.5 to 12 GB/s, by whether its host took the pages back (docs/benchmark-history.md, runs 14-15)."""
     host = network.layout.data_address("node-1")
     with _started(network, "node-1", "send", host, str(size)) as (_, said):
         received = _worker(network, "node-0", "receive", host, str(said["port"]), str(size))

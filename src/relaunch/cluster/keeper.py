@@ -15,7 +15,7 @@ Memory used again: where a copy on its way needs room, the oldest step is droppe
 (not once it has arrived), and the copy is received into the memory of that step's copy of the
 same size in pages. Those pages are faulted in already: fresh memory took its pages one fault
 at a time as the bytes arrived, at 0.2-0.5 of the link's speed on this project's machine, and
-the dropped step's memory took the same copy 2 to 8 times as fast (BENCHMARKS.md, runs 20-21).
+the dropped step's memory took the same copy 2 to 8 times as fast (docs/benchmark-history.md, runs 20-21).
 The dropped step's other copies stay as spare memory, counted in the job's budget, for its other
 ranks' copies of the new step; so a job's copies on this node, those on their way included,
 stay within its budget, where fresh memory for each arriving copy held a step more. A copy

@@ -91,7 +91,7 @@ def fault_in(memory: Any) -> None:
     MADV_POPULATE_WRITE where it has one (the interpreter's lock released meanwhile), else each
     page's first byte read and written back. Fresh memory that the receiving of a copy faults in
     as the bytes arrive held the restore to 0.37-0.93 of the link's speed on this project's
-    machine, whose host had taken the pages back (BENCHMARKS.md, runs 14-15)."""
+    machine, whose host had taken the pages back (docs/benchmark-history.md, runs 14-15)."""
     view = memoryview(memory).cast("B")
     if not view:
         return
