@@ -1,4 +1,5 @@
-"""R-21 at the joints of the ladder: "three unconditional reschedules in a row, the fourth fails"
+"""R-21 and R-24 at the joints of the ladder: "three unconditional reschedules (restarts upon
+suspension) in a row, the fourth fails"
 holds whatever levels each fault falls through first (process-level in place, dump, a warm
 spare, elastic scale-in), and a finer recovery has worked only when the job made progress past
 its fault. The script of these tests fails at import on every start, as a user's broken script
@@ -162,3 +163,53 @@ def test_r21_a_script_broken_at_import_under_process_level_recovery_end_to_end(
     assert "ModuleNotFoundError" in report["reason"]
     process = [r for r in report["recoveries"] if r["action"] == "process-in-place"]
     assert process and all(r["outcome"] == "failed" for r in process)
+
+
+HANG_RETRY = {"fault-tolerance/hang-retry": "true", "fault-tolerance/job-retry-num": "3"}
+
+
+@pytest.mark.parametrize("ladder", sorted(LADDERS))
+def test_r24_a_job_that_hangs_at_every_start_fails_after_three_hang_restarts_on_every_ladder(
+    tmp_path: Path, ladder: str
+) -> None:
+    """Seed 001's restart upon suspension, three in a row: a script that hangs at every start
+    (no step, no line, ever) is restarted upon suspension three times, and its fourth hang fails
+    the job naming R-24, on every ladder. Before: the second hang was taken for the first
+    restart's own failure (it never progressed), and the job failed after one restart with "no
+    recovery is enabled for this fault"."""
+    annotations, labels, spec = LADDERS[ladder]
+    annotations = {**annotations, **HANG_RETRY}
+    job = job_spec(annotations, labels=labels, replicas=2, hang_detect_seconds=3, **spec)
+    sim = Sim(tmp_path, job, nodes=4)
+    sim.boot()
+    sim.run(120)
+    actions = [(r.action.value, r.outcome.value) for r in sim.records()]
+    assert sim.controller.job.status is JobStatus.FAILED, actions
+    assert [a for a, _ in actions if a != "fail"] == ["hang-restart"] * 3, actions
+    assert actions[-1] == ("fail", "failed"), actions
+    assert "in a row (R-24)" in sim.controller.job.reason, sim.controller.job.reason
+    assert all(not r.consumed for r in sim.records()), "a hang restart spends no budget"
+
+
+def test_r24_restarts_that_trained_and_restarts_that_never_did_make_one_row(
+    tmp_path: Path,
+) -> None:
+    """The row counts hangs, whether the restart between them trained or not (R-24's row, as
+    test_ladder_sequences.py's hangs between steps): a restart that trained, then restarts that
+    never progress, are three restarts in all, then the job fails."""
+    sim = Sim(tmp_path, job_spec(HANG_RETRY, hang_detect_seconds=3), nodes=4)
+    sim.boot()
+    while not sim.records():  # hangs at its first start: one restart upon suspension
+        sim.tick()
+    for step in range(1, 30):  # the restart trains, then hangs again for good
+        sim.run(0.2)
+        sim.train(step)
+    sim.run(120)
+    actions = [(r.action.value, r.outcome.value) for r in sim.records()]
+    assert actions == [
+        ("hang-restart", "succeeded"),
+        ("hang-restart", "failed"),
+        ("hang-restart", "failed"),
+        ("fail", "failed"),
+    ], actions
+    assert "in a row (R-24)" in sim.controller.job.reason

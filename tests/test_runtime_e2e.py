@@ -224,6 +224,22 @@ def test_r24_sigstop_hang_restarts_in_place_once_the_window_passed(cluster: Clus
     assert [p["proc_start_count"] for p in result.report["pods"]] == [2, 2]
 
 
+def test_r24_a_script_that_hangs_at_every_start_fails_after_three_restarts_upon_suspension(
+    cluster: Cluster,
+) -> None:
+    """A user's script that hangs at every start (it sleeps: no step, no line, no computation),
+    with hang-retry: three restarts upon suspension, then Failed naming R-24, as seed 001 says
+    (before: one restart, then "hang-restart did not recover it"). The same on every ladder, on
+    the simulator: test_restart_storm.py."""
+    job = toy_job(HANG, replicas=1)
+    job["spec"]["command"] = "sleep 600"
+    result = cluster.run(job, startup_s=2, timeout=150)
+    assert result.returncode == 1, result.stdout[-3000:]
+    assert result.actions == ["hang-restart"] * 3 + ["fail"], result.actions
+    assert "in a row (R-24)" in result.report["reason"], result.report["reason"]
+    assert result.report["restarts_used"] == 0
+
+
 # -- bad input -------------------------------------------------------------------------------------
 
 

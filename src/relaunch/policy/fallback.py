@@ -65,14 +65,19 @@ def on_new_fault(
     a lost node: what made the collective fail) is over, and the new fault decided on its own.
     A recovery finer than job level that is followed by a process exit or a hang failed in the
     way such recoveries fail (its restarted processes crashed, or its group never re-formed):
-    its own fault falls back one level (R-20, R-23, R-36's multi-layer fallback). Any other new
-    fault (a node lost, a chip fault), or any fault after a job-level rebuild, is decided on its
-    own."""
+    its own fault falls back one level (R-20, R-23, R-36's multi-layer fallback). A hang after a
+    restart upon suspension is the next hang of R-24's row, decided on its own (three in a row,
+    then the fourth fails the job), as any fault after a job-level rebuild is. Any other new
+    fault (a node lost, a chip fault) is decided on its own too."""
     if new_action is Action.IGNORE:
         return NewFault(Consequence.ALONGSIDE, new, frozenset())
     if active is Action.OPERATOR_RETRY:
         # the collective failed because a rank died, hung or lost its node: issuing it again
         # cannot help, and the new fault is the one to recover (R-29)
+        return NewFault(Consequence.DECIDE_NEW, new, frozenset())
+    if active is Action.HANG_RESTART and new.kind is FaultKind.HANG:
+        # the job hung again after its restart upon suspension: the next link of R-24's streak,
+        # as a crash after a job-level restart is R-21's, not the restart's own failure
         return NewFault(Consequence.DECIDE_NEW, new, frozenset())
     finer = not active.rebuilds_all_pods
     if finer and new.kind in (FaultKind.PROCESS_EXIT, FaultKind.HANG):
