@@ -470,3 +470,34 @@ def test_r29_a_flap_of_the_data_network_on_slurm_issues_the_collective_again_not
     report = json.loads((tmp_path / "report.json").read_text())
     result = Result(0, report, log, "", tmp_path / "state")
     assert_issued_again_nothing_restarted(result, steps, out, unbroken_process_pair)
+
+
+@pytest.mark.parametrize("form", ["torchrun", "job file"])
+def test_a_pod_is_a_nodes_share_of_the_job_one_pod_per_node(
+    slurm: TrialSlurm, tmp_path: Path, form: str
+) -> None:
+    """docs/slurm.md's script with `--nnodes 2 --nproc-per-node 1` (and a job file of two pods of
+    one process) in a 3-node allocation: each pod on a node of its own, the third the standby,
+    as torchrun's --nnodes counts nodes. Before: both pods on the batch host, whose loss was then
+    every pod and the controller at once."""
+    script_args = "examples/ddp/train_ddp.py --steps 6 --ckpt-every 0"
+    if form == "torchrun":
+        body = (
+            "relaunch run --engine slurm --cluster "
+            f"{tmp_path / 'cluster.yaml'} --state-dir $STATE --report {tmp_path / 'report.json'} "
+            f"--quiet --nnodes 2 --nproc-per-node 1 {script_args}"
+        )
+    else:
+        body = "relaunch run --engine slurm $JOB $FILES --quiet"
+    job = {
+        "kind": "job",
+        "metadata": {"name": "share"},
+        "spec": {"replicas": 2, "procs_per_pod": 1, "command": f"python {script_args}"},
+    }
+    code = sbatch(slurm, batch_script(tmp_path, job, [], nodes=3, body=body))
+    log = (tmp_path / "out.txt").read_text()
+    assert code == 0, log
+    result = Result(code, {}, log, "", tmp_path / "state")
+    placed = result.launch_nodes()
+    assert len(placed) == 2 and len(set(placed)) == 2, placed
+    assert set(placed) <= {"n1", "n2", "n3"}, placed  # the allocation's, not n4

@@ -57,17 +57,19 @@ def agents_engine(address: str | None) -> dict[str, Any]:
     return {"kind": "agents", "host": host.strip("[]"), "port": int(port)}
 
 
-def slurm_cluster(cluster_raw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+def slurm_cluster(cluster_raw: Any, chips_per_pod: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """The job's nodes in the Slurm allocation this runs in: every allocated node, in Slurm's
-    order (the job's pods take the first, the rest are its standby nodes), each with the cluster
-    settings' chips per node. Returns the cluster settings and the engine's stored settings."""
+    order (the job's pods take the first, the rest are its standby nodes). A pod is a node's
+    share of the job, as torchrun's `--nnodes` counts nodes: each node holds the chips of one
+    pod (`chips_per_pod`), so that no two pods share a node (the cluster settings' chips per
+    node are not read: on an 8-GPU node, `--nproc-per-node 4` is 4 GPUs of one pod, as under
+    torchrun). Returns the cluster settings and the engine's stored settings."""
     from relaunch.cluster.slurm import Allocation
 
     allocation = Allocation.from_environment()
-    shape = parse_cluster(cluster_raw, source="cluster settings")
-    chips = shape.nodes[0].chips if shape.nodes else 2
+    parse_cluster(cluster_raw, source="cluster settings")  # its timings, checked
     settings = dict(cluster_raw) if isinstance(cluster_raw, dict) else {}
-    settings["nodes"] = [{"name": name, "chips": chips} for name in allocation.nodes]
+    settings["nodes"] = [{"name": name, "chips": chips_per_pod} for name in allocation.nodes]
     settings.pop("chips_per_node", None)
     out.print(
         f"[bold cyan]\\[relaunch][/] Slurm job {allocation.job_id}: {len(allocation.nodes)} "

@@ -286,7 +286,8 @@ def _submit(
     if engine == "ray":
         cluster_raw, engine_spec, trial = ray_cluster(cluster_raw, address, ray_select)
     elif engine == "slurm":
-        cluster_raw, engine_spec = slurm_cluster(cluster_raw)
+        chips = parse_job(raw, source=source).chips_per_pod
+        cluster_raw, engine_spec = slurm_cluster(cluster_raw, chips)
     elif engine == "agents":
         engine_spec = agents_engine(address)
     else:  # the embedded cluster's chips are this machine's GPUs, where it has any
