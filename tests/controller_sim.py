@@ -128,8 +128,8 @@ class FakeEngine:
     def shutdown(self) -> None:
         self.calls.append(("shutdown",))
 
-    def lost_nodes(self) -> set[str]:
-        return set(self.dead)
+    def lost_nodes(self) -> dict[str, str]:
+        return dict.fromkeys(self.dead, "its agent exited")
 
     def node_address(self, node: str) -> str:
         return "127.0.0.1"

@@ -74,6 +74,17 @@ def test_scontrol_nodes_parsed_with_slurms_states_as_lost_or_not() -> None:
     assert nodes["n2"].reason.startswith("relaunch: isolated: node-lost (node n2)")
 
 
+def test_a_lost_node_says_what_slurm_saw_and_an_administrators_drain_is_named_as_such() -> None:
+    said = parse_nodes(
+        SCONTROL + "NodeName=n5 State=IDLE+DRAIN Reason=maint window [root@2026-12-01T10:00:00]\n"
+    )
+    assert said["n5"].lost and said["n5"].seen == "drained by the administrator: maint window"
+    assert not said["n5"].relaunchs
+    assert said["n2"].relaunchs  # relaunch's own drain is not an administrator's
+    assert said["n2"].seen.startswith("Slurm marks it MIXED+DRAIN: relaunch: isolated")
+    assert said["n3"].seen == "Slurm marks it DOWN*: Not responding"
+
+
 def test_at_the_end_a_taken_out_nodes_step_is_cancelled_first_and_its_srun_not_waited_for(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -501,3 +512,30 @@ def test_a_pod_is_a_nodes_share_of_the_job_one_pod_per_node(
     placed = result.launch_nodes()
     assert len(placed) == 2 and len(set(placed)) == 2, placed
     assert set(placed) <= {"n1", "n2", "n3"}, placed  # the allocation's, not n4
+
+
+def test_an_administrators_drain_is_its_own_observation_and_keeps_its_reason(
+    slurm: TrialSlurm, tmp_path: Path, unbroken: str
+) -> None:
+    """`scontrol update NodeName=X State=DRAIN Reason=maint` on pod 1's node while the job
+    trains: the node is lost as drained by the administrator, with the reason, on record; the
+    pod moves (a dying gasp first: its processes still run) and the job ends bit-identical; and
+    Slurm still says `maint`, not a reason of relaunch's written over it."""
+    out = tmp_path / "hash.txt"
+    script = batch_script(tmp_path, ddp_job(out, 10), [])
+    job_id = slurm.slurm(["sbatch", "--parsable", str(script)]).stdout.strip().split(";")[0]
+    node = pod_1_node_at_step_40(tmp_path)
+    slurm.slurm(["scontrol", "update", f"NodeName={node}", "State=DRAIN", "Reason=maint"])
+    fields = wait_for_job(slurm, job_id, lambda f: f.get("JobState") in ENDED)
+    log = (tmp_path / "out.txt").read_text()
+    assert fields["JobState"] == "COMPLETED", log
+    (record,) = json.loads((tmp_path / "report.json").read_text())["recoveries"]
+    assert (record["fault"]["kind"], record["fault"]["node"]) == ("node-lost", node), record
+    assert "drained by the administrator: maint" in record["fault"]["detail"], record
+    assert record["action"] == "pod-reschedule" and record["outcome"] == "succeeded", record
+    reasons = dict(
+        line.split(" ", 1)
+        for line in slurm.slurm(["sinfo", "-R", "-h", "-o", "%n %E"]).stdout.splitlines()
+    )
+    assert reasons.get(node) == "maint", reasons
+    assert out.read_text().strip() == unbroken, log

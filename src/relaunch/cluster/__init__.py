@@ -10,6 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from relaunch.cluster.config import NodeSpec
     from relaunch.protocol.links import Cut, LinkFaultKind
     from relaunch.protocol.messages import AgentHello, Heartbeat
@@ -106,8 +108,9 @@ class Engine(Protocol):
         """Kill everything this engine started and is still running."""
         ...
 
-    def lost_nodes(self) -> set[str]:
-        """Nodes the engine itself knows to be gone (besides a silent agent); non-blocking."""
+    def lost_nodes(self) -> Mapping[str, str]:
+        """Nodes the engine itself knows to be gone (besides a silent agent), each with what the
+        engine saw, in words ("": only that it is gone); non-blocking."""
         ...
 
     def node_address(self, node: str) -> str:

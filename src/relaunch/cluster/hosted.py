@@ -129,8 +129,8 @@ class AgentsCluster:
     def isolate_node(self, node: str, reason: str) -> str | None:
         return None  # no scheduler owns the machines: relaunch's record is the isolation
 
-    def lost_nodes(self) -> set[str]:
-        return set()  # a silent agent is the controller's to find (the heartbeat timeout)
+    def lost_nodes(self) -> dict[str, str]:
+        return {}  # a silent agent is the controller's to find (the heartbeat timeout)
 
     def node_address(self, node: str) -> str:
         return self.hosted.address(node, node)

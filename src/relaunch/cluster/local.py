@@ -331,7 +331,7 @@ class LocalCluster:
                 os.close(fd)
         self._agent_fds = None
 
-    def lost_nodes(self) -> set[str]:
+    def lost_nodes(self) -> dict[str, str]:
         """Nodes whose agent process has exited (killed by node-down, or dead of its own): one
         poll of every agent's pidfd, without waiting."""
         self._watch_agents()
@@ -340,7 +340,7 @@ class LocalCluster:
                 node = self._watched.pop(fd)
                 self._poll.unregister(fd)
                 self._dead.add(node)
-        return set(self._dead)
+        return dict.fromkeys(self._dead, "its agent exited")
 
     def _watch_agents(self) -> None:
         """At the first look, watch the agents an earlier controller started (a resume)."""

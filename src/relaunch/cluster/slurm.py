@@ -47,6 +47,9 @@ __all__ = ["Allocation", "SlurmCluster", "SlurmNode", "node_states", "parse_node
 
 AGENT_STEP: Final = "relaunch-agent"
 """The name of every agent's step (`squeue -s`), with its node's after a dash."""
+REASON_PREFIX: Final = "relaunch: "
+"""How relaunch's reason for a node it drained begins; a reason that does not is someone
+else's (an administrator's), and relaunch never writes over it."""
 LOST_STATES: Final = ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING", "POWER_DOWN", "POWERED_DOWN")
 """Slurm node states (or flags) under which relaunch takes a node for lost."""
 CALL_TIMEOUT_S: Final = 10.0
@@ -69,6 +72,25 @@ class SlurmNode:
         """Slurm takes the node out (down, drained or draining, failed, not responding)."""
         flags = re.split(r"[+]", self.state.rstrip("*~#!%$@^-"))
         return self.state.endswith("*") or any(flag in LOST_STATES for flag in flags)
+
+    @property
+    def relaunchs(self) -> bool:
+        """The node's reason is relaunch's own (it drained the node: `isolate_node`)."""
+        return self.reason.startswith(REASON_PREFIX)
+
+    @property
+    def seen(self) -> str:
+        """What Slurm says of a lost node, in words: an administrator's drain with its reason,
+        or Slurm's state and reason."""
+        if "DRAIN" in self.state and self.reason and not self.relaunchs:
+            return f"drained by the administrator: {_bare(self.reason)}"
+        said = f"Slurm marks it {self.state}"
+        return f"{said}: {_bare(self.reason)}" if self.reason else said
+
+
+def _bare(reason: str) -> str:
+    """A Slurm reason without the `[user@time]` Slurm appends."""
+    return re.sub(r"\s*\[[^\]]*@[^\]]*\]$", "", reason).strip()
 
 
 def parse_nodes(text: str) -> dict[str, SlurmNode]:
@@ -155,7 +177,9 @@ class SlurmCluster(AgentsCluster):
         self.allocation = allocation
         self.slurm_addresses = addresses
         self.steps: dict[str, subprocess.Popen[bytes]] = {}
-        self._lost: set[str] = {name for name in allocation.nodes if name not in known}
+        self._lost: dict[str, str] = {
+            name: "Slurm does not know it" for name in allocation.nodes if name not in known
+        }
         self._isolated: set[str] = set()
         """The nodes relaunch took out (`isolate_node`): no pod of the job is left there."""
         self._lock = threading.Lock()
@@ -186,18 +210,20 @@ class SlurmCluster(AgentsCluster):
                 continue  # slurmctld restarting: no verdict this time
             with self._lock:
                 self.slurm_said = said
-                self._lost |= {name for name, node in said.items() if node.lost}
+                for name, node in said.items():
+                    if node.lost:
+                        self._lost.setdefault(name, node.seen)
 
     def _step_ended(self, node: str, step: subprocess.Popen[bytes]) -> None:
         step.wait()
         if not self._stop.is_set() and self.steps.get(node) is step:
             with self._lock:
-                self._lost.add(node)
+                self._lost.setdefault(node, "its agent's step ended")
             self.hosted.forget(node)
 
-    def lost_nodes(self) -> set[str]:
+    def lost_nodes(self) -> dict[str, str]:
         with self._lock:
-            return set(self._lost)
+            return dict(self._lost)
 
     # -- the engine interface -----------------------------------------------------------------------
 
@@ -233,10 +259,16 @@ class SlurmCluster(AgentsCluster):
             self._cancel_steps(only={node})
 
     def isolate_node(self, node: str, reason: str) -> str | None:
-        """Drain `node` in Slurm with relaunch's reason; why not, where Slurm refused."""
+        """Drain `node` in Slurm with relaunch's reason; why not, where Slurm refused. A node
+        someone else drained already (an administrator, with a reason of theirs) keeps their
+        reason: relaunch never writes over a reason it did not write."""
+        with self._lock:
+            said = self.slurm_said.get(node)
         try:
+            if said is not None and "DRAIN" in said.state and said.reason and not said.relaunchs:
+                return None
             _slurm(["scontrol", "update", f"NodeName={node}", "State=DRAIN",
-                    f"Reason=relaunch: {reason}"[:200]])  # fmt: skip
+                    f"Reason={REASON_PREFIX}{reason}"[:200]])  # fmt: skip
         except EngineError as error:
             return str(error)
         finally:
@@ -256,7 +288,7 @@ class SlurmCluster(AgentsCluster):
         ends that step when it marks the node down or hears from it."""
         self._stop.set()
         with self._lock:
-            out = self._lost | self._isolated
+            out = set(self._lost) | self._isolated
         self._cancel_steps(only=out)
         kept = [step for node, step in self.steps.items() if node not in out]
         _wait_all(kept, STEP_WAIT_S)

@@ -191,14 +191,14 @@ class LostNode:
 def lost_nodes(
     nodes: Iterable[NodeRow],
     agents: Mapping[str, AgentLink],
-    gone: set[str],
+    gone: Mapping[str, str],
     now: float,
     timeout: float,
     silent_since: float,
     injected_at: InjectedAt,
 ) -> list[LostNode]:
-    """Nodes in use whose agent is silent for `timeout`, or that the engine reports dead,
-    whichever comes first. `silent_since`: when a node without a connected agent started
+    """Nodes in use whose agent is silent for `timeout`, or that the engine reports dead (`gone`:
+    each with what the engine saw), whichever comes first. `silent_since`: when a node without a connected agent started
     counting (a resume counts from the end of its adoption)."""
     found = []
     for node in nodes:
@@ -208,8 +208,11 @@ def lost_nodes(
         last = agent.last_heartbeat if agent is not None else silent_since
         if now - last > timeout or node.name in gone:
             silent = node.name not in gone
+            seen = gone.get(node.name, "")
             why = (
-                f"no heartbeat for {timeout:g} s" if silent else "the engine reports the node dead"
+                f"no heartbeat for {timeout:g} s"
+                if silent
+                else "the engine reports the node dead" + (f": {seen}" if seen else "")
             )
             at = injected_at(("node", node.name), last)
             # a silent node may still run (cut off): its pods' replacements wait (fencing)

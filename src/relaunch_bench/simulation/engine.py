@@ -115,8 +115,8 @@ class SimEngine:
         """No scheduler owns the nodes here: relaunch's own record is the isolation."""
         return None
 
-    def lost_nodes(self) -> set[str]:
-        return set(self.killed)  # as the embedded cluster sees its agent processes end
+    def lost_nodes(self) -> dict[str, str]:
+        return dict.fromkeys(self.killed, "its agent exited")  # as the embedded cluster sees it
 
     def node_address(self, node: str) -> str:
         return "127.0.0.1"

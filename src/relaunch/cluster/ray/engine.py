@@ -109,9 +109,9 @@ class RayCluster:
                     if not alive.get(node.node_id, False):
                         self._lost.add(name)
 
-    def lost_nodes(self) -> set[str]:
+    def lost_nodes(self) -> dict[str, str]:
         with self._lock:
-            return set(self._lost)
+            return dict.fromkeys(self._lost, "Ray reports the node dead")
 
     # -- node hosts ---------------------------------------------------------------------------------
 
