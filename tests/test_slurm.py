@@ -29,6 +29,7 @@ from relaunch.cluster.slurm import Allocation, parse_nodes
 from relaunch.cluster.slurm_trial import TrialSlurm, unavailable
 from relaunch.containers import cluster_root
 from relaunch.errors import EngineError
+from relaunch.store import JobStatus, Store
 from tests.runtime import (
     DDP_CLUSTER,
     DDP_FAULTS,
@@ -539,3 +540,36 @@ def test_an_administrators_drain_is_its_own_observation_and_keeps_its_reason(
     )
     assert reasons.get(node) == "maint", reasons
     assert out.read_text().strip() == unbroken, log
+
+
+SCANCEL_BODY = """relaunch run --engine slurm $JOB $FILES --startup-seconds 60 &
+pid=$!
+trap 'kill -TERM $pid' TERM
+wait $pid; code=$?
+while kill -0 $pid 2>/dev/null; do wait $pid; code=$?; done
+exit $code"""
+"""docs/slurm.md's script's way of running relaunch: in the background, so that scancel's
+SIGTERM to the batch shell is passed on and the shell waits for the orderly stop."""
+
+
+def test_scancel_stops_the_job_in_order(slurm: TrialSlurm, tmp_path: Path) -> None:
+    """`scancel JOB` of the docs' script while the job trains: relaunch hears SIGTERM and
+    stops the job in order (its record says so, its summary is printed, exit 143), and
+    nothing of the job runs on after it: no launcher or rank waiting out its lease on nodes
+    Slurm already treats as free. Before: bash died at once, slurmstepd killed the controller
+    0.15 s later with no record, and the pods ran on for the adopt grace."""
+    out = tmp_path / "hash.txt"
+    job = ddp_job(out, 10)
+    job["metadata"]["labels"]["grace-over-time"] = "1"
+    script = batch_script(tmp_path, job, [], body=SCANCEL_BODY)
+    job_id = slurm.slurm(["sbatch", "--parsable", str(script)]).stdout.strip().split(";")[0]
+    pod_1_node_at_step_40(tmp_path)
+    slurm.slurm(["scancel", job_id])
+    wait_for_job(slurm, job_id, lambda f: f.get("JobState") in ENDED)
+    log = (tmp_path / "out.txt").read_text()
+    left = wait_gone(tmp_path / "state", timeout=10)
+    assert not left, [p.cmdline() for p in left]
+    assert "Stopped: job" in log and "(SIGTERM)" in log, log[-3000:]
+    store = Store(tmp_path / "state" / "relaunch.db")
+    (row,) = store.jobs()
+    assert row.status is JobStatus.STOPPED and row.reason.endswith("(SIGTERM)"), row
