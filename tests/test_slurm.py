@@ -573,3 +573,48 @@ def test_scancel_stops_the_job_in_order(slurm: TrialSlurm, tmp_path: Path) -> No
     store = Store(tmp_path / "state" / "relaunch.db")
     (row,) = store.jobs()
     assert row.status is JobStatus.STOPPED and row.reason.endswith("(SIGTERM)"), row
+
+
+def test_a_lost_batch_host_comes_back_by_the_requeue_docs_slurm_md_says(
+    slurm: TrialSlurm, tmp_path: Path, unbroken: str
+) -> None:
+    """Every process of the batch host killed (the controller with it) under `--no-kill
+    --requeue`: Slurm removes the node, keeps the job RUNNING without its batch script, and
+    nothing of relaunch is left in the allocation to bring it back (the agents' steps ended
+    with their sruns, on the batch host; the pods elsewhere stop at their lease). What
+    docs/slurm.md tells the user to run, `scontrol requeue JOB`, carries the job on: the
+    requeued script's `relaunch run --resume` resumes it from its checkpoints in an allocation
+    without the lost node, bit-identical, the first run's record kept."""
+    out = tmp_path / "hash.txt"
+    body = """if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then
+  relaunch run --resume --state-dir $STATE --report REPORT --quiet
+else
+  relaunch run --engine slurm $JOB $FILES --startup-seconds 60 --quiet
+fi""".replace("REPORT", str(tmp_path / "report.json"))
+    header = "#SBATCH --requeue\n#SBATCH --no-kill"
+    script = batch_script(tmp_path, ddp_job(out, 10), [], 3, body, header)
+    job_id = slurm.slurm(["sbatch", "--parsable", str(script)]).stdout.strip().split(";")[0]
+    pod_1_node_at_step_40(tmp_path)
+    batch_host = job_state(slurm, job_id)["BatchHost"]
+    slurm.kill_node(batch_host)
+    try:
+        left = wait_for_job(slurm, job_id, lambda f: batch_host not in hostnames(slurm, f))
+        assert left["JobState"] == "RUNNING", left  # Slurm keeps it, with no batch script
+        slurm.slurm(["scontrol", "requeue", job_id])  # docs/slurm.md: "A lost batch host"
+        fields = wait_for_job(slurm, job_id, lambda f: f.get("JobState") in ENDED)
+    finally:
+        slurm.start_node(batch_host)
+        slurm.wait_idle()
+    log = (tmp_path / "out.txt").read_text()
+    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", f"{fields}\n{log}"
+    assert batch_host not in hostnames(slurm, fields), fields
+    assert "resumed job" in log, log
+    assert out.read_text().strip() == unbroken, log
+
+
+def hostnames(slurm: TrialSlurm, fields: dict[str, str]) -> list[str]:
+    """The nodes of a job's NodeList, each by name (`n[2-3]` is n2, n3)."""
+    listed = fields.get("NodeList", "")
+    if not listed or listed == "(null)":
+        return []
+    return slurm.slurm(["scontrol", "show", "hostnames", listed]).stdout.split()
