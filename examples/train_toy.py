@@ -23,7 +23,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--step-seconds", type=float, default=0.05)
-    parser.add_argument("--ckpt-every", type=int, default=5)
+    parser.add_argument("--ckpt-every", type=int, default=5, help="0: no checkpoint")
     parser.add_argument(
         "--crash-at-step", type=int, default=None, help="exit 1 here in every attempt (a code bug)"
     )
@@ -57,7 +57,7 @@ def main() -> None:
         if args.crash_at_step is not None and step == args.crash_at_step:
             print(f"step {step}: simulated bug, exiting 1", flush=True)
             raise SystemExit(1)
-        if step % args.ckpt_every == 0:
+        if args.ckpt_every and step % args.ckpt_every == 0:
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(state))
             tmp.replace(path)

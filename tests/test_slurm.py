@@ -492,7 +492,7 @@ def test_a_pod_is_a_nodes_share_of_the_job_one_pod_per_node(
     one process) in a 3-node allocation: each pod on a node of its own, the third the standby,
     as torchrun's --nnodes counts nodes. Before: both pods on the batch host, whose loss was then
     every pod and the controller at once."""
-    script_args = "examples/ddp/train_ddp.py --steps 6 --ckpt-every 0"
+    script_args = "examples/train_toy.py --steps 5"
     if form == "torchrun":
         body = (
             "relaunch run --engine slurm --cluster "
