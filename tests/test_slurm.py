@@ -558,9 +558,9 @@ def test_scancel_stops_the_job_in_order(slurm: TrialSlurm, tmp_path: Path) -> No
     nothing of the job runs on after it: no launcher or rank waiting out its lease on nodes
     Slurm already treats as free. Before: bash died at once, slurmstepd killed the controller
     0.15 s later with no record, and the pods ran on for the adopt grace."""
-    out = tmp_path / "hash.txt"
-    job = ddp_job(out, 10)
+    job = ddp_job(tmp_path / "hash.txt", 10)
     job["metadata"]["labels"]["grace-over-time"] = "1"
+    job["spec"]["command"] = f"python {ROOT / 'examples' / 'train_toy.py'} --steps 100000"
     script = batch_script(tmp_path, job, [], body=SCANCEL_BODY)
     job_id = slurm.slurm(["sbatch", "--parsable", str(script)]).stdout.strip().split(";")[0]
     pod_1_node_at_step_40(tmp_path)
