@@ -18,6 +18,7 @@ from relaunch.cli import app
 from relaunch.spec import parse_job
 from relaunch.spec.launch import DEFAULT_MAX_RESTARTS, Launch, job_name_of, launch_job
 from tests.cli import relaunch_here
+from tests.test_torchrun_forms import ELASTIC
 
 ROOT = Path(__file__).resolve().parents[1]
 DDP = "examples/ddp/train_ddp.py"
@@ -133,20 +134,7 @@ BAD_OPTIONS = {
     "nodes zero": (["--nnodes", "0", DDP], "--nnodes: '0'"),
     "nodes text": (["--nnodes", "two", DDP], "--nnodes: 'two'"),
     "nodes range": (["--nnodes", "1:4", DDP], "restart every worker at a new size"),
-    "nodes range above one": (
-        [
-            "--nnodes",
-            "2:4",
-            "--annotation",
-            "recover-strategy=elastic-training",
-            "--label",
-            "process-recover-enable=on",
-            "--label",
-            "fault-scheduling=grace",
-            DDP,
-        ],
-        "--nnodes: '2:4'",
-    ),
+    "nodes range above one": (["--nnodes", "2:4", *ELASTIC, DDP], "--nnodes: '2:4'"),
     "nodes range malformed": (["--nnodes", "1:2:3", DDP], "--nnodes: '1:2:3'"),
     "procs zero": (["--nproc-per-node", "0", DDP], "--nproc-per-node: '0'"),
     "procs text": (["--nproc-per-node", "two", DDP], "--nproc-per-node: 'two'"),

@@ -6,8 +6,6 @@ many nodes and processes, or is refused in one line. One real run of `-m` at the
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -161,38 +159,30 @@ def test_a_range_relaunch_cannot_keep_is_refused_in_one_line(nnodes: str) -> Non
 def test_a_module_runs_as_python_m_would_run_it(tmp_path: Path) -> None:
     """A real run of `relaunch run --nproc-per-node cpu -m MODULE ARGS`: the ranks run the
     module (a process per CPU, no chips), each a torchelastic launch, and the job succeeds."""
-    state = tmp_path / "state"
+    from tests.test_torchrun_form import relaunch
+
     report = tmp_path / "report.json"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "relaunch",
-            "run",
-            "--state-dir",
-            str(state),
-            "--report",
-            str(report),
-            "--nproc-per-node",
-            "cpu",
-            "--monitor-interval",
-            "0.2",
-            "-m",
-            MODULE,
-            "--steps",
-            "3",
-            "--ckpt-every",
-            "2",
-            "--ckpt-dir",
-            str(tmp_path / "ckpt"),
-            "--out",
-            str(tmp_path / "hash"),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
+    result = relaunch(
+        "run",
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--report",
+        str(report),
+        "--nproc-per-node",
+        "cpu",
+        "--monitor-interval",
+        "0.2",
+        "-m",
+        MODULE,
+        "--steps",
+        "3",
+        "--ckpt-every",
+        "2",
+        "--ckpt-dir",
+        str(tmp_path / "ckpt"),
+        "--out",
+        str(tmp_path / "hash"),
         timeout=180,
-        check=False,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads(report.read_text())
