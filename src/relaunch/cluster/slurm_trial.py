@@ -4,7 +4,9 @@
 slurmctld in the root network namespace and one slurmd per node, each node a network namespace
 of the embedded cluster's kind (`cluster.network`: its own management and data addresses on a
 bridge, so that a node cut off or lost is real). A slurmd is started in its namespace with
-`nsenter --net` (`ip netns exec` remounts /sys, and slurmd then fails on cgroups), several on one
+`nsenter --net` (`ip netns exec` remounts /sys, and slurmd then fails on cgroups) and a mount
+namespace whose /etc/hosts names every node (`NAME` its management address, `NAME-data` its data
+one), so that names resolve on every node as on a real cluster, several on one
 host by name (`slurmd -N NAME`, `%n` in the spool, pid and log paths), with process groups for
 tracking and no task plugin (`proctrack/pgid`, `task/none`): nothing here touches the machine's
 own Slurm or munge, if it has any. `stop` ends every daemon and job and removes the namespaces.
@@ -170,10 +172,30 @@ class TrialSlurm:
             return
         (self.home / "spool" / node).mkdir(parents=True, exist_ok=True)
         namespace = NETNS_DIR / self.network.layout.namespace(node)
+        hosts = self._hosts()
+        # a mount namespace of its own (mounts still shared from the machine's), whose /etc/hosts
+        # names every node, as a real cluster's names resolve: what slurmd starts sees it too
         self._daemon(
             f"slurmd-{node}",
-            ["nsenter", f"--net={namespace}", "slurmd", "-D", "-f", str(self.conf), "-N", node],
+            ["nsenter", f"--net={namespace}", "unshare", "--mount", "--propagation", "slave",
+             "sh", "-c", f'mount --bind "{hosts}" /etc/hosts && exec "$@"', "slurmd",
+             "slurmd", "-D", "-f", str(self.conf), "-N", node],
         )  # fmt: skip
+
+    def _hosts(self) -> Path:
+        """The nodes' /etc/hosts: the machine's own lines, then each node's management address
+        by its name and its data address by `NAME-data`."""
+        assert self.network is not None
+        layout = self.network.layout
+        hosts = self.home / "hosts"
+        own = Path("/etc/hosts").read_text() if Path("/etc/hosts").exists() else ""
+        lines = [own.rstrip(), "# the trial Slurm cluster's nodes"]
+        for name in self.nodes:  # and as IPv4-mapped addresses: c10d's store listens on IPv6
+            named = {layout.mgmt_address(name): name, layout.data_address(name): f"{name}-data"}
+            for address, alias in named.items():
+                lines += [f"{address} {alias}", f"::ffff:{address} {alias}"]
+        hosts.write_text("\n".join(lines) + "\n")
+        return hosts
 
     def wait_idle(self, timeout: float = 60.0) -> None:
         """Until every node is idle in `sinfo`."""
