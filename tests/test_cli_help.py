@@ -78,7 +78,7 @@ def test_the_help_names_every_engine_a_command_runs_on() -> None:
     for engine in ("embedded", "ray:", "slurm:", "agents:"):
         assert engine in said, engine
     listed = " ".join(help_text().replace("│", " ").split())
-    assert "on Ray, in a Slurm allocation or on agents" in listed, listed
+    assert "on the embedded cluster, Ray, Slurm or agents" in listed, listed
 
 
 @pytest.mark.parametrize("engine", ["slurm", "agents"])

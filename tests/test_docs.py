@@ -46,8 +46,8 @@ def test_every_option_a_command_lists_is_in_its_section(command: str) -> None:
 
 def test_a_command_s_help_text_is_its_section_s_paragraph() -> None:
     said = " ".join(_help("run").replace("│", " ").split())
-    assert "a module with -m pkg.train" in said
-    assert "or a module with `-m pkg.train`" in REFERENCE
+    assert "or -m pkg.train" in said
+    assert "or `-m pkg.train`" in REFERENCE
 
 
 def test_the_committed_reference_is_the_one_the_commands_make() -> None:

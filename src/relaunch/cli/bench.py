@@ -52,8 +52,7 @@ def bench(
     ] = "cpu",
     series_systems: SeriesSystemsOption = None,
 ) -> None:
-    """Measure recovery time by level on this machine, side by side with torchrun and the
-    peers that restore a job (torchft, NVRx, DLRover: `make peers` installs them)."""
+    """Measure recovery time by level on this machine beside torchrun, torchft, NVRx, DLRover."""
     _needs("torch", "matplotlib")
     # the benchmarks live outside the core package; imported only when asked for
     from relaunch_bench import LEVELS, SECTIONS, SERIES_SYSTEMS, BenchOptions, run_bench

@@ -153,11 +153,9 @@ def run(
     label: LabelOption = None,
     env: EnvOption = None,
 ) -> None:
-    """Run a job until it succeeds or fails (exit 0 / 1; 2 for bad input), on the embedded
-    cluster, on Ray, in a Slurm allocation or on agents started by hand (--engine). Either from
-    a job file, or as torchrun would run a script: `relaunch run --nnodes 2 --nproc-per-node 4
-    train.py --epochs 3`, or a module with `-m pkg.train` (everything after the script is the
-    script's)."""
+    """Run a job to its end (exit 0 / 1; 2 for bad input) on the embedded cluster, Ray, Slurm or
+    agents started by hand (--engine), from a job file or as torchrun runs a script: `relaunch
+    run --nnodes 2 train.py --epochs 3`, or `-m pkg.train` (what follows them is theirs)."""
     engine = _engine_checked(engine, address, ray_select, simulate_chips)
     directory = state_dir_of(state_dir)
     held = _lock(directory)

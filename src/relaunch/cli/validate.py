@@ -86,9 +86,8 @@ def validate(
     label: LabelOption = None,
     env: EnvOption = None,
 ) -> None:
-    """Check a job spec (and a fault plan against it); print its effective recovery settings,
-    or every problem (exit 2). A torchrun-shaped command line (`relaunch validate --nnodes 2
-    --nproc-per-node 4 train.py`) is checked as `relaunch run` would build its job."""
+    """Check a job spec (and a fault plan against it): its effective recovery settings, or every
+    problem (exit 2); in torchrun's form (`--nnodes 2 train.py`), the job `relaunch run` builds."""
     launch = LaunchOptions.of(ctx)
     try:
         document = launch_document(ctx, file, launch)
