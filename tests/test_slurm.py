@@ -597,6 +597,9 @@ fi""".replace("REPORT", str(tmp_path / "report.json"))
     pod_1_node_at_step_40(tmp_path)
     batch_host = job_state(slurm, job_id)["BatchHost"]
     slurm.kill_node(batch_host)
+    # what slurmctld does by itself once the node misses its pings (about 25 s here), at once
+    down = ["scontrol", "update", f"NodeName={batch_host}", "State=DOWN", "Reason=died"]
+    slurm.slurm(down)
     try:
         left = wait_for_job(slurm, job_id, lambda f: batch_host not in hostnames(slurm, f))
         assert left["JobState"] == "RUNNING", left  # Slurm keeps it, with no batch script
