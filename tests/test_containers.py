@@ -427,3 +427,30 @@ def test_left_behind_counts_what_lives_on_not_what_ends_on_its_own(tmp_path: Pat
             process.kill()
             process.wait()
         cluster.shutdown()
+
+
+_PROBES = r"""
+import sys
+from pathlib import Path
+from relaunch.containers import ClusterCgroups
+said = [ClusterCgroups.probe(Path(sys.argv[1])) for _ in range(int(sys.argv[2]))]
+print(sum(isinstance(s, str) for s in said), [s for s in said if isinstance(s, str)][:1])
+"""
+
+
+def test_node_hosts_probing_cgroups_at_once_all_find_them(tmp_path: Path) -> None:
+    """The node hosts of a Ray trial cluster are processes on one machine that probe the
+    cluster's cgroups at the same moment: every one finds them. Before: one's cleanup removed
+    the cluster's cgroup with another's probe in it, which then found no cgroup.kill and ran its
+    pods as process groups."""
+    _cgroups_or_skip(tmp_path / "state")
+    probers = [
+        subprocess.Popen(
+            [sys.executable, "-c", _PROBES, str(tmp_path / "state"), "40"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
+    said = [p.communicate(timeout=120)[0].strip() for p in probers]
+    assert all(line.startswith("0 ") for line in said), said

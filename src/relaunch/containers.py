@@ -305,16 +305,23 @@ class ClusterCgroups:
         if root is None:
             return "no cgroup v2 hierarchy is mounted (see /proc/self/mountinfo)"
         base = root.path.parent
-        trial = root.child("probe")
+        # a probe of this process's own: the node hosts of a Ray trial cluster probe at once on
+        # one machine, and one's cleanup took another's probe away before it was looked at
+        trial = root.child(f"probe-{os.getpid()}")
         made_root = not root.path.exists()
         try:
             trial.make()
             killable = (trial.path / "cgroup.kill").exists()
-            (root if made_root else trial).remove()  # nothing is left of the probe
-            if not killable:
-                return "this kernel's cgroups have no cgroup.kill (Linux 5.14 or later needed)"
         except OSError as error:
             return f"cannot create a cgroup under {base} ({error.strerror}): run as root or in a delegated cgroup"
+        finally:
+            with contextlib.suppress(OSError):
+                os.rmdir(trial.path)  # nothing is left of the probe
+        if made_root:  # unless another process has made its cgroups there meanwhile
+            with contextlib.suppress(OSError):
+                os.rmdir(root.path)
+        if not killable:
+            return "this kernel's cgroups have no cgroup.kill (Linux 5.14 or later needed)"
         return ClusterCgroups(root)
 
     def node(self, name: str) -> Cgroup:
