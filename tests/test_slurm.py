@@ -80,8 +80,8 @@ def test_a_lost_node_says_what_slurm_saw_and_an_administrators_drain_is_named_as
         SCONTROL + "NodeName=n5 State=IDLE+DRAIN Reason=maint window [root@2026-12-01T10:00:00]\n"
     )
     assert said["n5"].lost and said["n5"].seen == "drained by the administrator: maint window"
-    assert not said["n5"].relaunchs
-    assert said["n2"].relaunchs  # relaunch's own drain is not an administrator's
+    assert said["n5"].drained_by_someone_else
+    assert not said["n2"].drained_by_someone_else  # relaunch's own drain is not an administrator's
     assert said["n2"].seen.startswith("Slurm marks it MIXED+DRAIN: relaunch: isolated")
     assert said["n3"].seen == "Slurm marks it DOWN*: Not responding"
 

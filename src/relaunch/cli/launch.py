@@ -25,17 +25,15 @@ __all__ = [
     "launch_document",
 ]
 
+_MODULE_OPTIONS = frozenset({"-m", "--module"})
 _TORCHRUN_OPTIONS = frozenset(
-    {"--nnodes", "--nproc-per-node", "--nproc_per_node", "--standalone", "-m", "--module"}
+    {"--nnodes", "--nproc-per-node", "--nproc_per_node", "--standalone", *_MODULE_OPTIONS}
 )
 """Options that say the command line is in torchrun's form. Every option of more than one word
 is taken in torchrun's two spellings, `--max-restarts` and `--max_restarts`: the second is
 written as the first before the command line is parsed (`dashed`), so that `--help` lists
 one name an option."""
 _JOB_FILE_SUFFIXES = (".yaml", ".yml", ".json")
-
-
-_MODULE_OPTIONS = frozenset({"-m", "--module"})
 
 
 def torchrun_form(args: list[str]) -> bool:

@@ -74,15 +74,20 @@ class SlurmNode:
         return self.state.endswith("*") or any(flag in LOST_STATES for flag in flags)
 
     @property
-    def relaunchs(self) -> bool:
-        """The node's reason is relaunch's own (it drained the node: `isolate_node`)."""
-        return self.reason.startswith(REASON_PREFIX)
+    def drained_by_someone_else(self) -> bool:
+        """Drained with a reason that is not relaunch's (`isolate_node` writes REASON_PREFIX):
+        an administrator's, which relaunch never writes over."""
+        return (
+            "DRAIN" in self.state
+            and bool(self.reason)
+            and not self.reason.startswith(REASON_PREFIX)
+        )
 
     @property
     def seen(self) -> str:
         """What Slurm says of a lost node, in words: an administrator's drain with its reason,
         or Slurm's state and reason."""
-        if "DRAIN" in self.state and self.reason and not self.relaunchs:
+        if self.drained_by_someone_else:
             return f"drained by the administrator: {_bare(self.reason)}"
         said = f"Slurm marks it {self.state}"
         return f"{said}: {_bare(self.reason)}" if self.reason else said
@@ -265,7 +270,7 @@ class SlurmCluster(AgentsCluster):
         with self._lock:
             said = self.slurm_said.get(node)
         try:
-            if said is not None and "DRAIN" in said.state and said.reason and not said.relaunchs:
+            if said is not None and said.drained_by_someone_else:
                 return None
             _slurm(["scontrol", "update", f"NodeName={node}", "State=DRAIN",
                     f"Reason={REASON_PREFIX}{reason}"[:200]])  # fmt: skip
