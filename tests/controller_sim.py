@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from relaunch import runner
+from relaunch.cluster import NOTHING_COUNTED, EngineBase, EngineFacts, LeftBehind, Rehearsal
 from relaunch.cluster.config import ClusterConfig, NodeSpec
 from relaunch.controller import Controller, RunOptions, lifecycle
 from relaunch.controller.clock import TICK_S
@@ -88,17 +89,20 @@ def waiting_stack(rank: int, state: str = "sleeping") -> RankStack:
     return RankStack(rank, 5000 + rank, state, frames, "\n".join(map(str, frames)))
 
 
-class FakeEngine:
-    bind_host = "127.0.0.1"
-    left_behind: int | None = None
-    left_behind_what: list[str] = []  # noqa: RUF012 (never written: nothing is left here)
-    containers = "pods are simulated"
+class FakeEngine(EngineBase):
+    facts = EngineFacts(
+        chips="chips are simulated", containers="pods are simulated", networks="nodes are simulated"
+    )
 
     def __init__(self) -> None:
         self.calls: list[tuple[Any, ...]] = []
         self.plans: list[LaunchPlan] = []
         """Every pod's launch plan, in the order the launchers were started."""
         self.dead: set[str] = set()
+
+    @property
+    def rehearsal(self) -> Rehearsal:
+        return self
 
     def start_agent(self, node: NodeSpec, interval: float, grace: float, blip_s: float) -> int:
         self.calls.append(("start_agent", node.name))
@@ -109,41 +113,21 @@ class FakeEngine:
         self.plans.append(plan)
         return 1
 
-    nodes_come_back = False
-    listen_port = 0
-
-    def agent_heard(self, node: str, peer: Any, message: Any) -> None:
-        """The engine starts pods itself: nothing to keep of what agents say."""
-
-    def isolate_node(self, node: str, reason: str) -> str | None:
-        """No scheduler owns the nodes here: relaunch's own record is the isolation."""
-        return None
-
     def assumed(self, job: int, node: str, pod: int, generation: int) -> None:
         self.calls.append(("assumed", node, pod, generation))
 
     def kill_node(self, node: str) -> None:
         self.calls.append(("kill_node", node))
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> LeftBehind:
         self.calls.append(("shutdown",))
+        return NOTHING_COUNTED
 
     def lost_nodes(self) -> dict[str, str]:
         return dict.fromkeys(self.dead, "its agent exited")
 
-    def node_address(self, node: str) -> str:
-        return "127.0.0.1"
-
     def free_port(self, node: str) -> int:
         return 29500
-
-    networks = "nodes are simulated"
-    nodes_share_cores = False
-    chips_are_gpus = False
-    chips = "chips are simulated"
-
-    def pod_environment(self, node: str) -> dict[str, str]:
-        return {}
 
     def inject_link_fault(
         self, node: str, kind: Any, duration_s: Any, cut: Any = None, rate_mbit: Any = None

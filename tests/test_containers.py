@@ -401,9 +401,9 @@ def test_left_behind_an_agent_in_its_exit_is_killed_and_waited_not_counted(
     try:
         cluster._remember("agents", "node-0", agent.pid)
         monkeypatch.setattr(psutil.Process, "cmdline", lambda self: [])
-        cluster.shutdown()
+        left = cluster.shutdown()
         assert not psutil.pid_exists(agent.pid)  # killed, and reaped by the wait for it
-        assert cluster.left_behind == 0, cluster.left_behind_what
+        assert left.count == 0, left.what
     finally:
         agent.kill()
         agent.wait()

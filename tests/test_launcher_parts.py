@@ -4,6 +4,7 @@ into real processes. (Every end-to-end test runs them together.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -478,7 +479,7 @@ def test_a_pods_plan_counts_the_processes_that_share_its_nodes_cores(
     from tests.controller_sim import Sim, job_spec
 
     sim = Sim(tmp_path, job_spec(replicas=2, procs_per_pod=2))
-    sim.engine.nodes_share_cores = shared  # type: ignore[misc]
+    sim.engine.facts = dataclasses.replace(sim.engine.facts, nodes_share_cores=shared)  # type: ignore[misc]
     c = sim.controller
     plan = commands.launch_plan(c, c.pods[0].row)
     assert plan.host_processes == expected

@@ -7,6 +7,7 @@ refusal of a cluster of more chips than GPUs through the command line."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -22,7 +23,7 @@ POD_LEVEL = {"fault-tolerance/job-retry-num": "4", "fault-tolerance/pod-retry-nu
 
 def gpu_sim(tmp: Path, annotations: dict[str, str] | None = None, **spec: object) -> Sim:
     sim = Sim(tmp, job_spec(annotations or POD_LEVEL, **spec), nodes=4)
-    sim.engine.chips_are_gpus = True  # type: ignore[attr-defined]
+    sim.engine.facts = dataclasses.replace(sim.engine.facts, chips_are_gpus=True)  # type: ignore[misc]
     sim.boot()
     return sim
 
@@ -88,7 +89,7 @@ def test_a_cluster_of_more_chips_than_gpus_is_refused_before_anything_starts(
 ) -> None:
     """On a machine of one GPU, four nodes of two chips would be GPUs 0-7: exit 2, saying so,
     nothing stored; with --simulate-chips the chips are simulated and the check is not made."""
-    import relaunch.cli.engines as run_command
+    import relaunch.engines.embedded as run_command
 
     monkeypatch.setattr(run_command, "gpu_count", lambda: 1)
     monkeypatch.chdir(Path(__file__).resolve().parents[1])

@@ -24,9 +24,9 @@ from typing import IO, Any
 
 import psutil
 
+from relaunch import engines
 from relaunch.cluster import Engine
 from relaunch.cluster.config import ClusterConfig
-from relaunch.cluster.hosted import AgentsCluster
 from relaunch.cluster.local import LocalCluster
 from relaunch.controller import Controller, RunOptions
 from relaunch.errors import RelaunchError, StateDirBusy
@@ -35,7 +35,7 @@ from relaunch.protocol.layout import StateDir
 from relaunch.service import create_pods, stored_job, table_from
 from relaunch.spec import JobSpec
 from relaunch.states import WANTS_NODES
-from relaunch.store import JobRow, JobStatus, NodeState, Store
+from relaunch.store import JobRow, JobStatus, Store
 
 __all__ = [
     "Interrupted",
@@ -114,30 +114,11 @@ def _stored(store: Store, job_id: int) -> tuple[JobSpec, ClusterConfig, tuple[Pl
 
 
 def make_engine(
-    stored: Mapping[str, Any] | None,
-    directory: Path,
-    cluster: ClusterConfig,
-    remove_node: Callable[[str], None] | None = None,
-) -> Engine:
-    """The engine a job was submitted to: the embedded cluster, Ray at the stored address, or
-    the Slurm allocation this runs in (a requeued job's new one, on resume)."""
-    if stored and stored.get("kind") == "slurm":
-        from relaunch.cluster.slurm import Allocation, SlurmCluster
-
-        return SlurmCluster(directory, Allocation.from_environment())
-    if stored and stored.get("kind") == "agents":
-        return AgentsCluster(str(stored["host"]), int(stored["port"]))
-    if not stored or stored.get("kind") != "ray":
-        return LocalCluster(directory)
-    from relaunch.cluster.ray import RayCluster  # only with the `ray` extra
-
-    return RayCluster.open(
-        directory,
-        str(stored["address"]),
-        [n.name for n in cluster.nodes],
-        select=stored.get("select"),
-        remove_node=remove_node,
-    )
+    stored: Mapping[str, Any] | None, at: engines.Opening
+) -> tuple[Engine, ClusterConfig]:
+    """The engine a job was submitted to (its stored settings: the embedded cluster where none),
+    opened again, and the job's cluster on it (a requeued Slurm job's new allocation)."""
+    return engines.kind_of_stored(stored).open(stored or {}, at)
 
 
 def run_job(
@@ -158,10 +139,10 @@ def run_job(
     was submitted to (`engine`: on this one instead; the bench's simulated cluster)."""
     row = store.job(job_id)
     job, cluster, plan = _stored(store, job_id)
-    stored_engine = row.spec.get("engine") or {}
-    if engine is None and stored_engine.get("kind") == "slurm":
-        again = options is not None and options.resumed_from == WANTS_NODES  # a new allocation
-        engine, cluster = _slurm_engine(store, directory, cluster, again)
+    if engine is None:
+        requeued = options is not None and options.resumed_from == WANTS_NODES  # new nodes
+        at = engines.Opening(directory, store, cluster, remove_node, requeued)
+        engine, cluster = make_engine(row.spec.get("engine"), at)
     store.ensure_nodes([(n.name, n.chips) for n in cluster.nodes])
     if options is None:
         table, rules = table_from(row.spec.get("fault_table"))
@@ -171,7 +152,7 @@ def run_job(
         create_pods(store, directory, job_id, job)
     controller = Controller(
         store,
-        engine or make_engine(row.spec.get("engine"), directory, cluster, remove_node),
+        engine,
         directory,
         cluster,
         job_id,
@@ -193,25 +174,6 @@ def run_job(
         controller.stop("stopped by the user (Ctrl-C)")
         status = JobStatus.STOPPED
     return status
-
-
-def _slurm_engine(
-    store: Store, directory: Path, cluster: ClusterConfig, requeued: bool
-) -> tuple[Engine, ClusterConfig]:
-    """The engine of the Slurm allocation this runs in and the job's cluster there: its nodes
-    are the allocation's (a requeued job's new ones); a node of the job's that this allocation
-    does not hold is lost to it. In a requeued job's allocation (`requeued`: the job stopped
-    for want of nodes), a node relaunch had lost is one Slurm gives it again: Ready."""
-    from relaunch.cluster.slurm import Allocation, SlurmCluster
-
-    allocation = Allocation.from_environment()
-    for node in store.nodes():
-        if node.name not in allocation.nodes and node.state is not NodeState.LOST:
-            reason = f"not in the allocation of Slurm job {allocation.job_id}"
-            store.set_node_state(node.name, NodeState.LOST, reason)
-        elif node.name in allocation.nodes and node.state is NodeState.LOST and requeued:
-            store.set_node_state(node.name, NodeState.READY, "allocated again by Slurm")
-    return SlurmCluster(directory, allocation), allocation.cluster(cluster)
 
 
 class Interrupted(KeyboardInterrupt):

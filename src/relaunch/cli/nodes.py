@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from relaunch import service
+from relaunch import engines, service
 from relaunch.cli.common import (
     EXIT_INVALID,
     AddressOption,
@@ -19,14 +19,13 @@ from relaunch.cli.common import (
     TokenOption,
     app,
     client_for,
-    err,
     node_or_exit,
     open_store,
     out,
     remote,
     say_error,
 )
-from relaunch.cli.engines import engine_name, ray_module
+from relaunch.cli.engines import engine_kind
 from relaunch.errors import EngineError
 from relaunch.report import node_view
 
@@ -61,71 +60,26 @@ def nodes(
 ) -> None:
     """List the nodes: state, chips, chip health, isolation (with --engine ray or slurm, the
     engine's nodes with its state of each beside relaunch's)."""
-    if engine_name(engine) == "slurm":
-        _slurm_nodes_table(state_dir)
-        return
-    if engine_name(engine) == "ray":
-        if address is None:
-            err.print("[bold red]error:[/] --engine ray needs --address (the Ray cluster)")
-            raise typer.Exit(EXIT_INVALID)
-        _ray_nodes_table(address, ray_select, state_dir)
+    kind = engine_kind(engine)
+    try:
+        known = {n.name: n for n in open_store(state_dir).nodes()} if not server else {}
+        table = kind.nodes(engines.Where(address, ray_select), known)
+    except EngineError as error:
+        say_error(error)
+        raise typer.Exit(EXIT_INVALID) from None
+    if table is not None:
+        view = Table(show_edge=False)
+        for column in table.columns:
+            view.add_column(column)
+        for row in table.rows:
+            view.add_row(*row)
+        out.print(view)
         return
     if server:
         client = client_for(server, token, state_dir, "default")
         _nodes_table(remote(client.nodes))
         return
     _nodes_table([node_view(n) for n in open_store(state_dir).nodes()])
-
-
-def _ray_nodes_table(address: str, select: str | None, state_dir: Path | None) -> None:
-    ray_engine = ray_module()
-    try:
-        ray_engine.connect(address)
-    except EngineError as error:
-        say_error(error)
-        raise typer.Exit(EXIT_INVALID) from None
-    known = {n.name: n for n in open_store(state_dir).nodes()}
-    view = Table(show_edge=False)
-    for column in ("node", "ray", "ray node id", "address", "chips", "relaunch", "reason"):
-        view.add_column(column)
-    for n in ray_engine.discover(select, include_dead=True):
-        row = known.get(n.name)
-        view.add_row(
-            n.name,
-            "alive" if n.alive else "dead",
-            n.node_id[:12],
-            n.address,
-            str(n.chips),
-            row.state.value if row else "-",
-            row.reason if row else "not used by relaunch yet",
-        )
-    out.print(view)
-
-
-def _slurm_nodes_table(state_dir: Path | None) -> None:
-    from relaunch.cluster.slurm import Allocation, node_states
-
-    try:
-        allocation = Allocation.from_environment()
-        said = node_states(list(allocation.nodes))
-    except EngineError as error:
-        say_error(error)
-        raise typer.Exit(EXIT_INVALID) from None
-    known = {n.name: n for n in open_store(state_dir).nodes()}
-    view = Table(show_edge=False)
-    for column in ("node", "slurm", "slurm reason", "address", "relaunch", "reason"):
-        view.add_column(column)
-    for name in allocation.nodes:
-        node, row = said.get(name), known.get(name)
-        view.add_row(
-            name,
-            node.state if node else "unknown to Slurm",
-            (node.reason if node else "") or "-",
-            node.address if node else "-",
-            row.state.value if row else "-",
-            row.reason if row else "not used by relaunch yet",
-        )
-    out.print(view)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

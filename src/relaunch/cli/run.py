@@ -15,7 +15,7 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
-from relaunch import runner, service
+from relaunch import engines, runner, service
 from relaunch.cli.common import (
     EXIT_INVALID,
     AddressOption,
@@ -31,15 +31,7 @@ from relaunch.cli.common import (
     state_dir_of,
     visible,
 )
-from relaunch.cli.engines import (
-    SimulateChipsOption,
-    agents_engine,
-    check_chips,
-    engine_name,
-    ray_cluster,
-    slurm_cluster,
-    stop_trial,
-)
+from relaunch.cli.engines import SimulateChipsOption, engine_kind, say, stop_trial
 from relaunch.cli.launch import (
     AnnotationOption,
     EnvironmentOnlyOption,
@@ -156,9 +148,9 @@ def run(
     """Run a job to its end (exit 0 / 1; 2 for bad input) on the embedded cluster, Ray, Slurm or
     agents started by hand (--engine), from a job file or as torchrun runs a script: `relaunch
     run --nnodes 2 train.py --epochs 3`, or `-m pkg.train` (what follows them is theirs)."""
-    engine = _engine_checked(engine, address, ray_select, simulate_chips)
-    directory = state_dir_of(state_dir)
-    held = _lock(directory)
+    kind = _engine_checked(engine, address, ray_select, simulate_chips)
+    where = engines.Where(address, ray_select, cluster_file)
+    held = _lock(directory := state_dir_of(state_dir))
     try:
         table, rules = service.table_from(fault_table)
         store = Store(StateDir(directory).db)
@@ -168,7 +160,7 @@ def run(
         else:
             request = _NewRun(job_file, cluster_file, faults_file, fault_table, startup_s, document)
             raw = _cluster_settings(cluster_file, nodes_count, chips_per_node)
-            job_id, trial = _submit(store, directory, request, raw, engine, address, ray_select)
+            job_id, trial = _submit(store, directory, request, raw, kind, where)
     except RelaunchError as error:
         held.close()
         raise _refused(error) from None
@@ -184,16 +176,19 @@ def run(
 
 def _engine_checked(
     engine: str, address: str | None, ray_select: str | None, simulate_chips: bool
-) -> str:
-    """The engine's name; --address only with Ray or agents, --ray-select only with Ray (exit 2
-    otherwise)."""
-    name = engine_name(engine)
-    if (name not in ("ray", "agents") and address) or (name != "ray" and ray_select):
-        err.print("[bold red]error:[/] --address needs --engine ray or agents, --ray-select ray")
+) -> engines.EngineKind:
+    """The engine; --address only where it takes one (Ray, agents), --ray-select only with Ray
+    (exit 2 otherwise)."""
+    kind = engine_kind(engine)
+    if (address and not kind.takes_address) or (ray_select and not kind.takes_select):
+        every = [engines.kind(name) for name in engines.names()]
+        takes = " or ".join(k.name for k in every if k.takes_address)
+        selects = " or ".join(k.name for k in every if k.takes_select)
+        err.print(f"[bold red]error:[/] --address needs --engine {takes}, --ray-select {selects}")
         raise typer.Exit(EXIT_INVALID)
     if simulate_chips:  # the engine and the agents it starts read it
         os.environ[SIMULATE_CHIPS_ENV] = "1"
-    return name
+    return kind
 
 
 def _lock(directory: Path) -> Any:
@@ -254,9 +249,8 @@ def _submit(
     directory: Path,
     request: _NewRun,
     cluster_raw: Any,
-    engine: str,
-    address: str | None,
-    ray_select: str | None,
+    kind: engines.EngineKind,
+    where: engines.Where,
 ) -> tuple[int, Any]:
     """The job checked fully and stored, before anything starts; an unfinished earlier job is
     abandoned, saying so. Returns the job's id and the Ray trial cluster, if one was started."""
@@ -280,18 +274,12 @@ def _submit(
     faults_file = request.faults_file
     plan_raw = read_document(faults_file) if faults_file else None
     plan = service.plan_entries(plan_raw, source=str(faults_file))
-    engine_spec, trial = None, None
-    if engine == "ray":
-        cluster_raw, engine_spec, trial = ray_cluster(cluster_raw, address, ray_select)
-    elif engine == "slurm":
-        chips = parse_job(raw, source=source).chips_per_pod
-        cluster_raw, engine_spec = slurm_cluster(cluster_raw, chips)
-    elif engine == "agents":
-        engine_spec = agents_engine(address)
-    else:  # the embedded cluster's chips are this machine's GPUs, where it has any
-        check_chips(cluster_raw, request.cluster_file)
+    placed = kind.place(cluster_raw, parse_job(raw, source=source), where, say)
+    trial = placed.trial
     try:
-        job_id = _stored(store, directory, request, raw, source, cluster_raw, plan, engine_spec)
+        job_id = _stored(
+            store, directory, request, raw, source, placed.cluster, plan, placed.stored
+        )
     except BaseException:
         stop_trial(trial)  # the trial cluster started for a job that was refused
         raise
@@ -399,12 +387,16 @@ class _Echo:
             highlight=False,
         )
         out.print(
-            f"[bold cyan]\\[relaunch][/] {escape(controller.engine.containers)}", highlight=False
+            f"[bold cyan]\\[relaunch][/] {escape(controller.engine.facts.containers)}",
+            highlight=False,
         )
         out.print(
-            f"[bold cyan]\\[relaunch][/] {escape(controller.engine.networks)}", highlight=False
+            f"[bold cyan]\\[relaunch][/] {escape(controller.engine.facts.networks)}",
+            highlight=False,
         )
-        out.print(f"[bold cyan]\\[relaunch][/] {escape(controller.engine.chips)}", highlight=False)
+        out.print(
+            f"[bold cyan]\\[relaunch][/] {escape(controller.engine.facts.chips)}", highlight=False
+        )
 
 
 _STOPPING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 
+from relaunch import engines
 from relaunch.api import TOKEN_FILE
 from relaunch.cli.common import (
     EXIT_INVALID,
@@ -21,7 +22,7 @@ from relaunch.cli.common import (
     say_error,
     state_dir_of,
 )
-from relaunch.cli.engines import engine_name, ray_cluster
+from relaunch.cli.engines import engine_kind, say
 from relaunch.cluster.config import ClusterConfig, parse_cluster
 from relaunch.errors import InputError, RelaunchError
 from relaunch.files import read_document
@@ -60,24 +61,23 @@ def server(
 ) -> None:
     """Serve the REST API, the dashboard and /metrics, and run submitted jobs."""
 
-    engine_spec = None
-    if engine_name(engine) not in ("embedded", "ray"):
+    kind = engine_kind(engine)
+    if not kind.serves:
+        servers = " or ".join(name for name in engines.names() if engines.kind(name).serves)
         err.print(
-            f"[bold red]error:[/] --engine {engine}: a server runs its jobs on the embedded "
-            "cluster or on Ray; a Slurm allocation or hand-started agents take `relaunch run`",
+            f"[bold red]error:[/] --engine {engine}: a server runs its jobs on --engine {servers}; "
+            "a Slurm allocation or hand-started agents take `relaunch run`",
             highlight=False,
         )
-        raise typer.Exit(EXIT_INVALID)
-    if engine == "ray" and address is None:
-        err.print("[bold red]error:[/] a server on Ray needs --address (a running Ray cluster)")
         raise typer.Exit(EXIT_INVALID)
     directory = state_dir_of(state_dir)
     try:
         cluster_raw = read_document(cluster_file) if cluster_file else None
         if nodes_count is not None:
             cluster_raw = {**(cluster_raw or {}), "nodes": nodes_count}
-        if engine == "ray":
-            cluster_raw, engine_spec, _ = ray_cluster(cluster_raw, address, ray_select)
+        where = engines.Where(address, ray_select, cluster_file, serving=True)
+        placed = kind.place(cluster_raw, None, where, say)
+        cluster_raw, engine_spec = placed.cluster, placed.stored
         cluster = parse_cluster(cluster_raw, source=str(cluster_file or "cluster settings"))
     except InputError as error:
         raise fail_input(error) from None

@@ -19,9 +19,9 @@ from __future__ import annotations
 import threading
 from typing import Protocol
 
+from relaunch.cluster import EngineBase, EngineFacts, NoRehearsal, Rehearsal
 from relaunch.cluster.config import NodeSpec
 from relaunch.cluster.local import free_port
-from relaunch.protocol.links import Cut, LinkFaultKind
 from relaunch.protocol.messages import AgentHello, Crash, Heartbeat, Message, StartPod
 from relaunch.protocol.plans import LaunchPlan
 
@@ -88,26 +88,35 @@ class HostedPods:
         return self.ports.get(node) or free_port()
 
 
-class AgentsCluster:
+class AgentsCluster(EngineBase):
     """The engine of machines whose agents an operator started (see the module docstring)."""
 
     def __init__(self, host: str, port: int) -> None:
-        self.bind_host = host
-        self.listen_port = port
+        self.host = host
+        self.port = port
         """The controller's port, fixed: the agents were given it."""
         self.hosted = HostedPods()
-        self.left_behind: int | None = None
-        self.left_behind_what: list[str] = []
-
-    containers = "pods are cgroups on their node where its agent can make them (see its log)"
-    chips_are_gpus = False
-    chips = "chips are what each node's agent reads (its GPUs through NVML, or simulated)"
-    nodes_share_cores = False
-    nodes_come_back = False
 
     @property
-    def networks(self) -> str:
-        return "nodes use their own networks; a network fault is simulated (the agent reports it)"
+    def bind_host(self) -> str:
+        return self.host
+
+    @property
+    def listen_port(self) -> int:
+        return self.port
+
+    @property
+    def facts(self) -> EngineFacts:
+        return EngineFacts(
+            chips="chips are what each node's agent reads (its GPUs through NVML, or simulated)",
+            containers="pods are cgroups on their node where its agent can make them (see its log)",
+            networks="nodes use their own networks; a network fault is simulated (the agent "
+            "reports it)",
+        )
+
+    @property
+    def rehearsal(self) -> Rehearsal:
+        return _AgentsRehearsal(self.hosted, "relaunch does not own these machines' links")
 
     def start_agent(self, node: NodeSpec, interval: float, grace: float, blip_s: float) -> int:
         """The operator starts each machine's agent: nothing to start here."""
@@ -119,37 +128,20 @@ class AgentsCluster:
     def start_pod(self, plan: LaunchPlan) -> int:
         return self.hosted.start_pod(plan)
 
-    def assumed(self, job: int, node: str, pod: int, generation: int) -> None:
-        """The agent's standby launcher is the pod's now: nothing for the engine to rename."""
-
-    def kill_node(self, node: str) -> None:
-        """The fault plan's node-down: the node's agent kills its pods and exits."""
-        self.hosted.crash(node)
-
-    def isolate_node(self, node: str, reason: str) -> str | None:
-        return None  # no scheduler owns the machines: relaunch's record is the isolation
-
-    def lost_nodes(self) -> dict[str, str]:
-        return {}  # a silent agent is the controller's to find (the heartbeat timeout)
-
     def node_address(self, node: str) -> str:
         return self.hosted.address(node, node)
 
     def free_port(self, node: str) -> int:
         return self.hosted.free_port(node)
 
-    def pod_environment(self, node: str) -> dict[str, str]:
-        return {}
 
-    def inject_link_fault(
-        self,
-        node: str,
-        kind: LinkFaultKind,
-        duration_s: float | None,
-        cut: Cut | None = None,
-        rate_mbit: float | None = None,
-    ) -> str | None:
-        return "relaunch does not own these machines' links"
+class _AgentsRehearsal(NoRehearsal):
+    """The fault plan's node-down where agents host the pods: the node's agent kills its pods
+    and exits; links are not relaunch's to cut."""
 
-    def shutdown(self) -> None:
-        """The agents were told to end (they kill what their pods left, and exit)."""
+    def __init__(self, hosted: HostedPods, why: str) -> None:
+        super().__init__(why)
+        self.hosted = hosted
+
+    def kill_node(self, node: str) -> None:
+        self.hosted.crash(node)

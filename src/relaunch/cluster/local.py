@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
+from relaunch.cluster import NOTHING_COUNTED, EngineBase, EngineFacts, LeftBehind, Rehearsal
 from relaunch.cluster.network import DATA_IF, ClusterNetwork, enter_namespace
 from relaunch.cluster.nvml import SIMULATE_CHIPS_ENV, gpu_count
 from relaunch.containers import Cgroup, ClusterCgroups
@@ -80,7 +81,7 @@ def kill_tree(pid: int, wait: bool = True) -> None:
         psutil.wait_procs(family, timeout=5)
 
 
-class LocalCluster:
+class LocalCluster(EngineBase):
     """Starts and kills the processes of the embedded cluster; remembers them on disk.
 
     `pids.json` holds each agent's and launcher's pid with its start time. A pid is only trusted
@@ -101,11 +102,6 @@ class LocalCluster:
         self.cgroups = probed if isinstance(probed, ClusterCgroups) else None
         """The cluster's cgroups (None: pods are process groups)."""
         self.no_cgroups_because = probed if isinstance(probed, str) else None
-        self.left_behind: int | None = None
-        """After `shutdown`: processes that were still in the cluster's cgroups once every
-        launcher and agent had exited (each pod should have ended all it started: 0)."""
-        self.left_behind_what: list[str] = []
-        """Those processes, as `cgroup: name (state)` (Cgroup.census)."""
         self._network: ClusterNetwork | str | None = None
 
     @property
@@ -122,7 +118,20 @@ class LocalCluster:
         return network.layout.controller_address if network is not None else "127.0.0.1"
 
     @property
-    def networks(self) -> str:
+    def facts(self) -> EngineFacts:
+        return EngineFacts(
+            chips=self._chips(),
+            containers=self._containers(),
+            networks=self._networks(),
+            chips_are_gpus=self.chips_are_gpus,
+            nodes_share_cores=True,  # the embedded cluster's nodes are this machine
+        )
+
+    @property
+    def rehearsal(self) -> Rehearsal:
+        return self
+
+    def _networks(self) -> str:
         """What a node's network is on this cluster, in words (said once at start)."""
         network = self.network
         if network is not None:
@@ -138,8 +147,7 @@ class LocalCluster:
             "degraded-link faults cannot fire"
         )
 
-    @property
-    def containers(self) -> str:
+    def _containers(self) -> str:
         """What a pod is on this cluster, in words (said once at start)."""
         if self.cgroups is not None:
             return f"pods are cgroups under {self.cgroups.root.path}"
@@ -221,16 +229,6 @@ class LocalCluster:
         self._remember("launchers", f"{plan.job}/{plan.pod}/{plan.generation}/{plan.node}", pid)
         return pid
 
-    nodes_come_back = False
-    listen_port = 0
-
-    def agent_heard(self, node: str, peer: Any, message: Any) -> None:
-        """The engine starts pods itself: nothing to keep of what agents say."""
-
-    def isolate_node(self, node: str, reason: str) -> str | None:
-        """No scheduler owns the nodes here: relaunch's own record is the isolation."""
-        return None
-
     def assumed(self, job: int, node: str, pod: int, generation: int) -> None:
         """The standby launcher on `node` became the launcher of `pod` (see Launcher.assume)."""
         pids = self._pids()
@@ -299,27 +297,29 @@ class LocalCluster:
                 del pids["launchers"][key]
         self._save(pids)
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> LeftBehind:
         """Kill everything this cluster started and is still running. With cgroups, count
-        what the pods left behind (`left_behind`), then kill it and remove the cgroups; then
-        the nodes' networks (whatever an earlier run left of them too)."""
+        what the pods left behind, then kill it and remove the cgroups; then the nodes'
+        networks (whatever an earlier run left of them too)."""
         pids = self._pids()
         refs = [*pids["helpers"].values(), *pids["launchers"].values(), *pids["agents"].values()]
         for ref in refs:
             self._kill(ref)
         self._save({"agents": {}, "launchers": {}, "helpers": {}})
+        left = NOTHING_COUNTED
         if self.cgroups is not None:
             # the cluster's own agents and launchers are not what the pods left behind, even
             # one still in its exit; a rank's process ending on its own is given a moment
             own = {_pid_of(ref) for ref in refs}
-            self.left_behind_what = self.cgroups.root.census(besides=own, settle_s=1.0)
-            self.left_behind = len(self.left_behind_what)
+            what = self.cgroups.root.census(besides=own, settle_s=1.0)
+            left = LeftBehind(len(what), tuple(what))
             self.cgroups.shutdown()
         self._unwatch_all()
         network = self.network if self._network is not None else None
         network = network or ClusterNetwork.existing(self.state_dir)
         if network is not None:
             network.remove()
+        return left
 
     def _unwatch_all(self) -> None:
         """Close every agent's pidfd: a runner runs job after job, each with an engine of its
@@ -381,17 +381,13 @@ class LocalCluster:
             return free_port()
         return network.free_port(node)
 
-    nodes_share_cores = True
-    """The embedded cluster's nodes are this machine."""
-
     @functools.cached_property
     def chips_are_gpus(self) -> bool:
         """This machine has NVIDIA GPUs (NVML sees them), and chips are not simulated: `relaunch
         run` refused a cluster of more chips than it has (nvml.chips_problem)."""
         return bool(gpu_count())
 
-    @property
-    def chips(self) -> str:
+    def _chips(self) -> str:
         if self.chips_are_gpus:
             return (
                 "chips are this machine's GPUs, node by node; each pod sees its own only "

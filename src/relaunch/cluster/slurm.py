@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Final
 
+from relaunch.cluster import NOTHING_COUNTED, EngineFacts, LeftBehind, NoRehearsal, Rehearsal
 from relaunch.cluster.config import ClusterConfig, NodeSpec
 from relaunch.cluster.hosted import AgentsCluster
 from relaunch.cluster.nvml import SIMULATE_CHIPS_ENV, gpu_count
@@ -194,15 +195,23 @@ class SlurmCluster(AgentsCluster):
         self._watcher = threading.Thread(target=self._watch, daemon=True)
         self._watcher.start()
         gpus = gpu_count()
-        self.chips_are_gpus = bool(gpus)
-        self.chips = (
-            f"chips are each node's GPUs ({gpus} here on {allocation.batch_host})"
+        self._facts = EngineFacts(
+            chips=f"chips are each node's GPUs ({gpus} here on {allocation.batch_host})"
             if gpus
-            else "chips are simulated (no NVIDIA GPU seen on the batch host)"
+            else "chips are simulated (no NVIDIA GPU seen on the batch host)",
+            containers=super().facts.containers,
+            networks=super().facts.networks,
+            chips_are_gpus=bool(gpus),
+            nodes_come_back=True,  # a job requeued (`scontrol requeue`) gets healthy nodes
         )
 
-    nodes_come_back = True
-    """A job requeued (`scontrol requeue`) gets a new allocation of healthy nodes."""
+    @property
+    def facts(self) -> EngineFacts:
+        return self._facts
+
+    @property
+    def rehearsal(self) -> Rehearsal:
+        return _SlurmRehearsal(self)
 
     # -- node loss --------------------------------------------------------------------------------
 
@@ -257,12 +266,6 @@ class SlurmCluster(AgentsCluster):
         threading.Thread(target=self._step_ended, args=(node.name, step), daemon=True).start()
         return step.pid
 
-    def kill_node(self, node: str) -> None:
-        """The fault plan's node-down: the node's agent kills its pods and exits, which ends its
-        step (its srun exits: the node is lost). Where the agent is gone, its step is cancelled."""
-        if not self.hosted.crash(node):
-            self._cancel_steps(only={node})
-
     def isolate_node(self, node: str, reason: str) -> str | None:
         """Drain `node` in Slurm with relaunch's reason; why not, where Slurm refused. A node
         someone else drained already (an administrator, with a reason of theirs) keeps their
@@ -284,7 +287,7 @@ class SlurmCluster(AgentsCluster):
     def node_address(self, node: str) -> str:
         return self.hosted.address(node, self.slurm_addresses.get(node, node))
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> LeftBehind:
         """The agents were told to end (they kill what their pods left); their steps are waited
         for, and any still there cancelled: no step of relaunch's outlives the job. A node
         relaunch took out (isolated or lost) has no pod of the job; its agent may not have heard
@@ -294,15 +297,16 @@ class SlurmCluster(AgentsCluster):
         self._stop.set()
         with self._lock:
             out = set(self._lost) | self._isolated
-        self._cancel_steps(only=out)
+        self.cancel_agent_steps(only=out)
         kept = [step for node, step in self.steps.items() if node not in out]
         _wait_all(kept, STEP_WAIT_S)
-        self._cancel_steps()
+        self.cancel_agent_steps()
         _wait_all(kept, STEP_WAIT_S)
         for step in self.steps.values():
             if step.poll() is None:  # an srun waiting on a node that does not answer
                 step.kill()
                 step.wait()
+        return NOTHING_COUNTED
 
     def agent_steps(self) -> dict[str, str]:
         """relaunch's agent steps in the allocation now: step id -> name (`squeue -s`)."""
@@ -314,7 +318,7 @@ class SlurmCluster(AgentsCluster):
                 steps[step_id] = name
         return steps
 
-    def _cancel_steps(self, only: set[str] | None = None) -> None:
+    def cancel_agent_steps(self, only: set[str] | None = None) -> None:
         """`scancel` relaunch's agent steps (of the nodes `only`, where given)."""
         if only is not None and not only:
             return
@@ -323,6 +327,19 @@ class SlurmCluster(AgentsCluster):
                 if only is None or name.removeprefix(f"{AGENT_STEP}-") in only:
                     with contextlib.suppress(EngineError):
                         _slurm(["scancel", step_id])
+
+
+class _SlurmRehearsal(NoRehearsal):
+    """The fault plan's node-down: the node's agent kills its pods and exits, which ends its
+    step (its srun exits: the node is lost). Where the agent is gone, its step is cancelled."""
+
+    def __init__(self, engine: SlurmCluster) -> None:
+        super().__init__("relaunch does not own these machines' links")
+        self.engine = engine
+
+    def kill_node(self, node: str) -> None:
+        if not self.engine.hosted.crash(node):
+            self.engine.cancel_agent_steps(only={node})
 
 
 def _wait_all(steps: list[subprocess.Popen[bytes]], seconds: float) -> None:

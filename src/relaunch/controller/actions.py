@@ -120,7 +120,7 @@ class Fail(LevelAction):
 
     def change(self, c: ControllerContext, d: Decision, now: float, port: int = 0) -> None:
         isolate(c, d, now)
-        if d.wants_nodes and c.engine.nodes_come_back:  # requeued, it resumes
+        if d.wants_nodes and c.engine.facts.nodes_come_back:  # requeued, it resumes
             reason = f"{d.reason}; stopped to be resumed when nodes come back {WANTS_NODES}"
             c.update_job(status=JobStatus.STOPPED, reason=reason, ended_at=now)
             return

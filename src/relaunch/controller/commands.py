@@ -399,7 +399,7 @@ def visible_devices(c: ControllerContext, node: str, chips: tuple[int, ...]) -> 
     of `node` are, where the engine's chips are GPUs (none where they are simulated): a pod's
     ranks see their own GPUs only, and LOCAL_RANK picks among them as on a real host."""
     spec = next((n for n in c.cluster.nodes if n.name == node), None)
-    if not c.engine.chips_are_gpus or spec is None:
+    if not c.engine.facts.chips_are_gpus or spec is None:
         return {}
     gpus = ",".join(str(spec.first_gpu + chip) for chip in chips if chip < spec.chips)
     return {"CUDA_VISIBLE_DEVICES": gpus, "NVIDIA_VISIBLE_DEVICES": gpus} if gpus else {}
@@ -426,7 +426,9 @@ def launch_plan(c: ControllerContext, row: PodRow) -> LaunchPlan:
         adopt_grace_s=c.cluster.adopt_grace_s,
         workdir=row.workdir,
         env=plan_environment(c, row.node, pod_chips(c, row)),
-        host_processes=c.spec.world_size if c.engine.nodes_share_cores else c.spec.procs_per_pod,
+        host_processes=c.spec.world_size
+        if c.engine.facts.nodes_share_cores
+        else c.spec.procs_per_pod,
         warm_spares=c.spec.warm_spares,
         progress_interval_s=progress_interval(
             c.hang_s, c.spec.replicas, c.cluster.slow_window_s, row.idx

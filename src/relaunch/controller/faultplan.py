@@ -152,7 +152,7 @@ class FaultPlanRunner:
         message: Message
         if entry.kind is PlannedFaultKind.NODE_DOWN:
             self.injected[("node", node)] = now
-            c.engine.kill_node(node)
+            c.engine.rehearsal.kill_node(node)
             return
         if entry.kind in LINK_KINDS:
             self._inject_link(entry, node, now)
@@ -192,7 +192,9 @@ class FaultPlanRunner:
             PlannedFaultKind.PARTITION: LinkFaultKind.PARTITION,
             PlannedFaultKind.DEGRADED_LINK: LinkFaultKind.DEGRADED,
         }[entry.kind]
-        why = c.engine.inject_link_fault(node, kind, entry.duration_s, entry.cut, entry.rate_mbit)
+        why = c.engine.rehearsal.inject_link_fault(
+            node, kind, entry.duration_s, entry.cut, entry.rate_mbit
+        )
         if why is None:
             key = _detected_by(kind, entry.cut, node)
             if key is not None:

@@ -202,14 +202,13 @@ def shutdown_pods(c: ControllerContext) -> None:
         peer.send(Shutdown())
     if forgotten:  # the engine's end kills what still runs: the agents' removals end first
         _until_closed(c, agents, AGENTS_FORGET_S)
-    c.engine.shutdown()
-    left = c.engine.left_behind
-    if left is not None:
-        c.update_job(left_behind=left)
-    if left:
-        what = c.engine.left_behind_what
+    left = c.engine.shutdown()
+    if left.count is not None:
+        c.update_job(left_behind=left.count)
+    if left.count:
+        what = left.what
         named = f": {'; '.join(what[:8])}{' ...' if len(what) > 8 else ''}" if what else ""
-        c.event(f"the pods left {left} process(es) behind in their cgroups, killed{named}")
+        c.event(f"the pods left {left.count} process(es) behind in their cgroups, killed{named}")
 
 
 def _until_closed(c: ControllerContext, peers: list[Peer], seconds: float) -> None:

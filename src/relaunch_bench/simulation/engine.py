@@ -19,8 +19,8 @@ import threading
 import time
 import zlib
 from pathlib import Path
-from typing import Any
 
+from relaunch.cluster import NOTHING_COUNTED, EngineBase, EngineFacts, LeftBehind, Rehearsal
 from relaunch.cluster.config import NodeSpec
 from relaunch.protocol.links import Cut, LinkFaultKind
 from relaunch.protocol.plans import LaunchPlan
@@ -31,15 +31,12 @@ __all__ = ["PEERS_NICE", "SimEngine"]
 PEERS_NICE = 10
 
 
-class SimEngine:
-    bind_host = "127.0.0.1"
-    left_behind: int | None = None
-    left_behind_what: list[str] = []  # noqa: RUF012 (never written: nothing runs a rank)
-    containers = "pods are simulated (no process runs a rank: bench simulation)"
-    networks = "nodes are simulated: every peer on the loopback"
-    nodes_share_cores = False
-    chips_are_gpus = False
-    chips = "chips are simulated"
+class SimEngine(EngineBase):
+    facts = EngineFacts(
+        chips="chips are simulated",
+        containers="pods are simulated (no process runs a rank: bench simulation)",
+        networks="nodes are simulated: every peer on the loopback",
+    )
 
     def __init__(self, state_dir: Path, shards: int, step_s: float, steps: int) -> None:
         self.origin = time.time()
@@ -85,14 +82,15 @@ class SimEngine:
         self._tell(plan.node, {"op": "pod", "plan": SimPlan.of(plan)})
         return 0
 
-    def assumed(self, job: int, node: str, pod: int, generation: int) -> None:
-        pass  # no standby launchers in a simulation (no warm spares)
-
     def kill_node(self, node: str) -> None:
         self.killed[node] = time.time()
         self._tell(node, {"op": "kill", "node": node})
 
-    def shutdown(self) -> None:
+    @property
+    def rehearsal(self) -> Rehearsal:
+        return self
+
+    def shutdown(self) -> LeftBehind:
         for requests in self.requests:
             requests.put(b'{"op": "shutdown"}\n')
             requests.put(None)
@@ -104,28 +102,13 @@ class SimEngine:
             except subprocess.TimeoutExpired:
                 shard.kill()
                 shard.wait()
-
-    nodes_come_back = False
-    listen_port = 0
-
-    def agent_heard(self, node: str, peer: Any, message: Any) -> None:
-        """The engine starts pods itself: nothing to keep of what agents say."""
-
-    def isolate_node(self, node: str, reason: str) -> str | None:
-        """No scheduler owns the nodes here: relaunch's own record is the isolation."""
-        return None
+        return NOTHING_COUNTED  # nothing runs a rank
 
     def lost_nodes(self) -> dict[str, str]:
         return dict.fromkeys(self.killed, "its agent exited")  # as the embedded cluster sees it
 
-    def node_address(self, node: str) -> str:
-        return "127.0.0.1"
-
     def free_port(self, node: str) -> int:
         return 29500  # nothing listens: the simulated ranks form no group
-
-    def pod_environment(self, node: str) -> dict[str, str]:
-        return {}
 
     def inject_link_fault(
         self,

@@ -12,6 +12,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from relaunch.cluster import NOTHING_COUNTED, EngineBase, EngineFacts, LeftBehind, Rehearsal
 from relaunch.cluster.config import NodeSpec
 from relaunch.cluster.local import free_port
 from relaunch.cluster.ray.discovery import CALL_TIMEOUT_S, NAMESPACE, RayNode, connect, discover
@@ -23,7 +24,7 @@ from relaunch.protocol.plans import LaunchPlan
 __all__ = ["RayCluster"]
 
 
-class RayCluster:
+class RayCluster(EngineBase):
     """The engine on a Ray cluster: one node host per node, node loss from Ray's node table."""
 
     def __init__(
@@ -47,7 +48,7 @@ class RayCluster:
         other cluster the node host kills relaunch's processes and the node's raylet."""
         digest = hashlib.sha1(str(state_dir.resolve()).encode()).hexdigest()[:10]
         self.prefix = f"relaunch-{digest}"
-        self.bind_host = ray.util.get_node_ip_address()
+        self.head_address: str = ray.util.get_node_ip_address()
         self.hosts: dict[str, Any] = {}
         self._crashing: list[tuple[Any, Any]] = []
         self._lost: set[str] = missing | {n.name for n in nodes if not n.alive}
@@ -56,13 +57,29 @@ class RayCluster:
         self.poll_s = poll_s
         self._watcher = threading.Thread(target=self._watch, daemon=True)
         self._watcher.start()
-        self.left_behind: int | None = None
-        """After `shutdown`: processes the pods left in their nodes' cgroups (None: a node
-        without cgroups, or no answer)."""
-        self.left_behind_what: list[str] = []  # the node hosts count, they do not name
 
     @property
-    def containers(self) -> str:
+    def facts(self) -> EngineFacts:
+        """A Ray cluster's nodes are hosts of their own (a test's on one machine too: its pods'
+        processes set OMP_NUM_THREADS by their pod's count, as on separate hosts); Ray gives
+        each worker its GPUs itself (CUDA_VISIBLE_DEVICES)."""
+        return EngineFacts(
+            chips="chips are the Ray nodes' own GPUs, which Ray gives each worker",
+            containers=self._containers(),
+            networks="nodes use the Ray nodes' own networks; a network fault is simulated (the "
+            "agent reports it), partition and degraded-link faults cannot fire",
+        )
+
+    @property
+    def rehearsal(self) -> Rehearsal:
+        return self
+
+    @property
+    def bind_host(self) -> str:
+        """The controller's Ray node's address: every node reaches it."""
+        return self.head_address
+
+    def _containers(self) -> str:
         """What a pod is on each node, in words (said once at start)."""
         said = {}
         for name in self.nodes:
@@ -166,16 +183,6 @@ class RayCluster:
         )
         return int(pid or -1)
 
-    nodes_come_back = False
-    listen_port = 0
-
-    def agent_heard(self, node: str, peer: Any, message: Any) -> None:
-        """The engine starts pods itself: nothing to keep of what agents say."""
-
-    def isolate_node(self, node: str, reason: str) -> str | None:
-        """No scheduler owns the nodes here: relaunch's own record is the isolation."""
-        return None
-
     def assumed(self, job: int, node: str, pod: int, generation: int) -> None:
         self._call(node, "rekey", f"{job}/-1/0", f"{job}/{pod}/{generation}")
 
@@ -190,7 +197,9 @@ class RayCluster:
         self._crashing.append((host, host.crash.remote()))
         self.hosts.pop(node, None)
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> LeftBehind:
+        """Every node host kills what its pods left (counted: the hosts count, they do not
+        name; None where a node has no cgroups, or did not answer)."""
         self._stop.set()
         hosts = []
         for node in list(self.nodes):
@@ -204,36 +213,20 @@ class RayCluster:
         for ref in ready:
             with contextlib.suppress(ray.exceptions.RayError):
                 counts.append(ray.get(ref))
-        if counts and all(count is not None for count in counts):
-            self.left_behind = sum(counts)
         for host in hosts:
             with contextlib.suppress(ray.exceptions.RayError):
                 ray.kill(host)
         self.hosts.clear()
+        if counts and all(count is not None for count in counts):
+            return LeftBehind(sum(counts))
+        return NOTHING_COUNTED
 
     def node_address(self, node: str) -> str:
         known = self.nodes.get(node)
-        return known.address if known is not None else self.bind_host
+        return known.address if known is not None else self.head_address
 
     def free_port(self, node: str) -> int:
         return int(self._call(node, "free_port") or free_port())
-
-    nodes_share_cores = False
-    chips_are_gpus = False
-    chips = "chips are the Ray nodes' own GPUs, which Ray gives each worker"
-    """Ray gives each worker its GPUs itself (CUDA_VISIBLE_DEVICES)."""
-    """A Ray cluster's nodes are hosts of their own (a test's on one machine too: its pods'
-    processes set OMP_NUM_THREADS by their pod's count, as on separate hosts)."""
-
-    @property
-    def networks(self) -> str:
-        return (
-            "nodes use the Ray nodes' own networks; a network fault is simulated (the agent "
-            "reports it), partition and degraded-link faults cannot fire"
-        )
-
-    def pod_environment(self, node: str) -> dict[str, str]:
-        return {}
 
     def inject_link_fault(
         self,
