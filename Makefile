@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint typecheck docs unit clean peers gpu-checks
+.PHONY: run test lint typecheck docs unit clean peers gpu-checks k8s
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
@@ -49,6 +49,31 @@ $(SLURMD):
 	    --no-install-recommends slurmd slurmctld slurm-client munge >/dev/null; \
 	else echo "note: not root with apt: the Slurm tests will skip (they need Debian's slurmd, slurmctld, slurm-client, munge)"; fi
 
+# The Kubernetes engine's control plane (relaunch.cluster.kubernetes): kube-apiserver,
+# kube-controller-manager, kube-scheduler and kubectl of the version k8s/control-plane/go.mod
+# pins, and etcd, built from the Go module proxy by the wrapper modules in k8s/ (no server
+# binary is packaged on PyPI, npm or Debian). Built once into build/k8s/bin; again only when a
+# pinned version changes. Without Go, a note: the Kubernetes tests then skip, saying so.
+K8S_VERSION := $(shell awk '$$1 == "k8s.io/kubernetes" && $$2 ~ /^v/ {print $$2; exit}' k8s/control-plane/go.mod)
+K8S_BIN     := build/k8s/bin
+K8S_STAMP   := $(K8S_BIN)/.built
+K8S_LDFLAGS := -s -w -X k8s.io/component-base/version.gitVersion=$(K8S_VERSION) \
+  -X k8s.io/component-base/version.gitMajor=$(word 2,$(subst ., ,$(K8S_VERSION:v%=x.%))) \
+  -X k8s.io/component-base/version.gitMinor=$(word 3,$(subst ., ,$(K8S_VERSION:v%=x.%)))
+k8s: $(K8S_STAMP)
+$(K8S_STAMP): k8s/control-plane/go.mod k8s/control-plane/go.sum k8s/etcd/go.mod k8s/etcd/go.sum k8s/etcd/main.go
+	@if ! command -v go >/dev/null; then \
+	  echo "note: no Go here: the Kubernetes tests will skip (they need the control plane built from Go modules)"; \
+	else \
+	  echo "building Kubernetes $(K8S_VERSION)'s control plane and etcd from the Go module proxy into $(K8S_BIN) (once: about 9 minutes on 2 cores)"; \
+	  mkdir -p $(K8S_BIN) && \
+	  (cd k8s/control-plane && CGO_ENABLED=0 go build -trimpath -ldflags "$(K8S_LDFLAGS)" -o ../../$(K8S_BIN)/ \
+	    k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
+	    k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl) && \
+	  (cd k8s/etcd && CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o ../../$(K8S_BIN)/etcd .) && \
+	  $(K8S_BIN)/kube-apiserver --version && touch $@; \
+	fi
+
 # The peer-memory benchmark's shared storage is a file server on a node of its own (OpenSSH's
 # sshd, read through sshfs: relaunch_bench.file_server); tests/test_bench.py measures it as root.
 # Installed here when missing, where this is root with apt.
@@ -64,7 +89,7 @@ $(SSHFS):
 # Two workers, a test file to each at a time (a file's module fixtures, such as its fault-free
 # baseline, run once); every test's duration is kept in build/test-report/durations.txt.
 # `pytest -m "not real"` runs the tier that starts no real run, cluster or server.
-unit: $(STAMP) $(CHROMIUM) $(SLURMD) $(SSHFS)
+unit: $(STAMP) $(CHROMIUM) $(SLURMD) $(SSHFS) $(K8S_STAMP)
 	@# relaunch's own bytecode, ahead: where PYTHONDONTWRITEBYTECODE is set, each of the
 	@# suite's thousands of processes (agents, launchers, controllers) compiled it again
 	$(BIN)/python -m compileall -q -j 0 src

@@ -9,6 +9,7 @@ import re
 import pytest
 from typer.testing import CliRunner
 
+from relaunch import engines
 from relaunch.cli import app
 
 WIDTH = 80
@@ -75,10 +76,10 @@ def test_the_help_names_every_engine_a_command_runs_on() -> None:
     """`relaunch run` runs on each engine, and its help says so (once it said "the embedded
     cluster or Ray" while Slurm and hand-started agents ran too)."""
     said = " ".join(help_text("run").replace("│", " ").split())
-    for engine in ("embedded", "ray:", "slurm:", "agents:"):
-        assert engine in said, engine
+    for engine in engines.BUILT_IN:
+        assert f"{engine}:" in said, engine
     listed = " ".join(help_text().replace("│", " ").split())
-    assert "on the embedded cluster, Ray, Slurm or agents" in listed, listed
+    assert "on the embedded cluster, Ray, Slurm, Kubernetes or agents" in listed, listed
 
 
 @pytest.mark.parametrize("engine", ["slurm", "agents"])

@@ -23,13 +23,13 @@ SRC = ROOT / "src" / "relaunch"
 
 
 def test_every_engine_is_found_by_name_and_an_unknown_name_is_refused_naming_them() -> None:
-    assert engines.names()[:4] == ["embedded", "ray", "slurm", "agents"]
+    assert engines.names()[:5] == ["embedded", "ray", "slurm", "agents", "kubernetes"]
     for name in ("embedded", "slurm", "agents"):  # Ray's kind imports Ray only when used
         assert engines.kind(name).name == name
     refused = CliRunner().invoke(app, ["run", "examples/toy-job.yaml", "--engine", "k8s"])
     assert refused.exit_code == 2
     said = " ".join(refused.stderr.split())
-    assert "--engine k8s: choose embedded, ray, slurm or agents" in said, said
+    assert "--engine k8s: choose embedded, ray, slurm, agents or kubernetes" in said, said
 
 
 def test_the_port_is_narrow_and_every_engine_states_only_what_it_does_differently() -> None:

@@ -118,7 +118,23 @@ AddressOption = Annotated[
     typer.Option(
         "--address",
         help="With --engine ray: the running Ray cluster to use; with --engine agents: "
-        "HOST:PORT the controller listens on, which the agents were given.",
+        "HOST:PORT the controller listens on, which the agents were given; with --engine "
+        "kubernetes: the address the nodes reach the controller at (default 127.0.0.1).",
+    ),
+]
+KubeconfigOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--kubeconfig",
+        help="With --engine kubernetes: the cluster's kubeconfig (default: $KUBECONFIG).",
+    ),
+]
+NamespaceOption = Annotated[
+    str | None,
+    typer.Option(
+        "--namespace",
+        help="With --engine kubernetes: the namespace of the job's Pods and Lease (default: "
+        "default).",
     ),
 ]
 RaySelectOption = Annotated[

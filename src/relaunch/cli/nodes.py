@@ -13,6 +13,8 @@ from relaunch import engines, service
 from relaunch.cli.common import (
     EXIT_INVALID,
     AddressOption,
+    KubeconfigOption,
+    NamespaceOption,
     RaySelectOption,
     ServerOption,
     StateDirOption,
@@ -52,18 +54,22 @@ def nodes(
         str,
         typer.Option(
             "--engine",
-            help="embedded; ray: the Ray cluster's nodes; slurm: this allocation's nodes.",
+            help="embedded; ray: the Ray cluster's nodes; slurm: this allocation's nodes; "
+            "kubernetes: the cluster's nodes (--kubeconfig).",
         ),
     ] = "embedded",
     address: AddressOption = None,
     ray_select: RaySelectOption = None,
+    kubeconfig: KubeconfigOption = None,
+    namespace: NamespaceOption = None,
 ) -> None:
     """List the nodes: state, chips, chip health, isolation (with --engine ray or slurm, the
     engine's nodes with its state of each beside relaunch's)."""
     kind = engine_kind(engine)
     try:
         known = {n.name: n for n in open_store(state_dir).nodes()} if not server else {}
-        table = kind.nodes(engines.Where(address, ray_select), known)
+        where = engines.Where(address, ray_select, kubeconfig=kubeconfig, namespace=namespace)
+        table = kind.nodes(where, known)
     except EngineError as error:
         say_error(error)
         raise typer.Exit(EXIT_INVALID) from None

@@ -20,6 +20,8 @@ from relaunch.cli.common import (
     EXIT_INVALID,
     AddressOption,
     FaultTableOption,
+    KubeconfigOption,
+    NamespaceOption,
     RaySelectOption,
     StateDirOption,
     app,
@@ -106,7 +108,8 @@ EngineOption = Annotated[
         help="embedded: the embedded cluster; ray: a Ray cluster (--address, or a local "
         "trial cluster shaped by --cluster); slurm: the Slurm allocation this runs in "
         "(sbatch, salloc: docs/slurm.md); agents: node agents started by hand (`relaunch "
-        "agent`) that dial --address.",
+        "agent`) that dial --address; kubernetes: a Kubernetes cluster (--kubeconfig, "
+        "docs/kubernetes.md).",
     ),
 ]
 
@@ -129,6 +132,8 @@ def run(
     engine: EngineOption = "embedded",
     address: AddressOption = None,
     ray_select: RaySelectOption = None,
+    kubeconfig: KubeconfigOption = None,
+    namespace: NamespaceOption = None,
     nnodes: NnodesOption = None,
     nproc_per_node: NprocOption = None,
     module: ModuleOption = False,
@@ -145,11 +150,11 @@ def run(
     label: LabelOption = None,
     env: EnvOption = None,
 ) -> None:
-    """Run a job to its end (exit 0 / 1; 2 for bad input) on the embedded cluster, Ray, Slurm or
-    agents started by hand (--engine), from a job file or as torchrun runs a script: `relaunch
-    run --nnodes 2 train.py --epochs 3`, or `-m pkg.train` (what follows them is theirs)."""
+    """Run a job to its end (exit 0 / 1; 2 for bad input) on the embedded cluster, Ray, Slurm,
+    Kubernetes or agents started by hand (--engine), from a job file or as torchrun runs a
+    script: `relaunch run --nnodes 2 train.py --epochs 3`, or `-m pkg.train` (the rest is theirs)."""
     kind = _engine_checked(engine, address, ray_select, simulate_chips)
-    where = engines.Where(address, ray_select, cluster_file)
+    where = engines.Where(address, ray_select, cluster_file, kubeconfig, namespace)
     held = _lock(directory := state_dir_of(state_dir))
     try:
         table, rules = service.table_from(fault_table)
@@ -162,10 +167,8 @@ def run(
             raw = _cluster_settings(cluster_file, nodes_count, chips_per_node)
             job_id, trial = _submit(store, directory, request, raw, kind, where)
     except RelaunchError as error:
-        held.close()
-        raise _refused(error) from None
-    ended = store.reopen_to_resume(job_id, time.time()) if resume else None  # stopped, resumable
-    options = RunOptions(startup_s=startup_s, table=table, rules=rules, resumed_from=ended)
+        raise _refused(error, held) from None
+    options = _options(store, job_id, resume, startup_s, table, rules)
     try:
         status = _execute(store, directory, job_id, resume, options, quiet, trial)
     finally:
@@ -200,8 +203,18 @@ def _lock(directory: Path) -> Any:
         raise typer.Exit(EXIT_INVALID) from None
 
 
-def _refused(error: RelaunchError) -> typer.Exit:
-    """A job that cannot run: every problem of bad input, or the one error (exit 2)."""
+def _options(
+    store: Store, job_id: int, resume: bool, startup_s: float | None, table: Any, rules: Any
+) -> RunOptions:
+    """The run's options; a stopped job resumed is reopened first (resumable again)."""
+    ended = store.reopen_to_resume(job_id, time.time()) if resume else None
+    return RunOptions(startup_s=startup_s, table=table, rules=rules, resumed_from=ended)
+
+
+def _refused(error: RelaunchError, held: Any) -> typer.Exit:
+    """A job that cannot run: every problem of bad input, or the one error (exit 2); the state
+    directory's lock let go."""
+    held.close()
     if isinstance(error, InputError):
         return fail_input(error)
     say_error(error)

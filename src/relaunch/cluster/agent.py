@@ -50,6 +50,7 @@ from relaunch.cluster.nvml import NvmlChips, open_gpus
 from relaunch.cluster.podhost import PodHost
 from relaunch.containers import Cgroup, ClusterCgroups, reap_pods, step_out
 from relaunch.faults.gpu_codes import PERSISTENT, GpuReading, gpu_fault_codes, most_serious
+from relaunch.protocol.layout import StateDir
 from relaunch.protocol.messages import (
     AgentHello,
     ChipReport,
@@ -99,9 +100,12 @@ class Agent:
         peer_memory: PeerMemoryServer | None = None,
     ) -> None:
         self.host = host
+        """Where the agent starts its node's pods itself (see the module docstring)."""
         self.peer_memory = peer_memory
         """Where the node keeps other nodes' checkpoint copies (None: nowhere)."""
-        """Where the agent starts its node's pods itself (see the module docstring)."""
+        self.stays = False
+        """The agent is its node's kubelet (cluster.kubernetes.kubelet): it outlives the jobs
+        it runs pods for, and waits for the next controller instead of exiting."""
         if host is not None and host.cgroups is not None:
             cgroups = host.cgroups
         self.controller = controller
@@ -348,7 +352,12 @@ class Agent:
                             if self.host is not None:
                                 left = self.host.end()
                                 print(f"agent {self.node}: the pods left {left} process(es)")
-                            os._exit(0)
+                            if not self.stays:
+                                os._exit(0)
+                            with contextlib.suppress(OSError):  # the next job's, when it comes
+                                StateDir(self.state_dir).controller_address.unlink()
+                            c.close()
+                            break
                         if isinstance(message, ForgetCopies):  # beats, pod starts go on
                             forget = functools.partial(self.forget_all, message.copies)
                             self.forgetting.append(threading.Thread(target=forget, daemon=True))
@@ -369,7 +378,7 @@ class Agent:
                     done.wait(self.interval)
                 conn.close()
                 alone_since = time.time()
-            if time.time() - alone_since > self.grace:
+            if time.time() - alone_since > self.grace and not self.stays:
                 return
             time.sleep(0.1)
 
@@ -399,6 +408,9 @@ def _parser() -> argparse.ArgumentParser:
         "--controller", type=controller_argument, help="HOST:PORT (default: the state directory's)"
     )
     parser.add_argument("--address", default="", help="the node's address for its peers")
+    parser.add_argument(
+        "--kubeconfig", type=Path, help="be this node's kubelet on that Kubernetes API server"
+    )
     return parser
 
 
@@ -412,7 +424,7 @@ def main(argv: list[str] | None = None) -> None:
     cgroups = ClusterCgroups(Cgroup(args.cgroups)) if args.cgroups is not None else None
     watch = LinkWatch(args.state_dir, args.node, args.interval) if args.network else None
     host = None
-    if args.hosts_pods:
+    if args.hosts_pods or args.kubeconfig is not None:
         args.state_dir.mkdir(parents=True, exist_ok=True)
         host = PodHost(args.state_dir, args.node)
         print(f"agent {args.node}: pods are {host.containers}", flush=True)
@@ -435,10 +447,25 @@ def main(argv: list[str] | None = None) -> None:
         args.address,
         _peer_memory(args.state_dir, args.node, args.network, host is not None),
     )
+    if args.kubeconfig is not None:
+        _be_kubelet(agent, args, gpus is not None)
     if host is not None:
         where = "{}:{}".format(*args.controller) if args.controller else "its state directory's"
         print(f"agent {args.node}: ready; the controller is at {where}", flush=True)
     agent.run()
+
+
+def _be_kubelet(agent: Agent, args: argparse.Namespace, gpus: bool) -> None:
+    """`--kubeconfig`: the agent is its node's kubelet (cluster.kubernetes.kubelet)."""
+    from relaunch.cluster.kubernetes.kubelet import NodeKubelet  # the `kubernetes` extra
+
+    assert agent.host is not None
+    agent.stays = True
+    kubelet = NodeKubelet(
+        args.kubeconfig, args.node, args.chips, gpus, args.address, args.state_dir, agent.host
+    )
+    kubelet.start()
+    print(f"agent {args.node}: registered with Kubernetes as node {args.node}", flush=True)
 
 
 def _peer_memory(state_dir: Path, node: str, network: bool, hosted: bool) -> PeerMemoryServer:

@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
@@ -54,8 +55,8 @@ class PodHost:
         """(job, pod, generation) -> the pid of its launcher (-1: a standby launcher)."""
         self.lock = threading.Lock()
 
-    def start(self, plan: LaunchPlan) -> int:
-        """The launcher of `plan`, started now; its pid."""
+    def start(self, plan: LaunchPlan, on_exit: Callable[[int], None] | None = None) -> int:
+        """The launcher of `plan`, started now; its pid. `on_exit` is told its exit status."""
         pod = PodDir(Path(plan.workdir))
         pod.path.mkdir(parents=True, exist_ok=True)
         pod.plan.write_text(plan.to_json())
@@ -78,8 +79,21 @@ class PodHost:
             )  # fmt: skip
         with self.lock:
             self.launchers[(plan.job, plan.pod, plan.generation)] = proc.pid
-        threading.Thread(target=proc.wait, daemon=True).start()  # reaped when it exits
+
+        def reap() -> None:  # when it exits
+            code = proc.wait()
+            if on_exit is not None:
+                on_exit(code)
+
+        threading.Thread(target=reap, daemon=True).start()
         return proc.pid
+
+    def stop(self, job: int, pod: int, generation: int) -> None:
+        """One pod's launcher and all it started, killed (its Pod was deleted)."""
+        with self.lock:
+            pid = self.launchers.pop((job, pod, generation), None)
+        if pid is not None and pid > 0:
+            kill_tree(pid)
 
     @staticmethod
     def free_port() -> int:

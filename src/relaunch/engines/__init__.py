@@ -46,6 +46,7 @@ BUILT_IN: dict[str, str] = {
     "ray": "relaunch.engines.ray:RayKind",
     "slurm": "relaunch.engines.slurm:SlurmKind",
     "agents": "relaunch.engines.agents:AgentsKind",
+    "kubernetes": "relaunch.engines.kubernetes:KubernetesKind",
 }
 """Each engine's name and its kind, as `module:class` (imported when asked for)."""
 
@@ -68,6 +69,10 @@ class Where:
     """--ray-select: the Ray nodes to use."""
     cluster_file: Path | None = None
     """--cluster, where the job's nodes are written (the embedded cluster)."""
+    kubeconfig: Path | None = None
+    """--kubeconfig: the Kubernetes cluster (default: $KUBECONFIG)."""
+    namespace: str | None = None
+    """--namespace: where a job's Kubernetes objects go (default: `default`)."""
     serving: bool = False
     """For `relaunch server`, whose jobs come later (no job yet, nothing to start a trial for)."""
 
