@@ -415,6 +415,7 @@ def launch_plan(c: ControllerContext, row: PodRow) -> LaunchPlan:
     """The one way a pod's launcher is described (a standby launcher's derives from it)."""
     return LaunchPlan(
         job=c.job_id,
+        job_name=c.spec.name,
         pod=row.idx,
         generation=row.generation,
         node=row.node,

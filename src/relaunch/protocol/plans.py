@@ -55,6 +55,8 @@ class LaunchPlan:
     """R-14: a launcher that hears nothing from its controller for this long (a `Lease` comes
     every quarter of it) stops its processes, as one whose connection closed does after
     `adopt_grace_s`. None: only a closed connection counts."""
+    job_name: str = ""
+    """The job's name (a Kubernetes Pod's name and its `relaunch.io/job` label)."""
     standby: bool = False
     """A launcher on a standby node that runs no rank yet: it keeps `warm_spares` processes
     ready and becomes a pod's launcher when the controller moves a pod to its node ("assume")."""

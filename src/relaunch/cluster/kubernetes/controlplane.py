@@ -31,6 +31,7 @@ from relaunch.cluster.kubernetes.pki import (
     Identity,
     Pki,
     kubeconfig,
+    node_identity,
 )
 from relaunch.cluster.local import free_port
 from relaunch.errors import EngineError
@@ -63,6 +64,10 @@ class ControlPlane:
         """A kubeconfig of `identity` on this cluster (made once, then kept in `home`)."""
         path = self.home / "kubeconfigs" / f"{identity.file_name}.kubeconfig"
         return path if path.exists() else kubeconfig(self.pki, self.server, identity, path)
+
+    def kubeconfig_of_node(self, node: str) -> Path:
+        """The kubeconfig of `node`'s agent: the node's own identity (system:node:NAME)."""
+        return self.kubeconfig(node_identity(node))
 
     def start(self, progress: Callable[[str], None] = print) -> Path:
         """Every part started, in order, each waited for; the administrator's kubeconfig."""

@@ -15,7 +15,6 @@ import re
 from pathlib import Path
 from typing import Any, Final
 
-from relaunch.protocol.environment import Env
 from relaunch.protocol.plans import LaunchPlan
 
 __all__ = [
@@ -66,7 +65,7 @@ taint_value = label_value
 
 
 def pod_name(plan: LaunchPlan) -> str:
-    job = _dns(plan.env.get(Env.JOB, f"job-{plan.job}"))
+    job = _dns(plan.job_name or f"job-{plan.job}")
     which = "standby" if plan.standby else f"pod-{plan.pod}"
     return f"{job}-{plan.job}-{which}-g{plan.generation}-{_dns(plan.node)}"
 
@@ -74,7 +73,7 @@ def pod_name(plan: LaunchPlan) -> str:
 def pod_manifest(plan: LaunchPlan, state: str, python: str) -> dict[str, Any]:
     """The Pod of `plan`, on `plan.node` (see the module docstring)."""
     labels = {
-        JOB_LABEL: label_value(plan.env.get(Env.JOB, str(plan.job))),
+        JOB_LABEL: label_value(plan.job_name or str(plan.job)),
         POD_LABEL: "standby" if plan.standby else str(plan.pod),
         GENERATION_LABEL: str(plan.generation),
         STATE_LABEL: state,

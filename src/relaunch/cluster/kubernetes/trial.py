@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import IO
 
 from relaunch.cluster.kubernetes.controlplane import START_S, ControlPlane
-from relaunch.cluster.kubernetes.pki import CONTROLLER, node_identity
+from relaunch.cluster.kubernetes.pki import CONTROLLER
 from relaunch.cluster.local import kill_tree
 from relaunch.errors import EngineError
 
@@ -65,7 +65,7 @@ class TrialKubernetes:
         self.agents[node] = subprocess.Popen(
             [sys.executable, "-m", "relaunch.cluster.agent", "--state-dir", str(state),
              "--node", node, "--chips", str(self.chips), "--simulate-chips",
-             "--address", "127.0.0.1", "--kubeconfig", str(self.plane.kubeconfig(node_identity(node)))],
+             "--address", "127.0.0.1", "--kubeconfig", str(self.plane.kubeconfig_of_node(node))],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True,
         )  # fmt: skip

@@ -1,0 +1,222 @@
+"""Kubernetes as an engine, on a real control plane built by the project (`make k8s`): etcd,
+kube-apiserver, kube-controller-manager and kube-scheduler of v1.37, with relaunch's agent as
+each node's kubelet (relaunch.cluster.kubernetes.trial), three nodes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from relaunch.cluster.kubernetes import binaries
+from relaunch.cluster.kubernetes.engine import api_client, node_seen
+from relaunch.cluster.kubernetes.objects import controller_lease, pod_manifest
+from relaunch.cluster.kubernetes.trial import TrialKubernetes
+from relaunch.cluster.kubernetes.watching import list_watch
+from relaunch.errors import EngineError
+from relaunch.protocol.plans import LaunchPlan
+
+ROOT = Path(__file__).resolve().parents[1]
+NODES = ["n0", "n1", "n2"]
+
+
+@pytest.fixture(scope="module")
+def trial(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TrialKubernetes]:
+    try:
+        binaries()
+    except EngineError as error:
+        if shutil.which("go") is None:
+            pytest.skip(f"no Go on this machine to build the control plane with: {error}")
+        pytest.fail(f"`make k8s` should have built the control plane: {error}")
+    cluster = TrialKubernetes(tmp_path_factory.mktemp("k8s"), NODES, node_grace_s=6)
+    cluster.start(progress=lambda _: None)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def core_of(trial: TrialKubernetes, admin: bool = True) -> client.CoreV1Api:
+    config = trial.plane.admin_kubeconfig if admin else trial.controller_kubeconfig
+    return client.CoreV1Api(api_client(str(config)))
+
+
+def until(what: str, check: Any, seconds: float = 120) -> Any:
+    """Poll `check` until it returns something true (a deadline only to fail, not a bound)."""
+    deadline = time.monotonic() + seconds
+    while not (found := check()):
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.2)
+    return found
+
+
+def test_every_identity_has_the_rights_it_uses_and_no_more(trial: TrialKubernetes) -> None:
+    def can(verb: str, what: str, *identity: str) -> bool:
+        said = trial.plane.kubectl("auth", "can-i", verb, what, *identity, check=False)
+        return said.strip() == "yes"
+
+    controller = ("--as=relaunch:controller", "--as-group=relaunch:controllers")
+    for verb, what in [("create", "pods"), ("delete", "pods"), ("watch", "nodes"),
+                       ("patch", "nodes"), ("create", "leases"), ("create", "events")]:  # fmt: skip
+        assert can(verb, what, *controller), (verb, what)
+    for verb, what in [("get", "secrets"), ("create", "deployments"), ("delete", "nodes"),
+                       ("create", "clusterrolebindings")]:  # fmt: skip
+        assert not can(verb, what, *controller), (verb, what)
+    # a node's agent: its own Node, no one else's (the Node authorizer and NodeRestriction)
+    node = client.CoreV1Api(api_client(str(trial.plane.kubeconfig_of_node("n0"))))
+    node.patch_node("n0", {"metadata": {"labels": {"relaunch.io/checked": "yes"}}})
+    with pytest.raises(ApiException) as refused:
+        node.patch_node("n1", {"metadata": {"labels": {"relaunch.io/checked": "yes"}}})
+    assert refused.value.status == 403
+
+
+def test_a_pods_pod_and_the_controllers_lease_are_accepted_by_the_api_server(
+    trial: TrialKubernetes,
+) -> None:
+    """Whatever the job's name and node (upper case, dots, underscores), its Pod and Lease
+    pass the real API server's validation (a server-side dry run)."""
+    plan = LaunchPlan(
+        job=7, pod=1, generation=3, node="n2", command=("python", "train.py"), procs_per_pod=2,
+        first_rank=2, working_dir=None, monitor_interval_s=0.5, adopt_grace_s=10,
+        workdir="/tmp/w", job_name="My_Job.v2 (final)",
+    )  # fmt: skip
+    core = core_of(trial, admin=False)
+    made = core.create_namespaced_pod(
+        "default", pod_manifest(plan, "abc", sys.executable), dry_run="All"
+    )
+    assert made.metadata.labels["relaunch.io/job"] == "My_Job.v2-final"
+    lease = controller_lease("relaunch-controller-abc", "abc", "127.0.0.1:4000", "me", 15)
+    leases = client.CoordinationV1Api(api_client(str(trial.controller_kubeconfig)))
+    leases.create_namespaced_lease("default", lease, dry_run="All")
+
+
+def test_a_silent_node_is_marked_unknown_by_the_controller_manager_and_comes_back(
+    trial: TrialKubernetes,
+) -> None:
+    """The agent of n2 stopped (SIGSTOP): its Lease is not renewed, the real controller
+    manager marks the Node's Ready Unknown and taints it unreachable; relaunch reads that as
+    the node gone (engine.node_seen, `relaunch nodes --engine kubernetes`). Continued, the
+    agent posts its status again and the node is Ready."""
+    core = core_of(trial)
+    agent = trial.agents["n2"]
+    os.kill(agent.pid, signal.SIGSTOP)
+    try:
+        seen = until("n2 NotReady", lambda: node_seen(core.read_node("n2")))
+        assert "Unknown" in seen and "Kubelet stopped posting node status" in seen, seen
+        taints = {t.key for t in core.read_node("n2").spec.taints or []}
+        assert "node.kubernetes.io/unreachable" in taints, taints
+        listed = subprocess.run(
+            [sys.executable, "-m", "relaunch", "nodes", "--engine", "kubernetes",
+             "--kubeconfig", str(trial.controller_kubeconfig),
+             "--state-dir", str(trial.home / "nodes-view")],
+            capture_output=True, text=True, timeout=120, cwd=ROOT,
+        )  # fmt: skip
+        assert listed.returncode == 0, listed.stderr
+        row = next(line for line in listed.stdout.splitlines() if line.strip().startswith("n2"))
+        assert "Unknown" in row, listed.stdout
+    finally:
+        os.kill(agent.pid, signal.SIGCONT)
+    until("n2 Ready again", lambda: node_seen(core.read_node("n2")) is None)
+
+
+def test_the_toy_job_comes_through_the_demos_three_faults_on_kubernetes(
+    trial: TrialKubernetes, tmp_path: Path
+) -> None:
+    """`relaunch run --engine kubernetes`: the demo's crash, chip fault and lost node (its
+    agent and pods killed: its pod recreated as a new Pod on the standby node), with the
+    embedded cluster's decisions; the lost node tainted with relaunch's reason; after the job
+    no Pod or Lease of it is left."""
+    report = tmp_path / "report.json"
+    seen_pods: list[str] = []
+    core = core_of(trial)
+    stop = threading.Event()
+
+    def watch_pods() -> None:
+        while not stop.wait(0.5):
+            with_label = core.list_namespaced_pod("default", label_selector="relaunch.io/job=toy")
+            seen_pods.extend(p.metadata.name for p in with_label.items)
+
+    threading.Thread(target=watch_pods, daemon=True).start()
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "relaunch", "run", "examples/toy-job.yaml",
+             "--engine", "kubernetes", "--kubeconfig", str(trial.controller_kubeconfig),
+             "--cluster", "examples/cluster-small.yaml", "--faults", "examples/toy-faults.yaml",
+             "--state-dir", str(tmp_path / "state"), "--report", str(report)],
+            capture_output=True, text=True, timeout=600, cwd=ROOT,
+        )  # fmt: skip
+    finally:
+        stop.set()
+    said = done.stdout + done.stderr
+    assert done.returncode == 0, said
+    summary = json.loads(report.read_text())
+    actions = [(r["fault"]["kind"], r["action"], r["outcome"]) for r in summary["recoveries"]]
+    assert actions == [("process-exit", "job-reschedule", "succeeded"),
+                       ("chip", "in-place", "succeeded"),
+                       ("node-lost", "pod-reschedule", "succeeded")], said  # fmt: skip
+    lost = summary["recoveries"][2]["fault"]["node"]
+    assert all(pod["node"] != lost for pod in summary["pods"]), summary["pods"]
+    assert any(name.startswith("toy-1-pod-1-g") for name in seen_pods), seen_pods
+    assert len({n for n in seen_pods if n.startswith("toy-1-pod-1-")}) >= 3, seen_pods
+    node = core.read_node(lost)
+    isolated = [t for t in node.spec.taints or [] if t.key == "relaunch.io/isolated"]
+    assert isolated and isolated[0].effect == "NoSchedule", node.spec.taints
+    assert "node-lost" in node.metadata.annotations["relaunch.io/isolated-reason"]
+    assert not core.list_namespaced_pod("default", label_selector="relaunch.io/job=toy").items
+    leases = client.CoordinationV1Api(api_client(str(trial.plane.admin_kubeconfig)))
+    assert not leases.list_lease_for_all_namespaces(label_selector="relaunch.io/role").items
+    # the node back for the tests after this one: its agent again, relaunch's taint removed
+    trial.start_agent(lost)
+    trial.plane.kubectl("taint", "nodes", lost, "relaunch.io/isolated-")
+    until(f"{lost} Ready again", lambda: node_seen(core.read_node(lost)) is None)
+
+
+def test_a_list_watch_lists_again_when_its_version_has_expired() -> None:
+    """An ERROR event of 410 Gone on the watch (its resource version compacted away) is a new
+    list, the objects handled again from it, as an informer re-lists."""
+    stop = threading.Event()
+    lists: list[str] = []
+    handled: list[tuple[str, str]] = []
+    gone = {"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired",
+                                        "message": "too old resource version"}}  # fmt: skip
+
+    class Response:
+        status = 200
+
+        def __init__(self, lines: list[bytes]) -> None:
+            self.lines = lines
+
+        def stream(self, amt: Any = None, decode_content: bool = False) -> Iterator[bytes]:
+            yield from self.lines
+
+        def close(self) -> None: ...
+
+        def release_conn(self) -> None: ...
+
+    def lister(**selectors: Any) -> Any:
+        if selectors.get("watch"):
+            if len(lists) == 1:
+                return Response([json.dumps(gone).encode() + b"\n"])
+            stop.set()
+            return Response([])
+        lists.append("list")
+        item = SimpleNamespace(metadata=SimpleNamespace(name=f"pod-{len(lists)}"))
+        version = SimpleNamespace(resource_version=str(len(lists)))
+        return SimpleNamespace(metadata=version, items=[item])
+
+    list_watch(lister, lambda kind, obj: handled.append((kind, obj.metadata.name)), stop)
+    assert lists == ["list", "list"]
+    assert handled == [("ADDED", "pod-1"), ("ADDED", "pod-2")]
