@@ -116,8 +116,13 @@ def test_a_silent_node_is_marked_unknown_by_the_controller_manager_and_comes_bac
     try:
         seen = until("n2 NotReady", lambda: node_seen(core.read_node("n2")))
         assert "Unknown" in seen and "Kubelet stopped posting node status" in seen, seen
-        taints = {t.key for t in core.read_node("n2").spec.taints or []}
-        assert "node.kubernetes.io/unreachable" in taints, taints
+        until(
+            "n2 tainted unreachable",
+            lambda: (
+                "node.kubernetes.io/unreachable"
+                in {t.key for t in core.read_node("n2").spec.taints or []}
+            ),
+        )
         listed = subprocess.run(
             [sys.executable, "-m", "relaunch", "nodes", "--engine", "kubernetes",
              "--kubeconfig", str(trial.controller_kubeconfig),
@@ -181,6 +186,41 @@ def test_the_toy_job_comes_through_the_demos_three_faults_on_kubernetes(
     # the node back for the tests after this one: its agent again, relaunch's taint removed
     trial.start_agent(lost)
     trial.plane.kubectl("taint", "nodes", lost, "relaunch.io/isolated-")
+    until(f"{lost} Ready again", lambda: node_seen(core.read_node(lost)) is None)
+
+
+def test_a_volcano_job_with_mindclusters_labels_runs_with_those_settings(
+    trial: TrialKubernetes, tmp_path: Path
+) -> None:
+    """examples/kubernetes/volcano-job.yaml, written as MindCluster's docs write a job: its
+    `fault-scheduling: force` stops the pods at once, its `pod-rescheduling: on` takes the lost
+    node's pod to the standby node, its job-retry-num and maxRetry bound the restarts."""
+    faults = tmp_path / "faults.yaml"
+    faults.write_text(
+        "faults:\n"
+        "  - {kind: process-exit, at_step: 20, pod: 1, exit_code: 1}\n"
+        "  - {kind: node-down, at_step: 70, pod: 1}\n"
+    )
+    report = tmp_path / "report.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "relaunch", "run", "examples/kubernetes/volcano-job.yaml",
+         "--engine", "kubernetes", "--kubeconfig", str(trial.controller_kubeconfig),
+         "--cluster", "examples/cluster-small.yaml", "--faults", str(faults),
+         "--state-dir", str(tmp_path / "state"), "--report", str(report)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    said = done.stdout + done.stderr
+    assert done.returncode == 0, said
+    summary = json.loads(report.read_text())
+    assert summary["job"] == "toy-volcano"
+    actions = [(r["fault"]["kind"], r["action"]) for r in summary["recoveries"]]
+    assert actions == [("process-exit", "job-reschedule"), ("node-lost", "pod-reschedule")], said
+    assert "SIGKILL at once" in said or "SIGKILL" in said, said  # fault-scheduling: force
+    assert summary["budgets_left"]["job"] == 3, summary["budgets_left"]  # 4, one used
+    lost = summary["recoveries"][1]["fault"]["node"]
+    trial.start_agent(lost)
+    trial.plane.kubectl("taint", "nodes", lost, "relaunch.io/isolated-")
+    core = core_of(trial)
     until(f"{lost} Ready again", lambda: node_seen(core.read_node(lost)) is None)
 
 

@@ -10,6 +10,7 @@ from pydantic import ValidationError
 from relaunch.errors import Problem, SpecError
 from relaunch.protocol.operator import from_environment
 from relaunch.spec.checks import cross_checks, string_map_problems, unknown_fault_tolerance_keys
+from relaunch.spec.manifests import job_document
 from relaunch.spec.sections import Annotations, File, Labels, Workload
 from relaunch.spec.settings import JobSpec, RecoverySettings
 from relaunch.spec.vocabulary import (
@@ -36,8 +37,10 @@ _FIELD_HINTS: Final = {
 def parse_job(data: Any, *, source: str = "<job>") -> JobSpec:
     """Validate a job mapping (from YAML, JSON or the API) and derive its recovery settings.
 
-    Raises :class:`SpecError` with one :class:`Problem` per invalid key.
+    Raises :class:`SpecError` with one :class:`Problem` per invalid key. A Volcano Job, an
+    Ascend operator job or a PyTorchJob is read as its relaunch job (spec.manifests).
     """
+    data = job_document(data, source)
     if not isinstance(data, Mapping):
         raise SpecError(
             source,
