@@ -4,10 +4,12 @@ each node's kubelet (relaunch.cluster.kubernetes.trial), three nodes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -27,6 +29,7 @@ from relaunch.cluster.kubernetes.objects import controller_lease, pod_manifest
 from relaunch.cluster.kubernetes.trial import TrialKubernetes
 from relaunch.cluster.kubernetes.watching import list_watch
 from relaunch.errors import EngineError
+from relaunch.protocol.layout import StateDir
 from relaunch.protocol.plans import LaunchPlan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -222,6 +225,59 @@ def test_a_volcano_job_with_mindclusters_labels_runs_with_those_settings(
     trial.plane.kubectl("taint", "nodes", lost, "relaunch.io/isolated-")
     core = core_of(trial)
     until(f"{lost} Ready again", lambda: node_seen(core.read_node(lost)) is None)
+
+
+def test_the_controller_killed_and_resumed_keeps_the_job_and_its_records(
+    trial: TrialKubernetes, tmp_path: Path
+) -> None:
+    """SIGKILL the controller after the toy job's first recovery: its Pods run on; `relaunch
+    run --resume` makes its Lease again with its new address, the agents and launchers follow
+    it there, the job ends with both records (the chip fault recovered after the resume), and
+    nothing of it is left."""
+    state = tmp_path / "state"
+    faults = tmp_path / "faults.yaml"
+    faults.write_text(
+        "faults:\n"
+        "  - {kind: process-exit, at_step: 10, pod: 1, exit_code: 1}\n"
+        "  - {kind: chip-fault, at_step: 60, pod: 0, chip: 0, code: 80E18005, heals: true}\n"
+    )
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text("heartbeat_interval_s: 0.2\nheartbeat_timeout_s: 1.5\nadopt_grace_s: 20\n")
+    run = [sys.executable, "-m", "relaunch", "run", "--state-dir", str(state)]
+    first = subprocess.Popen(
+        [*run, "examples/toy-job.yaml", "--engine", "kubernetes",
+         "--kubeconfig", str(trial.controller_kubeconfig), "--cluster", str(cluster),
+         "--faults", str(faults)],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    database = StateDir(state).db
+
+    def recovered_and_on() -> bool:
+        assert first.poll() is None, "the run ended before its controller was killed"
+        try:
+            with contextlib.closing(sqlite3.connect(database, timeout=5)) as db:
+                done = db.execute("SELECT count(*) FROM recoveries WHERE outcome = 'succeeded'")
+                step = db.execute("SELECT max(last_step) FROM jobs").fetchone()[0]
+                return bool(done.fetchone()[0] == 1 and (step or 0) >= 25)
+        except sqlite3.OperationalError:  # not made yet
+            return False
+
+    until("the first recovery, and the job past step 25", recovered_and_on)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    core = core_of(trial)
+    assert core.list_namespaced_pod("default", label_selector="relaunch.io/job=toy").items
+    report = tmp_path / "report.json"
+    done = subprocess.run(
+        [*run, "--resume", "--report", str(report)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = json.loads(report.read_text())
+    actions = [(r["action"], r["outcome"]) for r in summary["recoveries"]]
+    assert actions == [("job-reschedule", "succeeded"), ("in-place", "succeeded")], summary
+    assert summary["last_step"] == 120
+    assert not core.list_namespaced_pod("default", label_selector="relaunch.io/job=toy").items
 
 
 def test_a_list_watch_lists_again_when_its_version_has_expired() -> None:

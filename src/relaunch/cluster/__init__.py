@@ -134,6 +134,11 @@ class Engine(Protocol):
         """How this engine makes a fault plan's node and link faults real."""
         ...
 
+    def listening(self, host: str, port: int) -> None:
+        """The controller listens at host:port now (a resumed one at a port of its own): where
+        an engine whose nodes find the controller through it says so (Kubernetes: a Lease)."""
+        ...
+
     def start_agent(self, node: NodeSpec, interval: float, grace: float, blip_s: float) -> int:
         """Start the node agent of `node` (its heartbeat and chip health); its pid."""
         ...
@@ -201,6 +206,9 @@ class EngineBase:
     @property
     def rehearsal(self) -> Rehearsal:
         return NoRehearsal(f"{type(self).__name__} cannot lose a node or cut a link on purpose")
+
+    def listening(self, host: str, port: int) -> None:
+        return None
 
     def agent_heard(self, node: str, peer: Any, message: AgentHello | Heartbeat) -> None:
         return None

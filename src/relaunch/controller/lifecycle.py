@@ -37,6 +37,7 @@ def listen(c: ControllerContext) -> Listener:
     c.listener = listener
     host, port = listener.address
     write_controller_address(c.layout.path, host, port, pid=os.getpid())
+    c.engine.listening(host, port)
     return listener
 
 

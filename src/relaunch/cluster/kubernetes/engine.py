@@ -39,7 +39,6 @@ from relaunch.cluster.kubernetes.objects import (
 )
 from relaunch.cluster.kubernetes.watching import list_watch
 from relaunch.protocol.plans import LaunchPlan
-from relaunch.protocol.wire import controller_address
 
 __all__ = ["KubernetesCluster", "api_client", "node_seen"]
 
@@ -85,7 +84,6 @@ class KubernetesCluster(AgentsCluster):
         self._pods_on: dict[str, str] = {}  # Pod name -> its node
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._leased = False
         threading.Thread(target=self._watch_nodes, daemon=True).start()
 
     @property
@@ -119,22 +117,17 @@ class KubernetesCluster(AgentsCluster):
 
     def start_agent(self, node: Any, interval: float, grace: float, blip_s: float) -> int:
         """The node's agent runs already (its kubelet's side): it finds this controller by its
-        Lease, made at the first call."""
-        if not self._leased:
-            self._hold_lease()
+        Lease."""
         return -1
 
-    def _hold_lease(self) -> None:
-        address = controller_address(self.state_dir)
-        assert address is not None, "the controller listens before the agents are asked for"
+    def listening(self, host: str, port: int) -> None:
+        """The controller's Lease, made (a resumed controller's replaces the one before, with
+        its new address: the agents and launchers follow it there)."""
         holder = f"{socket.gethostname()}-{os.getpid()}"
-        body = controller_lease(
-            self.lease, self.state, f"{address[0]}:{address[1]}", holder, LEASE_S
-        )
+        body = controller_lease(self.lease, self.state, f"{host}:{port}", holder, LEASE_S)
         with contextlib.suppress(ApiException):  # a resumed controller's: replaced
             self.coordination.delete_namespaced_lease(self.lease, self.namespace)
         self.coordination.create_namespaced_lease(self.namespace, body)
-        self._leased = True
         threading.Thread(target=self._renew_lease, daemon=True).start()
 
     def _renew_lease(self) -> None:
