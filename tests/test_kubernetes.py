@@ -184,6 +184,10 @@ def test_the_toy_job_comes_through_the_demos_three_faults_on_kubernetes(
     assert isolated and isolated[0].effect == "NoSchedule", node.spec.taints
     assert "node-lost" in node.metadata.annotations["relaunch.io/isolated-reason"]
     assert not core.list_namespaced_pod("default", label_selector="relaunch.io/job=toy").items
+    said_by = core.list_namespaced_event("default", field_selector="source=relaunch-controller")
+    events = {(e.reason, e.involved_object.name.split("-g")[0]) for e in said_by.items}
+    assert {("RelaunchJobReschedule", "toy-1-pod-0"), ("RelaunchJobReschedule", "toy-1-pod-1"),
+            ("RelaunchInPlace", "toy-1-pod-0"), ("RelaunchPodReschedule", "toy-1-pod-1")} <= events, events  # fmt: skip
     leases = client.CoordinationV1Api(api_client(str(trial.plane.admin_kubeconfig)))
     assert not leases.list_lease_for_all_namespaces(label_selector="relaunch.io/role").items
     # the node back for the tests after this one: its agent again, relaunch's taint removed

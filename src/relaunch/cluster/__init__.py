@@ -29,6 +29,7 @@ __all__ = [
     "LeftBehind",
     "NoRehearsal",
     "Rehearsal",
+    "Settled",
 ]
 
 
@@ -68,6 +69,22 @@ class LeftBehind:
 
 
 NOTHING_COUNTED = LeftBehind(None)
+
+
+@dataclass(frozen=True)
+class Settled:
+    """A recovery that ended, as the engine is told of it (where the engine's own record of the
+    job has a place for it: a Kubernetes Event on the pods it touched)."""
+
+    action: str
+    """Its level (`pod-reschedule`)."""
+    succeeded: bool
+    fault: str
+    """The fault it answered, in words (`node-lost (node n1)`)."""
+    pods: tuple[int, ...]
+    """The pods it rebuilt or restarted (empty: every pod of the job)."""
+    took_s: float | None
+    """From the fault to progress again, where it succeeded."""
 
 
 class Rehearsal(Protocol):
@@ -139,6 +156,11 @@ class Engine(Protocol):
         an engine whose nodes find the controller through it says so (Kubernetes: a Lease)."""
         ...
 
+    def settled(self, recovery: Settled) -> None:
+        """A recovery ended (its record is stored): told where the engine keeps a record of its
+        own; it must not block the controller's loop."""
+        ...
+
     def start_agent(self, node: NodeSpec, interval: float, grace: float, blip_s: float) -> int:
         """Start the node agent of `node` (its heartbeat and chip health); its pid."""
         ...
@@ -208,6 +230,9 @@ class EngineBase:
         return NoRehearsal(f"{type(self).__name__} cannot lose a node or cut a link on purpose")
 
     def listening(self, host: str, port: int) -> None:
+        return None
+
+    def settled(self, recovery: Settled) -> None:
         return None
 
     def agent_heard(self, node: str, peer: Any, message: AgentHello | Heartbeat) -> None:

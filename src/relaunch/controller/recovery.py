@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from relaunch import failpoints
+from relaunch.cluster import Settled
 from relaunch.controller import active as phases
 from relaunch.controller import commands
 from relaunch.controller.actions import action_for
@@ -415,6 +416,10 @@ class RecoveryDriver:
         phases.move(self.c.store, active, phase, resumed_at)
         if self.active is active:
             self.active = None
+        took = resumed_at - active.fault.at if resumed_at is not None else None
+        ok = phase is RecoveryPhase.SUCCEEDED
+        what = Settled(active.action.value, ok, active.fault.describe(), active.pods, took)
+        self.c.engine.settled(what)
 
     def healed(self, request: int, ok: bool) -> None:
         heal = self.active.heal if self.active is not None else None

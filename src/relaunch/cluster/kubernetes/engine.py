@@ -14,7 +14,9 @@ once (as `kubectl delete --force`), there being no kubelet to finish it.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
+import queue
 import socket
 import sys
 import threading
@@ -26,7 +28,7 @@ from typing import Any
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
-from relaunch.cluster import NOTHING_COUNTED, EngineFacts, LeftBehind
+from relaunch.cluster import NOTHING_COUNTED, EngineFacts, LeftBehind, Settled
 from relaunch.cluster.hosted import AgentsCluster
 from relaunch.cluster.kubernetes.objects import (
     ISOLATED_REASON,
@@ -57,6 +59,24 @@ def api_client(kubeconfig: str | None) -> client.ApiClient:
     return config.new_client_from_config(config_file=kubeconfig)
 
 
+def _event(pod: str, recovery: Settled) -> dict[str, Any]:
+    """A core/v1 Event on `pod` saying what relaunch did (reason `Relaunch<Level>`)."""
+    now = datetime.datetime.now(datetime.UTC).isoformat()
+    took = f" in {recovery.took_s:.2f} s" if recovery.took_s is not None else ""
+    outcome = f"succeeded{took}" if recovery.succeeded else "failed"
+    return {
+        "metadata": {"generateName": f"{pod}."},
+        "involvedObject": {"apiVersion": "v1", "kind": "Pod", "name": pod},
+        "reason": "Relaunch" + "".join(w.capitalize() for w in recovery.action.split("-")),
+        "message": f"{recovery.action} for {recovery.fault}: {outcome}",
+        "type": "Normal" if recovery.succeeded else "Warning",
+        "source": {"component": "relaunch-controller"},
+        "firstTimestamp": now,
+        "lastTimestamp": now,
+        "count": 1,
+    }
+
+
 def node_seen(node: Any) -> str | None:
     """What Kubernetes says of a Node that makes it no place for a pod (None: it is Ready)."""
     ready = next((c for c in node.status.conditions or [] if c.type == "Ready"), None)
@@ -82,9 +102,12 @@ class KubernetesCluster(AgentsCluster):
         self.lease = f"relaunch-controller-{self.state}"
         self._lost: dict[str, str] = {}
         self._pods_on: dict[str, str] = {}  # Pod name -> its node
+        self._pod_names: dict[int, str] = {}  # pod index -> its Pod's name, the newest
+        self._events: queue.Queue[Settled] = queue.Queue()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         threading.Thread(target=self._watch_nodes, daemon=True).start()
+        threading.Thread(target=self._send_events, daemon=True).start()
 
     @property
     def facts(self) -> EngineFacts:
@@ -151,7 +174,24 @@ class KubernetesCluster(AgentsCluster):
                 raise
         with self._lock:
             self._pods_on[name] = plan.node
+            if not plan.standby:
+                self._pod_names[plan.pod] = name
         return -1
+
+    # -- a recovery, as an Event on the Pods it touched (`kubectl describe pod`) -------------------
+
+    def settled(self, recovery: Settled) -> None:
+        self._events.put(recovery)  # sent by its own thread: the loop never waits on the API
+
+    def _send_events(self) -> None:
+        while True:
+            recovery = self._events.get()
+            with self._lock:
+                names = [self._pod_names[i] for i in recovery.pods if i in self._pod_names]
+                names = names or list(self._pod_names.values())
+            for name in names:
+                with contextlib.suppress(ApiException, OSError):
+                    self.core.create_namespaced_event(self.namespace, _event(name, recovery))
 
     def isolate_node(self, node: str, reason: str) -> str | None:
         """The node tainted relaunch.io/isolated=<reason>:NoSchedule (taints of others kept)."""
