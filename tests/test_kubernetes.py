@@ -20,6 +20,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
@@ -31,6 +32,7 @@ from relaunch.cluster.kubernetes.watching import list_watch
 from relaunch.errors import EngineError
 from relaunch.protocol.layout import StateDir
 from relaunch.protocol.plans import LaunchPlan
+from tests.runtime import DDP_FAULTS, ddp_job
 
 ROOT = Path(__file__).resolve().parents[1]
 NODES = ["n0", "n1", "n2"]
@@ -282,6 +284,37 @@ def test_the_controller_killed_and_resumed_keeps_the_job_and_its_records(
     assert actions == [("job-reschedule", "succeeded"), ("in-place", "succeeded")], summary
     assert summary["last_step"] == 120
     assert not core.list_namespaced_pod("default", label_selector="relaunch.io/job=toy").items
+
+
+def test_the_ddp_example_ends_bit_identical_through_a_crash_a_chip_fault_a_lost_node_and_a_hang(
+    trial: TrialKubernetes, tmp_path: Path, unbroken: str
+) -> None:
+    """The example's own fault plan (examples/ddp/faults.yaml) on Kubernetes: the DDP example's
+    parameters end as a fault-free run's on the embedded cluster, bit for bit."""
+    out = tmp_path / "hash.txt"
+    job, faults = tmp_path / "job.yaml", tmp_path / "faults.yaml"
+    job.write_text(yaml.safe_dump(ddp_job(out, 10)))
+    faults.write_text(yaml.safe_dump({"faults": DDP_FAULTS}))
+    report = tmp_path / "report.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "relaunch", "run", str(job), "--engine", "kubernetes",
+         "--kubeconfig", str(trial.controller_kubeconfig), "--cluster", "examples/cluster-small.yaml",
+         "--faults", str(faults), "--state-dir", str(tmp_path / "state"), "--report", str(report),
+         "--startup-seconds", "60"],
+        capture_output=True, text=True, timeout=900, cwd=ROOT,
+    )  # fmt: skip
+    said = done.stdout + done.stderr
+    assert done.returncode == 0, said
+    summary = json.loads(report.read_text())
+    kinds = [r["fault"]["kind"] for r in summary["recoveries"]]
+    assert kinds == ["process-exit", "chip", "node-lost", "hang"], said
+    assert all(r["outcome"] == "succeeded" for r in summary["recoveries"]), said
+    assert out.read_text().strip() == unbroken, said
+    lost = summary["recoveries"][2]["fault"]["node"]
+    trial.start_agent(lost)
+    trial.plane.kubectl("taint", "nodes", lost, "relaunch.io/isolated-")
+    core = core_of(trial)
+    until(f"{lost} Ready again", lambda: node_seen(core.read_node(lost)) is None)
 
 
 def test_a_list_watch_lists_again_when_its_version_has_expired() -> None:
