@@ -11,16 +11,8 @@ import pytest
 
 from relaunch_bench import report
 from relaunch_bench.jobs import FAULT_STEP
-from relaunch_bench.peers import (
-    PEERS_ENV,
-    _launcher_sample,
-    _row,
-    _torchft_sample,
-    peer_python,
-    peer_ratio_spreads,
-    peer_ratios,
-    peer_rows,
-)
+from relaunch_bench.peer_runs import PEERS_ENV, _launcher_sample, _torchft_sample, peer_python
+from relaunch_bench.peers import _row, peer_ratio_spreads, peer_ratios, peer_rows
 
 F = FAULT_STEP
 

@@ -488,7 +488,7 @@ def test_a_flap_row_counts_only_where_the_cut_link_carried_the_systems_traffic(
     import threading
 
     from relaunch_bench.jobs import FAULT_STEP
-    from relaunch_bench.network import LinkTraffic, _fault_at_step, data_link_bytes
+    from relaunch_bench.link_traffic import LinkTraffic, _fault_at_step, data_link_bytes
 
     _needs_namespaces()
     opened = ClusterNetwork.open(tmp_path)
@@ -539,7 +539,7 @@ def test_a_flap_row_counts_only_where_the_cut_link_carried_the_systems_traffic(
 
 
 def test_link_traffic_counts_a_link_that_carried_and_then_stopped() -> None:
-    from relaunch_bench.network import CARRIED_BYTES_PER_S, LinkTraffic
+    from relaunch_bench.link_traffic import CARRIED_BYTES_PER_S, LinkTraffic
 
     assert LinkTraffic(50_000.0, 0).carried
     assert not LinkTraffic(CARRIED_BYTES_PER_S / 2, 0).carried  # it carried nothing

@@ -114,11 +114,9 @@ def _one_round(directory: Path, tensor: Any) -> dict[str, float]:
 
 
 def _loop_round(directory: Path, mb: int) -> dict[str, float]:
-    """A training loop whose state (the model's and Adam's) weighs `mb`: how long a save stalls
-    it, synchronous, asynchronous (copied before it returns) and overlapped (what the optimizer
-    owns copied during the next forward and backward; its step waits for the rest of the copy,
-    timed where it waits). And how much longer the step after each asynchronous save takes than
-    a step without one: the copy and the background write share the machine with it."""
+    """A loop whose model and Adam state weigh `mb`: a save's stall, synchronous, asynchronous
+    and overlapped (the optimizer's step waits for the copy's rest, timed there), and how much
+    longer the step after an asynchronous save is."""
     import torch
 
     from relaunch.train import CheckpointManager, overlap
@@ -137,11 +135,8 @@ def _loop_round(directory: Path, mb: int) -> dict[str, float]:
         optimizer.step()
         return time.perf_counter() - start
 
-    def state() -> dict[str, Any]:
-        return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-
     def timed_save(manager: CheckpointManager, step: int) -> float:
-        saved = state()
+        saved = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
         start = time.perf_counter()
         manager.save(step, saved)
         return time.perf_counter() - start

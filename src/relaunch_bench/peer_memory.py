@@ -42,7 +42,7 @@ from relaunch.cluster.network import ClusterNetwork
 from relaunch_bench import file_server
 from relaunch_bench.checkpoint import _drop_cache, _raw
 from relaunch_bench.jobs import Progress
-from relaunch_bench.peers import peer_environment, peer_python
+from relaunch_bench.peer_runs import peer_environment, peer_python
 
 DLROVER_FLASH = Path(__file__).parent / "workloads" / "dlrover_flash.py"
 SHM = Path("/dev/shm")
@@ -135,6 +135,18 @@ def _size(
         link_ratios += timings.pop("link_ratios")
         for key, value in timings.items():
             samples.setdefault(key, []).append(value)
+    return _size_row(mb, repeats, samples, ratios, link_ratios, server)
+
+
+def _size_row(
+    mb: int,
+    repeats: int,
+    samples: dict[str, list[float]],
+    ratios: list[float],
+    link_ratios: list[float],
+    server: file_server.FileServer | str,
+) -> dict[str, Any]:
+    """One size's row: each timing's median (seconds and MB/s) and the ratios between them."""
     med = {k: statistics.median(v) for k, v in samples.items()}
     size = mb << 20
     row: dict[str, Any] = {"size_mb": mb, "repeats": repeats}

@@ -25,13 +25,7 @@ from typing import Any
 from relaunch_bench import timeline, torchrun
 from relaunch_bench.jobs import DDP, Progress, cluster, keep_failed, run_job
 from relaunch_bench.mttr import HANG_GRACE_WARM_S, PROCESS_ANNOTATIONS, PROCESS_LABELS
-from relaunch_bench.peers import (
-    NVRX_HEARTBEAT_S,
-    PLAIN_DDP,
-    dlrover_run,
-    nvrx_run,
-    peer_python,
-)
+from relaunch_bench.peer_runs import NVRX_HEARTBEAT_S, PLAIN_DDP, dlrover_run, nvrx_run, peer_python
 
 EVERY = 2400
 """Steps between two faults: about a minute at the job's 25 ms a step."""

@@ -23,7 +23,7 @@ from relaunch.cluster.local import free_port
 from relaunch.cluster.slurm_trial import TrialSlurm, unavailable
 from relaunch_bench import timeline
 from relaunch_bench.jobs import FAULT_STEP, Progress
-from relaunch_bench.peers import (
+from relaunch_bench.peer_runs import (
     NVRX_HEARTBEAT_S,
     PLAIN_DDP,
     PeerSample,
