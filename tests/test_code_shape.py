@@ -5,6 +5,7 @@ function over 60 in the package. Read from the source, as a reviewer would count
 from __future__ import annotations
 
 import ast
+import itertools
 from pathlib import Path
 
 import relaunch
@@ -88,3 +89,20 @@ def test_no_module_over_500_lines_and_no_function_over_60() -> None:
                     long_functions.append(f"{path.relative_to(SRC.parent)}:{node.name} ({lines})")
     assert long_modules == []
     assert long_functions == []
+
+
+def test_every_attribute_docstring_follows_the_assignment_it_describes() -> None:
+    """A string statement after another statement documents the assignment just before it: two
+    in a row (or one after a call) is a docstring left under the wrong name (issue 69 found six)."""
+    misplaced = []
+    for path in sorted([*SRC.rglob("*.py"), *BENCH.rglob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            body = getattr(node, "body", None)
+            if not isinstance(body, list):
+                continue
+            for before, stmt in itertools.pairwise(body):
+                text = stmt.value if isinstance(stmt, ast.Expr) else None
+                is_text = isinstance(text, ast.Constant) and isinstance(text.value, str)
+                if is_text and not isinstance(before, ast.Assign | ast.AnnAssign):
+                    misplaced.append(f"{path.relative_to(SRC.parent)}:{stmt.lineno}")
+    assert misplaced == []

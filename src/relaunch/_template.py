@@ -40,11 +40,11 @@ from relaunch.containers import Cgroup
 from relaunch.protocol.environment import Env
 
 TEMPLATE_PRELOAD = DEFAULT_PRELOAD
+"""What the template imports where the job does not say (RELAUNCH_SPARE_PRELOAD): a warm
+spare's (torch._dynamo too: torch.optim imports it on first use, 1.7 s of a rank's start)."""
 ENVIRONMENT_ROOM = "RELAUNCH_RANK_TEMPLATE_ROOM"
 """A variable of spaces the launcher adds to the template's environment: room for each rank's
 own, larger one in the memory /proc/PID/environ reads (see _show_environment)."""
-"""What the template imports where the job does not say (RELAUNCH_SPARE_PRELOAD): a warm
-spare's (torch._dynamo too: torch.optim imports it on first use, 1.7 s of a rank's start)."""
 PR_SET_PDEATHSIG = 1
 
 

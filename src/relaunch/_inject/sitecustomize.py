@@ -12,11 +12,11 @@ import os
 import signal
 
 INJECT_DIR = "RELAUNCH_INJECT_DIR"
+"""protocol.environment.Env.INJECT_DIR, spelled out: this runs before anything in every worker,
+which must not pay for importing relaunch (tests/test_purity.py checks the two agree)."""
 RANK_TEMPLATE = "RELAUNCH_RANK_TEMPLATE"
 """protocol.environment.Env.RANK_TEMPLATE: "serve" in a pod's rank template (relaunch._template),
 which imports torch once here and forks the pod's ranks; each returns here and runs the script."""
-"""protocol.environment.Env.INJECT_DIR, spelled out: this runs before anything in every worker,
-which must not pay for importing relaunch (tests/test_purity.py checks the two agree)."""
 
 
 def _die_with_parent() -> None:

@@ -290,10 +290,10 @@ def python_process(pid: int) -> psutil.Process | None:
 BUSY_STATES: Final = frozenset((b"R", b"D", b"T", b"t"))
 """Main-thread states that are not waiting: running or runnable, disk I/O, stopped."""
 WORKING_STATES: Final = frozenset((b"R", b"D"))
+"""Main-thread states that show a rank at work: running or runnable, waiting for the disk."""
 STOPPED_STATES: Final = frozenset((b"T", b"t"))
 """Stopped by a signal (SIGSTOP) or a debugger: whatever phase it said it was in, it does not
 progress (a rank stopped in a checkpoint save is not saving)."""
-"""Main-thread states that show a rank at work: running or runnable, waiting for the disk."""
 
 
 def sample_busy(worker: Worker) -> None:

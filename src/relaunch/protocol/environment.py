@@ -66,10 +66,10 @@ class Env:
     COLLECTIVE_TIMEOUT: Final = "RELAUNCH_COLLECTIVE_TIMEOUT"
     ELASTIC_EVERY: Final = "RELAUNCH_ELASTIC_EVERY"
     STEP_ROLLBACK: Final = "RELAUNCH_STEP_ROLLBACK"
+    """`StepRollback`'s value (the spec's `step_rollback`)."""
     HIGH_AVAILABILITY: Final = "HIGH_AVAILABILITY"
     """R-07: the job's process-level strategies (seed 004 Table 3), "elastic-training" among them
     when the world may shrink."""
-    """`StepRollback`'s value (the spec's `step_rollback`)."""
     # the launcher's side channels
     PROGRESS_SOCKET: Final = "RELAUNCH_PROGRESS_SOCKET"
     """Routine step reports: the launcher reads them every progress interval."""
