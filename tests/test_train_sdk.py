@@ -170,6 +170,10 @@ m = CheckpointManager(sys.argv[1], rank=0)
 state = {"w": 0}
 m.dying_gasp(lambda: dict(state))
 for step in range(1, 10_000):
+    if os.environ.get("STALE_AT") == str(step):  # as the keeper learns its pod was replaced
+        from relaunch.train.following import GroupLost, gasp_if_stale
+        with gasp_if_stale(m):
+            raise GroupLost("rank 0: pod 0 was replaced (generation 2); this process is stale")
     with m.step(step):
         state["w"] = step
         if os.environ.get("FAIL_AT") == str(step):
@@ -190,7 +194,8 @@ def _gasp(tmp_path: Path, extra_env: dict[str, str]) -> tuple[int, int]:
     )
     assert proc.stdout is not None
     for line in proc.stdout:
-        if line.startswith("step 20") or ("FAIL_AT" in extra_env and line.startswith("step 4")):
+        early = "FAIL_AT" in extra_env or "STALE_AT" in extra_env
+        if line.startswith("step 20") or (early and line.startswith("step 4")):
             break
     time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
@@ -207,6 +212,16 @@ def test_dying_gasp_saves_the_last_completed_step_on_sigterm(tmp_path: Path) -> 
 
 def test_dying_gasp_after_a_failed_step_saves_the_step_before_it(tmp_path: Path) -> None:
     code, step = _gasp(tmp_path, {"FAIL_AT": "5", "RELAUNCH_JOB_ID": "1"})
+    assert code == 143 and step == 4
+
+
+def test_r34_a_rank_told_it_is_stale_waits_for_the_sigterm_and_its_gasp_saves(
+    tmp_path: Path,
+) -> None:
+    """A job-level rebuild's new membership can reach a rank before relaunch's SIGTERM (CI saw
+    the dump level's ranks exit on GroupLost with nothing saved): a rank with a gasp armed that
+    learns it is stale waits for the SIGTERM, and its gasp saves the last completed step."""
+    code, step = _gasp(tmp_path, {"STALE_AT": "5", "RELAUNCH_JOB_ID": "1"})
     assert code == 143 and step == 4
 
 

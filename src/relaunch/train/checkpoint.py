@@ -105,8 +105,7 @@ class CheckpointManager:
     job's spec asks for it (`peer_memory_mb`), else none; a manager made early in a rank's start
     has the memory for a restore's copy faulted in by the time it loads. `local`: where each
     shard is also copied on the node's own disk (relaunch.train.local; by default the job's
-    `local_checkpoint_dir`), read back by a rank that restarts on the same node.
-    """
+    `local_checkpoint_dir`), read back by a rank that restarts on the same node."""
 
     WAITS_AT_EXIT: ClassVar[bool] = True
     """Whether the interpreter's exit waits for an asynchronous save (not for a collective one)."""
@@ -419,26 +418,22 @@ class CheckpointManager:
 
     def dying_gasp(self, state: Callable[[], Any]) -> None:
         """On SIGTERM (relaunch's `fault-scheduling: grace`), save `state()` as the last completed
-        step before exiting, so that a restart loses no step. Inside :meth:`step` the save waits for
-        the step to end; a step that fails (a peer died mid-collective) leaves the state of the last
-        completed step, which is what gets saved."""
+        step before exiting, so that a restart loses no step. Inside :meth:`step` the save waits
+        for the step to end; a step that fails leaves the last completed step's state, saved."""
         self._gasp = state
         signal.signal(signal.SIGTERM, self._on_term)
 
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[None]:
-        """Marks one training step; `completed_step` advances when it ends without an error.
-
-        With a dying gasp armed and running under relaunch, a step that raises waits for relaunch's
-        SIGTERM (the job is being recovered) instead of crashing, so that the gasp can save."""
+        """Marks one training step; `completed_step` advances when it ends without an error. With
+        a gasp armed, under relaunch, a step that raises waits for relaunch's SIGTERM (the job is
+        being recovered) instead of crashing, so that the gasp can save."""
         self._in_step = True
         try:
             yield
         except Exception:
             self._in_step = False
-            if self._gasp is None or Env.JOB_ID not in os.environ:
-                raise
-            self._await_termination()
+            self.wait_for_stop()
             raise
         # Still inside the step while the step and its random streams are noted: a SIGTERM in
         # between would save the new parameters as the old step (or the new step with the old
@@ -471,6 +466,11 @@ class CheckpointManager:
             self._term_pending = True
             return
         self._gasp_and_exit()
+
+    def wait_for_stop(self) -> None:
+        """With a gasp armed, under relaunch: wait for its SIGTERM, save and exit (else return)."""
+        if self._gasp is not None and Env.JOB_ID in os.environ:
+            self._await_termination()
 
     def _await_termination(self) -> None:
         if self._term_pending:

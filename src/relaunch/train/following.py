@@ -4,13 +4,15 @@ generation of the group that includes this rank. Standard library only."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from relaunch.protocol.plans import Membership, read_membership
 
-__all__ = ["GroupLost", "Member", "changed_membership", "wait_for_membership"]
+__all__ = ["GroupLost", "Member", "changed_membership", "gasp_if_stale", "wait_for_membership"]
 
 POLL_S = 0.02
 
@@ -40,6 +42,19 @@ def changed_membership(path: Path, seen_mtime: float) -> tuple[Membership | None
         return None, seen_mtime
     found = read_membership(path)
     return found, mtime if found is not None else seen_mtime
+
+
+@contextlib.contextmanager
+def gasp_if_stale(checkpoint: Any) -> Iterator[None]:
+    """A recovery in which this process learns it is stale (GroupLost: its pod or its job was
+    rebuilt, and relaunch stops it next) lets its dying gasp save first: the rebuild's new
+    membership can come before relaunch's SIGTERM (`CheckpointManager.wait_for_stop`)."""
+    try:
+        yield
+    except GroupLost:
+        if checkpoint is not None:
+            checkpoint.wait_for_stop()
+        raise
 
 
 def wait_for_membership(

@@ -50,7 +50,7 @@ from relaunch.protocol.environment import Env
 from relaunch.protocol.operator import OperatorRetry
 from relaunch.protocol.plans import Membership, read_membership
 from relaunch.protocol.rollback import StepRollback
-from relaunch.train import overlap, progress
+from relaunch.train import following, overlap, progress
 from relaunch.train.checkpoint import CheckpointManager
 from relaunch.train.collectives import RetryableCollectives, settings_from_env
 from relaunch.train.distributed import (
@@ -182,8 +182,7 @@ class ProcessGroupKeeper:
     # -- the group ------------------------------------------------------------------------------
 
     def _init(self, m: Membership | None) -> None:
-        """Form the group of membership `m` (relaunch hears that the rank is building its group:
-        no process-level recovery runs meanwhile, R-37)."""
+        """Form the group of membership `m` (relaunch hears of it: no recovery meanwhile, R-37)."""
         report_phase(SdkPhase.GROUP)
         before = tcp_sockets()
         try:
@@ -386,7 +385,8 @@ class ProcessGroupKeeper:
                 self.commit()
             except _Retry as retry:
                 self._step.leave()
-                self._recover(step, snapshot, retry.generation)
+                with following.gasp_if_stale(checkpoint):
+                    self._recover(step, snapshot, retry.generation)
                 step = self.completed + 1
                 continue
             except (RuntimeError, dist.DistError) as error:
@@ -396,7 +396,8 @@ class ProcessGroupKeeper:
                 if self.ops is None and not self._aborted:  # relaunch hears it (R-30)
                     progress.report_collective_failure(step, 0, self.generation, str(error))
                 self._abort()  # the peers still blocked in this collective fail now too
-                self._recover(step, snapshot, None, error)
+                with following.gasp_if_stale(checkpoint):
+                    self._recover(step, snapshot, None, error)
                 step = self.completed + 1
                 continue
             self._step.leave()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import threading
 from collections.abc import Callable
@@ -58,9 +59,10 @@ class RayCluster(EngineBase):
         self._watcher = threading.Thread(target=self._watch, daemon=True)
         self._watcher.start()
 
-    @property
+    @functools.cached_property
     def facts(self) -> EngineFacts:
-        """A Ray cluster's nodes are hosts of their own (a test's on one machine too: its pods'
+        """Asked of the node hosts once (the controller reads it at each pod's start).
+        A Ray cluster's nodes are hosts of their own (a test's on one machine too: its pods'
         processes set OMP_NUM_THREADS by their pod's count, as on separate hosts); Ray gives
         each worker its GPUs itself (CUDA_VISIBLE_DEVICES)."""
         return EngineFacts(
