@@ -75,10 +75,12 @@ def test_every_identity_has_the_rights_it_uses_and_no_more(trial: TrialKubernete
 
     controller = ("--as=relaunch:controller", "--as-group=relaunch:controllers")
     for verb, what in [("create", "pods"), ("delete", "pods"), ("watch", "nodes"),
-                       ("patch", "nodes"), ("create", "leases"), ("create", "events")]:  # fmt: skip
+                       ("patch", "nodes"), ("create", "leases"), ("patch", "leases"),
+                       ("create", "events")]:  # fmt: skip
         assert can(verb, what, *controller), (verb, what)
     for verb, what in [("get", "secrets"), ("create", "deployments"), ("delete", "nodes"),
-                       ("create", "clusterrolebindings")]:  # fmt: skip
+                       ("create", "clusterrolebindings"), ("create", "services"),
+                       ("patch", "pods")]:  # fmt: skip
         assert not can(verb, what, *controller), (verb, what)
     # a node's agent: its own Node, no one else's (the Node authorizer and NodeRestriction)
     node = client.CoreV1Api(api_client(str(trial.plane.kubeconfig_of_node("n0"))))
