@@ -101,7 +101,6 @@ class KubernetesCluster(AgentsCluster):
         self.state = state_label(state_dir)
         self.lease = f"relaunch-controller-{self.state}"
         self._lost: dict[str, str] = {}
-        self._pods_on: dict[str, str] = {}  # Pod name -> its node
         self._pod_names: dict[int, str] = {}  # pod index -> its Pod's name, the newest
         self._events: queue.Queue[Settled] = queue.Queue()
         self._lock = threading.Lock()
@@ -173,7 +172,6 @@ class KubernetesCluster(AgentsCluster):
             if error.status != 409:  # 409: made by this job before a controller restart
                 raise
         with self._lock:
-            self._pods_on[name] = plan.node
             if not plan.standby:
                 self._pod_names[plan.pod] = name
         return -1
