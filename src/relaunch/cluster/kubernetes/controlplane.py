@@ -81,6 +81,9 @@ class ControlPlane:
             self._start_controllers()
             self.kubectl("apply", "-f", str(MANIFESTS / "controller-rbac.yaml"))
             self._wait(self._leaders_elected, "the controller manager and the scheduler")
+            # A Pod is refused until its namespace's default ServiceAccount exists, which the
+            # controller manager makes a moment after it leads: waited for, not raced.
+            self._wait(self._default_account_made, "the default namespace's ServiceAccount")
             progress("kube-controller-manager and kube-scheduler are up")
         except BaseException:
             self.stop()
@@ -178,6 +181,10 @@ class ControlPlane:
         found = self.kubectl("get", "leases", "-n", "kube-system", "-o", "name", check=False)
         return {"lease.coordination.k8s.io/kube-controller-manager",
                 "lease.coordination.k8s.io/kube-scheduler"} <= set(found.split())  # fmt: skip
+
+    def _default_account_made(self) -> bool:
+        found = self.kubectl("get", "serviceaccounts", "-n", "default", "-o", "name", check=False)
+        return "serviceaccount/default" in found.split()
 
     def kubectl(self, *args: str, check: bool = True) -> str:
         """kubectl of the control plane's version, as the administrator; its output."""
