@@ -12,7 +12,7 @@ import pytest
 from relaunch_bench import report
 from relaunch_bench.jobs import FAULT_STEP
 from relaunch_bench.peer_runs import PEERS_ENV, _launcher_sample, _torchft_sample, peer_python
-from relaunch_bench.peers import _row, peer_ratio_spreads, peer_ratios, peer_rows
+from relaunch_bench.peers import _row, peer_ratio_spreads, peer_ratios, peer_rows, peer_unmatched
 
 F = FAULT_STEP
 
@@ -83,10 +83,20 @@ def test_each_faults_ratio_is_relaunch_over_the_best_peer_measured() -> None:
     rows = [
         {"fault": "crash", "system": "relaunch process-in-place+spare", "stall_s": 0.2},
         {"fault": "crash", "system": "relaunch job-reschedule+spare", "stall_s": 0.8},
-        {"fault": "crash", "system": "torchrun (c10d)", "stall_s": 4.0},
-        {"fault": "crash", "system": "torchft (1 s heartbeat)", "stall_s": 1.0},
-        {"fault": "crash", "system": "NVRx ft_launcher (4 s heartbeat)", "stall_s": 4.2},
-        {"fault": "crash", "system": "DLRover dlrover-run --standalone", "stall_s": 3.2},
+        {"fault": "crash", "system": "torchrun (c10d)", "stall_s": 4.0, "rejoin_s": 4.0},
+        {"fault": "crash", "system": "torchft (1 s heartbeat)", "stall_s": 1.0, "rejoin_s": 3.9},
+        {
+            "fault": "crash",
+            "system": "NVRx ft_launcher (4 s heartbeat)",
+            "stall_s": 4.2,
+            "rejoin_s": 4.2,
+        },
+        {
+            "fault": "crash",
+            "system": "DLRover dlrover-run --standalone",
+            "stall_s": 3.2,
+            "rejoin_s": 3.2,
+        },
         {"fault": "hang", "system": "relaunch hang-restart", "stall_s": 5.0, "detect_s": 4.15},
         {"fault": "hang", "system": "torchft (1 s heartbeat)", "stall_s": None},
         {"fault": "link-flap", "system": "relaunch operator-retry", "stall_s": 6.0},
@@ -106,6 +116,30 @@ def test_each_faults_ratio_is_relaunch_over_the_best_peer_measured() -> None:
     assert "crash, one rank (process-in-place+spare / torchft) 0.2" in markdown
 
 
+def test_a_ratio_is_taken_against_a_peer_that_restores_the_job_or_said_to_have_none() -> None:
+    """Issue 75: the hang's ratio came out 3.84, relaunch over torchft's survivor, whose struck
+    replica never came back. A peer counts where the struck rank stepped again (`rejoin_s`);
+    a fault that no peer recovers is named, with no number."""
+    rows = [
+        {"fault": "hang", "system": "relaunch hang-restart+spare", "stall_s": 4.2},
+        {"fault": "hang", "system": "torchft (1 s heartbeat)", "stall_s": 1.1, "rejoin_s": None},
+        {"fault": "hang", "system": "NVRx ft_launcher (4 s heartbeat)", "stall_s": 10.5,
+         "rejoin_s": 10.5},
+        {"fault": "lost-node", "system": "relaunch process-reschedule+spare", "stall_s": 0.16},
+        {"fault": "lost-node", "system": "torchft (1 s heartbeat)", "stall_s": 1.0},
+        {"fault": "lost-node", "system": "NVRx ft_launcher (4 s heartbeat)", "stall_s": None},
+    ]  # fmt: skip
+    assert peer_ratios(rows) == {"hang (hang-restart / best peer)": 0.4}
+    assert peer_unmatched(rows) == ["lost node (process-reschedule+spare / best peer)"]
+    result = {
+        "mttr": [], "hang": [], "ratios": {}, "peers": rows, "peer_ratios": peer_ratios(rows),
+        "peer_unmatched": peer_unmatched(rows),
+    }  # fmt: skip
+    assert "No peer restores the job: lost node (process-reschedule+spare" in (
+        report.markdown(result)
+    )
+
+
 def test_each_ratio_is_said_with_its_spread_over_the_runs() -> None:
     """Issue 49: the one-rank crash ratio came out 0.41 in one run of the bench and 0.21 in
     another; a ratio is said with the spread of its runs: relaunch's fastest against the
@@ -114,7 +148,7 @@ def test_each_ratio_is_said_with_its_spread_over_the_runs() -> None:
         {"fault": "crash", "system": "relaunch process-in-place+spare", "stall_s": 0.3,
          "samples": [0.2, 0.3, 0.5]},
         {"fault": "crash", "system": "torchft (1 s heartbeat)", "stall_s": 1.0,
-         "samples": [0.8, 1.0, 2.0]},
+         "rejoin_s": 3.0, "samples": [0.8, 1.0, 2.0]},
         {"fault": "hang", "system": "relaunch hang-restart", "stall_s": 5.0, "samples": [5.0]},
     ]  # fmt: skip
     assert peer_ratio_spreads(rows) == {

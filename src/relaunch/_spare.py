@@ -29,6 +29,7 @@ import resource
 import runpy
 import sys
 
+from relaunch._rendezvous import before_script
 from relaunch.protocol.environment import Env
 
 DEFAULT_PRELOAD = "torch,torch.distributed,torch.nn.parallel,torch._dynamo"
@@ -87,6 +88,7 @@ def main() -> None:
     os.environ.clear()
     os.environ.update(identity["env"])
     os.chdir(identity["cwd"])
+    before_script(os.environ)
     argv = list(identity["argv"])
     sys.argv = argv
     sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))

@@ -35,6 +35,7 @@ import signal
 import sys
 from pathlib import Path
 
+from relaunch._rendezvous import before_script
 from relaunch._spare import DEFAULT_PRELOAD
 from relaunch.containers import Cgroup
 from relaunch.protocol.environment import Env
@@ -134,6 +135,7 @@ def become(identity: dict[str, object]) -> None:
         with contextlib.suppress(Exception):
             numpy.random.seed()
     os.chdir(str(identity["cwd"]))
+    before_script(env)
 
 
 def _show_environment(env: dict[str, str]) -> bool:

@@ -241,15 +241,23 @@ def peer_rows(
 def _ratio_pairs(
     rows: list[dict[str, Any]],
 ) -> dict[str, tuple[dict[str, Any] | None, dict[str, Any] | None]]:
-    """Each ratio's two rows: relaunch's and the best peer's (the smallest stall measured), per
-    fault: a crash twice, one rank replaced against torchft's survivor and every rank restarted
-    against the launchers that restart every rank."""
+    """Each ratio's two rows: relaunch's and the best peer's that restores the job (the
+    smallest stall measured), per fault: a crash twice, one rank replaced against torchft's
+    survivor and every rank restarted against the launchers that restart every rank.
+
+    A peer restores the job where the struck rank, or its replacement, stepped again (its
+    `rejoin_s`): torchft's survivor that trains on alone after a hang or a lost node has not
+    recovered the job, and its stall is no recovery to compare with. A link flap strikes no
+    rank: every system that rode it out counts."""
 
     def best(fault: str, prefixes: tuple[str, ...]) -> dict[str, Any] | None:
         found = [
             r
             for r in rows
-            if r["fault"] == fault and r["system"].startswith(prefixes) and r["stall_s"]
+            if r["fault"] == fault
+            and r["system"].startswith(prefixes)
+            and r["stall_s"]
+            and (fault == "link-flap" or r["system"].startswith("relaunch") or r.get("rejoin_s"))
         ]
         return min(found, key=lambda r: r["stall_s"]) if found else None
 
@@ -275,6 +283,15 @@ def _ratio_pairs(
             best("link-flap", ("torchft", *RESTART_ALL)),
         ),
     }
+
+
+def peer_unmatched(rows: list[dict[str, Any]]) -> list[str]:
+    """The ratios relaunch was measured for that no peer has: none restored the job."""
+    return [
+        name
+        for name, (ours, theirs) in _ratio_pairs(rows).items()
+        if ours is not None and theirs is None
+    ]
 
 
 def peer_ratio_spreads(rows: list[dict[str, Any]]) -> dict[str, tuple[float, float]]:

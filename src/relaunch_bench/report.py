@@ -228,6 +228,8 @@ def markdown(result: dict[str, Any]) -> str:
                     f"{k} {v}{_spread(spreads.get(k))}" for k, v in result["peer_ratios"].items()
                 )
             )
+        if key == "peers" and result.get("peer_unmatched"):
+            lines += ["", "No peer restores the job: " + ", ".join(result["peer_unmatched"])]
     if result.get("overhead"):
         lines += ["", "Controller overhead:", "", *table(result["overhead"], OVERHEAD_COLUMNS)]
     return "\n".join(lines) + "\n"

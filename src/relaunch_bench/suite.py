@@ -20,7 +20,7 @@ from relaunch_bench.network import network_rows
 from relaunch_bench.overhead import overhead_rows
 from relaunch_bench.peer_memory import LINK_PAIRS, peer_memory_rows
 from relaunch_bench.peer_memory import SIZES_MB as PEER_MEMORY_SIZES
-from relaunch_bench.peers import peer_ratio_spreads, peer_ratios, peer_rows
+from relaunch_bench.peers import peer_ratio_spreads, peer_ratios, peer_rows, peer_unmatched
 from relaunch_bench.reliability import RELIABILITY_LEVELS, reliability_rows
 from relaunch_bench.rollback import rollback_rows
 from relaunch_bench.scale import scale_rows
@@ -97,6 +97,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         **measured,
         "peer_ratios": peer_ratios(measured.get("peers", [])),
         "peer_ratio_spreads": peer_ratio_spreads(measured.get("peers", [])),
+        "peer_unmatched": peer_unmatched(measured.get("peers", [])),
         "series_ratio": series_ratio(measured.get("series", [])),
         "seconds": round(time.time() - started, 1),
     }

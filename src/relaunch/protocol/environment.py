@@ -86,6 +86,9 @@ class Env:
     """0: every rank starts as a new Python process, none is forked from the pod's rank
     template (relaunch._template)."""
     GASP_WAIT_S: Final = "RELAUNCH_GASP_WAIT_S"
+    STORE_WAIT: Final = "RELAUNCH_STORE_WAIT_S"
+    """How long a rank other than 0 that relaunch starts waits for rank 0's store before its
+    script runs (relaunch._rendezvous; 0: not at all)."""
     # peer memory (train.peer, cluster.keeper)
     PEER_MEMORY: Final = "RELAUNCH_PEER_MEMORY"
     """The nodes' peer memories a rank copies its checkpoints to and restores them from:

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from relaunch._rendezvous import STORE_WAIT_S, wait_for_store
 from relaunch.protocol.environment import Env
 from relaunch.protocol.operator import OperatorRetry
 from relaunch.protocol.plans import Membership, read_membership
@@ -233,6 +234,8 @@ class ProcessGroupKeeper:
             dist.init_process_group(self.backend, timeout=timeout)
         else:
             rank = m.ranks[self.original_rank]
+            if rank != 0:  # not into torch's connect backoff (relaunch._rendezvous)
+                wait_for_store(m.addr, m.port, STORE_WAIT_S)
             store = dist.TCPStore(  # type: ignore[attr-defined]
                 m.addr,
                 m.port,
@@ -413,9 +416,8 @@ class ProcessGroupKeeper:
             step += 1
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = None) -> None:
-        """`dist.all_reduce(tensor, op)` in the keeper's group, inside a step (`train_step`):
-        with operator retry on, issued again after a transport fault instead of failing the
-        step (R-29)."""
+        """`dist.all_reduce(tensor, op)` in the keeper's group, inside a step (`train_step`): with
+        operator retry on, issued again after a transport fault, not failing the step (R-29)."""
         if self.ops is not None:
             self.ops.all_reduce(tensor, op)
         else:
@@ -488,10 +490,9 @@ class ProcessGroupKeeper:
         self._closing.set()
 
     def exit(self, code: int = 0) -> NoReturn:
-        """End the process now, after flushing its output. Groups abandoned in a recovery still
-        own gloo threads whose C++ destructors can call std::terminate at interpreter exit
-        (seen with torch 2.13 on CPU: an exit 134 after a clean finish); ending here skips them.
-        Call it last, after checkpoints are written (CheckpointManager.wait())."""
+        """End the process now, output flushed: groups abandoned in a recovery own gloo threads
+        whose C++ destructors can std::terminate at exit (torch 2.13 on CPU: 134 after a clean
+        finish). Call it last, after checkpoints are written (CheckpointManager.wait())."""
         self.close()
         flush_progress()  # os._exit skips atexit, which would send the last step
         sys.stdout.flush()
