@@ -359,10 +359,13 @@ def test_a_launcher_whose_last_stop_raises_still_closes_its_container(
 
     class Raising:
         def __init__(self, *args: object) -> None:
-            self.spares = self
+            self.spares = self.template = self
 
         def run(self) -> None:
             calls.append("run")
+
+        def kill(self) -> None:
+            calls.append("kill")
 
         def retire(self) -> None:
             calls.append("retire")
@@ -381,7 +384,7 @@ def test_a_launcher_whose_last_stop_raises_still_closes_its_container(
     plan.write_text("{}")
     with pytest.raises(OSError, match="the stop failed"):
         launcher_main.main(["--state-dir", str(tmp_path), "--plan", str(plan)])
-    assert calls == ["run", "retire", "stop", "close_container"]
+    assert calls == ["run", "kill", "kill", "retire", "stop", "close_container"]
 
 
 def _alive(process: psutil.Process) -> bool:
@@ -606,3 +609,52 @@ def test_the_pool_hands_a_cuda_spare_only_to_a_rank_that_sees_its_gpus(tmp_path:
         assert plain and plain[0].can_be("7") and plain[0].can_be(None)
     finally:
         pool.retire()
+
+
+def test_a_rank_takes_a_spare_still_importing_at_the_launchers_priority_not_a_cold_start(
+    tmp_path: Path,
+) -> None:
+    """A fault soon after a refill: no spare is ready, one is importing. The rank waits for
+    that one (further along than a new process), and the spare imports on at the launcher's
+    priority from then on (it started SPARE_NICENESS lower, not to slow the ranks beside it)."""
+    import threading
+
+    from relaunch.launcher.spares import SparePool
+
+    gate, seen = tmp_path / "gate", tmp_path / "niceness"
+    (tmp_path / "slow_import.py").write_text(
+        "import os, pathlib, time\n"
+        f"while not pathlib.Path({str(gate)!r}).exists():\n"
+        "    time.sleep(0.01)\n"
+        f"pathlib.Path({str(seen)!r}).write_text(str(os.getpriority(os.PRIO_PROCESS, 0)))\n"
+    )
+    env = {**os.environ, "RELAUNCH_SPARE_PRELOAD": "slow_import", "PYTHONPATH": str(tmp_path)}
+    pool = SparePool(1, ("python", "train.py"))
+    pool.refill(tmp_path, env)
+    (spare_started,) = pool.spares
+    assert not spare_started.ready.is_set()
+    opener = threading.Timer(0.3, gate.write_text, args=("open",))
+    opener.start()
+    try:
+        taken = pool.take()
+    finally:
+        opener.join()
+        pool.retire()
+    assert taken is spare_started and taken.ready.is_set()
+    if _may_raise_priority():
+        assert int(seen.read_text()) == os.getpriority(os.PRIO_PROCESS, 0)
+    if taken.proc.poll() is None:
+        taken.proc.kill()
+    taken.proc.wait()
+
+
+def test_a_spare_that_dies_while_importing_is_not_waited_for(tmp_path: Path) -> None:
+    """The rank starts as it would without a spare (None: the template or a new process)."""
+    from relaunch.launcher.spares import SparePool
+
+    (tmp_path / "dies.py").write_text("import os\nos._exit(3)\n")
+    env = {**os.environ, "RELAUNCH_SPARE_PRELOAD": "dies", "PYTHONPATH": str(tmp_path)}
+    pool = SparePool(1, ("python", "train.py"))
+    pool.refill(tmp_path, env)
+    assert pool.take() is None
+    assert pool.spares[0].proc.wait(timeout=30) == 3

@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> None:
         launcher.run()
     finally:
         try:
+            launcher.spares.kill()  # with the template, at once: each takes a while to end
+            launcher.template.kill()
             launcher.spares.retire()
             launcher.stop(0.0)
             launcher.template.retire()

@@ -180,11 +180,16 @@ class RankTemplate:
         with self.changed:
             self.changed.wait(0.05 if timeout is None else min(0.05, timeout))
 
-    def retire(self) -> None:
-        """End the template (the ranks it forked die with it)."""
+    def kill(self) -> None:
+        """SIGKILL the template, not waiting for its end (`retire` waits)."""
         if self.proc is not None and self.proc.poll() is None:
             with contextlib.suppress(OSError):
                 self.proc.kill()
+
+    def retire(self) -> None:
+        """End the template (the ranks it forked die with it)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=5)
 

@@ -481,6 +481,7 @@ class CheckpointManager:
 
     def _gasp_and_exit(self) -> None:
         self._gasping = True
+        began = time.monotonic()
         step, streams = self._completed
         if self._gasp is not None and step is not None:
             try:
@@ -490,10 +491,9 @@ class CheckpointManager:
                 for copies in (self.peers, self.local):  # its copies too, or storage serves
                     if copies is not None:
                         copies.wait(GASP_COPY_WAIT_S)
-                print(
-                    f"relaunch: dying gasp saved step {step} (rank {self.rank})",
-                    flush=True,
-                )
+                took = f"{time.monotonic() - began:.3f} s"
+                said = f"relaunch: dying gasp saved step {step} (rank {self.rank}) in {took}"
+                print(said, flush=True)
             except Exception as error:  # the process exits either way
                 print(f"relaunch: dying gasp failed: {error}", file=sys.stderr, flush=True)
         flush_progress()  # os._exit skips atexit, which would send the last step

@@ -153,12 +153,27 @@ class KubernetesCluster(AgentsCluster):
         threading.Thread(target=self._renew_lease, daemon=True).start()
 
     def _renew_lease(self) -> None:
+        """Each second; a renewal refused is said once (on the controller's stderr, its log)
+        until one goes through again: a Lease not renewed is the agents' sign that the
+        controller is gone, and who reads that log must learn why."""
+        failing = False
         while not self._stop.wait(1.0):
             now = time.strftime("%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime())
-            with contextlib.suppress(ApiException, OSError):
+            try:
                 self.coordination.patch_namespaced_lease(
                     self.lease, self.namespace, {"spec": {"renewTime": now}}
                 )
+                failing = False
+            except (ApiException, OSError) as error:
+                if not failing:
+                    why = getattr(error, "reason", None) or error
+                    print(
+                        f"relaunch: the controller's Lease {self.namespace}/{self.lease} could "
+                        f"not be renewed ({why}); trying again each second",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                failing = True
 
     # -- pods ---------------------------------------------------------------------------------------
 
