@@ -5,14 +5,22 @@ their own that `make peers` makes: minutes of installs, not a test's business.)"
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
 from relaunch_bench import report
 from relaunch_bench.jobs import FAULT_STEP
-from relaunch_bench.peer_runs import PEERS_ENV, _launcher_sample, _torchft_sample, peer_python
+from relaunch_bench.peer_runs import (
+    PEERS_ENV,
+    PeerSample,
+    _launcher_sample,
+    _torchft_sample,
+    peer_python,
+)
 from relaunch_bench.peers import _row, peer_ratio_spreads, peer_ratios, peer_rows, peer_unmatched
+from relaunch_bench.timeline import PHASES
 
 F = FAULT_STEP
 
@@ -177,3 +185,22 @@ def test_a_launcher_that_restarts_every_rank_is_read_off_rank_0s_timeline(tmp_pa
     path.write_text("\n".join(lines[: F + 1]) + "\n")  # restarted, never stepped again
     failed = _launcher_sample(path, "crash", finished=False)
     assert not failed.ok and "did not finish" in failed.note
+
+
+def test_relaunchs_restarts_beside_the_peers_are_shown_part_by_part() -> None:
+    """Issue 75: a warm restart's floor is visible where the peers are: each relaunch row where
+    rank 0 restarted carries the medians of its parts, and the report prints them."""
+    parts = {k: 0.01 for k in PHASES} | {"rendezvous": 0.08}
+    samples = [
+        PeerSample(True, stall_s=s, rejoin_s=s, detected=True, phases={**parts, "detect": d})
+        for s, d in ((0.5, 0.02), (0.6, 0.04), (4.0, 0.03))
+    ]
+    row = asdict(_row("relaunch job-reschedule+spare", "crash", samples))
+    assert row["phases"]["detect"] == 0.03 and row["phases"]["rendezvous"] == 0.08
+    kept = asdict(_row("torchft (1 s heartbeat)", "crash", [PeerSample(True, stall_s=1.0)]))
+    assert kept["phases"] is None
+    result = {"mttr": [], "hang": [], "ratios": {}, "peers": [row, kept]}
+    text = report.markdown(json.loads(json.dumps(result)))
+    assert "Where relaunch's restarts' time goes" in text
+    (shown,) = [line for line in text.splitlines() if line.startswith("| relaunch job-")]
+    assert "| 0.08 |" in shown and "torchft" not in text.split("restarts' time goes")[1]

@@ -63,6 +63,8 @@ class PeerSample:
     note: str = ""
     detect_s: float | None = None
     """Fault to its detection, where the system says when it detected it (relaunch's record)."""
+    phases: dict[str, float] | None = None
+    """Where the restart's time went (timeline.PHASES), where rank 0 restarted under relaunch."""
 
 
 def peers_dir() -> Path:

@@ -19,7 +19,7 @@ from typing import Any
 
 from relaunch_bench import torchrun
 from relaunch_bench.jobs import Progress
-from relaunch_bench.mttr import relaunch_once
+from relaunch_bench.mttr import median_phases, relaunch_once
 from relaunch_bench.peer_runs import (
     NVRX_HEARTBEAT_S,
     PeerSample,
@@ -60,6 +60,8 @@ class PeerRow:
     detected: bool | None = None
     note: str = ""
     samples: list[float] = field(default_factory=list)
+    phases: dict[str, float] | None = None
+    """relaunch's rows where rank 0 restarts: the medians of where the time went."""
 
 
 # -- torchft -------------------------------------------------------------------------------------
@@ -84,6 +86,7 @@ def relaunch_sample(level: str, tmp: Path) -> PeerSample:
         ranks_restarted=2 if level.startswith(("job", "hang")) else 1,  # hang-restart: every rank
         detected=True,
         detect_s=sample.detect_s,
+        phases=sample.phases,
     )
 
 
@@ -125,6 +128,7 @@ def _row(system: str, fault: str, samples: list[PeerSample]) -> PeerRow:
         detected=all(s.detected for s in good) if good else None,
         note="; ".join(notes),
         samples=[round(s.stall_s, 3) for s in good if s.stall_s is not None],
+        phases=median_phases([s.phases for s in good if s.phases is not None]),
     )
 
 

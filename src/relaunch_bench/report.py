@@ -195,6 +195,22 @@ def phase_rows(mttr: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
+def peer_phase_lines(peers: list[dict[str, Any]]) -> list[str]:
+    """relaunch's restarts beside the peers, part by part (rank 0's timeline, medians): where
+    the floor of each warm restart is."""
+    rows = [
+        {"system": r["system"], "fault": r["fault"], "stall_s": r["stall_s"], **r["phases"]}
+        for r in peers
+        if r.get("phases")
+    ]
+    if not rows:
+        return []
+    columns = {"system": "system", "fault": "fault", "stall_s": "stall s"}
+    columns.update({k: k.replace("_", " ") + " s" for k in PHASES})
+    title = "Where relaunch's restarts' time goes (rank 0's timeline, medians):"
+    return ["", title, "", *table(rows, columns)]
+
+
 def markdown(result: dict[str, Any]) -> str:
     lines = table(result["mttr"], MTTR_COLUMNS)
     if result["hang"]:
@@ -230,6 +246,8 @@ def markdown(result: dict[str, Any]) -> str:
             )
         if key == "peers" and result.get("peer_unmatched"):
             lines += ["", "No peer restores the job: " + ", ".join(result["peer_unmatched"])]
+        if key == "peers":
+            lines += peer_phase_lines(result.get("peers") or [])
     if result.get("overhead"):
         lines += ["", "Controller overhead:", "", *table(result["overhead"], OVERHEAD_COLUMNS)]
     return "\n".join(lines) + "\n"
