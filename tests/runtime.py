@@ -446,3 +446,15 @@ def final_hash(output: str) -> str:
     found = re.findall(r"done: params sha256 ([0-9a-f]{64})", output)
     assert len(found) == 1, output[-2000:]
     return found[0]
+
+
+def ready_spare(env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """A warm spare (`python -m relaunch._spare`) started with `env`, once it said ready: its
+    stdin takes the identity line."""
+    spare = subprocess.Popen(
+        [sys.executable, "-m", "relaunch._spare"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+    )  # fmt: skip
+    assert spare.stdout is not None and spare.stdin is not None
+    assert spare.stdout.readline().strip() == b"ready"
+    return spare

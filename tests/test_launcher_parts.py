@@ -48,6 +48,7 @@ from relaunch.protocol.messages import (
 )
 from relaunch.protocol.plans import LaunchPlan
 from relaunch.protocol.wire import write_controller_address
+from tests.runtime import ready_spare
 
 
 def _plan(tmp: Path, adopt_grace_s: float = 30.0, lease_s: float | None = None) -> LaunchPlan:
@@ -325,13 +326,9 @@ def test_a_spare_waits_at_a_lower_priority_and_every_thread_trains_at_the_launch
     )
     env = {**os.environ, "RELAUNCH_SPARE_PRELOAD": "starts_a_thread", "PYTHONPATH": str(tmp_path)}
     ours = os.getpriority(os.PRIO_PROCESS, 0)
-    spare = subprocess.Popen(
-        [sys.executable, "-m", "relaunch._spare"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-    )  # fmt: skip
+    spare = ready_spare(env)
     try:
-        assert spare.stdout is not None and spare.stdin is not None
-        assert spare.stdout.readline().strip() == b"ready"
+        assert spare.stdin is not None
         waiting = [t.id for t in psutil.Process(spare.pid).threads()]
         assert len(waiting) >= 2, "the preloaded module's thread runs"
         for task in waiting:

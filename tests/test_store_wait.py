@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +16,7 @@ import pytest
 
 from relaunch._rendezvous import before_script, wait_for_store
 from relaunch.protocol.environment import Env
+from tests.runtime import ready_spare
 
 
 @pytest.fixture
@@ -85,13 +84,9 @@ def test_a_warm_spare_handed_rank_1_runs_its_script_once_rank_0s_store_listens(
             **os.environ, Env.SPARE_PRELOAD: "", Env.RANK: "1", Env.MASTER_ADDR: "127.0.0.1",
             Env.MASTER_PORT: str(port), Env.STORE_WAIT: "120",
         }  # fmt: skip
-        spare = subprocess.Popen(
-            [sys.executable, "-m", "relaunch._spare"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-        )  # fmt: skip
+        spare = ready_spare(env)
         try:
-            assert spare.stdout is not None and spare.stdin is not None
-            assert spare.stdout.readline().strip() == b"ready"
+            assert spare.stdin is not None
             identity = {"env": env, "argv": [str(script)], "cwd": str(tmp_path), "log": ""}
             spare.stdin.write((json.dumps(identity) + "\n").encode())
             spare.stdin.flush()
