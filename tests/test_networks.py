@@ -18,7 +18,13 @@ import psutil
 import pytest
 
 from relaunch.cluster.linkwatch import still_cut
-from relaunch.cluster.network import ClusterNetwork, Layout, _used_prefixes
+from relaunch.cluster.network import (
+    ClusterNetwork,
+    Layout,
+    NamespaceGone,
+    _used_prefixes,
+    new_layout,
+)
 from relaunch.errors import FaultPlanError
 from relaunch.faults.plan import PlannedFaultKind, parse_plan
 from relaunch.protocol.links import Cut, LinkFaultKind
@@ -265,12 +271,113 @@ def test_a_fault_that_comes_after_its_cluster_was_removed_leaves_no_route(tmp_pa
     assert late.apply("node-1", LinkFaultKind.PARTITION, Cut.BOTH) is False
     assert not [r for r in _routes(late.layout.mgmt) if r.startswith("blackhole")]
     done = subprocess.run(
-        [sys.executable, "-m", "relaunch.cluster.network", "--state-dir", str(tmp_path),
+        [sys.executable, "-m", "relaunch.cluster.linkfault", "--state-dir", str(tmp_path),
          "--node", "node-1", "--kind", "partition", "--cut", "controller"],
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert done.returncode == 0 and "network is gone" in done.stdout, done
     assert_nothing_left(tmp_path)
+
+
+def _same_prefix_pair(base: Path) -> tuple[Path, Path]:
+    """Two state directories whose digests pick the same management prefix first."""
+    seen: dict[int, Path] = {}
+    for i in range(1000):
+        state = base / f"cluster-{i}"
+        wanted = new_layout(state).mgmt
+        if wanted in seen:
+            return seen[wanted], state
+        seen[wanted] = state
+    raise AssertionError("no two of 1,000 names pick one prefix")  # 190 prefixes: cannot be
+
+
+def test_two_clusters_started_at_once_reach_each_its_own_controller(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two clusters whose digests want one management prefix, opened at the same moment: the
+    second chooses once the first's link is made, so each node reaches its own controller. Before,
+    each chose before the other's route was there: two links of one /16 in the machine's
+    namespace, and one cluster's agents never reached their controller (they ended, deleting
+    their namespaces, and the controller died asking one for a port)."""
+    _needs_namespaces()
+    first_dir, second_dir = _same_prefix_pair(tmp_path)
+    first_making, second_making = threading.Event(), threading.Event()
+    make_links = ClusterNetwork._make_links
+
+    def paced(net: ClusterNetwork) -> None:
+        if net.state_dir == first_dir:  # the first waits (a while) for the second to choose
+            first_making.set()
+            second_making.wait(timeout=3)
+        else:
+            second_making.set()
+        make_links(net)
+
+    monkeypatch.setattr(ClusterNetwork, "_make_links", paced)
+    opened: dict[Path, ClusterNetwork | str] = {}
+
+    def open_one(state: Path) -> None:
+        opened[state] = ClusterNetwork.open(state)
+
+    first = threading.Thread(target=open_one, args=(first_dir,))
+    first.start()
+    first_making.wait(timeout=60)
+    second = threading.Thread(target=open_one, args=(second_dir,))
+    second.start()
+    first.join()
+    second.join()
+    nets = [opened[first_dir], opened[second_dir]]
+    try:
+        assert all(isinstance(n, ClusterNetwork) for n in nets), nets
+        a, b = (n for n in nets if isinstance(n, ClusterNetwork))
+        assert a.layout.mgmt != b.layout.mgmt
+        assert Layout.read(second_dir / "network.json") == b.layout  # what its agents read
+        for net in (a, b):
+            net.ensure_node("node-0")
+            assert _seen_by_controller(net, "node-0") == net.layout.mgmt_address("node-0")
+    finally:
+        for net in nets:
+            if isinstance(net, ClusterNetwork):
+                net.remove()
+
+
+def _seen_by_controller(net: ClusterNetwork, node: str) -> str:
+    """The address the controller's end of the management link sees `node` connect from."""
+    import socket
+
+    with contextlib.closing(socket.socket()) as server:
+        server.bind((net.layout.controller_address, 0))
+        server.listen()
+        server.settimeout(30)
+        port = server.getsockname()[1]
+        net.in_namespace(
+            node,
+            lambda: socket.create_connection((net.layout.controller_address, port), 30).close(),
+        )
+        conn, (host, _) = server.accept()
+        conn.close()
+        return str(host)
+
+
+def test_a_node_whose_namespace_is_gone_is_named_and_the_engine_still_gives_a_port(
+    tmp_path: Path,
+) -> None:
+    """A node's agent deletes its namespace on its way out: asking it for a port says which node
+    and why; the embedded engine gives a port anyway (the launch there fails and the lost node's
+    recovery asks again), where its controller once died of a bare FileNotFoundError."""
+    _needs_namespaces()
+    from relaunch.cluster.local import LocalCluster
+
+    engine = LocalCluster(tmp_path)
+    net = engine.network
+    assert net is not None
+    try:
+        net.ensure_node("node-0")
+        subprocess.run(["ip", "netns", "del", net.layout.namespace("node-0")], check=True)
+        with pytest.raises(NamespaceGone, match=r"node node-0's network namespace .* is gone"):
+            net.free_port("node-0")
+        assert engine.free_port("node-0") > 0
+    finally:
+        net.remove()
 
 
 CLUSTER = {**DDP_CLUSTER, "adopt_grace_s": 4}

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from relaunch.cluster import NOTHING_COUNTED, EngineBase, EngineFacts, LeftBehind, Rehearsal
-from relaunch.cluster.network import DATA_IF, ClusterNetwork, enter_namespace
+from relaunch.cluster.network import DATA_IF, ClusterNetwork, NamespaceGone, enter_namespace
 from relaunch.cluster.nvml import SIMULATE_CHIPS_ENV, gpu_count
 from relaunch.containers import Cgroup, ClusterCgroups
 from relaunch.protocol.layout import PodDir, StateDir
@@ -379,7 +379,10 @@ class LocalCluster(EngineBase):
         network = self.network
         if network is None or node not in network.layout.nodes:
             return free_port()
-        return network.free_port(node)
+        try:
+            return network.free_port(node)
+        except NamespaceGone:  # a lost node: the launch there fails, the recovery asks again
+            return free_port()
 
     @functools.cached_property
     def chips_are_gpus(self) -> bool:
@@ -427,7 +430,9 @@ class LocalCluster(EngineBase):
         if self.cgroups is not None:  # ended with the cluster, like everything it started
             placement = (self.cgroups.root.child("link-faults").make(), [])
         pid = self._spawn(
-            ["relaunch.cluster.network", *args], self.layout.logs / "network-faults.log", placement
+            ["relaunch.cluster.linkfault", *args],
+            self.layout.logs / "network-faults.log",
+            placement,
         )
         self._remember("helpers", f"{node}/{kind.value}/{pid}", pid)
         return None

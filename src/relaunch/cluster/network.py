@@ -18,7 +18,7 @@ a partition is blackhole routes (`ip route add blackhole ADDR`: no netfilter nee
 controller only (the management addresses both ways), from the node's peers only (the data
 addresses both ways) or both; a degraded link is a token bucket (`tc qdisc ... tbf`) on both
 directions of the data link. Each is applied and, after its duration, undone by a helper process
-(`python -m relaunch.cluster.network`), so that the controller's loop never waits for `ip` and a
+(`python -m relaunch.cluster.linkfault`), so that the controller's loop never waits for `ip` and a
 flap ends even if the controller dies.
 
 Where namespaces cannot be made (not root, no `ip`, `RELAUNCH_NETWORK=loopback`), the cluster's
@@ -31,7 +31,6 @@ the layout (which node has which index, the two /16 prefixes) is kept in the sta
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import ctypes
 import fcntl
@@ -43,7 +42,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +56,7 @@ __all__ = [
     "PROBE_PORT",
     "ClusterNetwork",
     "Layout",
+    "NamespaceGone",
     "enter_namespace",
 ]
 
@@ -70,7 +69,12 @@ DATA_IF: Final = "data0"
 PROBE_PORT: Final = 29471
 """Where each node's agent answers its peers' probes, on both links (see cluster.agent)."""
 NETNS_DIR: Final = Path("/run/netns")
+MACHINE_LOCK: Final = Path("/run/relaunch-networks.lock")
 _CLONE_NEWNET: Final = 0x40000000
+
+
+class NamespaceGone(FileNotFoundError):
+    """A node's namespace that is no longer there (its agent deleted it on its way out)."""
 
 
 def _host(prefix: int, index: int) -> str:
@@ -155,16 +159,29 @@ def _used_prefixes(route_table: str | None = None) -> set[int]:
     return used
 
 
-def new_layout(state_dir: Path) -> Layout:
+def new_layout(state_dir: Path, nodes: dict[str, int] | None = None) -> Layout:
     """A layout for the cluster of `state_dir`: prefixes from its digest, the management one
-    clear of every network the root namespace routes (the data one is seen by no one else)."""
+    clear of every network the root namespace routes (the data one is seen by no one else).
+    Chosen under `_machine_lock` with the controller's link made before it is let go: two
+    clusters started at once each see the other's route (they once shared a prefix)."""
     digest = hashlib.sha1(str(state_dir.resolve()).encode()).hexdigest()
     used = _used_prefixes()
     start = int(digest[:4], 16)
     candidates = [64 + (start + i) % 190 for i in range(190)]
     mgmt = next((p for p in candidates if p not in used), candidates[0])
     data = next(p for p in candidates if p != mgmt)
-    return Layout(digest[:8], mgmt, data)
+    return Layout(digest[:8], mgmt, data, dict(nodes or {}))
+
+
+@contextlib.contextmanager
+def _machine_lock() -> Iterator[None]:
+    """One cluster at a time on this machine picks its management prefix and makes its link."""
+    with open(MACHINE_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _ip(
@@ -261,9 +278,17 @@ class ClusterNetwork:
         tmp.replace(self.path)
 
     def _make_switch(self) -> None:
-        layout = self.layout
-        if _namespace_exists(layout.switch):
+        if _namespace_exists(self.layout.switch):
             return
+        with _machine_lock():
+            ours = any(_namespace_exists(self.layout.namespace(n)) for n in self.layout.nodes)
+            if not ours and self.layout.mgmt in _used_prefixes():  # another cluster's since
+                self.layout = new_layout(self.state_dir, self.layout.nodes)
+            self._make_links()
+        self._save()
+
+    def _make_links(self) -> None:
+        layout = self.layout
         link, address = layout.controller_link, layout.controller_address
         _ip(None, [f"netns add {layout.switch}"])
         _ip(None, [f"link add {link} type veth peer name c0 netns {layout.switch}"])
@@ -320,7 +345,14 @@ class ClusterNetwork:
 
     def open_namespace(self, node: str) -> int:
         """A descriptor of `node`'s namespace, for `enter_namespace` in a child (close it after)."""
-        return os.open(NETNS_DIR / self.layout.namespace(node), os.O_RDONLY)
+        path = NETNS_DIR / self.layout.namespace(node)
+        try:
+            return os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise NamespaceGone(
+                f"node {node}'s network namespace {path} is gone: its agent ended (the node is "
+                "lost) or the cluster's network was removed"
+            ) from None
 
     def in_namespace(self, node: str, work: Callable[[], _T]) -> _T:
         """Run `work` on a thread of its own inside `node`'s namespace (namespaces are per
@@ -460,33 +492,3 @@ def _delete(names: list[str]) -> None:
     present = [n for n in names if _namespace_exists(n)]
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         _ip(None, [f"netns del {n}" for n in present])
-
-
-def main(argv: list[str] | None = None) -> None:
-    """A link fault for its duration: applied now, undone after `--duration` seconds (none:
-    left until the cluster's network is removed)."""
-    parser = argparse.ArgumentParser(prog="python -m relaunch.cluster.network")
-    parser.add_argument("--state-dir", type=Path, required=True)
-    parser.add_argument("--node", required=True)
-    parser.add_argument("--kind", choices=[k.value for k in LinkFaultKind], required=True)
-    parser.add_argument("--cut", choices=[c.value for c in Cut], default=None)
-    parser.add_argument("--rate-mbit", type=float, default=None)
-    parser.add_argument("--duration", type=float, default=None)
-    args = parser.parse_args(argv)
-    network = ClusterNetwork.existing(args.state_dir)
-    if network is None or args.node not in network.layout.nodes:
-        sys.exit(f"no network for node {args.node} in {args.state_dir}")
-    kind, cut = LinkFaultKind(args.kind), Cut(args.cut) if args.cut else None
-    if not network.apply(args.node, kind, cut, args.rate_mbit):
-        print(f"{time.time():.6f} the cluster's network is gone: no {kind.value}", flush=True)
-        return
-    print(f"{time.time():.6f} applied {kind.value} on {args.node}", flush=True)
-    if args.duration is None:
-        return
-    time.sleep(args.duration)
-    network.apply(args.node, kind, cut, args.rate_mbit, undo=True)
-    print(f"{time.time():.6f} undone {kind.value} on {args.node}", flush=True)
-
-
-if __name__ == "__main__":
-    main()
