@@ -144,6 +144,79 @@ def test_a_silent_node_is_marked_unknown_by_the_controller_manager_and_comes_bac
     until("n2 Ready again", lambda: node_seen(core.read_node("n2")) is None)
 
 
+def test_kubernetes_own_indexed_job_runs_on_the_agents_and_the_job_controller_replaces_a_failed_pod(
+    trial: TrialKubernetes, tmp_path: Path
+) -> None:
+    """A Pod that is not relaunch's (here an Indexed Job's, what the bench measures relaunch
+    beside) runs on the node's agent as on a kubelet: its command, with its env's values, the
+    downward API's fields and `$(VAR)` expanded; its exit code in its status. Index 1 exits 3
+    once: the real Job controller counts it (podFailurePolicy) and recreates that index, and the
+    Job completes. A Pod asking for a Secret is Failed at once, saying why."""
+    namespace = "indexed-job-test"
+    trial.plane.kubectl("create", "namespace", namespace)
+    once = tmp_path / "index-1-failed"
+    shell = (f"echo index=$JOB_COMPLETION_INDEX rank=$(RANK) node=$(NODE) > {tmp_path}/out-$(RANK); "
+             f'[ "$(RANK)" != 1 ] || [ -e {once} ] || {{ touch {once}; exit 3; }}')  # fmt: skip
+    index = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    job = {
+        "apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "indexed", "namespace": namespace},
+        "spec": {
+            "completionMode": "Indexed", "completions": 2, "parallelism": 2, "backoffLimit": 2,
+            "podFailurePolicy": {"rules": [
+                {"action": "FailJob", "onExitCodes": {"operator": "In", "values": [42]}},
+                {"action": "Count", "onExitCodes": {"operator": "NotIn", "values": [0]}}]},
+            "template": {"spec": {"restartPolicy": "Never", "containers": [{
+                "name": "trainer", "image": "python", "command": ["bash", "-c", shell],
+                "env": [{"name": "RANK", "valueFrom": {"fieldRef": {"fieldPath": index}}},
+                        {"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]}]}},
+        },
+    }  # fmt: skip
+    secret = {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "wants-a-secret", "namespace": namespace},
+        "spec": {"restartPolicy": "Never", "nodeName": "n0", "containers": [{
+            "name": "c", "image": "python", "command": ["true"],
+            "env": [{"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]}]},
+    }  # fmt: skip
+    manifest = tmp_path / "objects.json"
+    manifest.write_text(json.dumps({"apiVersion": "v1", "kind": "List", "items": [job, secret]}))
+    core = core_of(trial)
+    try:
+        trial.plane.kubectl("apply", "-f", str(manifest))
+        batch = client.BatchV1Api(api_client(str(trial.plane.admin_kubeconfig)))
+
+        def ended() -> Any:
+            status = batch.read_namespaced_job("indexed", namespace).status
+            return [c.type for c in status.conditions or [] if c.status == "True"]
+
+        assert "Complete" in until("the Job ended", ended), ended()
+        status = batch.read_namespaced_job("indexed", namespace).status
+        assert (status.succeeded, status.failed) == (2, 1)
+        pods = core.list_namespaced_pod(namespace, label_selector="job-name=indexed").items
+        codes = sorted(
+            (p.metadata.annotations["batch.kubernetes.io/job-completion-index"],
+             p.status.container_statuses[0].state.terminated.exit_code)
+            for p in pods
+        )  # fmt: skip
+        assert codes == [("0", 0), ("1", 0), ("1", 3)], codes
+        for rank in (0, 1):
+            said = (tmp_path / f"out-{rank}").read_text().split()
+            node = next(p.spec.node_name for p in pods if p.status.phase == "Succeeded"
+                        and p.metadata.annotations["batch.kubernetes.io/job-completion-index"] == str(rank))  # fmt: skip
+            assert said == [f"index={rank}", f"rank={rank}", f"node={node}"], said
+        refused = until(
+            "the Pod asking for a Secret Failed",
+            lambda: (
+                (p := core.read_namespaced_pod("wants-a-secret", namespace)).status.phase
+                == "Failed"
+                and p
+            ),
+        )
+        assert refused.status.reason == "RelaunchAgentCannotRun", refused.status
+        assert "env TOKEN" in refused.status.message, refused.status.message
+    finally:
+        trial.plane.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+
 def test_the_toy_job_comes_through_the_demos_three_faults_on_kubernetes(
     trial: TrialKubernetes, tmp_path: Path
 ) -> None:

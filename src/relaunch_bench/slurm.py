@@ -98,9 +98,9 @@ def _once(trial: TrialSlurm, system: str, fault: str, tmp: Path, nvrx: Path | st
     killed = fault != "lost-node"
     while not _ended(trial, job_id):
         if not killed and _step(line) >= FAULT_STEP:
-            trial.kill_node(LOST)
             with open(line, "a") as marks:  # the strike, on the script's own ruler
                 marks.write(f"crash {_step(line)} {time.time():.6f}\n")
+            trial.kill_node(LOST)  # takes a moment: the ruler starts before it
             killed = True
         if time.monotonic() > deadline:
             trial.slurm(["scancel", job_id], check=False)

@@ -19,12 +19,15 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from relaunch.cluster.local import free_port, kill_tree
 from relaunch.containers import Cgroup, ClusterCgroups
 from relaunch.protocol.layout import PodDir
 from relaunch.protocol.plans import LaunchPlan
+
+if TYPE_CHECKING:
+    from relaunch.cluster.kubernetes.objects import Container
 
 __all__ = ["PodHost", "pod_host_environment"]
 
@@ -53,6 +56,8 @@ class PodHost:
         )
         self.launchers: dict[tuple[int, int, int], int] = {}
         """(job, pod, generation) -> the pid of its launcher (-1: a standby launcher)."""
+        self.plain_pods: dict[str, tuple[int, Cgroup | None]] = {}
+        """A Kubernetes Pod's uid -> its container's process and cgroup (`run`)."""
         self.lock = threading.Lock()
 
     def start(self, plan: LaunchPlan, on_exit: Callable[[int], None] | None = None) -> int:
@@ -88,6 +93,43 @@ class PodHost:
         threading.Thread(target=reap, daemon=True).start()
         return proc.pid
 
+    def run(self, uid: str, container: Container, log: Path, on_exit: Callable[[int], None]) -> int:
+        """A Pod that is not relaunch's: its container's command as a process of this node, in
+        a cgroup of its own (`k8s-<uid>`), with the node's environment and the container's;
+        its pid. `on_exit` is told its exit status."""
+        cgroup = self.cgroups.node(self.node).child(f"k8s-{uid}").make() if self.cgroups else None
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(
+                container.argv, cwd=container.workdir, stdin=subprocess.DEVNULL, stdout=out,
+                stderr=subprocess.STDOUT, start_new_session=True,
+                env={**pod_host_environment(), **container.env},
+                preexec_fn=cgroup.join if cgroup is not None else None,
+            )  # fmt: skip
+        with self.lock:
+            self.plain_pods[uid] = (proc.pid, cgroup)
+
+        def reap() -> None:
+            code = proc.wait()
+            with self.lock:
+                gone = self.plain_pods.pop(uid, None) is None
+            if cgroup is not None:  # what the command left behind goes with it
+                cgroup.end()
+            if not gone:
+                on_exit(code)
+
+        threading.Thread(target=reap, daemon=True).start()
+        return proc.pid
+
+    def stop_container(self, uid: str) -> None:
+        """A Pod's container killed (its Pod was deleted), and everything it started."""
+        with self.lock:
+            pid, cgroup = self.plain_pods.pop(uid, (0, None))
+        if cgroup is not None:
+            cgroup.end()
+        if pid > 0:
+            kill_tree(pid)
+
     def stop(self, job: int, pod: int, generation: int) -> None:
         """One pod's launcher and all it started, killed (its Pod was deleted)."""
         with self.lock:
@@ -104,7 +146,7 @@ class PodHost:
         if self.cgroups is not None:
             self.cgroups.node(self.node).kill()
         with self.lock:
-            pids = list(self.launchers.values())
+            pids = [*self.launchers.values(), *(pid for pid, _ in self.plain_pods.values())]
         for pid in pids:
             kill_tree(pid, wait=False)
 
@@ -114,8 +156,11 @@ class PodHost:
         with self.lock:
             pids = list(self.launchers.values())
             self.launchers.clear()
+            plain = list(self.plain_pods)
         for pid in pids:
             kill_tree(pid)
+        for uid in plain:
+            self.stop_container(uid)
         if self.cgroups is None:
             return None
         left = 0

@@ -31,6 +31,7 @@ from relaunch.cluster.kubernetes.objects import (
     NODE_LABEL,
     ROLE_LABEL,
     SIMULATED_CHIP,
+    container_of,
     plan_of,
 )
 from relaunch.cluster.kubernetes.watching import list_watch
@@ -74,8 +75,8 @@ class NodeKubelet:
         self.state_dir = state_dir
         self.host = host
         self.stop = threading.Event()
-        self.started: dict[str, tuple[int, int, int]] = {}
-        """Pod uid -> (job, pod, generation) of the launcher started for it."""
+        self.started: set[str] = set()
+        """The uids of the Pods whose launcher or container runs here."""
         self.lock = threading.Lock()
 
     def start(self) -> None:
@@ -141,13 +142,13 @@ class NodeKubelet:
     def pod_changed(self, kind: str, pod: Any) -> None:
         uid = pod.metadata.uid
         plan = plan_of(pod)
-        if plan is None:
-            return
-        key = (plan.job, plan.pod, plan.generation)
         if kind == "DELETED" or pod.metadata.deletion_timestamp is not None:
-            self.host.stop(*key)
+            if plan is not None:
+                self.host.stop(plan.job, plan.pod, plan.generation)
+            else:
+                self.host.stop_container(uid)
             with self.lock:
-                self.started.pop(uid, None)
+                self.started.discard(uid)
             if kind != "DELETED":  # the kubelet's part of a deletion: the Pod is gone now
                 with contextlib.suppress(ApiException):
                     self.core.delete_namespaced_pod(
@@ -158,31 +159,56 @@ class NodeKubelet:
         with self.lock:
             if uid in self.started or pod.status.phase in ("Succeeded", "Failed", "Running"):
                 return
-            self.started[uid] = key
+            self.started.add(uid)
         name, namespace = pod.metadata.name, pod.metadata.namespace
         started = _now().isoformat()
-        self.host.start(plan, on_exit=lambda code: self.ended(name, namespace, uid, code, started))
+
+        def ended(code: int) -> None:
+            self.ended(name, namespace, uid, code, started, container)
+
+        container = "launcher"
+        if plan is not None:
+            self.host.start(plan, on_exit=ended)
+        else:  # not relaunch's: a Kubernetes Job's, a user's
+            what = container_of(pod, self.node, self.address)
+            if isinstance(what, str):
+                self.refused(name, namespace, uid, what)
+                return
+            container = what.name
+            log = self.state_dir / "containers" / f"{namespace}_{name}.log"
+            self.host.run(uid, what, log, on_exit=ended)
         running = {"phase": "Running", "hostIP": self.address, "podIP": self.address,
                    "startTime": started,
                    "conditions": [{"type": t, "status": "True"} for t in
                                   ("PodScheduled", "Initialized", "ContainersReady", "Ready")],
-                   "containerStatuses": [_container(ready=True, restarts=0,
+                   "containerStatuses": [_container(container, ready=True, restarts=0,
                                                     state={"running": {"startedAt": started}})]}  # fmt: skip
         with contextlib.suppress(ApiException):
             self.core.patch_namespaced_pod_status(name, namespace, {"status": running})
 
-    def ended(self, name: str, namespace: str, uid: str, code: int, started: str) -> None:
+    def ended(
+        self, name: str, namespace: str, uid: str, code: int, started: str, container: str
+    ) -> None:
         with self.lock:
-            if self.started.pop(uid, None) is None:
+            if uid not in self.started:
                 return  # deleted: nothing to say of a Pod that is gone
+            self.started.discard(uid)
         exit_code = code if code >= 0 else 128 - code  # killed by a signal, as a container
         terminated = {"exitCode": exit_code, "reason": "Completed" if code == 0 else "Error",
                       "startedAt": started, "finishedAt": _now().isoformat()}  # fmt: skip
         status = {"phase": "Succeeded" if code == 0 else "Failed",
                   "conditions": [{"type": "Ready", "status": "False"},
                                  {"type": "ContainersReady", "status": "False"}],
-                  "containerStatuses": [_container(ready=False, restarts=0,
+                  "containerStatuses": [_container(container, ready=False, restarts=0,
                                                    state={"terminated": terminated})]}  # fmt: skip
+        with contextlib.suppress(ApiException):
+            self.core.patch_namespaced_pod_status(name, namespace, {"status": status})
+
+    def refused(self, name: str, namespace: str, uid: str, why: str) -> None:
+        """A Pod this kubelet cannot run: Failed at once, saying why (`kubectl describe pod`)."""
+        with self.lock:
+            self.started.discard(uid)
+        status = {"phase": "Failed", "reason": "RelaunchAgentCannotRun", "message": why}
         with contextlib.suppress(ApiException):
             self.core.patch_namespaced_pod_status(name, namespace, {"status": status})
 
@@ -206,6 +232,6 @@ class NodeKubelet:
         write_controller_address(self.state_dir, host, int(port), pid=0)
 
 
-def _container(*, ready: bool, restarts: int, state: dict[str, Any]) -> dict[str, Any]:
-    return {"name": "launcher", "image": "relaunch", "imageID": "", "ready": ready,
+def _container(name: str, *, ready: bool, restarts: int, state: dict[str, Any]) -> dict[str, Any]:
+    return {"name": name, "image": "relaunch", "imageID": "", "ready": ready,
             "restartCount": restarts, "state": state}  # fmt: skip

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
@@ -24,6 +25,8 @@ __all__ = [
     "PLAN_ENV",
     "ROLE_LABEL",
     "STATE_LABEL",
+    "Container",
+    "container_of",
     "controller_lease",
     "pod_manifest",
     "pod_name",
@@ -127,3 +130,74 @@ def controller_lease(
         },
         "spec": {"holderIdentity": holder, "leaseDurationSeconds": lease_s},
     }
+
+
+@dataclass(frozen=True)
+class Container:
+    """What a node's agent runs of a Pod that is not relaunch's (a Kubernetes Job's, a user's):
+    its one container's command, as a process of the node (there is no image to run it in)."""
+
+    name: str
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    workdir: str | None
+
+
+_FIELD = re.compile(r"metadata\.(labels|annotations)\['([^']+)'\]")
+
+
+def _field(pod: Any, path: str, node: str, address: str) -> str | None:
+    """The downward API's value of `path` for `pod` (None: not one this kubelet gives)."""
+    meta = pod.metadata
+    plain = {"metadata.name": meta.name, "metadata.namespace": meta.namespace,
+             "metadata.uid": meta.uid, "spec.nodeName": node, "spec.serviceAccountName":
+             pod.spec.service_account_name or "default", "status.podIP": address,
+             "status.hostIP": address}  # fmt: skip
+    if path in plain:
+        return str(plain[path])
+    keyed = _FIELD.fullmatch(path)
+    if keyed is None:
+        return None
+    table = (meta.labels if keyed.group(1) == "labels" else meta.annotations) or {}
+    return str(table.get(keyed.group(2), ""))
+
+
+def container_of(pod: Any, node: str, address: str) -> Container | str:
+    """The container of `pod` (the kubernetes client's V1Pod) as this node's agent runs it:
+    its command and args, its env's values and the downward API's fields (`fieldRef`: the Job
+    controller gives an Indexed Job's pods their index so); or why not, in a line."""
+    containers = pod.spec.containers or []
+    if len(containers) != 1 or pod.spec.init_containers:
+        return f"relaunch's agent runs a Pod of one container: {pod.metadata.name} has more"
+    container = containers[0]
+    argv = tuple([*(container.command or []), *(container.args or [])])
+    if not argv:
+        return (
+            f"container {container.name} has no command: relaunch's agent runs a container's "
+            "command on its node (no image is pulled or run)"
+        )
+    env: dict[str, str] = {}
+    for variable in container.env or []:
+        source = variable.value_from
+        if source is None:
+            env[variable.name] = _expand(variable.value or "", env)
+            continue
+        value = (
+            None
+            if source.field_ref is None
+            else _field(pod, source.field_ref.field_path, node, address)
+        )
+        if value is None:
+            return f"env {variable.name}: only values and the downward API's fields are given here"
+        env[variable.name] = value
+    argv = tuple(_expand(arg, env) for arg in argv)  # as Kubernetes expands command and args
+    return Container(container.name, argv, env, container.working_dir)
+
+
+def _expand(value: str, env: dict[str, str]) -> str:
+    """`$(NAME)` of a variable defined before, as Kubernetes expands it (`$$` escapes)."""
+    return re.sub(
+        r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+        lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)),
+        value,
+    )
