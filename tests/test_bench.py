@@ -361,12 +361,42 @@ def test_a_failed_bench_run_keeps_its_state_and_says_its_last_lines(
 
 
 def test_the_slurm_sections_ratio_is_relaunchs_stall_over_nvrxs_where_both_recovered() -> None:
-    from relaunch_bench.report import slurm_ratios
+    from relaunch_bench.report import stall_ratios
 
     rows = [
         {"system": "relaunch", "fault": "crash", "ok": True, "stall_s": 6.0},
         {"system": "NVRx", "fault": "crash", "ok": True, "stall_s": 12.0},
         {"system": "relaunch", "fault": "lost-node", "ok": True, "stall_s": 27.0},
         {"system": "NVRx", "fault": "lost-node", "ok": False, "stall_s": None},
+        {"system": "relaunch", "fault": "hang", "ok": False, "stall_s": None},
+        {"system": "NVRx", "fault": "hang", "ok": True, "stall_s": 3.0},
     ]
-    assert slurm_ratios(rows) == "crash 0.5, lost-node -"
+    assert stall_ratios(rows) == "crash 0.5, lost-node only relaunch recovers, hang -"
+
+
+def test_a_kubernetes_row_is_the_median_of_what_recovered_its_spread_and_why_the_rest_did_not() -> (
+    None
+):
+    """The Kubernetes section's rows (relaunch and the Indexed Job, a few samples each): a
+    sample that did not recover counts in `recovered`, not in the median, and says why."""
+    from relaunch_bench.kubernetes import JOB, row_of
+    from relaunch_bench.peer_runs import PeerSample
+    from relaunch_bench.report import stall_ratios
+
+    ours = row_of(
+        "relaunch", "crash", [PeerSample(True, stall_s=s, lost_steps=1) for s in (3.1, 2.7, 3.5)]
+    )
+    assert (ours["recovered"], ours["stall_s"], ours["stall_range"]) == ("3/3", 3.1, "2.7-3.5")
+    stuck = "not restored within 150 s: rank 1's pods x on n2: Terminating (Running)"
+    theirs = row_of(
+        JOB, "crash", [PeerSample(True, stall_s=24.0, lost_steps=1), PeerSample(False, note=stuck)]
+    )
+    assert (theirs["recovered"], theirs["stall_s"], theirs["stall_range"]) == ("1/2", 24.0, None)
+    assert theirs["note"] == stuck
+    never = row_of(JOB, "lost-node", [PeerSample(False, note=stuck)] * 2)
+    assert not never["ok"] and never["stall_s"] is None and never["note"] == stuck  # said once
+    lost = row_of("relaunch", "lost-node", [PeerSample(True, stall_s=22.0, lost_steps=0)])
+    assert (
+        stall_ratios([ours, theirs, lost, never], JOB)
+        == "crash 0.13, lost-node only relaunch recovers"
+    )

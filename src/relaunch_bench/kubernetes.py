@@ -30,10 +30,10 @@ from relaunch.cluster.kubernetes.trial import TrialKubernetes
 from relaunch.cluster.local import free_port
 from relaunch.errors import EngineError
 from relaunch_bench import timeline
-from relaunch_bench.jobs import FAULT_STEP, Progress
+from relaunch_bench.jobs import FAULT_STEP, Progress, median
 from relaunch_bench.peer_runs import PLAIN_DDP, PeerSample, _launcher_sample
 
-__all__ = ["JOB", "kubernetes_rows"]
+__all__ = ["JOB", "kubernetes_rows", "row_of"]
 
 NODES = ["n1", "n2", "n3"]
 JOB = "Indexed Job"
@@ -53,9 +53,10 @@ CLUSTER = {
 }
 
 
-def kubernetes_rows(say: Progress) -> list[dict[str, Any]]:
-    """One sample per system and fault, on one trial Kubernetes cluster (rows with a note where
-    there is none: the control plane not built)."""
+def kubernetes_rows(say: Progress, repeats: int = 1) -> list[dict[str, Any]]:
+    """Per system and fault, `repeats` samples on one trial Kubernetes cluster (the systems
+    taking turns), as one row: the median stall of those that recovered and its spread (rows
+    with a note where there is no cluster: the control plane not built)."""
     home = Path(tempfile.mkdtemp(prefix="relaunch-bench-k8s-"))
     trial = TrialKubernetes(home / "k8s", NODES, node_grace_s=NODE_GRACE_S)
     try:
@@ -64,20 +65,42 @@ def kubernetes_rows(say: Progress) -> list[dict[str, Any]]:
         shutil.rmtree(home, ignore_errors=True)
         say(f"kubernetes: skipped: {error}")
         return [{"system": s, "fault": f, "ok": False, "note": str(error)}
-                for s in ("relaunch", JOB) for f in ("crash", "lost-node")]  # fmt: skip
-    rows = []
+                for f in ("crash", "lost-node") for s in ("relaunch", JOB)]  # fmt: skip
+    samples: dict[tuple[str, str], list[PeerSample]] = {}
     try:
         for fault in ("crash", "lost-node"):
-            for system in ("relaunch", JOB):
-                tmp = home / f"{system.replace(' ', '-')}-{fault}"
-                tmp.mkdir()
-                sample = _once(trial, system, fault, tmp)
-                say(f"kubernetes: {system} {fault}: {sample.stall_s} s {sample.note}")
-                rows.append({"system": system, "fault": fault, **sample.__dict__})
+            for run in range(repeats):
+                for system in ("relaunch", JOB):
+                    tmp = home / f"{system.replace(' ', '-')}-{fault}-{run}"
+                    tmp.mkdir()
+                    sample = _once(trial, system, fault, tmp)
+                    say(f"kubernetes: {system} {fault} ({run + 1}/{repeats}): "
+                        f"{sample.stall_s} s {sample.note}")  # fmt: skip
+                    samples.setdefault((system, fault), []).append(sample)
     finally:
         trial.stop()
         shutil.rmtree(home, ignore_errors=True)
-    return rows
+    return [row_of(system, fault, found) for (system, fault), found in samples.items()]
+
+
+def row_of(system: str, fault: str, samples: list[PeerSample]) -> dict[str, Any]:
+    """One row of a system's samples of one fault: the median stall of those that recovered,
+    their spread, and why the others did not."""
+    ok = [s for s in samples if s.ok and s.stall_s is not None]
+    stalls = sorted(s.stall_s for s in ok if s.stall_s is not None)
+    lost = [s.lost_steps for s in ok if s.lost_steps is not None]
+    notes = list(dict.fromkeys(s.note for s in samples if not s.ok and s.note))
+    return {
+        "system": system,
+        "fault": fault,
+        "ok": bool(ok),
+        "recovered": f"{len(ok)}/{len(samples)}",
+        "stall_s": median(stalls),
+        "stall_range": f"{stalls[0]}-{stalls[-1]}" if len(stalls) > 1 else None,
+        "stalls": stalls,
+        "lost_steps": median([float(n) for n in lost]),
+        "note": "; ".join(notes),
+    }
 
 
 def _once(trial: TrialKubernetes, system: str, fault: str, tmp: Path) -> PeerSample:
@@ -216,15 +239,16 @@ def _node_of(trial: TrialKubernetes, selector: str) -> str:
 
 
 def _what_holds(trial: TrialKubernetes, selector: str, lost: str) -> str:
-    """What rank 1's pods are to the API server at the end, in words."""
+    """What rank 1's pods are to the API server at the end, in words (no names: the same
+    outcome reads the same in every run)."""
     said = []
     for pod in _pods(trial, selector):
         state = pod["status"].get("phase", "?")
         if pod["metadata"].get("deletionTimestamp"):
             state = f"Terminating ({state})"
-        said.append(f"{pod['metadata']['name']} on {pod['spec'].get('nodeName')}: {state}")
-    where = f"; {lost} lost" if lost else ""
-    return "rank 1's pods " + ", ".join(said) + where
+        where = "the lost node" if lost and pod["spec"].get("nodeName") == lost else "a live node"
+        said.append(f"{state} on {where}")
+    return "rank 1's pods: " + ", ".join(dict.fromkeys(said))
 
 
 def _step(line: Path) -> int:

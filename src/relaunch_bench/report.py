@@ -141,6 +141,16 @@ SLURM_COLUMNS = {
     "note": "note",
 }
 
+KUBERNETES_COLUMNS = {
+    "system": "system",
+    "fault": "fault",
+    "recovered": "recovered",
+    "stall_s": "stall s (median)",
+    "stall_range": "spread s",
+    "lost_steps": "steps lost",
+    "note": "note",
+}
+
 SECTIONS = (
     ("peers", "Side by side with the specialists (2 ranks, the DDP example's job)", PEER_COLUMNS),
     ("series", "Goodput under a fault series (a fault a minute, DDP, 2 ranks)", SERIES_COLUMNS),
@@ -168,6 +178,11 @@ SECTIONS = (
     ("slow", "Slow pod detection (DDP, 2 pods, record only)", SLOW_COLUMNS),
     ("network", "Link faults on real networks (DDP, 2 pods x 1 rank)", NETWORK_COLUMNS),
     ("slurm", "Inside a Slurm allocation (3 nodes, 2 ranks, a trial Slurm cluster)", SLURM_COLUMNS),
+    (
+        "kubernetes",
+        "On Kubernetes (3 nodes, 2 ranks, a trial control plane): relaunch and an Indexed Job",
+        KUBERNETES_COLUMNS,
+    ),
 )
 
 
@@ -231,7 +246,10 @@ def markdown(result: dict[str, Any]) -> str:
         if result.get(key):
             lines += ["", f"{title}:", "", *table(result[key], columns)]
         if key == "slurm" and result.get("slurm"):
-            lines += ["", "relaunch / NVRx inside Slurm (stall): " + slurm_ratios(result["slurm"])]
+            lines += ["", "relaunch / NVRx inside Slurm (stall): " + stall_ratios(result["slurm"])]
+        if key == "kubernetes" and result.get("kubernetes"):
+            said = stall_ratios(result["kubernetes"], "Indexed Job")
+            lines += ["", "relaunch / the Indexed Job on Kubernetes (stall): " + said]
         if key == "series" and result.get("series_ratio") is not None:
             lines += ["", f"relaunch's lost time / the best peer's: {result['series_ratio']}"]
         if key == "peers" and result.get("peer_ratios"):
@@ -253,13 +271,17 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def slurm_ratios(rows: list[dict[str, Any]]) -> str:
-    """relaunch's stall over NVRx's, per fault, where both recovered."""
+def stall_ratios(rows: list[dict[str, Any]], theirs_is: str = "NVRx") -> str:
+    """relaunch's stall over the other system's, per fault, where both recovered (`only
+    relaunch recovers` where the other did not)."""
     said = []
     for fault in dict.fromkeys(r["fault"] for r in rows):
         stall = {r["system"]: r.get("stall_s") for r in rows if r["fault"] == fault and r["ok"]}
-        ours, theirs = stall.get("relaunch"), stall.get("NVRx")
-        said.append(f"{fault} {round(ours / theirs, 2)}" if ours and theirs else f"{fault} -")
+        ours, theirs = stall.get("relaunch"), stall.get(theirs_is)
+        if ours and theirs:
+            said.append(f"{fault} {round(ours / theirs, 2)}")
+        else:
+            said.append(f"{fault} only relaunch recovers" if ours else f"{fault} -")
     return ", ".join(said)
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from relaunch_bench import report, torchrun
 from relaunch_bench.checkpoint import checkpoint_rows
 from relaunch_bench.jobs import Progress
+from relaunch_bench.kubernetes import kubernetes_rows
 from relaunch_bench.mttr import SIZES, Row, hang_rows, mttr_rows, ratios, size_rows
 from relaunch_bench.network import network_rows
 from relaunch_bench.overhead import overhead_rows
@@ -32,7 +33,7 @@ from relaunch_bench.slurm import slurm_rows
 
 SECTIONS = (
     "mttr", "hang", "peers", "series", "scale", "simulation", "sizes", "overhead", "checkpoint",
-    "reliability", "slow", "network", "slurm", "peer-memory", "rollback",
+    "reliability", "slow", "network", "slurm", "kubernetes", "peer-memory", "rollback",
 )  # fmt: skip
 
 
@@ -92,6 +93,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         "slow": [],
         "network": [],
         "slurm": [],
+        "kubernetes": [],
         "peer_memory": [],
         "rollback": [],
         **measured,
@@ -106,6 +108,16 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
     report.chart(rows, result["scale"], options.out / "bench.png")
     report.goodput_chart(result["series"], options.out / "goodput.png")
     return result
+
+
+def _engine_sections(sections: tuple[str, ...], repeats: int, say: Progress) -> dict[str, Any]:
+    """The engines beside their own answers, those chosen: Slurm (one sample), Kubernetes."""
+    measured: dict[str, Any] = {}
+    if "slurm" in sections:
+        measured["slurm"] = slurm_rows(say)
+    if "kubernetes" in sections:
+        measured["kubernetes"] = kubernetes_rows(say, repeats)
+    return measured
 
 
 def _sections(
@@ -155,8 +167,7 @@ def _sections(
         )
     if "network" in sections:
         measured["network"] = network_rows(quick, say)
-    if "slurm" in sections:
-        measured["slurm"] = slurm_rows(say)
+    measured.update(_engine_sections(sections, 1 if quick else min(3, repeats), say))
     if "peer-memory" in sections:
         measured["peer_memory"] = peer_memory_rows(
             (64,) if quick else PEER_MEMORY_SIZES,
