@@ -175,3 +175,26 @@ def _copy_regular(src: str, dst: str) -> str:
     if stat.S_ISREG(os.stat(src, follow_symlinks=False).st_mode):
         shutil.copy2(src, dst)
     return dst
+
+
+def two_pod_job(name: str, command: list[str]) -> dict[str, Any]:
+    """The engines' bench job: 2 pods of 1 rank on 2 chips each, `command` the rank's, with
+    the job and pod retries that let every level the ladder tries run."""
+    return {
+        "kind": "job",
+        "metadata": {
+            "name": name,
+            "annotations": {
+                "fault-tolerance/job-retry-num": "4",
+                "fault-tolerance/job-unconditional-retry": "true",
+                "fault-tolerance/pod-retry-num": "2",
+            },
+        },
+        "spec": {
+            "replicas": 2,
+            "procs_per_pod": 1,
+            "chips_per_pod": 2,
+            "command": " ".join(command),
+            "monitor_interval": 0.1,
+        },
+    }

@@ -30,7 +30,7 @@ from relaunch.cluster.kubernetes.trial import TrialKubernetes
 from relaunch.cluster.local import free_port
 from relaunch.errors import EngineError
 from relaunch_bench import timeline
-from relaunch_bench.jobs import FAULT_STEP, Progress, median
+from relaunch_bench.jobs import FAULT_STEP, Progress, median, two_pod_job
 from relaunch_bench.peer_runs import PLAIN_DDP, PeerSample, _launcher_sample
 
 __all__ = ["JOB", "kubernetes_rows", "row_of"]
@@ -142,24 +142,7 @@ def _once(trial: TrialKubernetes, system: str, fault: str, tmp: Path) -> PeerSam
 
 
 def _relaunch(trial: TrialKubernetes, tmp: Path, script: list[str]) -> subprocess.Popen[bytes]:
-    job = {
-        "kind": "job",
-        "metadata": {
-            "name": "k8s-bench",
-            "annotations": {
-                "fault-tolerance/job-retry-num": "4",
-                "fault-tolerance/job-unconditional-retry": "true",
-                "fault-tolerance/pod-retry-num": "2",
-            },
-        },
-        "spec": {
-            "replicas": 2,
-            "procs_per_pod": 1,
-            "chips_per_pod": 2,
-            "command": " ".join([sys.executable, *script]),
-            "monitor_interval": 0.1,
-        },
-    }
+    job = two_pod_job("k8s-bench", [sys.executable, *script])
     (tmp / "job.json").write_text(json.dumps(job))
     (tmp / "cluster.json").write_text(json.dumps(CLUSTER))
     with open(tmp / "relaunch.log", "wb") as log:

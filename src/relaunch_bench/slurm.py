@@ -22,7 +22,7 @@ from typing import Any
 from relaunch.cluster.local import free_port
 from relaunch.cluster.slurm_trial import TrialSlurm, unavailable
 from relaunch_bench import timeline
-from relaunch_bench.jobs import FAULT_STEP, Progress
+from relaunch_bench.jobs import FAULT_STEP, Progress, two_pod_job
 from relaunch_bench.peer_runs import (
     NVRX_HEARTBEAT_S,
     PLAIN_DDP,
@@ -110,24 +110,7 @@ def _once(trial: TrialSlurm, system: str, fault: str, tmp: Path, nvrx: Path | st
 
 
 def _relaunch_body(tmp: Path, script: list[str]) -> str:
-    job = {
-        "kind": "job",
-        "metadata": {
-            "name": "slurm-bench",
-            "annotations": {
-                "fault-tolerance/job-retry-num": "4",
-                "fault-tolerance/job-unconditional-retry": "true",
-                "fault-tolerance/pod-retry-num": "2",
-            },
-        },
-        "spec": {
-            "replicas": 2,
-            "procs_per_pod": 1,
-            "chips_per_pod": 2,
-            "command": " ".join([sys.executable, str(PLAIN_DDP), *script]),
-            "monitor_interval": 0.1,
-        },
-    }
+    job = two_pod_job("slurm-bench", [sys.executable, str(PLAIN_DDP), *script])
     (tmp / "job.json").write_text(json.dumps(job))
     (tmp / "cluster.json").write_text(json.dumps(CLUSTER))
     return (
