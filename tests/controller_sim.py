@@ -139,6 +139,33 @@ class FakeEngine(EngineBase):
         return [(c[1], c[2], c[3]) for c in self.calls if c[0] == "start_pod"]
 
 
+RETRY_8 = {"fault-tolerance/job-retry-num": "8", "fault-tolerance/job-unconditional-retry": "true"}
+MINDCLUSTER = {"process-recover-enable": "on", "pod-rescheduling": "on"}
+
+LADDERS: dict[str, tuple[dict[str, str], dict[str, str], dict[str, Any]]] = {
+    "plain": (RETRY_8, {}, {}),
+    "process-level": (
+        {**RETRY_8, "recover-strategy": "retry,recover-in-place,recover,dump,exit"},
+        MINDCLUSTER,
+        {},
+    ),
+    "elastic": (
+        {
+            **RETRY_8,
+            "recover-strategy": "retry,recover-in-place,recover,elastic-training,dump,exit",
+        },
+        MINDCLUSTER,
+        {},
+    ),
+    "warm-spares": (
+        {**RETRY_8, "recover-strategy": "retry,recover-in-place,recover,dump,exit"},
+        MINDCLUSTER,
+        {"warm_spares": 1},
+    ),
+}
+"""The ladders a rule must hold on: (annotations, labels, spec) of a job of each."""
+
+
 def job_spec(
     annotations: dict[str, str] | None = None,
     labels: dict[str, str] | None = None,
@@ -215,6 +242,9 @@ class Sim:
         """Each node's data-link round trip, as its heartbeats say (none: not measured)."""
         self.launchers: dict[tuple[int, int], FakePeer] = {}
         """(pod, generation) -> the launcher that runs it."""
+        self.procs: dict[tuple[int, int], dict[int, int]] = {}
+        """(pod, generation) -> the ranks its launcher started, rank -> attempt (as the
+        launcher knows them, whatever the controller heard yet)."""
         self.answered: set[tuple[int, int]] = set()
         """(peer, message) answered already, by identity: one message may go to many peers."""
         self.wire: list[tuple[str, Message]] = []
@@ -273,9 +303,10 @@ class Sim:
             self.tick()
 
     def _launch(self) -> None:
-        """Every launcher the engine was asked for says hello."""
+        """Every launcher the engine was asked for says hello (none on a dead node, nor on a
+        silent one: cut off, it cannot reach the controller)."""
         for pod, generation, node in self.engine.pods_started():
-            if (pod, generation) in self.launchers or node in self.engine.dead:
+            if (pod, generation) in self.launchers or node in self.engine.dead | self.silent:
                 continue
             peer = FakePeer(f"launcher-{pod}-g{generation}", self.wire)
             self.launchers[(pod, generation)] = peer
@@ -288,16 +319,23 @@ class Sim:
         """Launchers start ranks when told, and say when a stop is done; agents answer heals."""
         c = self.controller
         ppp = c.spec.procs_per_pod
-        for (pod, _), peer in self.launchers.items():
+        for (pod, gen), peer in self.launchers.items():
             for message in list(peer.sent):
                 key = (id(peer), id(message))
                 if key in self.answered or (isinstance(message, Start) and pod in self.starting):
                     continue
                 self.answered.add(key)
                 if isinstance(message, Start):
+                    # as the launcher does: a rank whose process still runs is not started
+                    # again (a Start that overtook the answer to the one before it)
                     ranks = message.ranks or tuple(range(pod * ppp, pod * ppp + ppp))
-                    pids = {rank: 5000 + rank for rank in ranks}
-                    c.receive(peer, Started(message.attempt, self.clock.now(), pids))
+                    running = self.running(pod, gen)
+                    pids = {rank: 5000 + rank for rank in ranks if rank not in running}
+                    self.procs.setdefault((pod, gen), {}).update(
+                        dict.fromkeys(pids, message.attempt)
+                    )
+                    if pids:
+                        c.receive(peer, Started(message.attempt, self.clock.now(), pids))
                 elif isinstance(message, CaptureStacks) and pod not in self.mute_stacks:
                     link = c.pods[pod].link
                     running = [r for r, o in (link.ranks.items() if link else []) if o.running]
@@ -313,6 +351,12 @@ class Sim:
                         for rank, observed in (link.ranks.items() if link else [])
                         if observed.running and (message.ranks is None or rank in message.ranks)
                     }
+                    for rank, attempt in self.running(pod, gen).items():  # not heard yet
+                        if message.ranks is None or rank in message.ranks:
+                            ended.setdefault(rank, (attempt, None, 15))
+                    table = self.procs.get((pod, gen), {})
+                    for rank in ended:
+                        table.pop(rank, None)
                     c.receive(peer, Stopped(c.job.attempt, self.clock.now(), exited=ended))
         for peer in self.agents.values():
             for message in peer.sent:
@@ -328,6 +372,17 @@ class Sim:
                 ok = all(f.heals for f in self.chip_faults.get(node, ()))
                 self.chip_faults[node] = [f for f in self.chip_faults.get(node, ()) if not f.heals]
                 c.receive(peer, Healed(request, node, ok))
+
+    def running(self, pod: int, generation: int) -> dict[int, int]:
+        """The ranks the launcher of (pod, generation) runs, rank -> attempt: those it started
+        and did not stop, less those the controller heard end (a test's Exited)."""
+        link = self.controller.pods[pod].link
+        heard = link.ranks if link is not None and link.generation == generation else {}
+        return {
+            rank: attempt
+            for rank, attempt in self.procs.get((pod, generation), {}).items()
+            if not (rank in heard and heard[rank].attempt >= attempt and not heard[rank].running)
+        }
 
     def finish(self) -> None:
         """The job ended: the controller's last act (lifecycle.finish), launchers closing as soon

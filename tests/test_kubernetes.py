@@ -185,8 +185,11 @@ def test_kubernetes_own_indexed_job_runs_on_the_agents_and_the_job_controller_re
         batch = client.BatchV1Api(api_client(str(trial.plane.admin_kubeconfig)))
 
         def ended() -> Any:
+            # SuccessCriteriaMet and FailureTarget come first; the Job has ended only once
+            # its controller has written Complete or Failed (after its pods terminated).
             status = batch.read_namespaced_job("indexed", namespace).status
-            return [c.type for c in status.conditions or [] if c.status == "True"]
+            held = [c.type for c in status.conditions or [] if c.status == "True"]
+            return held if {"Complete", "Failed"} & set(held) else []
 
         assert "Complete" in until("the Job ended", ended), ended()
         status = batch.read_namespaced_job("indexed", namespace).status

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from relaunch.protocol.messages import Shutdown, Stop
 from relaunch.store import JobStatus, NodeState
-from tests.controller_sim import Sim, job_spec
+from tests.controller_sim import LADDERS, Sim, job_spec
 
 AUTO = {"fault-tolerance/job-retry-num": "4"}
 UNCONDITIONAL = {**AUTO, "fault-tolerance/job-unconditional-retry": "true"}
@@ -167,3 +169,49 @@ def test_r31_with_another_fault_on_the_rank0_pod_the_others_migrate(tmp_path: Pa
     assert [(p.row.node, p.row.generation) for p in pods.values()] == [("node-0", 1), ("node-2", 2)]
     stopped = [name for name, m in sim.wire if isinstance(m, Stop | Shutdown)]
     assert not [name for name in stopped if name.startswith("launcher-0-")], stopped
+
+
+@pytest.mark.parametrize("ladder", sorted(LADDERS))
+def test_r23_a_node_loss_heard_while_its_collateral_exits_recovery_starts_runs_every_pod(
+    tmp_path: Path, ladder: str
+) -> None:
+    """Pod 1's node dies; rank 0's exit (its peer gone) is heard first and decided; the node's
+    loss, heard while pod 0's launcher is slow to start what it was told, outranks that
+    recovery: pod 1 moves to a standby node (R-23, or its process-level kin) and pod 0 runs
+    again. A launcher told to start an attempt while the rank it started for the one before
+    still ran kept that rank: the start it did not carry out is sent again once the rank is
+    stopped. Before, pod 0 sat idle until rank 1's rendezvous timed out (140 s on Kubernetes)
+    and a second rebuild ran. On every ladder, no other fault: every rank of every pod runs."""
+    annotations, labels, spec = LADDERS[ladder]
+    job = job_spec({**annotations, "fault-tolerance/pod-retry-num": "2"}, labels=labels,
+                   procs_per_pod=1, **spec)  # fmt: skip
+    sim = Sim(tmp_path, job, nodes=3)
+    sim.boot()
+    trained(sim, 5)
+    c = sim.controller
+    lost = c.pods[1].row.node
+    sim.silent.add(lost)  # its agent and its pods' processes killed: silent, not known dead
+    launcher = sim.link_peer(1)
+    launcher.closed = True
+    c.receive(launcher, None)
+    sim.starting.add(0)  # pod 0's launcher is slow to start what it is told
+    sim.crash(0)
+    for _ in range(50):
+        if any(r.fault.kind.value == "node-lost" for r in sim.records()):
+            break
+        sim.tick()
+    else:
+        raise AssertionError(f"the node's loss was never decided: {sim.actions()}")
+    decided = len(sim.records())
+    sim.run(0.2)
+    sim.starting.clear()
+    for _ in range(200):
+        if all(len(sim.running(p.index, p.row.generation)) == 1 for p in c.pods.values()):
+            break
+        sim.run(0.2)
+    assert len(sim.records()) == decided, sim.actions()
+    assert all(len(sim.running(p.index, p.row.generation)) == 1 for p in c.pods.values()), (
+        sim.procs, sim.actions())  # fmt: skip
+    trained(sim, 6)
+    assert sim.records()[-1].outcome.value == "succeeded", sim.actions()
+    assert c.pods[1].row.node != lost

@@ -9,38 +9,12 @@ fake clock (tests/controller_sim.py); the same script runs end to end in test_ru
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from relaunch.protocol.messages import Exited, Output
 from relaunch.store import JobStatus
-from tests.controller_sim import Sim, job_spec
-
-RETRY_8 = {"fault-tolerance/job-retry-num": "8", "fault-tolerance/job-unconditional-retry": "true"}
-MINDCLUSTER = {"process-recover-enable": "on", "pod-rescheduling": "on"}
-
-LADDERS: dict[str, tuple[dict[str, str], dict[str, str], dict[str, Any]]] = {
-    "plain": (RETRY_8, {}, {}),
-    "process-level": (
-        {**RETRY_8, "recover-strategy": "retry,recover-in-place,recover,dump,exit"},
-        MINDCLUSTER,
-        {},
-    ),
-    "elastic": (
-        {
-            **RETRY_8,
-            "recover-strategy": "retry,recover-in-place,recover,elastic-training,dump,exit",
-        },
-        MINDCLUSTER,
-        {},
-    ),
-    "warm-spares": (
-        {**RETRY_8, "recover-strategy": "retry,recover-in-place,recover,dump,exit"},
-        MINDCLUSTER,
-        {"warm_spares": 1},
-    ),
-}
+from tests.controller_sim import LADDERS, MINDCLUSTER, Sim, job_spec
 
 
 def broken_script_sim(tmp: Path, ladder: str) -> Sim:

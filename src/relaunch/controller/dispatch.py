@@ -86,6 +86,10 @@ def _from_launcher(c: ControllerContext, link: LauncherLink, message: Message) -
             for rank in pids:
                 link.ranks[rank] = Rank(attempt, True, at, at)
             link.ranks_changed()
+            if attempt < link.started_attempt:
+                # a later start overtook this answer: the launcher found these ranks running
+                # and kept them, so it is sent again once they are stopped
+                link.started_attempt = attempt
         case Output(rank=rank, attempt=attempt, line=line):
             # with steps (the SDK), a rank's startup ends at its first step, not line
             _activity(c, link, rank, attempt, now, started=not c.progress.uses_sdk)
