@@ -15,6 +15,7 @@ from relaunch.cluster.config import ClusterConfig, NodeSpec
 from relaunch.controller import Controller, RunOptions, lifecycle
 from relaunch.controller.clock import TICK_S
 from relaunch.diagnosis import Frame, RankStack, group_stacks
+from relaunch.events import Event, EventKind
 from relaunch.faults.plan import parse_plan
 from relaunch.protocol.messages import (
     AgentHello,
@@ -217,7 +218,8 @@ class Sim:
         )
         self.store.claim_job(self.job_id, self.clock.now())
         runner.create_pods(self.store, tmp, self.job_id, spec)
-        self.events: list[str] = []
+        self.events: list[Event] = []
+        """What the controller recorded, in order (the store holds the same)."""
         self.controller = Controller(
             self.store,
             self.engine,  # type: ignore[arg-type]
@@ -482,6 +484,14 @@ class Sim:
         self.chip_faults.setdefault(node, []).append(report)
 
     # -- reading -----------------------------------------------------------------------------------
+
+    def said(self, kind: EventKind) -> list[Event]:
+        """The events of `kind` the controller recorded, in order."""
+        return [event for event in self.events if event.kind is kind]
+
+    def kinds(self) -> list[EventKind]:
+        """The kinds of the events the controller recorded, in order."""
+        return [event.kind for event in self.events]
 
     def records(self) -> list[RecordRow]:
         return self.store.records(self.job_id)

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import psutil
 import yaml
@@ -20,6 +20,8 @@ import yaml
 from relaunch.cluster.config import parse_cluster
 from relaunch.cluster.nvml import simulate_args
 from relaunch.errors import InputError
+from relaunch.events import EventKind, Recorded
+from relaunch.restores import restores
 from relaunch.store import Store
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,6 +97,17 @@ def ddp_job(
     return job
 
 
+class Restore(NamedTuple):
+    """A restore on a job's record: which rank restored which step from which tier, and who
+    held the bytes (a node, a rank, "" for storage)."""
+
+    pod: int
+    rank: int
+    step: int
+    tier: str
+    holder: str
+
+
 @dataclass
 class Result:
     returncode: int
@@ -111,12 +124,23 @@ class Result:
         """The run succeeded by one pod-level rescheduling, and `node` was lost for `why`."""
         assert self.returncode == 0, self.stdout + self.stderr
         assert self.actions == ["pod-reschedule"]
-        lost = [text for _, text in self.events() if "lost" in text]
-        assert any(f"node {node} lost: {why}" in e for e in lost), lost
+        lost = [(e.fields["node"], e.fields["why"]) for e in self.said(EventKind.NODE_LOST)]
+        assert any(n == node and said.startswith(why) for n, said in lost), lost
 
-    def events(self) -> list[tuple[float, str]]:
-        """The job's record: (when, what) of each event."""
+    def events(self) -> list[Recorded]:
+        """The job's record, in order."""
         return list(Store(self.state_dir / "relaunch.db").events(self.report["id"]))
+
+    def said(self, kind: EventKind) -> list[Recorded]:
+        """The job's events of `kind`, in order."""
+        return [event for event in self.events() if event.kind is kind]
+
+    def restores(self) -> list[Restore]:
+        """Each restore on the job's record, in order."""
+        return [
+            Restore(r["pod"], r["rank"], r["step"], r["tier"], r["holder"])
+            for r in restores(self.events())
+        ]
 
     def logs(self) -> str:
         return "\n".join(

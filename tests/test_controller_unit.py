@@ -14,6 +14,7 @@ import pytest
 from relaunch.controller.clock import TICK_S
 from relaunch.controller.fencing import FENCE_MARGIN_S
 from relaunch.diagnosis import StackGroup
+from relaunch.events import Event, EventKind
 from relaunch.faults import FaultKind
 from relaunch.policy import Action
 from relaunch.protocol.environment import Env
@@ -56,9 +57,9 @@ def booted(
     return sim
 
 
-def order(events: list[str], *prefixes: str) -> list[int]:
-    """Where each prefix first appears in the events (to check the order of effects)."""
-    return [next(i for i, e in enumerate(events) if e.startswith(p)) for p in prefixes]
+def order(events: list[Event], *kinds: EventKind) -> list[int]:
+    """Where each kind first appears in the events (to check the order of effects)."""
+    return [next(i for i, e in enumerate(events) if e.kind is kind) for kind in kinds]
 
 
 def starts(sim: Sim, attempt: int) -> list[tuple[int, tuple[int, ...] | None]]:
@@ -95,9 +96,10 @@ def test_a_crash_is_decided_then_every_pod_rebuilt_then_verified_by_progress(
     sim.train(2)
     sim.tick()
     assert sim.actions() == [("job-reschedule", "succeeded")]
-    assert order(sim.events, "fault:", "decision:", "stopping", "job-reschedule worked") == sorted(
-        order(sim.events, "fault:", "decision:", "stopping", "job-reschedule worked")
-    )
+    effects = EventKind.FAULT, EventKind.DECISION, EventKind.STOPPING, EventKind.RECOVERED
+    assert order(sim.events, *effects) == sorted(order(sim.events, *effects))
+    (worked,) = sim.said(EventKind.RECOVERED)
+    assert worked.fields["action"] == "job-reschedule" and worked.fields["fault"] == "process-exit"
 
 
 def test_the_job_row_the_controller_keeps_is_the_stored_one_through_its_recoveries(
@@ -229,7 +231,9 @@ def test_a_lost_node_moves_only_its_pod_and_the_other_re_runs(tmp_path: Path) ->
     sim.kill_node("node-1")
     sim.tick()
     assert sim.actions() == [("pod-reschedule", "running")]
-    assert any("the engine reports the node dead" in e for e in sim.events)
+    (lost,) = sim.said(EventKind.NODE_LOST)
+    assert lost.fields["node"] == "node-1"
+    assert lost.fields["why"] == "the engine reports the node dead: its agent exited"
     assert [(p.row.node, p.row.generation) for p in c.pods.values()] == [
         ("node-0", 1),
         ("node-2", 2),
@@ -575,7 +579,9 @@ def test_r32_a_replacement_that_never_progresses_fails_at_wait_reschedule_timeou
         sim.run(1.0)
     actions = sim.actions()
     assert actions[:2] == [("process-reschedule", "failed"), ("dump", "succeeded")], actions
-    assert any("no progress within 30 s (wait-reschedule-timeout, R-32)" in e for e in sim.events)
+    failed = sim.said(EventKind.RECOVERY_FAILED)
+    assert [e.fields["action"] for e in failed] == ["process-reschedule"], failed
+    assert "(wait-reschedule-timeout, R-32)" in failed[0].fields["why"]
 
 
 def test_a_replacement_crashing_again_is_not_taken_for_a_hang_of_the_ranks_that_waited(
@@ -712,7 +718,7 @@ def test_a_crash_during_the_stack_capture_wins_and_the_hang_is_dropped(tmp_path:
     sim.run(sim.cluster.stack_capture_s + 1.5)
     kinds = [r.fault.kind.value for r in sim.records()]
     assert kinds == ["process-exit"], kinds
-    assert any("hang: dropped" in e for e in sim.events)
+    assert EventKind.HANG_DROPPED in sim.kinds()
 
 
 def test_exits_after_a_job_level_decision_are_its_collateral_not_new_faults(
@@ -856,20 +862,22 @@ def test_many_pods_taking_standby_launchers_in_one_pass_are_said_in_one_line() -
 
     from relaunch.controller.reconcile import ASSUMED_SAID_EACH, Reconciler
 
-    said: list[str] = []
-    reconciler = Reconciler(SimpleNamespace(event=said.append))  # type: ignore[arg-type]
+    said: list[Event] = []
+
+    def event(kind: EventKind, **fields: object) -> None:
+        said.append(Event.of(kind, **fields))
+
+    reconciler = Reconciler(SimpleNamespace(event=event))  # type: ignore[arg-type]
     reconciler._said_assumed([(1, "node-2"), (0, "node-0")])
     assert said == [
-        "pod 1 takes the standby launcher on node-2 and its warm spares",
-        "pod 0 takes the standby launcher on node-0 and its warm spares",
+        Event(EventKind.STANDBY_TAKEN, {"pod": 1, "node": "node-2"}),
+        Event(EventKind.STANDBY_TAKEN, {"pod": 0, "node": "node-0"}),
     ]
     said.clear()
     many = [(i, f"node-{i}") for i in range(ASSUMED_SAID_EACH + 1)]
     reconciler._said_assumed(many)
-    assert said == [
-        f"{ASSUMED_SAID_EACH + 1} pods take the standby launchers on their nodes and their warm "
-        f"spares (pod 0 on node-0 to pod {ASSUMED_SAID_EACH})"
-    ]
+    fields = {"count": ASSUMED_SAID_EACH + 1, "first": 0, "node": "node-0", "last": len(many) - 1}
+    assert said == [Event(EventKind.STANDBYS_TAKEN, fields)]
     said.clear()
     reconciler._said_assumed([])
     assert said == []
@@ -1008,7 +1016,9 @@ def test_a_launcher_the_engine_could_not_start_is_started_again_not_fatal(
     failed = _first_launch_of_pod_1_fails(sim)
     sim.boot()
     assert failed == [1]
-    assert any("could not start the launcher of pod 1" in e for e in sim.events)
+    assert [(e.fields["pod"], e.fields["node"]) for e in sim.said(EventKind.LAUNCHER_FAILED)] == [
+        (1, "node-1")
+    ]
     sim.run(LAUNCH_RETRY_S + 0.5)
     assert (1, 1, "node-1") in sim.engine.pods_started()
     sim.train(1)
@@ -1037,13 +1047,13 @@ def test_a_pod_starts_while_another_pods_launcher_is_on_its_way_and_waits_unhung
     started = sim.controller.reconciler.started_everywhere(1)
     assert started is not None and started > sim.clock.now() - 1
     assert not sim.controller.store.records(sim.controller.job_id)
-    assert not any("hang" in e for e in sim.events)
+    assert not {EventKind.HANG_CAPTURING, EventKind.HANG_FOUND} & set(sim.kinds())
     sim.train(1)
     sim.run(1.0)
     assert sim.controller.job.status is JobStatus.RUNNING
     sim.train(2, pods={0})  # pod 1's ranks say nothing more: hung after the window
     sim.run(3.0)
-    assert any("hang detected" in e for e in sim.events)
+    assert EventKind.HANG_CAPTURING in sim.kinds()
 
 
 # -- R-29: operator-level online recovery --------------------------------------------------------
@@ -1094,7 +1104,7 @@ def test_r29_the_collective_is_issued_again_after_the_hold_once_the_link_is_back
     sim.run(1.9)
     assert orders(sim) == []  # the hold
     sim.run(0.2)
-    assert orders(sim) == [] and any("still down" in e for e in sim.events)
+    assert orders(sim) == [] and sim.said(EventKind.RETRY_HELD)
     sim.links_down = set()
     sim.run(1.0)
     assert orders(sim) == [(2, (7, 1, 2))]
@@ -1229,8 +1239,9 @@ def test_r30_a_collective_failed_with_no_link_down_is_a_symptom_on_record_not_a_
     collective_failed(sim, 1, 7, 0, 1)
     sim.tick()
     assert sim.actions() == [] and c.store.faults(c.job_id) == []
-    said = [e for e in sim.events if "a collective of step 7 failed" in e]
-    assert len(said) == 1 and said[0].startswith("pod 0 rank 0") and "Connection reset" in said[0]
+    (said,) = sim.said(EventKind.COLLECTIVE_UNLINKED)
+    assert (said.fields["pod"], said.fields["rank"], said.fields["step"]) == (0, 0, 7)
+    assert "Connection reset" in said.fields["why"]
     sim.crash(3)
     sim.tick()
     assert sim.actions() == [("process-in-place", "running")]
@@ -1325,7 +1336,8 @@ def test_a_heal_nobody_can_answer_fails_in_place_at_once_and_the_ladder_goes_on(
     assert sim.actions() == [("in-place", "failed")]  # at once: no heal deadline waited for
     sim.tick()
     assert sim.actions() == [("in-place", "failed"), ("isolated-job-reschedule", "running")]
-    assert any("in-place: node-1 has no agent to heal the chip" in e for e in sim.events)
+    failed = [(e.fields["action"], e.fields["why"]) for e in sim.said(EventKind.RECOVERY_FAILED)]
+    assert failed == [("in-place", "node-1 has no agent to heal the chip")]
 
 
 def test_a_new_attempts_port_is_free_on_the_node_rank_0_moves_to(tmp_path: Path) -> None:

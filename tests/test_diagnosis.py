@@ -36,6 +36,7 @@ from relaunch.diagnosis import (
     slow_pods,
     waits_in_collective,
 )
+from relaunch.events import EventKind
 from relaunch.faults import ErrorReport, Fault, FaultKind
 from relaunch.store import Store
 from relaunch.store.rows import hang_view
@@ -577,9 +578,9 @@ def test_a_slow_window_the_launchers_cannot_fill_is_said_when_the_job_starts(
     cluster = Cluster(tmp_path)
     result = cluster.run(toy_job(steps=10), None, {**FAST_CLUSTER, "slow_window_s": 0.15})
     assert result.returncode == 0, result.stdout + result.stderr
-    said = [text for _, text in Store(cluster.state / "relaunch.db").events(result.report["id"])]
-    assert any("slow-pod detection is off for this job" in text for text in said), said
-    assert any("set slow_window_s to 0.2 s or more" in text for text in said), said
+    said = [e for e in result.events() if e.kind is EventKind.SETTING_UNUSABLE]
+    assert [e.fields["setting"] for e in said] == ["slow_window_s"], said
+    assert "set slow_window_s to 0.2 s or more" in said[0].fields["why"], said
 
 
 SLOW_CLUSTER = {**DDP_CLUSTER, "slow_window_s": 3, "slow_margin": 0.3}

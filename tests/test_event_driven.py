@@ -31,6 +31,7 @@ from relaunch.controller.core import IDLE_PASS_S
 from relaunch.controller.detectors import rank_active
 from relaunch.controller.listener import Listener
 from relaunch.controller.peers import Rank
+from relaunch.events import EventKind
 from relaunch.launcher.processes import (
     LINE_AT_MOST,
     READ_AT_MOST,
@@ -122,7 +123,7 @@ def test_a_crash_in_a_steady_job_is_decided_in_the_step_that_reads_it(tmp_path: 
     assert c.pacer.steady_since is not None
     sim.crash(3)
     sim.tick()
-    assert any(e.startswith("fault: ") for e in sim.events)
+    assert EventKind.FAULT in sim.kinds()
     assert [r.action.value for r in sim.records()] == ["job-reschedule"]
     assert c.pacer.steady_since is None
 

@@ -110,13 +110,13 @@ def test_what_the_pod_said_while_no_controller_was_there_goes_first_to_the_next(
     link.send(Exited(0, 1, 1, None, 5.0))
     link.send(Output(0, 1, "a line nobody heard"))  # output is not kept: the log has it
     # a replaced rank restored while the controller was away: which tier served, for the record
-    link.send(Restored(0, 1, 40, "peer-memory", 5.5))
+    link.send(Restored(0, 1, 40, "peer-memory", "node-1", 5.5))
     link.send(Stopped(1, 6.0))
     controller = Controller(tmp_path)
     threading.Thread(target=link.serve, daemon=True).start()
     controller.accept()
     assert controller.heard(4)[:4] == [
-        hello, Exited(0, 1, 1, None, 5.0), Restored(0, 1, 40, "peer-memory", 5.5), Stopped(1, 6.0)
+        hello, Exited(0, 1, 1, None, 5.0), Restored(0, 1, 40, "peer-memory", "node-1", 5.5), Stopped(1, 6.0)
     ]  # fmt: skip
     controller.say(Lease())
     controller.say(Start(2, {}))

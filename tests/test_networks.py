@@ -26,9 +26,9 @@ from relaunch.cluster.network import (
     new_layout,
 )
 from relaunch.errors import FaultPlanError
+from relaunch.events import EventKind
 from relaunch.faults.plan import PlannedFaultKind, parse_plan
 from relaunch.protocol.links import Cut, LinkFaultKind
-from relaunch.store import Store
 from tests.runtime import DDP_CLUSTER, ROOT, Cluster, Result, ddp_job
 
 # -- the layout and the fault commands (pure) ---------------------------------------------------
@@ -498,9 +498,9 @@ def test_r12_r20_r23_a_link_that_stays_down_fails_its_heal_and_the_pod_moves(
         ("in-place", "failed"), ("pod-reschedule", "succeeded"),
     ]  # fmt: skip
     assert records[1]["isolated_nodes"] == ["node-1"]
-    assert "the link is still down" in "\n".join(
-        text for _, text in Store(cluster.state / "relaunch.db").events(result.report["id"])
-    )
+    failed = [(e.fields["action"], e.fields["why"]) for e in result.said(EventKind.RECOVERY_FAILED)]
+    assert len(failed) == 1 and failed[0][0] == "in-place", failed
+    assert "the link is still down" in failed[0][1], failed
     assert out.read_text().strip() == unbroken
     assert_nothing_left(cluster.state)
 
@@ -553,8 +553,8 @@ def test_r14_a_node_cut_off_from_the_controller_stops_its_pod_before_the_replace
     assert records[0]["fault"]["detail"].startswith("silent")
     old, new = seen.seen["1"], seen.seen["2"]
     assert old[1] < new[0], f"the old incarnation ran until {old[1]}, the new one from {new[0]}"
-    events = [text for _, text in Store(cluster.state / "relaunch.db").events(result.report["id"])]
-    assert any("is silent, not known dead" in e for e in events), events
+    fenced = result.said(EventKind.FENCE_WAIT)
+    assert [e.fields["node"] for e in fenced] == ["node-1"], result.events()
     old_launcher = (cluster.state / "jobs" / "1" / "pods" / "pod-1-g1" / "launcher.log").read_text()
     assert "no word from the controller" in old_launcher
     assert out.read_text().strip() == unbroken

@@ -17,7 +17,7 @@ import yaml
 
 from relaunch.cluster.network import ClusterNetwork
 from relaunch_bench import timeline
-from tests.runtime import DDP_CLUSTER, FSDP_SCRIPT, ROOT, Cluster, Result, final_hash
+from tests.runtime import DDP_CLUSTER, FSDP_SCRIPT, ROOT, Cluster, Restore, Result, final_hash
 
 DDP = ROOT / "examples" / "ddp" / "train_ddp.py"
 SDK_ALLREDUCE = ROOT / "tests" / "scripts" / "sdk_allreduce.py"
@@ -152,12 +152,12 @@ def test_r30_fsdp2_through_a_flap_every_rank_keeps_its_process_and_reloads_its_s
     assert sorted(rank for rank, _, _ in found) == ["0", "1"], found  # no process restarted
     rejoins = re.findall(r"\[relaunch\] rank (\d): rejoin", result.logs())
     assert sorted(rejoins) == ["0", "1"], rejoins
-    restores = sorted(text for _, text in result.events() if " restored step " in text)
+    restores = sorted(result.restores())
     assert len(restores) == 2, restores
-    step = int(restores[0].split(" restored step ")[1].split()[0])
+    step = restores[0].step
     assert step == 20, f"the flap came after step 30's save (heard late?): {restores}"
     assert restores == [
-        f"pod 0 rank 0 restored step {step} from peer memory of node-1",
-        f"pod 1 rank 1 restored step {step} from peer memory of node-2",
+        Restore(0, 0, step, "peer-memory", "node-1"),
+        Restore(1, 1, step, "peer-memory", "node-2"),
     ], restores
     assert final_hash(result.logs()) == fsdp_unbroken

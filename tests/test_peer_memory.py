@@ -24,13 +24,14 @@ import torch
 
 from relaunch.cluster import keeper
 from relaunch.cluster.keeper import PeerMemory, PeerMemoryServer, StoredCopy
+from relaunch.events import EventKind
 from relaunch.protocol import peer_memory
 from relaunch.protocol.environment import Env, PodEnvironment
 from relaunch.protocol.peer_memory import ReadyMemory, parse_peers, send_header
 from relaunch.train import CheckpointManager, CheckpointWarning
 from relaunch.train.peer import PeerCopies
 from tests.runtime import DDP_CLUSTER as CLUSTER
-from tests.runtime import FSDP_SCRIPT, Cluster, ddp_job, final_hash, rank_logs
+from tests.runtime import FSDP_SCRIPT, Cluster, Restore, ddp_job, final_hash, rank_logs
 
 JOB = "7"
 
@@ -500,15 +501,15 @@ def test_a_lost_nodes_pod_restores_from_peer_memory_and_ends_bit_identical(
     result = cluster.run(job, faults, CLUSTER, timeout=300, startup_s=60)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.actions == ["isolated-job-reschedule"]  # pod 0 holds rank 0 (R-23)
-    restores = sorted(text for _, text in result.events() if " restored step " in text)
+    restores = sorted(result.restores())
     assert len(restores) == 2, restores
-    step = int(restores[0].split(" restored step ")[1].split()[0])
+    step = restores[0].step
     assert step >= 70, restores
     assert restores[0] in (
-        f"pod 0 rank 0 restored step {step} from peer memory of node-1",
-        f"pod 0 rank 0 restored step {step} from peer memory of node-2",
+        Restore(0, 0, step, "peer-memory", "node-1"),
+        Restore(0, 0, step, "peer-memory", "node-2"),
     ), restores
-    assert restores[1] == f"pod 1 rank 1 restored step {step} from peer memory of node-2"
+    assert restores[1] == Restore(1, 1, step, "peer-memory", "node-2")
     assert out.read_text().strip() == unbroken
 
 
@@ -549,11 +550,8 @@ def test_a_peer_memory_gone_bad_is_refused_while_the_controller_is_away_and_put_
     assert [e["state"] for e in result.report["fault_plan"]] == ["fired", "fired"]
     # pod 0 holds rank 0: the job is rebuilt without the node (R-23)
     assert result.actions == ["isolated-job-reschedule"], result.report["recoveries"]
-    restores = sorted(text for _, text in result.events() if " restored step " in text)
-    step = int(restores[0].split(" restored step ")[1].split()[0]) if restores else -1
-    assert step == 70 and restores == [
-        f"pod 0 rank {rank} restored step {step} from storage" for rank in (0, 1)
-    ], (restores, result.events())
+    restores = sorted(result.restores())
+    assert restores == [Restore(0, rank, 70, "storage", "") for rank in (0, 1)], result.events()
     refusals = re.findall(r"the copy in node-1's memory was refused: [^\n]*", result.logs())
     assert refusals and all("checksum" in r for r in refusals), refusals
     assert out.read_text().strip() == unbroken
@@ -592,14 +590,14 @@ def test_fsdp2_restores_its_shards_from_peer_memory_through_a_lost_node_bit_iden
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.actions == ["isolated-job-reschedule"]
-    restores = sorted(text for _, text in result.events() if " restored step " in text)
+    restores = sorted(result.restores())
     assert len(restores) == 2, restores
-    step = int(restores[0].split(" restored step ")[1].split()[0])
+    step = restores[0].step
     assert step == 20, f"the fault came after step 30's save (heard late?): {restores}"
-    assert restores[1] == f"pod 1 rank 1 restored step {step} from peer memory of node-2", restores
+    assert restores[1] == Restore(1, 1, step, "peer-memory", "node-2"), restores
     assert restores[0] in (
-        f"pod 0 rank 0 restored step {step} from peer memory of node-1",
-        f"pod 0 rank 0 restored step {step} from storage",
+        Restore(0, 0, step, "peer-memory", "node-1"),
+        Restore(0, 0, step, "storage", ""),
     ), restores
     assert final_hash(result.logs()) == fsdp_unbroken
 
@@ -659,13 +657,13 @@ def test_fsdp2_process_reschedule_keeps_the_healthy_rank_and_takes_the_moved_sha
     assert sorted(rank for rank, _, _ in found) == ["0", "1", "1"], found  # rank 0: one process
     kept = [line for line in result.logs().splitlines() if "[relaunch] rank 0: rejoin" in line]
     assert len(kept) == 1, kept
-    restores = sorted(text for _, text in result.events() if " restored step " in text)
+    restores = sorted(result.restores())
     assert len(restores) == 2, restores
-    step = int(restores[0].split(" restored step ")[1].split()[0])
+    step = restores[0].step
     assert step == 20, f"the fault came after step 30's save (heard late?): {restores}"
     assert restores == [
-        f"pod 0 rank 0 restored step {step} from {'local disk of node-0' if local else 'storage'}",
-        f"pod 1 rank 1 restored step {step} from peer memory of node-2",
+        Restore(0, 0, step, *(("local-disk", "node-0") if local else ("storage", ""))),
+        Restore(1, 1, step, "peer-memory", "node-2"),
     ], restores
     assert final_hash(result.logs()) == fsdp_unbroken
     if local:  # the job ended: every agent removed its node's copies; node-1's died with it
@@ -703,7 +701,7 @@ def fsdp2_elastic_job(steps: int = 45) -> dict[str, Any]:
 LOSE_POD_1 = [{"kind": "node-down", "at_step": 22, "pod": 1}]
 
 
-def fsdp2_scaled_in(cluster: Cluster, local: bool) -> tuple[str, list[str], str]:
+def fsdp2_scaled_in(cluster: Cluster, local: bool) -> tuple[str, list[Restore], str]:
     """The FSDP2 job through a lost node with no standby (elastic training): its final hash,
     the restores on record, its logs. `local`: each rank's file also copied to its node's disk
     (`local_checkpoint_dir`), which the job's end empties but for the lost node's copies."""
@@ -717,7 +715,7 @@ def fsdp2_scaled_in(cluster: Cluster, local: bool) -> tuple[str, list[str], str]
     result = cluster.run(job, LOSE_POD_1, ELASTIC_CLUSTER, timeout=300, startup_s=60)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.actions == ["scale-in"], result.stdout[-3000:]
-    restores = sorted(text for _, text in result.events() if " restored step " in text)
+    restores = sorted(result.restores())
     if local:
         left = {p.relative_to(disks).parts[:2] for p in disks.rglob("*.distcp")}
         assert left == {("node-1", "job-1")}, left  # node-1's agent was lost with it
@@ -740,11 +738,12 @@ def test_r33_fsdp2_scales_in_by_resharding_its_checkpoint_the_same_way_twice(
     with ThreadPoolExecutor(2) as pool:
         clusters = [Cluster(tmp_path / n) for n in ("a", "b")]
         runs = list(pool.map(fsdp2_scaled_in, clusters, [False, True]))
-    for (_, restores, logs), tier in zip(runs, ["storage", "local disk of node-0"], strict=True):
+    tiers = [("storage", ""), ("local-disk", "node-0")]
+    for (_, restores, logs), tier in zip(runs, tiers, strict=True):
         found = re.findall(r"start: rank (\d)/2 pid=(\d+) resume_step=(\d+)", logs)
         assert sorted(rank for rank, _, _ in found) == ["0", "1"], found  # rank 0: one process
         assert re.findall(r"rank 0: rejoin at step \d+, generation 2, now rank 0 of 1", logs)
-        assert restores == [f"pod 0 rank 0 restored step 20 from {tier}"], restores
+        assert restores == [Restore(0, 0, 20, *tier)], restores
     assert runs[0][0] == runs[1][0]
     assert runs[0][0] != fsdp_unbroken
 
@@ -761,25 +760,24 @@ def test_r33_fsdp2_scales_out_when_the_node_comes_back_and_both_ranks_reload(
     elastic_cluster(cluster)
     result = scale_in_then_release(cluster, fsdp2_elastic_job(steps=150), LOSE_POD_1)
     assert result.actions == ["scale-in"]
-    assert "scale-out: pod 1 back on node-2" in result.stdout
+    assert [(e.fields["pod"], e.fields["node"]) for e in result.said(EventKind.SCALED_OUT)] == [
+        (1, "node-2")
+    ]
     logs = result.logs()
     found = re.findall(r"start: rank (\d)/2 pid=(\d+) resume_step=(\d+)", logs)
     assert sorted(rank for rank, _, _ in found) == ["0", "1", "1"], found  # rank 0: one process
     assert re.findall(r"rank 0: rejoin at step \d+, generation 2, now rank 0 of 1", logs)
     assert re.findall(r"rank 0: rejoin at step \d+, generation 3, now rank 0 of 2", logs)
-    restores = [text for _, text in result.events() if " restored step " in text]
+    restores = result.restores()
     assert len(restores) == 3, restores  # rank 0 at the scale-in; both ranks at the scale-out
-    assert restores[0] == "pod 0 rank 0 restored step 20 from storage", restores
+    assert restores[0] == Restore(0, 0, 20, "storage", ""), restores
     # both at the newest checkpoint when node-2 came back: step 20 (the two ranks' files, rank
     # 1's copy still in node-2's memory) or a later one rank 0 saved alone (its copy in node-2's
     # memory if it got there first; the newcomer's part resharded from rank 0's file: storage)
-    tiers = "(storage|peer memory of node-2)"
-    grown = [
-        re.fullmatch(rf"pod (\d) rank \1 restored step (\d+) from {tiers}", r) for r in restores[1:]
-    ]
-    matched = [m for m in grown if m]
-    assert len(matched) == 2 and sorted(m[1] for m in matched) == ["0", "1"], restores
-    assert len({m[2] for m in matched}) == 1 and int(matched[0][2]) % 10 == 0, restores
+    grown = restores[1:]
+    assert sorted((r.pod, r.rank) for r in grown) == [(0, 0), (1, 1)], restores
+    assert all((r.tier, r.holder) in {("storage", ""), ("peer-memory", "node-2")} for r in grown)
+    assert len({r.step for r in grown}) == 1 and grown[0].step % 10 == 0, restores
     final_hash(logs)
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
+from relaunch.events import EventKind
 from relaunch.store import NodeState, Store
 from tests.noisy import noisy_neighbour
 from tests.runtime import ROOT, Cluster, Result, wait_gone
@@ -141,11 +142,8 @@ def test_r30_memory_uce_is_retried_online_by_every_rank(cluster: Cluster, unbrok
     assert len({step for _, step in retried}) == 1  # every rank re-ran the same step
     # the struck chip's rank took model and optimizer from a healthy replica (step_rollback:
     # replica, the default), on record; no other rank took anything
-    restores = [text for _, text in result.events() if " restored step " in text]
-    assert len(restores) == 1, restores
-    assert re.fullmatch(
-        r"pod 0 rank 0 restored step \d+ from the memory of rank 1, a healthy replica", restores[0]
-    ), restores
+    restores = result.restores()
+    assert [(r.pod, r.rank, r.tier, r.holder) for r in restores] == [(0, 0, "replica", "1")]
     assert out.read_text().strip() == unbroken
 
 
@@ -308,11 +306,6 @@ def test_r31_r32_warm_spares_replace_a_crashed_rank_then_a_lost_nodes_pod(
     assert out.read_text().strip() == unbroken
 
 
-def events(result: Result) -> list[str]:
-    store = Store(result.state_dir / "relaunch.db")
-    return [text for _, text in store.events(1)]
-
-
 def test_r37_a_fault_while_a_checkpoint_is_saved_goes_to_the_next_level(
     cluster: Cluster, unbroken: str
 ) -> None:
@@ -327,8 +320,8 @@ def test_r37_a_fault_while_a_checkpoint_is_saved_goes_to_the_next_level(
     job = process_job(out, ckpt_every=40, extra="--slow-save-at 40 --slow-save-s 7")
     result = run(cluster, job, faults)
     assert result.actions == ["in-place"], result.stdout[-3000:]
-    decided = [e for e in events(result) if e.startswith("decision: in-place")]
-    assert decided and "passed over: a checkpoint is being saved (R-37)" in decided[0]
+    decided = [e for e in result.said(EventKind.DECISION) if e.fields["action"] == "in-place"]
+    assert decided and "passed over: a checkpoint is being saved (R-37)" in decided[0].text
     assert out.read_text().strip() == unbroken
 
 
@@ -355,10 +348,9 @@ def test_r25_r32_process_reschedule_beside_a_disk_writer_and_a_cpu_hog(
     pods = result.report["pods"]
     assert [(p["node"], p["generation"]) for p in pods] == [("node-0", 1), ("node-2", 2)]
     # the moved ranks' state came from a healthy rank's memory, and the record says so
-    restores = sorted(text for _, text in result.events() if " restored step " in text)
-    assert [text.split(" restored step ")[0] for text in restores] == [
-        "pod 1 rank 2",
-        "pod 1 rank 3",
+    restores = sorted(result.restores())
+    assert [(r.pod, r.rank, r.tier, r.holder) for r in restores] == [
+        (1, 2, "replica", "0"),
+        (1, 3, "replica", "0"),
     ]
-    assert all(text.endswith("from the memory of rank 0, a healthy rank") for text in restores)
     assert out.read_text().strip() == unbroken

@@ -22,6 +22,7 @@ PURE = [
     *sorted((SRC / "policy").glob("*.py")),
     *sorted((SRC / "diagnosis").glob("*.py")),
     SRC / "restores.py",
+    SRC / "events.py",
 ]
 IMPURE_MODULES = {
     "time",
@@ -48,6 +49,8 @@ RELAUNCH_ALLOWED = {
     "relaunch.protocol.operator",  # R-29's settings, parsed alike by the spec and the SDK
     "relaunch.protocol.rollback",  # the step rollback the spec chooses and the SDK keeps
     "relaunch.protocol.links",  # the link faults a fault plan names
+    "relaunch.protocol.datagrams",  # the restore tiers a rank names and the record reads
+    "relaunch.events",  # the record's kinds of event, read by the restores
     "relaunch.errors",
     "relaunch.validation",
     "relaunch.spec",

@@ -330,21 +330,17 @@ def test_ddp_loses_a_ray_node_and_ends_bit_identical_to_the_fault_free_run(
     assert (pods[1]["node"], pods[1]["generation"]) == ("node-2", 2)
     assert result.launch_nodes() == ["node-0", "node-1", "node-2"]  # only the lost pod moved
     assert out.read_text().strip() == unbroken
-    restores = [text for _, text in result.events() if " restored step " in text]
-    tiers = sorted(re.sub(r" restored step \d+ ", " ", text) for text in restores)
+    tiers = sorted((r.pod, r.rank, r.tier, r.holder) for r in result.restores())
     if tier == "peer-memory":
-        assert tiers[1] == "pod 1 rank 1 from peer memory of node-2", tiers
-        assert tiers[0] in (
-            "pod 0 rank 0 from local disk of node-0",
-            "pod 0 rank 0 from peer memory of node-2",
-        ), tiers
+        assert tiers[1] == (1, 1, "peer-memory", "node-2"), tiers
+        assert tiers[0] in ((0, 0, "local-disk", "node-0"), (0, 0, "peer-memory", "node-2")), tiers
     else:
-        assert tiers == ["pod 0 rank 0 from local disk of node-0", "pod 1 rank 1 from storage"]
+        assert tiers == [(0, 0, "local-disk", "node-0"), (1, 1, "storage", "")], tiers
         refusals = re.findall(r"the copy in node-\d's memory was refused: [^\n]*", result.logs())
         assert refusals and all("checksum" in r for r in refusals), refusals
     assert len(tiers) == 2, tiers
     reported = result.report["restores"]  # the report's reading of the same record
-    assert sorted(f"pod {r['pod']} rank {r['rank']} from {r['source']}" for r in reported) == tiers
+    assert sorted((r["pod"], r["rank"], r["tier"], r["holder"]) for r in reported) == tiers
     left = {p.relative_to(disks).parts[:2] for p in disks.rglob("*.ckpt")}
     assert left == {("node-1", "job-1")}, left
 

@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 from relaunch.cluster.local import LocalCluster
+from relaunch.events import EventKind
 from relaunch.store import Store
 from tests.cli import relaunch_here
 from tests.runtime import (
@@ -343,11 +344,10 @@ def test_hang_restart_of_a_script_ignoring_sigterm_waits_the_hang_grace_not_900_
     result = cluster.run(job, faults, timeout=80)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.actions == ["hang-restart"]
-    stops = [e for e in events(result) if e.startswith("stopping the processes")]
-    assert stops == [
-        "stopping the processes of 1 pod(s) (their containers stay): SIGTERM, SIGKILL after "
-        "5 s; the job hung: hang grace"
-    ]
+    stops = [e.fields for e in result.said(EventKind.STOPPING)]
+    assert [(s["pods"], s["containers"], s["grace_s"], s["hang"]) for s in stops] == [
+        (1, "their containers stay", 5, True)
+    ], stops
 
 
 def test_a_busy_silent_rank_is_not_hung(cluster: Cluster) -> None:

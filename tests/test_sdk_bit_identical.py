@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 import yaml
 
+from relaunch.events import EventKind
+from relaunch.restores import restores
 from tests.runtime import DDP_CLUSTER, DDP_FAULTS, DDP_JOB, ROOT, Cluster, Result
 
 SCRIPT = ROOT / "tests" / "scripts" / "ddp_dropout_adam.py"
@@ -82,15 +84,13 @@ def test_overlapped_saves_and_warm_restarts_at_every_level_end_bit_identical(
     assert result.actions == ACTIONS, result.stdout
     assert all(r["outcome"] == "succeeded" for r in result.report["recoveries"])
     assert out.read_text().strip() == fault_free, story(result)
-    assert re.search(
-        r"pod \d takes the standby launcher on node-\d and its warm spares", result.stdout
-    )
+    assert result.said(EventKind.STANDBY_TAKEN) or result.said(EventKind.STANDBYS_TAKEN)
     warm = re.findall(r"--- relaunch: attempt ([2-9]), \S+, warm spare pid \d+ ---", result.logs())
     assert warm, "no restart ran in a warm spare"
-    events = [text for _, text in result.events()]
-    lost = next(i for i, text in enumerate(events) if text.startswith("fault: node-lost"))
-    moved = [e for e in events[lost:] if e.startswith("pod 1 rank 1 restored step ")]
-    assert moved and " from peer memory of node-" in moved[0], events
+    events = result.events()
+    lost = next(i for i, e in enumerate(events) if e.fields.get("fault") == "node-lost")
+    moved = [r for r in restores(events[lost:]) if (r["pod"], r["rank"]) == (1, 1)]
+    assert moved and moved[0]["tier"] == "peer-memory", events
 
 
 def test_sdk_script_with_dying_gasps_only_ends_bit_identical_under_every_fault(

@@ -29,6 +29,8 @@ from relaunch.cluster.slurm import Allocation, parse_nodes
 from relaunch.cluster.slurm_trial import TrialSlurm, unavailable
 from relaunch.containers import cluster_root
 from relaunch.errors import EngineError
+from relaunch.events import EventKind, Recorded
+from relaunch.restores import restores
 from relaunch.store import JobStatus, Store
 from tests.runtime import (
     DDP_CLUSTER,
@@ -228,35 +230,35 @@ exit $code"""
     assert result.actions == EMBEDDED_ACTIONS, log
     assert all(r["outcome"] == "succeeded" for r in report["recoveries"]), log
     assert out.read_text().strip() == unbroken, log
-    events = [text for _, text in result.events()]
+    events = result.events()
+    disk = "local-disk"
     if tier == "peer-memory":
-        lost = next(i for i, text in enumerate(events) if text.startswith("fault: node-lost"))
-        moved = [e for e in events[lost:] if e.startswith("pod 1 rank 1 restored step ")]
-        assert moved and re.fullmatch(
-            r"pod 1 rank 1 restored step \d+ from peer memory of n[134]", moved[0]
-        ), events
+        lost = next(i for i, e in enumerate(events) if e.fields.get("fault") == "node-lost")
+        moved = [r for r in restores(events[lost:]) if (r["pod"], r["rank"]) == (1, 1)]
+        assert moved and moved[0]["tier"] == "peer-memory", events
+        assert moved[0]["holder"] in ("n1", "n3", "n4"), events
         # at every level (job-level, in-place, pod-level, hang-restart) both pods restore from
         # a peer's memory; after the crash, the crashed rank's copy may have died with it
         served = [tiers_after(events, n) for n in range(len(decisions(events)))]
         assert len(served) == 4 and all(sorted(by_pod) == [0, 1] for by_pod in served), events
         assert all(
-            re.fullmatch(r"peer memory of n\d", tier) or (n, pod, tier) == (0, 1, "storage")
+            served_by[0] == "peer-memory" or (n, pod, served_by) == (0, 1, ("storage", ""))
             for n, by_pod in enumerate(served)
-            for pod, tier in by_pod.items()
+            for pod, served_by in by_pod.items()
         ), served
     else:  # each pod's rank restores where it saved, but the moved pod's, from storage
-        assert not [e for e in events if "from peer memory" in e], events
+        assert not [r for r in restores(events) if r["tier"] == "peer-memory"], events
         refusals = re.findall(r"the copy in n\d's memory was refused: [^\n]*", result.logs())
         assert refusals and all("checksum" in r for r in refusals), refusals
         assert [tiers_after(events, n) for n in range(len(decisions(events)))] == [
-            {0: "local disk of n1", 1: tiers_after(events, 0)[1]},
-            {0: "local disk of n1", 1: "local disk of n2"},
-            {0: "local disk of n1", 1: "storage"},
-            {0: "local disk of n1", 1: f"local disk of {result.launch_nodes()[-1]}"},
+            {0: (disk, "n1"), 1: tiers_after(events, 0)[1]},
+            {0: (disk, "n1"), 1: (disk, "n2")},
+            {0: (disk, "n1"), 1: ("storage", "")},
+            {0: (disk, "n1"), 1: (disk, result.launch_nodes()[-1])},
         ], events
         # the crashed rank's copy of its last step may have died with it (no dying gasp for a
         # crash: the copy is made in the background after the save); then storage serves
-        assert tiers_after(events, 0)[1] in ("local disk of n2", "storage"), events
+        assert tiers_after(events, 0)[1] in ((disk, "n2"), ("storage", "")), events
         left = {p.relative_to(disks).parts[:2] for p in disks.rglob("*.ckpt")}
         assert left == {("n2", "job-1")}, left  # the lost node's: its agent died with it
     assert (
@@ -272,20 +274,19 @@ exit $code"""
     assert "DRAIN" in row and "Lost" in row and "relaunch: lost and isolated" in row, row
 
 
-def decisions(events: list[str]) -> list[int]:
+def decisions(events: list[Recorded]) -> list[int]:
     """Where in the record each decision is."""
-    return [i for i, text in enumerate(events) if text.startswith("decision: ")]
+    return [i for i, e in enumerate(events) if e.kind is EventKind.DECISION]
 
 
-def tiers_after(events: list[str], decision: int) -> dict[int, str]:
-    """Which tier served each pod's restore after the record's `decision`th decision (one rank
-    a pod), up to the next decision."""
+def tiers_after(events: list[Recorded], decision: int) -> dict[int, tuple[str, str]]:
+    """Which tier (and node) served each pod's restore after the record's `decision`th decision
+    (one rank a pod), up to the next decision."""
     at = [*decisions(events), len(events)]
-    found = (
-        re.fullmatch(r"pod (\d) rank \d restored step \d+ from (.+)", text)
-        for text in events[at[decision] : at[decision + 1]]
-    )
-    return {int(m[1]): m[2] for m in found if m}
+    return {
+        r["pod"]: (r["tier"], r["holder"])
+        for r in restores(events[at[decision] : at[decision + 1]])
+    }
 
 
 def job_state(slurm: TrialSlurm, job_id: str) -> dict[str, str]:

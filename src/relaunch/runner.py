@@ -29,7 +29,9 @@ from relaunch.cluster import Engine
 from relaunch.cluster.config import ClusterConfig
 from relaunch.cluster.local import LocalCluster
 from relaunch.controller import Controller, RunOptions
+from relaunch.controller.core import print_event
 from relaunch.errors import RelaunchError, StateDirBusy
+from relaunch.events import Event
 from relaunch.faults.plan import PlannedFault, parse_plan
 from relaunch.protocol.layout import StateDir
 from relaunch.service import create_pods, stored_job, table_from
@@ -129,7 +131,7 @@ def run_job(
     resume: bool,
     remove_node: Callable[[str], None] | None = None,
     options: RunOptions | None = None,
-    on_event: Callable[[str], None] = print,
+    on_event: Callable[[Event], None] = print_event,
     on_output: Callable[[int, int, str], None] | None = None,
     on_tick: Callable[[], None] | None = None,
     on_start: Callable[[Controller], None] | None = None,
@@ -207,8 +209,8 @@ def run_queue(directory: Path, log: Callable[[str], None]) -> int:
         name = store.job(job_id).name
         log(f"{'resuming' if resume else 'starting'} job {name} (id {job_id})")
 
-        def event(text: str, job_id: int = job_id) -> None:
-            log(f"job {job_id}: {text}")
+        def event(said: Event, job_id: int = job_id) -> None:
+            log(f"job {job_id}: {said.text}")
 
         try:
             status = run_job(store, directory, job_id, resume=resume, on_event=event)

@@ -19,8 +19,9 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from relaunch.events import EventKind
 from relaunch.report import budgets_left, job_goodput
-from relaunch.restores import EVENT_LIKE, restores, tier_of
+from relaunch.restores import RestoreTier, restores
 from relaunch.store import JobRow, JobStatus, NodeState, RecordRow, Store
 
 __all__ = ["StoreCollector"]
@@ -80,8 +81,8 @@ class StoreCollector(Collector):
             "Checkpoints ranks restored, by the tier that served them.",
             labels=["tier"],
         )
-        found = restores(self.store.events_like(EVENT_LIKE))
-        for tier, n in sorted(Counter(tier_of(r["source"]) for r in found).items()):
+        found = restores(self.store.events_of(EventKind.RESTORED))
+        for tier, n in sorted(Counter(RestoreTier(r["tier"]).words for r in found).items()):
             family.add_metric([tier], n)
         return family
 

@@ -59,6 +59,7 @@ from relaunch.cli.summary import print_summary
 from relaunch.cluster.nvml import SIMULATE_CHIPS_ENV
 from relaunch.controller import Controller, RunOptions
 from relaunch.errors import MISSING, InputError, Problem, RelaunchError, StateDirBusy
+from relaunch.events import Event
 from relaunch.files import read_document
 from relaunch.protocol.layout import StateDir
 from relaunch.report import build_report
@@ -378,10 +379,12 @@ class _Echo:
     directory: Path
     quiet: bool
 
-    def event(self, text: str) -> None:
+    def event(self, event: Event) -> None:
         # escaped: an event quotes what ranks said ("[/pytorch/.../pair.cc:553] Connection...")
         out.print(
-            f"[bold cyan]\\[relaunch][/] {escape(visible(text))}", highlight=False, soft_wrap=True
+            f"[bold cyan]\\[relaunch][/] {escape(visible(event.text))}",
+            highlight=False,
+            soft_wrap=True,
         )
 
     def output(self, pod: int, rank: int, line: str) -> None:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, ClassVar, Final
 
 from relaunch.controller import commands
 from relaunch.controller.active import OperatorState
+from relaunch.events import EventKind
 from relaunch.faults import Fault, FaultKind
 from relaunch.policy import LEVELS, Action, Decision, PodChange
 from relaunch.states import WANTS_NODES
@@ -231,8 +232,11 @@ class OperatorRetry(LevelAction):
         down = commands.links_down(c)
         if down:
             c.event(
-                f"operator retry {attempt} of {retry.max_count} not issued: the data link of "
-                f"{', '.join(down)} is still down"
+                EventKind.RETRY_HELD,
+                attempt=attempt,
+                max_count=retry.max_count,
+                nodes=", ".join(down),
+                down=list(down),
             )
             op.next_at = now + retry.interval_s
             return None

@@ -10,6 +10,7 @@ from relaunch.controller import lifecycle, stacks
 from relaunch.controller.detectors import hang_look, launcher_faults, lost_nodes
 from relaunch.controller.pods import Pod, PodPhase
 from relaunch.diagnosis import MIN_LOOKS, slow_links, slow_pods
+from relaunch.events import EventKind
 from relaunch.faults import Fault, FaultKind
 from relaunch.store import JobStatus, NodeState
 
@@ -48,7 +49,7 @@ def requests(c: ControllerContext, now: float) -> None:
         c.update_job(
             status=JobStatus.STOPPED, reason=f"stopped: {job.stop_requested}", ended_at=now
         )
-        c.event(f"stopping the job: {job.stop_requested}")
+        c.event(EventKind.STOPPING_JOB, why=job.stop_requested)
         return
     c.fault_plan.reload(job.plan)
 
@@ -71,7 +72,7 @@ def heartbeats(c: ControllerContext, now: float) -> None:
         c.store.set_node_state(lost.node, NodeState.LOST, lost.why)
         c.refresh_node(lost.node)
         c.agents.pop(lost.node, None)
-        c.event(f"node {lost.node} lost: {lost.why} (last heartbeat {lost.silent_s:.1f} s ago)")
+        c.event(EventKind.NODE_LOST, node=lost.node, why=lost.why, silent_s=lost.silent_s)
         c.recoveries.fault(lost.detected.fault, lost.detected.source)
 
 
@@ -256,4 +257,4 @@ def done(c: ControllerContext, now: float) -> None:
         return
     c.recoveries.succeeded(now)  # every rank exited 0: the recovery under way worked
     c.update_job(status=JobStatus.SUCCEEDED, reason="every rank exited 0", ended_at=now)
-    c.event(f"job {c.spec.name} succeeded")
+    c.event(EventKind.SUCCEEDED, job=c.spec.name)

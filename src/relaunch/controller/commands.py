@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from relaunch import failpoints
 from relaunch.controller.active import HEAL_TIMEOUT_S, ActiveRecovery, HealRequest
 from relaunch.diagnosis import MIN_LOOKS, look_interval_s
+from relaunch.events import EventKind
 from relaunch.faults import Fault, FaultKind
 from relaunch.policy import ClusterView, PodView
 from relaunch.policy.elastic import ScaleOut
@@ -219,7 +220,7 @@ def unpark(c: ControllerContext, decided: ScaleOut, now: float) -> None:
             )
         )
         c.pods[index].placed(now)
-        c.event(f"scale-out: pod {index} back on {node}")
+        c.event(EventKind.SCALED_OUT, pod=index, node=node)
 
 
 def request_heal(c: ControllerContext, active: ActiveRecovery) -> str | None:
@@ -248,10 +249,14 @@ def stop_grace(c: ControllerContext) -> float:
 
 
 def said_stopping(c: ControllerContext, pods: int, containers: str) -> None:
-    why = "; the job hung: hang grace" if c.recoveries.hang_stop else ""
+    hang = c.recoveries.hang_stop
     c.event(
-        f"stopping the processes of {pods} pod(s) ({containers}): SIGTERM, SIGKILL after "
-        f"{stop_grace(c):g} s{why}"
+        EventKind.STOPPING,
+        pods=pods,
+        containers=containers,
+        grace_s=stop_grace(c),
+        hang=hang,
+        why_text="; the job hung: hang grace" if hang else "",
     )
     failpoints.reach("stopping")
 

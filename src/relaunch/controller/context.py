@@ -27,6 +27,7 @@ from relaunch.controller.listener import Listener
 from relaunch.controller.pacer import Adoption, Pacer
 from relaunch.controller.peers import AgentLink, LauncherLink, Peer
 from relaunch.controller.pods import Pod
+from relaunch.events import EventKind
 from relaunch.faults import DEFAULT_TABLE, EscalationRules, Fault, FaultCodeTable
 from relaunch.protocol.layout import StateDir
 from relaunch.protocol.messages import Injected
@@ -225,7 +226,7 @@ class ControllerContext(Protocol):
     @property
     def leases(self) -> Leases: ...
 
-    def event(self, text: str) -> None: ...
+    def event(self, kind: EventKind, **fields: Any) -> None: ...
 
     def update_job(self, **fields: object) -> None: ...
 

@@ -18,7 +18,7 @@ import queue
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from relaunch.cluster import Engine
 from relaunch.cluster.config import ClusterConfig
@@ -35,6 +35,7 @@ from relaunch.controller.peers import AgentLink, LauncherLink, Peer
 from relaunch.controller.pods import Pod, PodPhase
 from relaunch.controller.reconcile import Reconciler
 from relaunch.controller.recovery import RecoveryDriver
+from relaunch.events import Event, EventKind
 from relaunch.faults.plan import PlannedFault
 from relaunch.protocol.layout import StateDir
 from relaunch.protocol.messages import Message
@@ -52,6 +53,11 @@ HEARTBEAT_WRITTEN_EVERY_S: Final = 5.0
 heartbeat"), all in one transaction (or every heartbeat interval, when that is longer)."""
 SEEN_EVERY_S: Final = 0.5
 """How often the controller writes that it is alive (a resume tells how long it was away)."""
+
+
+def print_event(event: Event) -> None:
+    """The default `on_event`: the event's sentence on standard output."""
+    print(event.text)
 
 
 class Controller:
@@ -80,7 +86,7 @@ class Controller:
         spec: JobSpec,
         plan: tuple[PlannedFault, ...],
         options: RunOptions,
-        on_event: Callable[[str], None] = print,
+        on_event: Callable[[Event], None] = print_event,
         on_output: Callable[[int, int, str], None] | None = None,
         on_tick: Callable[[], None] | None = None,
         clock: Clock | None = None,
@@ -286,9 +292,11 @@ class Controller:
 
     # -- the state the parts share ------------------------------------------------------------------
 
-    def event(self, text: str) -> None:
-        self.store.event(self.job_id, text, self.clock.now())
-        self.on_event(text)
+    def event(self, kind: EventKind, **fields: Any) -> None:
+        """Records an event of `kind` (its fields as `Event.of` takes them) and tells `on_event`."""
+        event = Event.of(kind, **fields)
+        self.store.event(self.job_id, event, self.clock.now())
+        self.on_event(event)
 
     def update_job(self, **fields: object) -> None:
         """Writes the job's fields and keeps its row in memory the same, without reading it back

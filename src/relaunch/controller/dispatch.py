@@ -8,7 +8,8 @@ from relaunch.controller import commands, stacks
 from relaunch.controller.detectors import active_at, chip_faults, collective_fault, exit_fault
 from relaunch.controller.peers import AgentLink, LauncherLink, Peer, Rank
 from relaunch.controller.pods import PodPhase
-from relaunch.protocol.datagrams import SdkPhase
+from relaunch.events import EventKind
+from relaunch.protocol.datagrams import RestoreTier, SdkPhase
 from relaunch.protocol.messages import (
     AgentHello,
     CollectiveFailed,
@@ -30,7 +31,6 @@ from relaunch.protocol.messages import (
     Stopped,
     Usage,
 )
-from relaunch.restores import restore_event
 from relaunch.store import NodeState
 
 if TYPE_CHECKING:
@@ -124,8 +124,8 @@ def _from_launcher(c: ControllerContext, link: LauncherLink, message: Message) -
         case CollectiveFailed():
             if message.attempt == c.job.attempt:
                 _collective_failed(c, link, message)
-        case Restored(rank=rank, step=step, source=source):  # which tier served, on record
-            c.event(restore_event(link.pod, rank, step, source))
+        case Restored():  # which tier served, on record
+            _restored(c, link, message)
         case Stopped(exited=exited):
             for rank, (attempt, code, signum) in exited.items():
                 _ended(link, rank, attempt, code, signum)
@@ -149,9 +149,19 @@ def _collective_failed(c: ControllerContext, link: LauncherLink, message: Collec
     said, link.failed_collective = link.failed_collective, (message.generation, message.step)
     if said != link.failed_collective:
         c.event(
-            f"pod {link.pod} rank {message.rank}: a collective of step {message.step} failed "
-            f"({message.why[:160]}); no data link is down: its cause is decided where it is seen"
+            EventKind.COLLECTIVE_UNLINKED,
+            pod=link.pod,
+            rank=message.rank,
+            step=message.step,
+            why=message.why[:160],
         )
+
+
+def _restored(c: ControllerContext, link: LauncherLink, message: Restored) -> None:
+    """A rank restored a checkpoint's step: the tier and node that served it, on record."""
+    source = RestoreTier(message.tier).source(message.holder)
+    fields = {"pod": link.pod, "rank": message.rank, "step": message.step, "source": source}
+    c.event(EventKind.RESTORED, **fields, tier=message.tier, holder=message.holder)
 
 
 def _phases(

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from relaunch import failpoints
 from relaunch.controller import commands
+from relaunch.events import EventKind
 from relaunch.faults.plan import LINK_KINDS, PlannedFault, PlannedFaultKind, parse_plan
 from relaunch.protocol.links import Cut, LinkFaultKind
 from relaunch.protocol.messages import (
@@ -52,7 +53,7 @@ class FaultPlanRunner:
         if len(stored) != len(self.plan):
             self.plan = parse_plan(stored, source="stored fault plan")
             self.finished = False
-            self.c.event(f"fault plan now has {len(self.plan)} entr(ies)")
+            self.c.event(EventKind.PLAN_RELOADED, entries=len(self.plan))
 
     def fire(self, now: float) -> None:
         c = self.c
@@ -90,7 +91,12 @@ class FaultPlanRunner:
                 self.not_fired(entry.index, target, now)
                 continue
             c.store.mark_fired(c.job_id, entry.index, now)
-            c.event(f"fault plan: {entry.describe()}")
+            c.event(
+                EventKind.PLAN_FIRED,
+                entry=entry.index,
+                planned=entry.kind.value,
+                entry_text=entry.describe(),
+            )
             self._inject(entry, *target, now)
             return  # one per pass, so each is seen on its own
 
@@ -101,11 +107,7 @@ class FaultPlanRunner:
             return
         if elapsed > self.c.startup_s:
             self.warned = True
-            self.c.event(
-                f"fault plan: {len(waiting)} entr(ies) wait for a step (at_step), and the job "
-                f"has reported none in {elapsed:.0f} s: at_step needs the script to call "
-                "relaunch.train.report_progress(step); use after_s otherwise"
-            )
+            self.c.event(EventKind.PLAN_WAITING, entries=len(waiting), elapsed_s=elapsed)
 
     def _target(self, entry: PlannedFault) -> tuple[str, int | None] | str | None:
         """Where `entry` fires now: (node, rank); a string saying why it cannot fire any more;
@@ -203,7 +205,7 @@ class FaultPlanRunner:
         if entry.kind is not PlannedFaultKind.NETWORK:
             self.not_fired(entry.index, f"a real link is needed: {why}", now)
             return
-        c.event(f"fault plan: the link fault is simulated: {why}")
+        c.event(EventKind.PLAN_SIMULATED, entry=entry.index, node=node, why=why)
         self.injected[("net", node)] = now
         self.unacknowledged[entry.index] = ("net", node)
         c.agents[node].peer.send(InjectNetworkFault(entry.index, entry.duration_s, entry.heals))
@@ -221,7 +223,7 @@ class FaultPlanRunner:
         entry = next((e for e in self.plan if e.index == index), None)
         self.c.store.mark_fired(self.c.job_id, index, now, note=f"not fired: {why}")
         what = entry.describe() if entry is not None else f"entry {index}"
-        self.c.event(f"fault plan: {what}: not fired: {why}")
+        self.c.event(EventKind.PLAN_NOT_FIRED, entry=index, what=what, why=why)
 
     def at_end(self, job: JobRow) -> None:
         """Every entry the job ended without firing is recorded as not fired, saying why."""

@@ -12,6 +12,7 @@ from relaunch.controller.clock import TICK_S
 from relaunch.controller.commands import master_port, request_heal, slow_window_unusable, stop_grace
 from relaunch.controller.listener import Listener
 from relaunch.errors import SpecError
+from relaunch.events import EventKind, fault_fields
 from relaunch.faults import Fault, FaultKind
 from relaunch.protocol.messages import ForgetCopies, Shutdown
 from relaunch.protocol.wire import write_controller_address
@@ -47,7 +48,7 @@ def run(c: ControllerContext) -> tuple[JobStatus, str]:
         now = c.clock.now()
         unusable = slow_window_unusable(c.hang_s, c.spec.replicas, c.cluster.slow_window_s)
         if unusable is not None:
-            c.event(unusable)
+            c.event(EventKind.SETTING_UNUSABLE, setting="slow_window_s", why=unusable)
         if c.options.resume:
             resume(c, now)
         else:
@@ -108,8 +109,7 @@ def resume(c: ControllerContext, now: float) -> None:
     c.adoption.resuming = True
     c.adoption.until = now + max(2.0, 3 * c.cluster.heartbeat_interval_s)
     c.event(
-        f"controller resumed job {job.name} (attempt {job.attempt}) after {c.adoption.away_s:.1f} s "
-        "away; re-adopting pods"
+        EventKind.CONTROLLER_RESUMED, job=job.name, attempt=job.attempt, away_s=c.adoption.away_s
     )
 
 
@@ -151,33 +151,46 @@ def adopted(c: ControllerContext, now: float) -> None:
     if not missing:
         return
     seen = (c.job.controller_seen_at or now) - c.adoption.away_s
-    if c.options.resumed_from == WANTS_NODES:
-        c.event(
-            "the job was stopped for want of nodes: restarting it from its checkpoints on the "
-            "nodes it has now, no restart spent"
-        )
-        detail = "stopped for want of nodes, resumed"
-    elif c.options.resumed_from is not None:
-        c.event(
-            "the job was stopped when the terminal of its run closed (SIGHUP): restarting it "
-            "from its checkpoints, no restart spent"
-        )
-        detail = "stopped by a hangup of its run's terminal (SIGHUP), resumed"
-    else:
-        c.event(
-            f"{len(missing)} pod(s) did not come back: the controller was away "
-            f"{c.adoption.away_s:.0f} s, longer than adopt_grace_s ({grace:g} s), and they "
-            "ended themselves; restarting the job from its checkpoints"
-        )
-        detail = f"controller away {c.adoption.away_s:.0f} s (adopt_grace_s {grace:g} s)"
+    detail = _restarted(c, len(missing), grace)
     outage = Fault(FaultKind.CONTROLLER_OUTAGE, min(seen + grace, now), detail=detail)
     c.recoveries.fault(outage, f"outage:{c.job.attempt}:{seen:.3f}")
+
+
+def _restarted(c: ControllerContext, missing: int, grace: float) -> str:
+    """Says why the job restarts from its checkpoints (`missing` pods did not come back), and
+    returns the outage fault's detail."""
+    away = c.adoption.away_s
+    if c.options.resumed_from == WANTS_NODES:
+        cause, detail = "wants-nodes", "stopped for want of nodes, resumed"
+        why = "the job was stopped for want of nodes: restarting it from its checkpoints on the "
+        why += "nodes it has now, no restart spent"
+    elif c.options.resumed_from is not None:
+        cause, detail = "hangup", "stopped by a hangup of its run's terminal (SIGHUP), resumed"
+        why = "the job was stopped when the terminal of its run closed (SIGHUP): restarting it "
+        why += "from its checkpoints, no restart spent"
+    else:
+        cause, detail = (
+            "controller-away",
+            f"controller away {away:.0f} s (adopt_grace_s {grace:g} s)",
+        )
+        why = f"{missing} pod(s) did not come back: the controller was away {away:.0f} s, longer "
+        why += f"than adopt_grace_s ({grace:g} s), and they ended themselves; restarting the job "
+        why += "from its checkpoints"
+    c.event(
+        EventKind.RESTARTED_FROM_CHECKPOINTS,
+        cause=cause,
+        pods=missing,
+        away_s=away,
+        grace_s=grace,
+        why=why,
+    )
+    return detail
 
 
 def finish(c: ControllerContext, job: JobRow) -> None:
     for fault_id, fault, _ in c.store.pending(c.job_id):
         c.store.drop_pending(c.job_id, fault_id)  # the job ended: nothing to decide
-        c.event(f"{fault.describe()}: not decided, the job had ended")
+        c.event(EventKind.FAULT_AFTER_END, **fault_fields(fault))
     step = c.progress.step
     if step is not None:
         if step != job.last_step:
@@ -209,7 +222,7 @@ def shutdown_pods(c: ControllerContext) -> None:
     if left.count:
         what = left.what
         named = f": {'; '.join(what[:8])}{' ...' if len(what) > 8 else ''}" if what else ""
-        c.event(f"the pods left {left.count} process(es) behind in their cgroups, killed{named}")
+        c.event(EventKind.LEFT_BEHIND, count=left.count, what=list(what), named=named)
 
 
 def _until_closed(c: ControllerContext, peers: list[Peer], seconds: float) -> None:

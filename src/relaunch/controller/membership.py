@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from relaunch import failpoints
 from relaunch.controller import commands
+from relaunch.events import EventKind
 from relaunch.policy import Counters
 from relaunch.policy.elastic import scale_out
 from relaunch.protocol.messages import MembershipUpdate
@@ -85,8 +86,10 @@ class MembershipPublisher:
             if pod.link is not None:
                 pod.link.peer.send(update)
         c.event(
-            f"process group generation {membership.generation}: {_what(membership, reform)}, "
-            f"world size {membership.world_size}"
+            EventKind.GROUP_FORMED,
+            generation=membership.generation,
+            world_size=membership.world_size,
+            what=_what(membership, reform),
         )
         return membership.generation
 
@@ -112,7 +115,7 @@ class MembershipPublisher:
     def joined(self, rank: int) -> None:
         if rank in self.joining:
             self.joining = ()
-            self.c.event("scale-out: the joining ranks are training")
+            self.c.event(EventKind.SCALE_OUT_TRAINING)
 
 
 def _what(membership: Membership, reform: bool) -> str:

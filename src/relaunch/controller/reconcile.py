@@ -22,6 +22,7 @@ from relaunch.controller import commands
 from relaunch.controller.actions import action_for
 from relaunch.controller.peers import LauncherLink
 from relaunch.controller.pods import LAUNCH_RETRY_S, Pod, PodPhase
+from relaunch.events import EventKind
 from relaunch.protocol.messages import Assume, MembershipUpdate, Shutdown, Start, Stop
 from relaunch.protocol.plans import LaunchPlan, write_atomically
 from relaunch.store import NodeState
@@ -124,9 +125,7 @@ class Reconciler:
                 said = f"{row.state.value.lower()}: {said}"
             why = c.engine.isolate_node(spec.name, said)
             if why is not None:
-                c.event(
-                    f"node {spec.name} is taken out by relaunch only; the engine could not: {why}"
-                )
+                c.event(EventKind.ISOLATED_BY_RELAUNCH_ONLY, node=spec.name, why=why)
 
     def _retire(self, pod: Pod, shutdown: Shutdown, now: float) -> int:
         """A launcher of an older generation is told to shut down; 1 if one was."""
@@ -171,7 +170,7 @@ class Reconciler:
                 # what the engine could not do is an observation: the pod is started again
                 # once its launch is overdue (PodPhase.LAUNCHING), the controller carries on
                 c.event(
-                    f"could not start the launcher of pod {pod.index} on {pod.row.node}: {error}"
+                    EventKind.LAUNCHER_FAILED, pod=pod.index, node=pod.row.node, error=str(error)
                 )
         return False
 
@@ -186,9 +185,10 @@ class Reconciler:
         if active is not None and self.fence_said != active.record_id:
             self.fence_said = active.record_id
             c.event(
-                f"{active.fault.node} is silent, not known dead: new launchers start in "
-                f"{until - now:.1f} s, once its pods' lease ({c.cluster.lease_s:g} s) and grace "
-                "are over (R-14)"
+                EventKind.FENCE_WAIT,
+                node=active.fault.node,
+                wait_s=until - now,
+                lease_s=c.cluster.lease_s,
             )
         return True
 
@@ -273,12 +273,11 @@ class Reconciler:
         if len(assumed) > ASSUMED_SAID_EACH:
             (first, node), (last, _) = assumed[0], assumed[-1]
             self.c.event(
-                f"{len(assumed)} pods take the standby launchers on their nodes and their warm "
-                f"spares (pod {first} on {node} to pod {last})"
+                EventKind.STANDBYS_TAKEN, count=len(assumed), first=first, node=node, last=last
             )
             return
         for pod, node in assumed:
-            self.c.event(f"pod {pod} takes the standby launcher on {node} and its warm spares")
+            self.c.event(EventKind.STANDBY_TAKEN, pod=pod, node=node)
 
     # -- standby launchers ----------------------------------------------------------------------
 
@@ -372,7 +371,7 @@ class Reconciler:
         ):
             return False
         self.standby[node] = link
-        self.c.event(f"standby launcher on {node}: {self.c.spec.warm_spares} warm spare(s)")
+        self.c.event(EventKind.STANDBY_STARTED, node=node, spares=self.c.spec.warm_spares)
         return True
 
     # -- fencing --------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from relaunch.controller import commands
 from relaunch.controller.actions import action_for
 from relaunch.controller.active import HEAL_TIMEOUT_S, ActiveRecovery, RecoveryPhase
 from relaunch.diagnosis import Group, is_collateral, root_cause
+from relaunch.events import EventKind, fault_fields
 from relaunch.faults import Fault, FaultKind
 from relaunch.policy import Action, Decision, decide
 from relaunch.policy.fallback import (
@@ -97,7 +98,7 @@ class RecoveryDriver:
                 c.store.add_fault(c.job_id, fault, now, source, collateral_of=active.fault_id)
                 is not None
             ):
-                c.event(f"{active.action.value}: {fault.describe()}")
+                c.event(EventKind.FAULT_ABSORBED, action=active.action.value, **fault_fields(fault))
             return
         fallback = None
         if active is not None:
@@ -120,9 +121,10 @@ class RecoveryDriver:
             c.store.add_pending(c.job_id, waiting, sorted(tried))
         if not alongside:
             self.active = None
-        c.event(f"fault: {fault.describe()}")
+        c.event(EventKind.FAULT, **fault_fields(fault))
         if active is not None and fallback and fallback.consequence is Consequence.FALL_BACK:
-            c.event(f"{active.action.value} did not recover {active.fault.describe()}")
+            said = fault_fields(active.fault)
+            c.event(EventKind.RECOVERY_FELL_BACK, action=active.action.value, **said)
         failpoints.reach("fault-stored")
         self.waiting = True
         c.hurry()
@@ -146,10 +148,10 @@ class RecoveryDriver:
             return True
         before = root_cause(self.members)
         self.members.append(fault)
-        c.event(f"collateral of {group.first.describe()}: {fault.describe()}")
+        c.event(EventKind.COLLATERAL, **fault_fields(group.first, "first"), **fault_fields(fault))
         if root_cause(self.members) is fault and fault is not before:
             said = f": {fault.error.summary()}" if fault.error is not None else ""
-            c.event(f"root cause: {fault.describe()}{said}")
+            c.event(EventKind.ROOT_CAUSE, **fault_fields(fault), error_text=said)
         return True
 
     def failed(self, why: str) -> None:
@@ -162,7 +164,7 @@ class RecoveryDriver:
         with c.store.transaction():
             self._settle(active, RecoveryPhase.FAILED)
             c.store.add_pending(c.job_id, active.fault_id, sorted(active.tried | {active.action}))
-        c.event(f"{active.action.value}: {why}")
+        c.event(EventKind.RECOVERY_FAILED, action=active.action.value, why=why)
         self.waiting = True
         c.hurry()
 
@@ -200,7 +202,7 @@ class RecoveryDriver:
                 # (two ranks' failures of one collective, heard in one pass)
                 with c.store.transaction():
                     c.store.make_collateral(c.job_id, fault_id, active.fault_id)
-                c.event(f"{active.action.value}: {fault.describe()}")
+                c.event(EventKind.FAULT_ABSORBED, action=active.action.value, **fault_fields(fault))
                 continue
             if active is not None and (  # a newer fault outranks a recovery under way
                 on_new_fault(
@@ -251,7 +253,13 @@ class RecoveryDriver:
                 rules=c.options.rules,
                 tried=tried,
             )
-            c.event(f"decision: {decision.summary()}")
+            c.event(
+                EventKind.DECISION,
+                action=decision.action.value,
+                reason=decision.reason,
+                summary=decision.summary(),
+                **fault_fields(fault),
+            )
             action = decision.action
             self.hang_stop = fault.kind is FaultKind.HANG
             if action.final or action.hands_over:
@@ -403,8 +411,10 @@ class RecoveryDriver:
         c.update_job(status=JobStatus.RUNNING)
         self.hang_stop = False
         c.event(
-            f"{active.action.value} worked: progress resumed {resumed_at - active.fault.at:.2f} s "
-            "after the fault"
+            EventKind.RECOVERED,
+            action=active.action.value,
+            after_s=resumed_at - active.fault.at,
+            **fault_fields(active.fault),
         )
         failpoints.reach("recovered")
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from relaunch.controller.detectors import Capture, Detected
 from relaunch.diagnosis import culprits, group_stacks
+from relaunch.events import EventKind
 from relaunch.faults import Fault
 from relaunch.protocol.messages import CaptureStacks, Stacks
 
@@ -51,7 +52,7 @@ def begin(c: ControllerContext, found: Detected, now: float) -> bool:
         now + timeout + 1.0,  # each rank's py-spy has `timeout`; its answer a moment more
         {link.pod for link in links},
     )
-    c.event(f"hang detected: capturing the stacks of {len(links)} pod(s) before deciding")
+    c.event(EventKind.HANG_CAPTURING, pods=len(links))
     return True
 
 
@@ -87,7 +88,7 @@ def finish(c: ControllerContext, now: float) -> HangFound | None:
         return None
     c.capture.current = None
     if c.job.attempt != capture.attempt or c.recoveries.waiting or c.job.status.ended:
-        c.event("hang: dropped, another fault came while its stacks were captured")
+        c.event(EventKind.HANG_DROPPED)
         return None
     groups = group_stacks(capture.stacks)
     finding = culprits(groups)
@@ -116,7 +117,11 @@ def finish(c: ControllerContext, now: float) -> HangFound | None:
     }
     ranks = sum(len(g.ranks) for g in groups)
     c.event(
-        f"hang: {finding.reason} (stacks of {ranks} rank(s), {len(groups)} unlike, "
-        f"in {now - capture.began:.2f} s)"
+        EventKind.HANG_FOUND,
+        reason=finding.reason,
+        culprits=list(finding.culprits),
+        ranks=ranks,
+        unlike=len(groups),
+        took_s=now - capture.began,
     )
     return HangFound(fault, capture.found.source, evidence, capture.began)

@@ -93,7 +93,7 @@ class ProgressRelay:
             self.send(failed, urgent=True)
             return False
         if isinstance(value, Restore):  # for the job's record: which tier served the restore
-            self.send(Restored(rank, attempt, value.step, value.source, now))
+            self.send(Restored(rank, attempt, value.step, value.tier, value.holder, now))
             return False
         with self.lock:
             if isinstance(value, str):

@@ -2,16 +2,19 @@
 when the script reported it, which can be well before the datagram goes: a report held back by
 the interval waits for the next), "RANK @PHASE" (what the rank is doing, for R-37) or
 "RANK !STEP COLLECTIVE GENERATION WHY" (a collective failed on its transport, R-29) or
-"RANK #STEP SOURCE" (the rank restored a checkpoint's step, and where its bytes came from). Kept apart from the wire messages and free of dataclasses:
+"RANK #STEP TIER HOLDER" (the rank restored a checkpoint's step, the tier its bytes came from and
+the node or rank that held them). Kept apart from the wire messages and free of dataclasses:
 every training process imports it, and its start is on the path of every recovery."""
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Final, NamedTuple
 
 __all__ = [
     "CollectiveFailure",
     "Restore",
+    "RestoreTier",
     "SdkPhase",
     "collective_failure_datagram",
     "parse_datagram",
@@ -56,15 +59,45 @@ def collective_failure_datagram(
     return head + why.encode("utf-8", "replace")[: DATAGRAM_MAX - len(head)]
 
 
+class RestoreTier(StrEnum):
+    """Where a restore's bytes came from; `holder` names the node (or the rank) that held them."""
+
+    PEER_MEMORY = "peer-memory"
+    LOCAL_DISK = "local-disk"
+    STORAGE = "storage"
+    REPLICA = "replica"
+    """A healthy replica's memory (an online retry's, or process-level recovery's)."""
+
+    @property
+    def words(self) -> str:
+        """The tier as a person says it."""
+        return {
+            RestoreTier.PEER_MEMORY: "peer memory",
+            RestoreTier.LOCAL_DISK: "local disk",
+            RestoreTier.STORAGE: "storage",
+            RestoreTier.REPLICA: "a healthy replica",
+        }[self]
+
+    def source(self, holder: str = "") -> str:
+        """Where the bytes came from, in words: "peer memory of node-2", "storage"."""
+        if self is RestoreTier.STORAGE or not holder:
+            return self.words
+        if self is RestoreTier.REPLICA:
+            return f"the memory of rank {holder}, a healthy replica"
+        return f"{self.words} of {holder}"
+
+
 class Restore(NamedTuple):
     step: int
-    source: str
-    """Which tier served the bytes: "peer memory of node-2", "storage"."""
+    tier: str
+    """Which tier served the bytes (a `relaunch.restores.RestoreTier`'s value)."""
+    holder: str
+    """The node (or rank) that held them; "" for storage."""
 
 
-def restored_datagram(rank: int, step: int, source: str) -> bytes:
-    head = f"{rank} #{step} ".encode()
-    return head + source.encode("utf-8", "replace")[: DATAGRAM_MAX - len(head)]
+def restored_datagram(rank: int, step: int, tier: str, holder: str) -> bytes:
+    head = f"{rank} #{step} {tier} ".encode()
+    return head + holder.encode("utf-8", "replace")[: DATAGRAM_MAX - len(head)]
 
 
 def parse_datagram(
@@ -77,7 +110,9 @@ def parse_datagram(
         rank_text, value, *rest = text.split(maxsplit=4)
         rank = int(rank_text)
         if value.startswith("#"):
-            return rank, Restore(int(value[1:]), text.split(maxsplit=2)[2]), None
+            tier, *holder = text.split(maxsplit=3)[2:]
+            tier = RestoreTier(tier).value  # an unknown tier is no restore
+            return rank, Restore(int(value[1:]), tier, holder[0] if holder else ""), None
         if value.startswith("@"):
             return rank, value[1:], None
         if value.startswith("!"):

@@ -404,14 +404,16 @@ class CollectiveFailed(Message):
 
 @dataclass(frozen=True)
 class Restored(Message):
-    """A rank restored a checkpoint's step; `source` says which tier served its bytes (a peer's
-    memory, the node's disk, or storage): for the job's record."""
+    """A rank restored a checkpoint's step; `tier` says which tier served its bytes (a peer's
+    memory, the node's disk, storage, a healthy replica: `relaunch.restores.RestoreTier`) and
+    `holder` the node or rank that held them: for the job's record."""
 
     KIND = "restored"
     rank: int
     attempt: int
     step: int
-    source: str
+    tier: str
+    holder: str
     at: float
 
 

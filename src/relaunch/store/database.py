@@ -74,6 +74,8 @@ MIGRATIONS = (
     ("jobs", "left_behind", "INTEGER"),
     ("recoveries", "phase", "TEXT NOT NULL DEFAULT 'running'"),
     ("recoveries", "state", "TEXT NOT NULL DEFAULT '{}'"),
+    ("events", "kind", "TEXT NOT NULL DEFAULT ''"),
+    ("events", "fields", "TEXT NOT NULL DEFAULT '{}'"),
 )
 
 

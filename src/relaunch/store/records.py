@@ -7,6 +7,9 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import msgspec
+
+from relaunch.events import Event, EventKind, Recorded
 from relaunch.faults import Cause, Fault
 from relaunch.policy import Action, Budget, Counters, Decision, JobHistory, RecoveryRecord
 from relaunch.store.database import Database
@@ -266,17 +269,40 @@ class EventTable(Database):
             for r in rows
         ]
 
-    def event(self, job_id: int | None, text: str, at: float | None = None) -> None:
+    def event(self, job_id: int | None, event: Event, at: float | None = None) -> None:
+        """Records `event`: its kind and fields, and its sentence for a person (and for an older
+        relaunch reading this state directory)."""
         self._execute(
-            "INSERT INTO events (job_id, at, text) VALUES (?, ?, ?)",
-            (job_id, at or time.time(), text),
+            "INSERT INTO events (job_id, at, text, kind, fields) VALUES (?, ?, ?, ?, ?)",
+            (job_id, at or time.time(), event.text, event.kind.value, _encode(event.fields)),
         )
 
-    def events(self, job_id: int) -> list[tuple[float, str]]:
-        rows = self._all("SELECT at, text FROM events WHERE job_id = ? ORDER BY id", (job_id,))
-        return [(r["at"], r["text"]) for r in rows]
+    def events(self, job_id: int) -> list[Recorded]:
+        """The job's events, in order."""
+        rows = self._all(
+            "SELECT at, text, kind, fields FROM events WHERE job_id = ? ORDER BY id", (job_id,)
+        )
+        return [_recorded(r) for r in rows]
 
-    def events_like(self, pattern: str) -> list[tuple[float, str]]:
-        """Every job's events that SQL's LIKE `pattern` matches, in order."""
-        rows = self._all("SELECT at, text FROM events WHERE text LIKE ? ORDER BY id", (pattern,))
-        return [(r["at"], r["text"]) for r in rows]
+    def events_of(self, kind: EventKind) -> list[Recorded]:
+        """Every job's events of `kind`, in order."""
+        rows = self._all(
+            "SELECT at, text, kind, fields FROM events WHERE kind = ? ORDER BY id", (kind.value,)
+        )
+        return [_recorded(r) for r in rows]
+
+
+_encode = msgspec.json.Encoder().encode
+
+
+def _recorded(row: Any) -> Recorded:
+    kind = row["kind"]
+    return Recorded(
+        row["at"],
+        _KINDS.get(kind),
+        json.loads(row["fields"]),
+        row["text"],
+    )
+
+
+_KINDS: dict[str, EventKind] = {kind.value: kind for kind in EventKind}

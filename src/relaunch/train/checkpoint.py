@@ -36,6 +36,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, ClassVar, TypeVar
 
+from relaunch.protocol.datagrams import RestoreTier
 from relaunch.protocol.environment import Env
 from relaunch.protocol.layout import FENCE_FILE
 from relaunch.train import overlap, rng, shard
@@ -362,14 +363,12 @@ class CheckpointManager:
             manifest = json.loads(self._manifest_path(step, rank).read_text())
             (name, expected), *_ = manifest["files"].items()
             ours = warn and manifest.get("format") in shard.FORMATS  # else never sent to memory
-            state, source = self._from_copies(step, rank, manifest) if ours else (None, "")
-            if not source:
-                state, source = (
-                    _read_shard(directory / name, manifest["format"], expected),
-                    "storage",
-                )
+            state, served = self._from_copies(step, rank, manifest) if ours else (None, None)
+            if served is None:
+                state = _read_shard(directory / name, manifest["format"], expected)
+                served = (RestoreTier.STORAGE, "")
             if warn:
-                self._restored(step, rank, source)
+                self._restored(step, rank, *served)
         except _UNUSABLE as error:
             if warn:
                 warnings.warn(
@@ -383,18 +382,18 @@ class CheckpointManager:
 
     def _from_copies(
         self, step: int, rank: int, manifest: dict[str, Any], read: Any = shard.read_buffer
-    ) -> tuple[Any, str]:
+    ) -> tuple[Any, tuple[RestoreTier, str] | None]:
         """What `read(bytes, hash)` makes of `rank`'s copy of `step` in a peer's memory, else on
-        this node's disk, checked against `manifest`, and the tier that served it; (None, "")
-        where none did (each refused copy warned about)."""
-        state, source, refusals = None, "", list[str]()
+        this node's disk, checked against `manifest`, and the tier and node that served it;
+        (None, None) where none did (each refused copy warned about)."""
+        state, served, refusals = None, None, list[str]()
         if self.peers is not None:
             state, node, refusals = self.peers.restore(rank, step, manifest, read)
-            source = f"peer memory of {node}" if node is not None else ""
-        if not source and self.local is not None:
+            served = (RestoreTier.PEER_MEMORY, node) if node is not None else None
+        if served is None and self.local is not None:
             ((name, expected),) = manifest["files"].items()
-            state, served, refusal = self.local.restore(step, name, expected, read)
-            source = f"local disk of {self.local.node}" if served else ""
+            state, found, refusal = self.local.restore(step, name, expected, read)
+            served = (RestoreTier.LOCAL_DISK, self.local.node) if found else None
             refusals += [refusal] if refusal else []
         for refusal in refusals:
             warnings.warn(
@@ -402,17 +401,18 @@ class CheckpointManager:
                 CheckpointWarning,
                 stacklevel=4,
             )
-        return state, source
+        return state, served
 
-    def _restored(self, step: int, rank: int, source: str) -> None:
+    def _restored(self, step: int, rank: int, tier: RestoreTier, holder: str) -> None:
         """Which tier served, where copies are kept: said to relaunch (the job's record) and on
         the rank's output."""
         if self.peers is None and self.local is None:
             return
+        source = tier.source(holder)
         self.restored_from[(rank, step)] = source
         whose = "" if rank == self.rank else f" (rank {rank}'s shard)"
         print(f"relaunch: rank {self.rank} restored step {step}{whose} from {source}", flush=True)
-        report_restore(step, source, self.rank)
+        report_restore(step, tier, holder, self.rank)
 
     # -- dying gasp ---------------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from relaunch.protocol.datagrams import RestoreTier
 from relaunch.protocol.environment import Env
 from relaunch.protocol.plans import Membership
 from relaunch.protocol.rollback import StepRollback
@@ -187,5 +188,5 @@ def replica_restore(
         overlap.settle_pending()  # an overlapped save's copy comes before the state it gets
         model.load_state_dict(box[0]["model"])
         optimizer.load_state_dict(box[0]["optimizer"])
-        report_restore(step, f"the memory of rank {source}, a healthy replica")
+        report_restore(step, RestoreTier.REPLICA, str(source))
     return source

@@ -19,9 +19,8 @@ can only interrupt a step before any rank changed its parameters, and:
   a new membership aborts the group: `train.sockets`; else ``collective_timeout_s``). The keeper
   says so (a data link down at the time: relaunch re-forms the group once it is back, R-30),
   drops the group, waits for the next membership (`train.following`), joins the new group, and a
-  healthy rank broadcasts the model, optimizer, RNG state and step to every member (a restore
-  from its memory, on the job's record); then the interrupted step runs again. Healthy ranks
-  never restart, re-import or reload a checkpoint;
+  healthy rank broadcasts the model, optimizer, RNG state and step to every member (on record as
+  a restore); then the step runs again. Healthy ranks never restart, re-import or reload;
 - when the controller asks for an online retry (a memory UCE or a network fault), every rank sees
   it at the next commit, rolls back what the step changed (random streams and buffers; a rank
   whose memory the fault touched takes model and optimizer from a healthy replica, or from its
@@ -47,6 +46,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from relaunch._rendezvous import STORE_WAIT_S, wait_for_store
+from relaunch.protocol.datagrams import RestoreTier
 from relaunch.protocol.environment import Env
 from relaunch.protocol.operator import OperatorRetry
 from relaunch.protocol.plans import Membership, read_membership
@@ -286,7 +286,7 @@ class ProcessGroupKeeper:
             set_rng_state(state["rng"])
             self.completed = int(state["completed"])
         if self.original_rank in m.joiners:  # on record: a healthy rank's memory served it
-            report_restore(self.completed, f"the memory of rank {source}, a healthy rank")
+            report_restore(self.completed, RestoreTier.REPLICA, str(source))
 
     def _begin(self, m: Membership | None) -> None:  # the state once the group first formed
         if m is not None and m.joiners:

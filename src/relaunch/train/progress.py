@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from relaunch.protocol.datagrams import (
+    RestoreTier,
     SdkPhase,
     collective_failure_datagram,
     phase_datagram,
@@ -21,6 +22,7 @@ from relaunch.protocol.environment import Env
 
 __all__ = [
     "JobEnv",
+    "RestoreTier",
     "SdkPhase",
     "env",
     "flush_progress",
@@ -128,10 +130,11 @@ def report_collective_failure(step: int, collective: int, generation: int, why: 
     _send(collective_failure_datagram(_rank(), step, collective, generation, line), urgent=True)
 
 
-def report_restore(step: int, source: str, rank: int | None = None) -> None:
-    """Tell relaunch which tier served this rank's restore of `step` ("peer memory of node-2",
-    "storage"): it goes in the job's record."""
-    _send(restored_datagram(_rank() if rank is None else rank, step, source), urgent=True)
+def report_restore(step: int, tier: RestoreTier, holder: str = "", rank: int | None = None) -> None:
+    """Tell relaunch which tier served this rank's restore of `step` (`holder`: the node, or the
+    rank, that held the bytes; none for storage): it goes in the job's record."""
+    datagram = restored_datagram(_rank() if rank is None else rank, step, tier.value, holder)
+    _send(datagram, urgent=True)
 
 
 def flush_progress() -> None:

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from relaunch.protocol.datagrams import RestoreTier
 from relaunch.train.atomic import fsync_dir, write_atomic, write_bytes
 from relaunch.train.checkpoint import Checkpoint, CheckpointManager, CheckpointWarning
 from relaunch.train.fence import check_fence
@@ -308,29 +309,30 @@ class ShardedCheckpointManager(CheckpointManager):
         self.wait()
         candidates = [step] if step is not None else self._agreed_steps()
         for candidate in candidates:
-            held, source = self._own_from_copies(candidate)
+            held, served = self._own_from_copies(candidate)
             if self._verified(candidate, warn=True, held=held):
                 directory = self.directory / f"step-{candidate:09d}"
                 reader = TieredReader(directory, held)
                 dcp_load(into, storage_reader=reader, process_group=self.group)
-                self._restored(candidate, self.rank, source)
+                self._restored(candidate, self.rank, *served)
                 return Checkpoint(candidate, into, directory)
         return None
 
-    def _own_from_copies(self, step: int) -> tuple[dict[str, Any], str]:
+    def _own_from_copies(self, step: int) -> tuple[dict[str, Any], tuple[RestoreTier, str]]:
         """This rank's own file of `step`, from a peer's memory or the node's disk, checked
-        against the manifest on storage: ({name: its bytes}, which tier served), or ({},
-        "storage")."""
+        against the manifest on storage: ({name: its bytes}, which tier and node served), or
+        ({}, storage)."""
+        storage = (RestoreTier.STORAGE, "")
         if self.peers is None and self.local is None:
-            return {}, "storage"
+            return {}, storage
         try:
             manifest = json.loads((self.directory / f"step-{step:09d}" / MANIFEST).read_text())
             (name,) = [n for n in manifest["files"] if _own_file(n, self.rank)]
             expected = {"files": {name: manifest["files"][name]}}
         except (OSError, ValueError, KeyError, TypeError):
-            return {}, "storage"
-        data, source = self._from_copies(step, self.rank, expected, _checked)
-        return ({name: data}, source) if source else ({}, "storage")
+            return {}, storage
+        data, served = self._from_copies(step, self.rank, expected, _checked)
+        return ({name: data}, served) if served is not None else ({}, storage)
 
     def _agreed_steps(self) -> list[int]:
         """Rank 0's list, so that every rank tries the same steps in the same order."""

@@ -145,7 +145,11 @@ def progress(
     return {
         "job_id": str(row.id),
         "samples": [{"at": at, "step": step} for at, step in store.progress(row.id, since)],
-        "events": [{"at": at, "text": text} for at, text in store.events(row.id) if at > since],
+        "events": [
+            {"at": e.at, "kind": e.kind, "fields": e.fields, "text": e.text}
+            for e in store.events(row.id)
+            if e.at > since
+        ],
     }
 
 
