@@ -32,7 +32,7 @@ from relaunch.protocol.messages import (
     Start,
     Stop,
 )
-from relaunch.states import HANGUP
+from relaunch.states import StopCause
 from relaunch.store import JobStatus, NodeState, Outcome
 from tests.controller_sim import Sim, job_spec, waiting_stack
 
@@ -508,7 +508,8 @@ def test_a_job_ended_for_good_has_every_agent_remove_its_nodes_local_copies_of_t
     else:
         for peer in sim.launchers.values():
             peer.closes_on_shutdown = True
-        lifecycle.stop(c, f"stopped {HANGUP if 'hangup' in ending else '(Ctrl-C)'}")
+        cause = StopCause.HANGUP if "hangup" in ending else StopCause.CTRL_C
+        lifecycle.stop(c, f"stopped by the user ({cause.value})", cause)
     assert len([m for peer in sim.agents.values() for m in peer.of(Shutdown)]) == 4
     said = [
         (n, m)
@@ -528,7 +529,7 @@ def test_a_job_ended_for_good_has_every_agent_remove_its_nodes_local_copies_of_t
          "every rank exited 0", "/disks/a", True),
         ("failed, its controller killed before its last message", JobStatus.FAILED,
          "no budget left", "/disks/a", True),
-        ("stopped by its terminal's hangup", JobStatus.STOPPED, f"stopped {HANGUP}", "/disks/a",
+        ("stopped by its terminal's hangup", JobStatus.STOPPED, StopCause.HANGUP, "/disks/a",
          False),
         ("running, its controller killed", JobStatus.RUNNING, "", "/disks/a", False),
         ("succeeded, keeping no local copies", JobStatus.SUCCEEDED, "every rank exited 0", None,
@@ -539,7 +540,7 @@ def test_the_next_jobs_agents_remove_the_local_copies_of_a_job_whose_agents_neve
     tmp_path: Path,
     first: str,
     status: JobStatus,
-    reason: str,
+    reason: str | StopCause,
     local_dir: str | None,
     named: bool,
 ) -> None:
@@ -549,7 +550,10 @@ def test_the_next_jobs_agents_remove_the_local_copies_of_a_job_whose_agents_neve
     never of a job that may be carried on (`relaunch run --resume`) nor of the job itself."""
     earlier = booted(tmp_path, AUTO, **({"local_checkpoint_dir": local_dir} if local_dir else {}))
     if status is not JobStatus.RUNNING:  # written, and then the controller was killed
-        earlier.controller.update_job(status=status, reason=reason, ended_at=earlier.clock.now())
+        said = {"stop_cause": reason, "reason": "stopped"} if isinstance(reason, StopCause) else {}
+        earlier.controller.update_job(
+            status=status, ended_at=earlier.clock.now(), **({"reason": reason} | said)
+        )
     assert earlier.controller.job.resumable == ("hangup" in first)
     sim = Sim(tmp_path, job_spec(AUTO, local_checkpoint_dir="/disks/b"))
     sim.boot()

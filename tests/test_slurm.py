@@ -31,6 +31,7 @@ from relaunch.containers import cluster_root
 from relaunch.errors import EngineError
 from relaunch.events import EventKind, Recorded
 from relaunch.restores import restores
+from relaunch.states import StopCause
 from relaunch.store import JobStatus, Store
 from tests.runtime import (
     DDP_CLUSTER,
@@ -358,7 +359,13 @@ exit $code""".replace("REPORT", str(tmp_path / "report.json"))
     log = (tmp_path / "out.txt").read_text()
     ctld = (slurm.home / "log" / "slurmctld.log").read_text()[-4000:]
     assert fields["JobState"] == "COMPLETED", f"{fields}\n{log}\n{ctld}"
-    assert "(waiting for nodes)" in log and "stopped for want of nodes" in log, log
+    (row,) = Store(tmp_path / "state" / "relaunch.db").jobs()
+    restarted = [
+        e.fields["cause"]
+        for e in Store(tmp_path / "state" / "relaunch.db").events(row.id)
+        if e.kind is EventKind.RESTARTED_FROM_CHECKPOINTS
+    ]
+    assert restarted == ["wants-nodes"], log
     report = json.loads((tmp_path / "report.json").read_text())
     assert [r["action"] for r in report["recoveries"]] == ["fail", "job-reschedule"], log
     assert report["recoveries"][-1]["outcome"] == "succeeded", log
@@ -573,7 +580,7 @@ def test_scancel_stops_the_job_in_order(slurm: TrialSlurm, tmp_path: Path) -> No
     assert "Stopped: job" in log and "(SIGTERM)" in log, log[-3000:]
     store = Store(tmp_path / "state" / "relaunch.db")
     (row,) = store.jobs()
-    assert row.status is JobStatus.STOPPED and row.reason.endswith("(SIGTERM)"), row
+    assert row.status is JobStatus.STOPPED and row.stop_cause is StopCause.SIGTERM, row
 
 
 def test_a_lost_batch_host_comes_back_by_the_requeue_docs_slurm_md_says(

@@ -36,7 +36,7 @@ from relaunch.faults.plan import PlannedFault, parse_plan
 from relaunch.protocol.layout import StateDir
 from relaunch.service import create_pods, stored_job, table_from
 from relaunch.spec import JobSpec
-from relaunch.states import WANTS_NODES
+from relaunch.states import StopCause
 from relaunch.store import JobRow, JobStatus, Store
 
 __all__ = [
@@ -102,6 +102,7 @@ def abandon_unfinished(store: Store, directory: Path) -> list[JobRow]:
                 status=JobStatus.STOPPED,
                 reason="abandoned: its controller died and `relaunch run --resume` was not used",
                 ended_at=time.time(),
+                stop_cause=StopCause.ABANDONED,
             )
             abandoned.append(job)
     LocalCluster(directory).shutdown()
@@ -142,7 +143,7 @@ def run_job(
     row = store.job(job_id)
     job, cluster, plan = _stored(store, job_id)
     if engine is None:
-        requeued = options is not None and options.resumed_from == WANTS_NODES  # new nodes
+        requeued = options is not None and options.resumed_from is StopCause.WANTS_NODES
         at = engines.Opening(directory, store, cluster, remove_node, requeued)
         engine, cluster = make_engine(row.spec.get("engine"), at)
     store.ensure_nodes([(n.name, n.chips) for n in cluster.nodes])
@@ -170,10 +171,12 @@ def run_job(
     try:
         status, _ = controller.run()
     except Interrupted as interrupt:
-        controller.stop(f"stopped by the user ({interrupt.how})")
+        controller.stop(
+            f"stopped by the user ({interrupt.how})", StopCause.of_signal(interrupt.how)
+        )
         status = JobStatus.STOPPED
     except KeyboardInterrupt:
-        controller.stop("stopped by the user (Ctrl-C)")
+        controller.stop("stopped by the user (Ctrl-C)", StopCause.CTRL_C)
         status = JobStatus.STOPPED
     return status
 

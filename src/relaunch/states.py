@@ -6,17 +6,41 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-__all__ = ["HANGUP", "RESUMABLE_ENDS", "WANTS_NODES", "JobStatus", "NodeState", "Outcome"]
+__all__ = ["JobStatus", "NodeState", "Outcome", "StopCause"]
 
-HANGUP = "(SIGHUP)"
-"""How the reason of a job stopped by a hangup (its run's terminal closed) ends: such a job is
-not ended for good, `relaunch run --resume` restarts it from its checkpoints."""
-WANTS_NODES = "(waiting for nodes)"
-"""How the reason of a job stopped for want of nodes ends: its last level needed a node and none
-was left, on an engine whose nodes come back (a Slurm job requeued gets a new allocation);
-`relaunch run --resume` restarts it from its checkpoints on the nodes it has then."""
-RESUMABLE_ENDS = (HANGUP, WANTS_NODES)
-"""The ends of a stopped job's reason that `relaunch run --resume` carries on."""
+
+class StopCause(StrEnum):
+    """Why a job was stopped (its status Stopped), kept beside the reason a person reads: what
+    `relaunch run` exits with, and whether `relaunch run --resume` carries the job on."""
+
+    REQUEST = "request"
+    """Asked for through the API or `relaunch stop`."""
+    CTRL_C = "ctrl-c"
+    SIGTERM = "sigterm"
+    """`relaunch run` was sent SIGTERM (Slurm's scancel, a supervisor's stop)."""
+    HANGUP = "sighup"
+    """Its run's terminal closed: an accident, not an end; `--resume` restarts it from its
+    checkpoints."""
+    WANTS_NODES = "wants-nodes"
+    """Its last level needed a node and none was left, on an engine whose nodes come back (a
+    Slurm job requeued gets a new allocation); `--resume` restarts it on the nodes it has then."""
+    ABANDONED = "abandoned"
+    """Its controller died and a new foreground run found it."""
+
+    @property
+    def resumable(self) -> bool:
+        return self in (StopCause.HANGUP, StopCause.WANTS_NODES)
+
+    @property
+    def exit_code(self) -> int:
+        """`relaunch run`'s exit status for a job stopped so (128 + the signal, as a shell's)."""
+        codes = {StopCause.CTRL_C: 130, StopCause.SIGTERM: 143, StopCause.HANGUP: 129}
+        return codes.get(self, 3 if self is StopCause.WANTS_NODES else 1)
+
+    @classmethod
+    def of_signal(cls, name: str) -> StopCause:
+        """The cause for a signal `relaunch run` was sent, by its name ("SIGTERM")."""
+        return {"SIGTERM": cls.SIGTERM, "SIGHUP": cls.HANGUP}.get(name, cls.CTRL_C)
 
 
 class NodeState(StrEnum):

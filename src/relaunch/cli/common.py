@@ -17,7 +17,7 @@ from relaunch.api import TOKEN_FILE
 from relaunch.errors import InputError
 from relaunch.protocol.environment import Env
 from relaunch.protocol.layout import StateDir
-from relaunch.states import HANGUP, WANTS_NODES
+from relaunch.states import StopCause
 from relaunch.store import JobRow, JobStatus, Store
 
 if TYPE_CHECKING:
@@ -37,8 +37,8 @@ err = Console(stderr=True)
 
 
 EXIT_INVALID = 2
-EXIT_WANTS_NODES = 3
-"""`relaunch run`'s exit when its job stopped for want of nodes (states.WANTS_NODES): an sbatch
+EXIT_WANTS_NODES = StopCause.WANTS_NODES.exit_code
+"""`relaunch run`'s exit when its job stopped for want of nodes (StopCause.WANTS_NODES): an sbatch
 script requeues its job on it, and the requeued job resumes (docs/slurm.md)."""
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
@@ -226,17 +226,11 @@ def remote(call: Callable[[], Any]) -> Any:
         raise typer.Exit(EXIT_INVALID) from None
 
 
-def exit_code(status: JobStatus, reason: str) -> int:
+def exit_code(status: JobStatus, cause: StopCause | None) -> int:
     """0 succeeded, 1 failed or stopped, 130 / 143 / 129 stopped by Ctrl-C / SIGTERM / SIGHUP,
     3 stopped for want of nodes (EXIT_WANTS_NODES: a Slurm job requeues itself on it)."""
     if status is JobStatus.SUCCEEDED:
         return 0
-    if status is JobStatus.STOPPED and reason.endswith(WANTS_NODES):
-        return EXIT_WANTS_NODES
-    if status is JobStatus.STOPPED and reason.endswith("(SIGTERM)"):
-        return 143
-    if status is JobStatus.STOPPED and reason.endswith(HANGUP):
-        return 129
-    if status is JobStatus.STOPPED and reason.endswith("(Ctrl-C)"):
-        return 130
+    if status is JobStatus.STOPPED and cause is not None:
+        return cause.exit_code
     return 1

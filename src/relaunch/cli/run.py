@@ -231,7 +231,7 @@ def _finished(
     if report is not None:
         report.write_text(json.dumps(summary, indent=2))
     _start_queued(directory)
-    return exit_code(status, store.job(job_id).reason)
+    return exit_code(status, store.job(job_id).stop_cause)
 
 
 @dataclass(frozen=True)

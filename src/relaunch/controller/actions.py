@@ -30,7 +30,7 @@ from relaunch.controller.active import OperatorState
 from relaunch.events import EventKind
 from relaunch.faults import Fault, FaultKind
 from relaunch.policy import LEVELS, Action, Decision, PodChange
-from relaunch.states import WANTS_NODES
+from relaunch.states import StopCause
 from relaunch.store import JobStatus, NodeState, PodRow
 
 if TYPE_CHECKING:
@@ -122,8 +122,9 @@ class Fail(LevelAction):
     def change(self, c: ControllerContext, d: Decision, now: float, port: int = 0) -> None:
         isolate(c, d, now)
         if d.wants_nodes and c.engine.facts.nodes_come_back:  # requeued, it resumes
-            reason = f"{d.reason}; stopped to be resumed when nodes come back {WANTS_NODES}"
-            c.update_job(status=JobStatus.STOPPED, reason=reason, ended_at=now)
+            reason = f"{d.reason}; stopped to be resumed when nodes come back (waiting for nodes)"
+            cause = StopCause.WANTS_NODES
+            c.update_job(status=JobStatus.STOPPED, reason=reason, ended_at=now, stop_cause=cause)
             return
         c.update_job(status=JobStatus.FAILED, reason=d.reason, ended_at=now)
 

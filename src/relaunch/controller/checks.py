@@ -12,6 +12,7 @@ from relaunch.controller.pods import Pod, PodPhase
 from relaunch.diagnosis import MIN_LOOKS, slow_links, slow_pods
 from relaunch.events import EventKind
 from relaunch.faults import Fault, FaultKind
+from relaunch.states import StopCause
 from relaunch.store import JobStatus, NodeState
 
 if TYPE_CHECKING:
@@ -47,7 +48,10 @@ def requests(c: ControllerContext, now: float) -> None:
         return
     if job.stop_requested:
         c.update_job(
-            status=JobStatus.STOPPED, reason=f"stopped: {job.stop_requested}", ended_at=now
+            status=JobStatus.STOPPED,
+            reason=f"stopped: {job.stop_requested}",
+            ended_at=now,
+            stop_cause=StopCause.REQUEST,
         )
         c.event(EventKind.STOPPING_JOB, why=job.stop_requested)
         return

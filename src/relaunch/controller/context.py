@@ -34,6 +34,7 @@ from relaunch.protocol.messages import Injected
 from relaunch.protocol.plans import Membership
 from relaunch.spec import JobSpec
 from relaunch.spec.settings import RecoverySettings
+from relaunch.states import StopCause
 from relaunch.store import JobRow, NodeRow, PodRow, RecordRow, Store
 
 __all__ = [
@@ -60,8 +61,8 @@ class RunOptions:
     table: FaultCodeTable = DEFAULT_TABLE
     rules: EscalationRules = field(default_factory=EscalationRules)
     resume: bool = False
-    resumed_from: str | None = None
-    """A resume of a job stopped to be resumed (states.RESUMABLE_ENDS: its terminal's hangup,
+    resumed_from: StopCause | None = None
+    """A resume of a job stopped to be resumed (`StopCause.resumable`: its terminal's hangup,
     or for want of nodes): its pods and agents were stopped with it, so the job is rebuilt from
     its checkpoints as after an outage longer than the adopt grace: relaunch's own, no restart
     spent. None: a resume of a job whose controller died."""

@@ -40,6 +40,7 @@ from relaunch.faults.plan import PlannedFault
 from relaunch.protocol.layout import StateDir
 from relaunch.protocol.messages import Message
 from relaunch.spec import JobSpec
+from relaunch.states import StopCause
 from relaunch.store import JobRow, JobStatus, NodeRow, NodeState, PodRow, Store
 
 __all__ = ["IDLE_PASS_S", "TICK_S", "Controller", "RunOptions"]
@@ -207,9 +208,9 @@ class Controller:
         """Run (or resume) the job until it ends; its status and why."""
         return lifecycle.run(self)
 
-    def stop(self, reason: str) -> None:
-        """Stop the job at the user's request (Ctrl-C, SIGTERM)."""
-        lifecycle.stop(self, reason)
+    def stop(self, reason: str, cause: StopCause) -> None:
+        """Stop the job at the user's request (Ctrl-C, SIGTERM, a hangup)."""
+        lifecycle.stop(self, reason, cause)
 
     def drain(self, wait: float) -> None:
         """Handle every message that arrived, waiting up to `wait` for the first: from the

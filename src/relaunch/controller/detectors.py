@@ -123,8 +123,14 @@ def exit_fault(
         error=message.error,
     )
     # a replacement (process level) reuses attempt, generation and rank: the exit time tells
-    source = f"exit:{message.attempt}:{link.generation}:{message.rank}:{message.at:.6f}"
-    return Detected(fault, source)
+    return Detected(fault, exit_source(message.attempt, link.generation, message.rank, message.at))
+
+
+def exit_source(attempt: int, generation: int, rank: int, at: float | None = None) -> str:
+    """The source of a rank's exit fault (one per exit: a repeat of it is not stored twice);
+    without `at`, what every exit of that rank of that attempt and generation begins with."""
+    head = f"exit:{attempt}:{generation}:{rank}:"
+    return head if at is None else f"{head}{at:.6f}"
 
 
 def chip_faults(beat: Heartbeat, pod: int | None, injected_at: InjectedAt) -> list[Detected]:

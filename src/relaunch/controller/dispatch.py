@@ -5,7 +5,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from relaunch.controller import commands, stacks
-from relaunch.controller.detectors import active_at, chip_faults, collective_fault, exit_fault
+from relaunch.controller.detectors import (
+    active_at,
+    chip_faults,
+    collective_fault,
+    exit_fault,
+    exit_source,
+)
 from relaunch.controller.peers import AgentLink, LauncherLink, Peer, Rank
 from relaunch.controller.pods import PodPhase
 from relaunch.events import EventKind
@@ -334,7 +340,7 @@ def _launcher_hello(c: ControllerContext, peer: Peer, hello: LauncherHello) -> N
         # a rank that failed while no controller heard it (its exit was sent to one that was
         # dying): the hello is all that says so, and an exit no fault was stored for is one
         if not c.store.has_fault_from(
-            c.job_id, f"exit:{report.attempt}:{hello.generation}:{rank}:"
+            c.job_id, exit_source(report.attempt, hello.generation, rank)
         ):
             code, signum = (None, -report.code) if report.code < 0 else (report.code, None)
             _exited(c, link, Exited(rank, report.attempt, code, signum, now))

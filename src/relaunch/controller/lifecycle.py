@@ -17,7 +17,7 @@ from relaunch.faults import Fault, FaultKind
 from relaunch.protocol.messages import ForgetCopies, Shutdown
 from relaunch.protocol.wire import write_controller_address
 from relaunch.spec import parse_job
-from relaunch.states import WANTS_NODES
+from relaunch.states import StopCause
 from relaunch.store import JobRow, JobStatus, NodeState
 
 if TYPE_CHECKING:
@@ -160,7 +160,7 @@ def _restarted(c: ControllerContext, missing: int, grace: float) -> str:
     """Says why the job restarts from its checkpoints (`missing` pods did not come back), and
     returns the outage fault's detail."""
     away = c.adoption.away_s
-    if c.options.resumed_from == WANTS_NODES:
+    if c.options.resumed_from is StopCause.WANTS_NODES:
         cause, detail = "wants-nodes", "stopped for want of nodes, resumed"
         why = "the job was stopped for want of nodes: restarting it from its checkpoints on the "
         why += "nodes it has now, no restart spent"
@@ -260,8 +260,8 @@ def _forgotten_copies(c: ControllerContext) -> str:
     return c.spec.local_checkpoint_dir or ""
 
 
-def stop(c: ControllerContext, reason: str) -> None:
-    """Stop the job at the user's request (Ctrl-C, SIGTERM)."""
-    c.update_job(status=JobStatus.STOPPED, reason=reason, ended_at=c.clock.now())
+def stop(c: ControllerContext, reason: str, cause: StopCause) -> None:
+    """Stop the job at the user's request (Ctrl-C, SIGTERM, a hangup)."""
+    c.update_job(status=JobStatus.STOPPED, reason=reason, ended_at=c.clock.now(), stop_cause=cause)
     c.fault_plan.at_end(c.job)
     shutdown_pods(c)

@@ -75,6 +75,7 @@ MIGRATIONS = (
     ("recoveries", "phase", "TEXT NOT NULL DEFAULT 'running'"),
     ("recoveries", "state", "TEXT NOT NULL DEFAULT '{}'"),
     ("events", "kind", "TEXT NOT NULL DEFAULT ''"),
+    ("jobs", "stop_cause", "TEXT"),
     ("events", "fields", "TEXT NOT NULL DEFAULT '{}'"),
 )
 

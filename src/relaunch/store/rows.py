@@ -10,7 +10,7 @@ from relaunch.diagnosis import failure_time, root_cause
 from relaunch.diagnosis.errors import capped
 from relaunch.faults import Cause, ErrorReport, Fault, FaultKind, Severity
 from relaunch.policy import Action, Budget, Counters
-from relaunch.states import RESUMABLE_ENDS, JobStatus, NodeState, Outcome
+from relaunch.states import JobStatus, NodeState, Outcome, StopCause
 
 __all__ = [
     "JobRow",
@@ -68,12 +68,15 @@ class JobRow:
     left_behind: int | None = None
     """Processes its pods left in their cgroups when it ended, killed then (should be 0; None:
     not counted, pods were not cgroups, or the job has not ended)."""
+    stop_cause: StopCause | None = None
+    """Why it was stopped, where its status is Stopped."""
 
     @property
     def resumable(self) -> bool:
         """Stopped because its run's terminal closed (an accident), or for want of nodes on an
         engine whose nodes come back: `relaunch run --resume` carries it on."""
-        return self.status is JobStatus.STOPPED and self.reason.endswith(RESUMABLE_ENDS)
+        cause = self.stop_cause
+        return self.status is JobStatus.STOPPED and cause is not None and cause.resumable
 
     @property
     def ended_for_good(self) -> bool:

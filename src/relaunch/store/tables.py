@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from typing import Any
 
-from relaunch.states import RESUMABLE_ENDS
+from relaunch.states import StopCause
 from relaunch.store.database import Database
 from relaunch.store.rows import JobRow, JobStatus, NodeRow, NodeState, PodRow
 
@@ -17,6 +17,9 @@ __all__ = ["JOB_ID", "JobTable", "NodeTable", "PodTable"]
 
 JOB_ID = re.compile(r"[0-9]{1,18}")
 """A job id as text: ASCII digits only ('²' is a digit to str.isdigit, not to int)."""
+
+
+_CAUSES = frozenset(cause.value for cause in StopCause)
 
 
 class NodeTable(Database):
@@ -100,32 +103,38 @@ class JobTable(Database):
         )
         return cursor.rowcount == 1
 
-    def reopen_to_resume(self, job_id: int, now: float) -> str | None:
+    def reopen_to_resume(self, job_id: int, now: float) -> StopCause | None:
         """Stopped to be resumed (a hangup of its run's terminal, or for want of nodes:
-        RESUMABLE_ENDS) -> Running again, for `relaunch run --resume`; how it had ended, or
-        None if the job was not stopped so."""
+        `StopCause.resumable`) -> Running again, for `relaunch run --resume`; why it had
+        stopped, or None if the job was not stopped so."""
         with self.transaction():
             row = self._execute(
-                "SELECT status, reason FROM jobs WHERE id = ?", (job_id,)
+                "SELECT status, stop_cause FROM jobs WHERE id = ?", (job_id,)
             ).fetchone()
-            if row is None or row[0] != JobStatus.STOPPED.value:
+            if row is None or row[0] != JobStatus.STOPPED.value or row[1] not in _CAUSES:
                 return None
-            end = next((e for e in RESUMABLE_ENDS if str(row[1]).endswith(e)), None)
-            if end is None:
+            cause = StopCause(row[1])
+            if not cause.resumable:
                 return None
             self._execute(
                 "UPDATE jobs SET status = ?, reason = '', ended_at = NULL, stop_requested = NULL, "
-                "controller_seen_at = ? WHERE id = ?",
+                "stop_cause = NULL, controller_seen_at = ? WHERE id = ?",
                 (JobStatus.RUNNING.value, now, job_id),
             )
-            return end
+            return cause
 
     def request_stop(self, job_id: int, reason: str, now: float) -> JobStatus:
         """A pending job stops at once; a running one is marked and its controller stops it."""
         with self.transaction():
             job = self.job(job_id)
             if job.status is JobStatus.PENDING:
-                self.update_job(job_id, status=JobStatus.STOPPED, reason=reason, ended_at=now)
+                self.update_job(
+                    job_id,
+                    status=JobStatus.STOPPED,
+                    reason=reason,
+                    ended_at=now,
+                    stop_cause=StopCause.REQUEST,
+                )
                 return JobStatus.STOPPED
             if not job.status.ended:
                 self.update_job(job_id, stop_requested=reason)
@@ -187,6 +196,7 @@ class JobTable(Database):
             json.loads(r["membership"]) if r["membership"] else None,
             r["controller_seen_at"],
             r["left_behind"],
+            StopCause(r["stop_cause"]) if r["stop_cause"] in _CAUSES else None,
         )
 
     def update_job(self, job_id: int, **fields: Any) -> None:
