@@ -647,7 +647,8 @@ def test_fsdp2_process_reschedule_keeps_the_healthy_rank_and_takes_the_moved_sha
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.actions == ["process-reschedule"], result.stdout[-3000:]
-    took_spare = "pod 1 takes the standby launcher on node-2 and its warm spares" in result.stdout
+    took = [(e.fields["pod"], e.fields["node"]) for e in result.said(EventKind.STANDBY_TAKEN)]
+    took_spare = took == [(1, "node-2")]
     assert took_spare == bool(warm_spares), result.stdout[-3000:]
     moved = (cluster.state / "jobs" / "1" / "pods" / "pod-1-g2" / "logs" / "rank-1.log").read_text()
     spare = re.findall(r"warm spare pid (\d+) ---", moved)

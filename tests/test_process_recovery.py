@@ -259,7 +259,9 @@ def test_r33_scale_out_when_a_node_comes_back(cluster: Cluster) -> None:
     job["spec"]["command"] = job["spec"]["command"].replace("--steps 120", "--steps 200")
     result = scale_in_then_release(cluster, job, faults)
     assert result.actions == ["scale-in"]
-    assert "scale-out: pod 1 back on node-2" in result.stdout
+    assert [(e.fields["pod"], e.fields["node"]) for e in result.said(EventKind.SCALED_OUT)] == [
+        (1, "node-2")
+    ]
     found = starts(result)
     assert_kept(found, [0, 1])
     for rank in (2, 3):
@@ -286,7 +288,8 @@ def test_r31_r32_warm_spares_replace_a_crashed_rank_then_a_lost_nodes_pod(
     ]
     result = run(cluster, job, faults, {**CLUSTER, "nodes": 3})
     assert result.actions == ["process-in-place", "process-reschedule"]
-    assert "pod 1 takes the standby launcher on node-2 and its warm spares" in result.stdout
+    took = [(e.fields["pod"], e.fields["node"]) for e in result.said(EventKind.STANDBY_TAKEN)]
+    assert took == [(1, "node-2")], result.events()
     found = starts(result)
     assert_kept(found, [0, 1])
     spare = re.compile(r"--- relaunch: attempt 1, MA_PROC_START_CNT=1, warm spare pid (\d+) ---")
