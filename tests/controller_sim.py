@@ -275,9 +275,7 @@ class Sim:
             self.agents[spec.name] = peer
             c.receive(peer, AgentHello(spec.name, spec.chips))
         c.drain(0)
-        c.update_job(
-            status=JobStatus.RUNNING, attempt_started_at=self.clock.now(), master_port=29500
-        )
+        c.move_job(JobStatus.RUNNING, attempt_started_at=self.clock.now(), master_port=29500)
         c.membership.publish()
         self.run(0.5)
 

@@ -550,10 +550,8 @@ def test_the_next_jobs_agents_remove_the_local_copies_of_a_job_whose_agents_neve
     never of a job that may be carried on (`relaunch run --resume`) nor of the job itself."""
     earlier = booted(tmp_path, AUTO, **({"local_checkpoint_dir": local_dir} if local_dir else {}))
     if status is not JobStatus.RUNNING:  # written, and then the controller was killed
-        said = {"stop_cause": reason, "reason": "stopped"} if isinstance(reason, StopCause) else {}
-        earlier.controller.update_job(
-            status=status, ended_at=earlier.clock.now(), **({"reason": reason} | said)
-        )
+        cause = reason if isinstance(reason, StopCause) else None
+        earlier.controller.move_job(status, reason=str(reason), cause=cause)
     assert earlier.controller.job.resumable == ("hangup" in first)
     sim = Sim(tmp_path, job_spec(AUTO, local_checkpoint_dir="/disks/b"))
     sim.boot()

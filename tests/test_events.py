@@ -63,7 +63,9 @@ def test_a_stopped_jobs_exit_and_resume_come_from_its_cause_whatever_its_reason_
     store = Store(tmp_path / "relaunch.db")
     job = store.create_job("toy", {"raw": {}}, [], 1.0)
     # a reason that reads like another cause: only the cause counts
-    store.update_job(job, status=JobStatus.STOPPED, reason="stopped (SIGHUP)", stop_cause=cause)
+    store.move_job(
+        job, JobStatus.PENDING, JobStatus.STOPPED, 1.5, reason="stopped (SIGHUP)", cause=cause
+    )
     row = store.job(job)
     assert (row.stop_cause, row.resumable) == (cause, resumable)
     assert exit_code(row.status, row.stop_cause) == code
@@ -77,7 +79,8 @@ def test_a_job_stopped_without_a_cause_exits_1_and_is_not_resumed(tmp_path: Path
     """A job an older relaunch stopped (no cause written): its reason is not read for one."""
     store = Store(tmp_path / "relaunch.db")
     job = store.create_job("toy", {"raw": {}}, [], 1.0)
-    store.update_job(job, status=JobStatus.STOPPED, reason="stopped by the user (SIGHUP)")
+    with sqlite3.connect(tmp_path / "relaunch.db") as db:  # as a relaunch before causes wrote it
+        db.execute("UPDATE jobs SET status = 'Stopped', reason = 'stopped by the user (SIGHUP)'")
     assert exit_code(JobStatus.STOPPED, store.job(job).stop_cause) == 1
     assert store.reopen_to_resume(job, 2.0) is None
     assert exit_code(JobStatus.SUCCEEDED, None) == 0 and exit_code(JobStatus.FAILED, None) == 1

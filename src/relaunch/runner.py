@@ -97,13 +97,9 @@ def abandon_unfinished(store: Store, directory: Path) -> list[JobRow]:
     abandoned = []
     for job in store.jobs():
         if job.status.active:
-            store.update_job(
-                job.id,
-                status=JobStatus.STOPPED,
-                reason="abandoned: its controller died and `relaunch run --resume` was not used",
-                ended_at=time.time(),
-                stop_cause=StopCause.ABANDONED,
-            )
+            said = "abandoned: its controller died and `relaunch run --resume` was not used"
+            stopped, cause = JobStatus.STOPPED, StopCause.ABANDONED
+            store.move_job(job.id, job.status, stopped, time.time(), reason=said, cause=cause)
             abandoned.append(job)
     LocalCluster(directory).shutdown()
     return abandoned
@@ -226,9 +222,10 @@ def run_queue(directory: Path, log: Callable[[str], None]) -> int:
 
 def could_not_start(store: Store, job_id: int, error: Exception) -> None:
     """A job whose stored spec, cluster or placement no longer works ends Failed, saying why."""
-    store.update_job(
-        job_id, status=JobStatus.FAILED, reason=f"could not start: {error}", ended_at=time.time()
-    )
+    job = store.job(job_id)
+    if not job.status.ended:
+        reason = f"could not start: {error}"
+        store.move_job(job_id, job.status, JobStatus.FAILED, time.time(), reason=reason)
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,19 @@ importing the store."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import StrEnum
+from typing import Final
 
-__all__ = ["JobStatus", "NodeState", "Outcome", "StopCause"]
+__all__ = [
+    "JOB_TRANSITIONS",
+    "IllegalJobMove",
+    "JobStatus",
+    "NodeState",
+    "Outcome",
+    "StopCause",
+    "check_job_move",
+]
 
 
 class StopCause(StrEnum):
@@ -66,6 +76,42 @@ class JobStatus(StrEnum):
     @property
     def ended(self) -> bool:
         return self in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED)
+
+
+JOB_TRANSITIONS: Final[Mapping[JobStatus, frozenset[JobStatus]]] = {
+    # submitted: a runner claims it, a stop asked for ends it, a spec that no longer works fails it
+    JobStatus.PENDING: frozenset({JobStatus.RUNNING, JobStatus.STOPPED, JobStatus.FAILED}),
+    JobStatus.RUNNING: frozenset(
+        {JobStatus.RECOVERING, JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
+    ),
+    JobStatus.RECOVERING: frozenset(
+        {JobStatus.RUNNING, JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
+    ),
+    # only a stop whose cause is resumable (StopCause.resumable): `relaunch run --resume`
+    JobStatus.STOPPED: frozenset({JobStatus.RUNNING}),
+    JobStatus.SUCCEEDED: frozenset(),
+    JobStatus.FAILED: frozenset(),
+}
+"""The job's status machine: where each status may go. A move to the status it has already
+(a second level while recovering) changes nothing but the fields written with it, except for a
+job that has ended: its end is written once."""
+
+
+class IllegalJobMove(ValueError):
+    """A change of a job's status its status machine has no arrow for (a bug, not an input)."""
+
+
+def check_job_move(current: JobStatus, to: JobStatus, cause: StopCause | None = None) -> None:
+    """Raises IllegalJobMove unless `current` may go to `to` (`cause`: why it stops, needed for
+    a stop, and for leaving one: only a resumable stop is carried on)."""
+    if current is to and not current.ended:
+        return
+    if to not in JOB_TRANSITIONS[current]:
+        raise IllegalJobMove(f"a {current.value} job cannot become {to.value}")
+    if to is JobStatus.STOPPED and cause is None:
+        raise IllegalJobMove("a job is stopped with its cause (StopCause)")
+    if current is JobStatus.STOPPED and (cause is None or not cause.resumable):
+        raise IllegalJobMove("only a job stopped to be resumed runs again")
 
 
 class Outcome(StrEnum):

@@ -67,7 +67,7 @@ class LevelAction:
         if level.new_attempt:
             new_attempt(c, now, port)
         if level.recovering:
-            c.update_job(status=JobStatus.RECOVERING)
+            c.move_job(JobStatus.RECOVERING)
 
     def plan(self, c: ControllerContext, d: Decision, active: ActiveRecovery) -> None:
         """Fill in what the recovery needs from its decision (no side effect)."""
@@ -123,10 +123,9 @@ class Fail(LevelAction):
         isolate(c, d, now)
         if d.wants_nodes and c.engine.facts.nodes_come_back:  # R-44: requeued, it resumes
             reason = f"{d.reason}; stopped to be resumed when nodes come back (waiting for nodes)"
-            cause = StopCause.WANTS_NODES
-            c.update_job(status=JobStatus.STOPPED, reason=reason, ended_at=now, stop_cause=cause)
+            c.move_job(JobStatus.STOPPED, reason=reason, cause=StopCause.WANTS_NODES)
             return
-        c.update_job(status=JobStatus.FAILED, reason=d.reason, ended_at=now)
+        c.move_job(JobStatus.FAILED, reason=d.reason)
 
 
 class HandOver(LevelAction):

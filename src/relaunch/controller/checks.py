@@ -47,11 +47,8 @@ def requests(c: ControllerContext, now: float) -> None:
     if job.status.ended:
         return
     if job.stop_requested:
-        c.update_job(
-            status=JobStatus.STOPPED,
-            reason=f"stopped: {job.stop_requested}",
-            ended_at=now,
-            stop_cause=StopCause.REQUEST,
+        c.move_job(
+            JobStatus.STOPPED, reason=f"stopped: {job.stop_requested}", cause=StopCause.REQUEST
         )
         c.event(EventKind.STOPPING_JOB, why=job.stop_requested)
         return
@@ -260,5 +257,5 @@ def done(c: ControllerContext, now: float) -> None:
     if ended != (len(c.pods) - len(parked)) * c.spec.procs_per_pod:
         return
     c.recoveries.succeeded(now)  # every rank exited 0: the recovery under way worked
-    c.update_job(status=JobStatus.SUCCEEDED, reason="every rank exited 0", ended_at=now)
+    c.move_job(JobStatus.SUCCEEDED, reason="every rank exited 0")
     c.event(EventKind.SUCCEEDED, job=c.spec.name)

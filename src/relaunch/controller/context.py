@@ -35,7 +35,7 @@ from relaunch.protocol.plans import Membership
 from relaunch.spec import JobSpec
 from relaunch.spec.settings import RecoverySettings
 from relaunch.states import StopCause
-from relaunch.store import JobRow, NodeRow, PodRow, RecordRow, Store
+from relaunch.store import JobRow, JobStatus, NodeRow, PodRow, RecordRow, Store
 
 __all__ = [
     "ControllerContext",
@@ -230,6 +230,10 @@ class ControllerContext(Protocol):
     def event(self, kind: EventKind, **fields: Any) -> None: ...
 
     def update_job(self, **fields: object) -> None: ...
+
+    def move_job(
+        self, to: JobStatus, *, reason: str = "", cause: StopCause | None = None, **fields: object
+    ) -> None: ...
 
     def put_pod(self, row: PodRow) -> None: ...
 

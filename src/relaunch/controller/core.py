@@ -306,6 +306,22 @@ class Controller:
         self.store.update_job(self.job_id, **fields)
         self.job = replace(self.job, **fields)  # type: ignore[arg-type]
 
+    def move_job(
+        self, to: JobStatus, *, reason: str = "", cause: StopCause | None = None, **fields: object
+    ) -> None:
+        """Moves the job's status (the store's `move_job`: the status machine's one writer) and
+        writes `fields` with it, keeping the row in memory the same."""
+        now = self.clock.now()
+        with self.store.transaction():
+            moved = self.store.move_job(
+                self.job_id, self.job.status, to, now, reason=reason, cause=cause
+            )
+            if moved is None:  # another writer came first: the store's row is the truth
+                self.job = self.store.job(self.job_id)
+                return
+            self.store.update_job(self.job_id, **fields)
+        self.job = replace(self.job, **moved, **fields)  # type: ignore[arg-type]
+
     def put_pod(self, row: PodRow) -> None:
         self.put_pods([row])
 

@@ -53,8 +53,8 @@ def run(c: ControllerContext) -> tuple[JobStatus, str]:
             resume(c, now)
         else:
             start_agents(c, now)
-            c.update_job(
-                status=JobStatus.RUNNING,
+            c.move_job(
+                JobStatus.RUNNING,
                 attempt_started_at=now,
                 master_port=master_port(c),
                 controller_seen_at=now,
@@ -262,6 +262,7 @@ def _forgotten_copies(c: ControllerContext) -> str:
 
 def stop(c: ControllerContext, reason: str, cause: StopCause) -> None:
     """Stop the job at the user's request (Ctrl-C, SIGTERM, a hangup)."""
-    c.update_job(status=JobStatus.STOPPED, reason=reason, ended_at=c.clock.now(), stop_cause=cause)
+    if not c.job.status.ended:  # a stop after the job ended leaves its end as it was
+        c.move_job(JobStatus.STOPPED, reason=reason, cause=cause)
     c.fault_plan.at_end(c.job)
     shutdown_pods(c)

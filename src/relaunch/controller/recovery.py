@@ -408,7 +408,7 @@ class RecoveryDriver:
         self._settle(active, RecoveryPhase.SUCCEEDED, resumed_at)
         if active.action.process_level:
             self.waited_until = now
-        c.update_job(status=JobStatus.RUNNING)
+        c.move_job(JobStatus.RUNNING)
         self.hang_stop = False
         c.event(
             EventKind.RECOVERED,

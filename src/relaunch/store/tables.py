@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from typing import Any
 
-from relaunch.states import StopCause
+from relaunch.states import IllegalJobMove, StopCause, check_job_move
 from relaunch.store.database import Database
 from relaunch.store.rows import JobRow, JobStatus, NodeRow, NodeState, PodRow
 
@@ -20,6 +20,14 @@ JOB_ID = re.compile(r"[0-9]{1,18}")
 
 
 _CAUSES = frozenset(cause.value for cause in StopCause)
+_STATUS_FIELDS = frozenset({"status", "ended_at", "reason", "stop_cause"})
+
+
+def _column(value: Any) -> Any:
+    """A job field's value as its column holds it."""
+    if isinstance(value, StrEnum):
+        return value.value
+    return json.dumps(value) if isinstance(value, dict) else value
 
 
 class NodeTable(Database):
@@ -97,11 +105,41 @@ class JobTable(Database):
 
     def claim_job(self, job_id: int, now: float) -> bool:
         """Pending -> Running for exactly one runner; False if it was stopped or taken meanwhile."""
+        with self.transaction():
+            if self.move_job(job_id, JobStatus.PENDING, JobStatus.RUNNING, now) is None:
+                return False
+            self.update_job(job_id, attempt_started_at=now)
+            return True
+
+    def move_job(
+        self,
+        job_id: int,
+        current: JobStatus,
+        to: JobStatus,
+        at: float,
+        *,
+        reason: str = "",
+        cause: StopCause | None = None,
+    ) -> dict[str, Any] | None:
+        """The one writer of a job's status: `current` -> `to`, as the status machine allows
+        (states.JOB_TRANSITIONS: IllegalJobMove otherwise), only if the job's status is still
+        `current` (None where it is not: another writer came first). An end is written with its
+        time, its `reason` and, for a stop, its `cause`; a stopped job carried on (`cause`: why
+        it had stopped) loses them. Returns the columns written."""
+        check_job_move(current, to, cause)
+        fields: dict[str, Any] = {"status": to}
+        if to.ended and to is not current:
+            fields |= {"ended_at": at, "reason": reason, "stop_cause": None}
+            fields |= {"stop_cause": cause} if to is JobStatus.STOPPED else {}
+        elif current.ended:
+            ended = {"ended_at": None, "reason": "", "stop_cause": None, "stop_requested": None}
+            fields |= ended
+        assignments = ", ".join(f"{k} = ?" for k in fields)
         cursor = self._execute(
-            "UPDATE jobs SET status = ?, attempt_started_at = ? WHERE id = ? AND status = ?",
-            (JobStatus.RUNNING.value, now, job_id, JobStatus.PENDING.value),
+            f"UPDATE jobs SET {assignments} WHERE id = ? AND status = ?",
+            (*(_column(v) for v in fields.values()), job_id, current.value),
         )
-        return cursor.rowcount == 1
+        return fields if cursor.rowcount == 1 else None
 
     def reopen_to_resume(self, job_id: int, now: float) -> StopCause | None:
         """Stopped to be resumed (a hangup of its run's terminal, or for want of nodes:
@@ -116,11 +154,8 @@ class JobTable(Database):
             cause = StopCause(row[1])
             if not cause.resumable:
                 return None
-            self._execute(
-                "UPDATE jobs SET status = ?, reason = '', ended_at = NULL, stop_requested = NULL, "
-                "stop_cause = NULL, controller_seen_at = ? WHERE id = ?",
-                (JobStatus.RUNNING.value, now, job_id),
-            )
+            self.move_job(job_id, JobStatus.STOPPED, JobStatus.RUNNING, now, cause=cause)
+            self.update_job(job_id, controller_seen_at=now)
             return cause
 
     def request_stop(self, job_id: int, reason: str, now: float) -> JobStatus:
@@ -128,13 +163,8 @@ class JobTable(Database):
         with self.transaction():
             job = self.job(job_id)
             if job.status is JobStatus.PENDING:
-                self.update_job(
-                    job_id,
-                    status=JobStatus.STOPPED,
-                    reason=reason,
-                    ended_at=now,
-                    stop_cause=StopCause.REQUEST,
-                )
+                stopped, cause = JobStatus.STOPPED, StopCause.REQUEST
+                self.move_job(job_id, job.status, stopped, now, reason=reason, cause=cause)
                 return JobStatus.STOPPED
             if not job.status.ended:
                 self.update_job(job_id, stop_requested=reason)
@@ -200,13 +230,14 @@ class JobTable(Database):
         )
 
     def update_job(self, job_id: int, **fields: Any) -> None:
+        """Writes a job's other fields; its status and its end only `move_job` writes."""
+        ours = fields.keys() & _STATUS_FIELDS
+        if ours:
+            raise IllegalJobMove(f"{', '.join(sorted(ours))}: written by move_job only")
         if not fields:
             return
-        values = [
-            v.value if isinstance(v, StrEnum) else json.dumps(v) if isinstance(v, dict) else v
-            for v in fields.values()
-        ]
         assignments = ", ".join(f"{k} = ?" for k in fields)
+        values = (_column(v) for v in fields.values())
         self._execute(f"UPDATE jobs SET {assignments} WHERE id = ?", (*values, job_id))
 
 
