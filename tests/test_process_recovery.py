@@ -324,7 +324,7 @@ def test_r37_a_fault_while_a_checkpoint_is_saved_goes_to_the_next_level(
     result = run(cluster, job, faults)
     assert result.actions == ["in-place"], result.stdout[-3000:]
     decided = [e for e in result.said(EventKind.DECISION) if e.fields["action"] == "in-place"]
-    assert decided and "passed over: a checkpoint is being saved (R-37)" in decided[0].text
+    assert decided and "a checkpoint is being saved (R-37)" in decided[0].fields["passed_over"]
     assert out.read_text().strip() == unbroken
 
 

@@ -228,7 +228,8 @@ def test_a_seed_body_runs_recovers_and_shows_in_records_and_metrics(server: Serv
     progress = httpx.get(f"{server.url}/v2/team-a/training-jobs/{job_id}/progress").json()
     steps = [s["step"] for s in progress["samples"]]
     assert steps and max(steps) == 60
-    assert any("job-reschedule" in e["text"] for e in progress["events"])
+    decided = [e["fields"]["action"] for e in progress["events"] if e["kind"] == "decision"]
+    assert "job-reschedule" in decided, progress["events"]
 
     listed = httpx.get(f"{server.url}/v2/team-a/training-jobs").json()
     assert [j["metadata"]["id"] for j in listed["items"]] == [job_id]

@@ -257,6 +257,7 @@ class RecoveryDriver:
                 EventKind.DECISION,
                 action=decision.action.value,
                 reason=decision.reason,
+                passed_over=list(decision.passed_over),
                 summary=decision.summary(),
                 **fault_fields(fault),
             )
