@@ -54,6 +54,7 @@ def test_r08_fault_kinds() -> None:
         "controller-outage",  # relaunch's own: its controller away longer than the adopt grace
         "slow",  # a pod slower than its peers (SubHealthFault, diagnosis.subhealth)
         "collective",  # a collective the SDK issued failed on its transport (R-29)
+        "silent-corruption",  # the replicas' parameters apart (R-45)
     }
 
 
@@ -343,6 +344,8 @@ REASONS = [
     (Fault(FaultKind.NODE_LOST, 1.0, node="node-1"), "NodeUnhealthy"),
     (Fault(FaultKind.NETWORK, 1.0, node="node-1", duration_s=30.0), "NodeUnhealthy"),
     (Fault(FaultKind.SLOW, 1.0, node="node-1", pod=1), "NodeUnhealthy"),
+    (Fault(FaultKind.SILENT_CORRUPTION, 1.0, node="node-1", pod=1, rank=1, step=50),
+     "CardUnhealthy"),
 ]  # fmt: skip
 
 

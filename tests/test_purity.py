@@ -49,6 +49,7 @@ RELAUNCH_ALLOWED = {
     "relaunch.protocol.operator",  # R-29's settings, parsed alike by the spec and the SDK
     "relaunch.protocol.rollback",  # the step rollback the spec chooses and the SDK keeps
     "relaunch.protocol.links",  # the link faults a fault plan names
+    "relaunch.protocol.integrity",  # what a fault plan's silent corruption strikes
     "relaunch.protocol.datagrams",  # the restore tiers a rank names and the record reads
     "relaunch.events",  # the record's kinds of event, read by the restores
     "relaunch.errors",

@@ -6,6 +6,8 @@ stop and restart anywhere without changing the model it ends with.
   shared directory (kept across reschedulings), and saved once more on SIGTERM (dying gasp).
 - Every rank resumes from the newest step all ranks can load.
 - Rank 0 writes the SHA-256 of the final parameters to `--out`.
+- Every `spec.integrity_check_every` steps the replicas compare their parameters' fingerprints
+  (relaunch.train.integrity): a chip that computes wrong is found and the job rolled back.
 - `--device cuda`: the model and its batches on GPU `LOCAL_RANK % device count`, NCCL between
   the ranks; `--dropout P` draws from the GPU's random stream, which the checkpoint then holds.
 - `--process-recovery`: the training SDK's ProcessGroupKeeper owns the process group, so that
@@ -40,6 +42,7 @@ from relaunch.train.distributed import (  # noqa: E402
     set_rng_state,
     settle_ddp_buckets,
 )
+from relaunch.train.integrity import ReplicaCheck  # noqa: E402
 
 
 def batch(step: int, rank: int, size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,6 +223,7 @@ def main() -> None:
     ckpt.completed_step = start
     settle_ddp_buckets(ddp, batch(0, job.rank)[0].to(args.where))
     ckpt.dying_gasp(state)
+    check = ReplicaCheck(model, optimizer, checkpoint=ckpt)  # the replicas agree (R-45)
     mark("loaded", start)
     print(
         f"start: rank {job.rank}/{job.world_size} MA_SCHEDULE_CNT={job.schedule_cnt} "
@@ -246,6 +250,7 @@ def main() -> None:
             loss.backward()
             optimizer.step()
             finished(args.where)
+        check.after_step(step)  # before the step's checkpoint: a corrupted one is never saved
         report_progress(step)
         mark("step", step)
         ckpt.maybe_save(step, state)

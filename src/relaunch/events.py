@@ -55,6 +55,12 @@ class EventKind(StrEnum):
         "hang-found",
         "hang: {reason} (stacks of {ranks} rank(s), {unlike} unlike, in {took_s:.2f} s)",
     )
+    CORRUPTION_FOUND = (
+        "corruption-found",
+        "silent corruption: the replicas' parameters differ at step {step} (last agreed at step "
+        "{clean_step}), culprits {culprits}: rolled back to a checkpoint of step {clean_step} or "
+        "before (R-45)",
+    )
     COLLECTIVE_UNLINKED = (
         "collective-unlinked",
         "pod {pod} rank {rank}: a collective of step {step} failed ({why}); no data link is "

@@ -296,6 +296,7 @@ def pod_environment(c: ControllerContext, row: PodRow, attempt: int) -> dict[str
         peer_memory=_peer_memories(c) if c.spec.peer_memory_mb else "",
         peer_memory_bytes=c.spec.peer_memory_mb << 20,
         local_checkpoints=c.spec.local_checkpoint_dir or "",
+        integrity_every=c.spec.integrity_check_every,
     ).variables(shared)
 
 

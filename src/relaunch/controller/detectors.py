@@ -15,7 +15,7 @@ from relaunch.controller.peers import AgentLink, LauncherLink, Rank
 from relaunch.controller.pods import Pod, PodPhase
 from relaunch.diagnosis import StackGroup
 from relaunch.faults import LAUNCHER_DIED, Fault, FaultKind
-from relaunch.protocol.messages import CollectiveFailed, Exited, Heartbeat
+from relaunch.protocol.messages import CollectiveFailed, CorruptionFound, Exited, Heartbeat
 from relaunch.states import NodeState
 
 if TYPE_CHECKING:
@@ -154,6 +154,31 @@ def chip_faults(beat: Heartbeat, pod: int | None, injected_at: InjectedAt) -> li
         )
         found.append(Detected(fault, f"{beat.node}:{link.seq}"))
     return found
+
+
+def corruption_fault(
+    message: CorruptionFound, node_of: Callable[[int], tuple[int, str] | None], at: float
+) -> Detected:
+    """R-45: the replicas' fingerprints apart. The first rank the majority names is the culprit,
+    on its pod and node (`node_of`: where a rank runs); none where no majority names one. Every
+    rank says so: the step keys the fault, stored once."""
+    culprit = message.culprits[0] if message.culprits else None
+    where = node_of(culprit) if culprit is not None else None
+    named = ", ".join(map(str, message.culprits)) or "none named by a majority"
+    detail = (
+        f"the replicas' parameters differ at step {message.step} (last agreed at step "
+        f"{message.clean_step}); culprits: {named}; fingerprints: {', '.join(message.fingerprints)}"
+    )
+    fault = Fault(
+        FaultKind.SILENT_CORRUPTION,
+        at,
+        node=where[1] if where else None,
+        pod=where[0] if where else None,
+        rank=culprit if where else None,
+        step=message.step,
+        detail=detail,
+    )
+    return Detected(fault, f"corruption:{message.attempt}:{message.step}")
 
 
 def collective_fault(

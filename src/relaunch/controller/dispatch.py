@@ -9,16 +9,18 @@ from relaunch.controller.detectors import (
     active_at,
     chip_faults,
     collective_fault,
+    corruption_fault,
     exit_fault,
     exit_source,
 )
 from relaunch.controller.peers import AgentLink, LauncherLink, Peer, Rank
 from relaunch.controller.pods import PodPhase
-from relaunch.events import EventKind
+from relaunch.events import EventKind, fault_fields
 from relaunch.protocol.datagrams import RestoreTier, SdkPhase
 from relaunch.protocol.messages import (
     AgentHello,
     CollectiveFailed,
+    CorruptionFound,
     Exited,
     ForgetCopies,
     Healed,
@@ -132,6 +134,9 @@ def _from_launcher(c: ControllerContext, link: LauncherLink, message: Message) -
                 _collective_failed(c, link, message)
         case Restored():  # which tier served, on record
             _restored(c, link, message)
+        case CorruptionFound():
+            if message.attempt == c.job.attempt:
+                _corruption_found(c, message)
         case Stopped(exited=exited):
             for rank, (attempt, code, signum) in exited.items():
                 _ended(link, rank, attempt, code, signum)
@@ -161,6 +166,27 @@ def _collective_failed(c: ControllerContext, link: LauncherLink, message: Collec
             step=message.step,
             why=message.why[:160],
         )
+
+
+def _corruption_found(c: ControllerContext, message: CorruptionFound) -> None:
+    """R-45: a rank says the replicas' parameters differ; the fault names the culprit's node."""
+
+    def node_of(rank: int) -> tuple[int, str] | None:
+        pod = c.pods.get(rank // c.spec.procs_per_pod)
+        return (pod.index, pod.row.node) if pod is not None else None
+
+    at = c.fault_plan.injected_at(("corrupt", "job"), message.at)
+    found = corruption_fault(message, node_of, at)
+    if not c.store.has_fault_from(c.job_id, found.source):
+        c.event(
+            EventKind.CORRUPTION_FOUND,
+            step=message.step,
+            clean_step=message.clean_step,
+            culprits=list(message.culprits),
+            fingerprints=list(message.fingerprints),
+            **fault_fields(found.fault),
+        )
+    c.recoveries.fault(found.fault, found.source)
 
 
 def _restored(c: ControllerContext, link: LauncherLink, message: Restored) -> None:

@@ -8,7 +8,7 @@ last was detected (or the startup allowance passed). The target acknowledges whe
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from relaunch import failpoints
 from relaunch.controller import commands
@@ -31,6 +31,14 @@ if TYPE_CHECKING:
 __all__ = ["FaultPlanRunner"]
 
 Key = tuple[str, str]
+
+
+_PROCESS_FAULTS: Final = {
+    PlannedFaultKind.PROCESS_EXIT: "exit",
+    PlannedFaultKind.HANG: "hang",
+    PlannedFaultKind.SILENT_CORRUPTION: "corrupt",
+}
+"""The launcher's name for each process fault of a plan (`slow` for the rest)."""
 
 
 class FaultPlanRunner:
@@ -164,12 +172,16 @@ class FaultPlanRunner:
             return
         if entry.targets_process:
             assert entry.pod is not None and rank is not None
-            kind = {PlannedFaultKind.PROCESS_EXIT: "exit", PlannedFaultKind.HANG: "hang"}.get(
-                entry.kind, "slow"
-            )
-            key: Key = (kind, str(rank) if kind == "exit" else "job" if kind == "hang" else node)
+            kind = _PROCESS_FAULTS.get(entry.kind, "slow")
+            key: Key = (kind, str(rank) if kind == "exit" else node if kind == "slow" else "job")
             message = InjectProcessFault(
-                entry.index, kind, rank, entry.exit_code, entry.factor, entry.duration_s
+                entry.index,
+                kind,
+                rank,
+                entry.exit_code,
+                entry.factor,
+                entry.duration_s,
+                entry.corruption.to_json(),
             )
             peer = c.pods[entry.pod].link
         else:

@@ -85,6 +85,12 @@ def _without_code(fault: Fault, rules: EscalationRules) -> Assessment | None:
             Cause.ENVIRONMENT,
             "relaunch's controller was away longer than the adopt grace: the pods ended themselves",
         )
+    if kind is FaultKind.SILENT_CORRUPTION:  # R-45
+        if fault.node is None:
+            why = "the replicas' parameters differ and no majority names a rank: rolled back"
+            return _plain(fault, Cause.SOFTWARE, why)
+        why = f"silent data corruption: rank {fault.rank}'s parameters differ from the majority's"
+        return Assessment(fault, Cause.ENVIRONMENT, None, False, False, False, why)
     if kind is FaultKind.COLLECTIVE:
         if fault.node is None:  # no link was seen down: nothing to blame but the job
             return _plain(

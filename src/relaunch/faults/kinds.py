@@ -26,6 +26,10 @@ class FaultKind(StrEnum):
     """A collective the training SDK issued failed on its transport (its link went down, or it
     outlived its timeout): R-29's trigger, reported by the rank, with the step and the place of
     the collective in it."""
+    SILENT_CORRUPTION = "silent-corruption"
+    """The replicas' parameters are no longer bit-identical (R-45): a chip computed wrong
+    without failing; the rank the majority names is the culprit (`rank`, `node`), or none
+    where no majority names one."""
     CONTROLLER_OUTAGE = "controller-outage"
     """relaunch's own controller was away longer than the adopt grace, so the pods ended
     themselves: not the job's fault, and not the user's to pay for."""
@@ -116,6 +120,7 @@ class Fault:
             FaultKind.MEMORY_UCE: ("node",),
             FaultKind.SLOW: ("node", "pod"),
             FaultKind.COLLECTIVE: ("rank", "step", "collective"),
+            FaultKind.SILENT_CORRUPTION: ("step",),
         }
         missing = [name for name in needs.get(self.kind, ()) if getattr(self, name) is None]
         if missing:
@@ -154,6 +159,8 @@ class Fault:
             where.append(f"{self.duration_s:g} s")
         if self.collective is not None:
             where.append(f"collective {self.collective} of step {self.step}")
+        elif self.step is not None:
+            where.append(f"found at step {self.step}")
         return " ".join(parts) + (f" ({', '.join(where)})" if where else "")
 
 

@@ -43,7 +43,7 @@ starts rather than silently dropped at run time. Pure: no I/O, no clock.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Annotated, Any, Final, Protocol
 
@@ -51,6 +51,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from relaunch.errors import FaultPlanError, Problem
 from relaunch.faults import normalize_code
+from relaunch.protocol.integrity import Corruption, CorruptionTarget
 from relaunch.protocol.links import Cut
 from relaunch.validation import boolean, choice, integer, problems_from, reject, seconds, v
 
@@ -95,6 +96,9 @@ class PlannedFaultKind(StrEnum):
     PARTITION = "partition"
     DEGRADED_LINK = "degraded-link"
     PEER_COPY_CORRUPT = "peer-copy-corrupt"
+    SILENT_CORRUPTION = "silent-corruption"
+    """One bit of a rank's parameters (or optimizer state) flipped in its memory, once or at
+    every step from then on: nothing fails, the replicas drift apart (R-45)."""
 
 
 _CHIP_KINDS: Final = (PlannedFaultKind.CHIP_FAULT, PlannedFaultKind.MEMORY_UCE)
@@ -107,8 +111,13 @@ _PROCESS_KINDS: Final = (
     PlannedFaultKind.PROCESS_EXIT,
     PlannedFaultKind.HANG,
     PlannedFaultKind.SLOW,
+    PlannedFaultKind.SILENT_CORRUPTION,
 )
-_RANK_KINDS: Final = (PlannedFaultKind.PROCESS_EXIT, PlannedFaultKind.HANG)
+_RANK_KINDS: Final = (
+    PlannedFaultKind.PROCESS_EXIT,
+    PlannedFaultKind.HANG,
+    PlannedFaultKind.SILENT_CORRUPTION,
+)
 
 _ONLY_FOR: Final[dict[str, tuple[PlannedFaultKind, ...]]] = {
     "rank": _RANK_KINDS,
@@ -121,6 +130,8 @@ _ONLY_FOR: Final[dict[str, tuple[PlannedFaultKind, ...]]] = {
     "factor": (PlannedFaultKind.SLOW,),
     "cut": (PlannedFaultKind.PARTITION,),
     "rate_mbit": (PlannedFaultKind.DEGRADED_LINK,),
+    "target": (PlannedFaultKind.SILENT_CORRUPTION,),
+    "repeat": (PlannedFaultKind.SILENT_CORRUPTION,),
 }
 """Keys that mean something only for some kinds: given for another kind, they are an error
 rather than silently ignored."""
@@ -172,6 +183,8 @@ class _Entry(BaseModel):
     cut: Annotated[Cut | None, v(choice(Cut))] = None
     rate_mbit: Annotated[float | None, v(_rate)] = None
     while_saving: Annotated[bool, v(boolean)] = False
+    target: Annotated[CorruptionTarget, v(choice(CorruptionTarget))] = CorruptionTarget.PARAMETER
+    repeat: Annotated[bool, v(boolean)] = False
 
 
 class _Plan(BaseModel):
@@ -208,6 +221,8 @@ class PlannedFault:
     while_saving: bool = False
     """Fires only while a rank says it saves a checkpoint (its step reached too): a fault in a
     save (R-37), whatever the machine's load does to when the save begins."""
+    corruption: Corruption = field(default_factory=Corruption)
+    """`silent-corruption`: what it flips, once or at every step."""
 
     @property
     def targets_process(self) -> bool:
@@ -250,6 +265,9 @@ class PlannedFault:
             )
         elif self.kind is PlannedFaultKind.DEGRADED_LINK:
             kind = f"degraded link ({self.rate_mbit:g} Mbit/s)"
+        elif self.kind is PlannedFaultKind.SILENT_CORRUPTION:
+            every = ", at every step" if self.corruption.repeat else ""
+            kind = f"silent corruption of a {self.corruption.target.value}{every}"
         elif self.kind is PlannedFaultKind.PEER_COPY_CORRUPT:
             kind = "peer memory corrupted (one byte of each copy)"
         if self.kind in LINK_KINDS and self.duration_s is not None:
@@ -330,6 +348,7 @@ def _entry(index: int, e: _Entry) -> PlannedFault:
         cut=e.cut,
         rate_mbit=e.rate_mbit,
         while_saving=e.while_saving,
+        corruption=Corruption(e.target, e.repeat),
     )
 
 

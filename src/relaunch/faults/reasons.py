@@ -30,6 +30,7 @@ _BY_KIND = {
     FaultKind.COLLECTIVE: RescheduleReason.PROCESS_EXCEPTION,
     FaultKind.CHIP: RescheduleReason.CARD_UNHEALTHY,
     FaultKind.MEMORY_UCE: RescheduleReason.CARD_UNHEALTHY,
+    FaultKind.SILENT_CORRUPTION: RescheduleReason.CARD_UNHEALTHY,
     FaultKind.NODE_LOST: RescheduleReason.NODE_UNHEALTHY,
     FaultKind.NETWORK: RescheduleReason.NODE_UNHEALTHY,
     FaultKind.SLOW: RescheduleReason.NODE_UNHEALTHY,

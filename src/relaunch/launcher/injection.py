@@ -19,6 +19,7 @@ from typing import Final
 import psutil
 
 from relaunch.launcher.processes import Worker, is_python, signal_group
+from relaunch.protocol.integrity import CORRUPTION_SUFFIX
 from relaunch.protocol.messages import InjectProcessFault
 
 __all__ = ["SLOW_PERIOD_S", "inject", "slow_down"]
@@ -43,6 +44,8 @@ def inject(
     if message.kind == "hang":
         signal_group(worker.proc.pid, signal.SIGSTOP)
         return None
+    if message.kind == "corrupt":  # carried out inside the rank, by its training SDK
+        return _ask_to_corrupt(worker, message.corruption, inject_dir)
     if message.kind == "slow":
         live = [w for w in pod if w.started and w.proc.poll() is None]
         threading.Thread(
@@ -60,6 +63,21 @@ def inject(
         (inject_dir / str(process.pid)).write_text(str(message.exit_code))
         with contextlib.suppress(psutil.NoSuchProcess):
             process.send_signal(signal.SIGUSR2)
+    return None
+
+
+def _ask_to_corrupt(worker: Worker, corruption: str, inject_dir: Path) -> str | None:
+    """Leaves the request where the rank's SDK looks after each step (protocol.integrity): its
+    Python processes' `<pid>.corrupt`."""
+    try:
+        root = psutil.Process(worker.proc.pid)
+        python = [p for p in [root, *root.children(recursive=True)] if is_python(p)]
+    except psutil.NoSuchProcess:
+        return f"rank {worker.rank} has exited"
+    if not python:
+        return f"rank {worker.rank} runs no Python process to corrupt"
+    for process in python:
+        (inject_dir / f"{process.pid}{CORRUPTION_SUFFIX}").write_text(corruption)
     return None
 
 

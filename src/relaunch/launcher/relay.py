@@ -20,10 +20,16 @@ import time
 from collections.abc import Callable, Mapping
 
 from relaunch.launcher.processes import Worker
-from relaunch.protocol.datagrams import CollectiveFailure, Restore, parse_datagram
+from relaunch.protocol.datagrams import (
+    CollectiveFailure,
+    CorruptionReport,
+    Restore,
+    parse_datagram,
+)
 from relaunch.protocol.environment import Env
 from relaunch.protocol.messages import (
     CollectiveFailed,
+    CorruptionFound,
     Message,
     Progress,
     ProgressBatch,
@@ -91,6 +97,11 @@ class ProgressRelay:
                 rank, attempt, value.step, value.collective, value.generation, value.why, now
             )
             self.send(failed, urgent=True)
+            return False
+        if isinstance(value, CorruptionReport):  # to the controller at once
+            step, clean, culprits, seen = value
+            found = CorruptionFound(rank, attempt, step, clean, culprits, seen, now)
+            self.send(found, urgent=True)
             return False
         if isinstance(value, Restore):  # for the job's record: which tier served the restore
             self.send(Restored(rank, attempt, value.step, value.tier, value.holder, now))

@@ -3,7 +3,8 @@ when the script reported it, which can be well before the datagram goes: a repor
 the interval waits for the next), "RANK @PHASE" (what the rank is doing, for R-37) or
 "RANK !STEP COLLECTIVE GENERATION WHY" (a collective failed on its transport, R-29) or
 "RANK #STEP TIER HOLDER" (the rank restored a checkpoint's step, the tier its bytes came from and
-the node or rank that held them). Kept apart from the wire messages and free of dataclasses:
+the node or rank that held them) or "RANK %STEP CLEAN CULPRITS SEEN" (the replicas' parameters
+apart at STEP, R-45: the last step they agreed, the ranks that differ, each fingerprint seen). Kept apart from the wire messages and free of dataclasses:
 every training process imports it, and its start is on the path of every recovery."""
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ from typing import Final, NamedTuple
 
 __all__ = [
     "CollectiveFailure",
+    "CorruptionReport",
     "Restore",
     "RestoreTier",
     "SdkPhase",
     "collective_failure_datagram",
+    "corruption_datagram",
     "parse_datagram",
     "phase_datagram",
     "progress_datagram",
@@ -87,6 +90,35 @@ class RestoreTier(StrEnum):
         return f"{self.words} of {holder}"
 
 
+class CorruptionReport(NamedTuple):
+    """A rank found the replicas' fingerprints apart at `step` (R-45)."""
+
+    step: int
+    clean_step: int | None
+    """The last step every replica agreed at (None: no check agreed yet)."""
+    culprits: tuple[int, ...]
+    fingerprints: tuple[str, ...]
+    """Each distinct fingerprint and how many ranks had it: "3f2a…:2"."""
+
+
+def corruption_datagram(
+    rank: int, step: int, clean_step: int | None, culprits: tuple[int, ...], seen: tuple[str, ...]
+) -> bytes:
+    clean = "-" if clean_step is None else str(clean_step)
+    named = ",".join(map(str, culprits)) or "-"
+    text = f"{rank} %{step} {clean} {named} {','.join(seen) or '-'}"
+    return text.encode()[:DATAGRAM_MAX]
+
+
+def _corruption(value: str, rest: list[str]) -> CorruptionReport:
+    clean, named, seen = rest[0], rest[1], rest[2]
+    culprits = () if named == "-" else tuple(int(r) for r in named.split(","))
+    fingerprints = () if seen == "-" else tuple(seen.split(","))
+    return CorruptionReport(
+        int(value), None if clean == "-" else int(clean), culprits, fingerprints
+    )
+
+
 class Restore(NamedTuple):
     step: int
     tier: str
@@ -102,9 +134,10 @@ def restored_datagram(rank: int, step: int, tier: str, holder: str) -> bytes:
 
 def parse_datagram(
     data: bytes,
-) -> tuple[int, int | str | CollectiveFailure | Restore, float | None] | None:
+) -> tuple[int, int | str | CollectiveFailure | Restore | CorruptionReport, float | None] | None:
     """(rank, step, when it was reported), (rank, phase, None), (rank, a collective's failure,
-    None) or (rank, a restore, None); None for anything else."""
+    None), (rank, a restore, None) or (rank, a corruption found, None); None for anything
+    else."""
     try:
         text = data.decode(errors="replace")
         rank_text, value, *rest = text.split(maxsplit=4)
@@ -115,6 +148,8 @@ def parse_datagram(
             return rank, Restore(int(value[1:]), tier, holder[0] if holder else ""), None
         if value.startswith("@"):
             return rank, value[1:], None
+        if value.startswith("%"):
+            return rank, _corruption(value[1:], rest), None
         if value.startswith("!"):
             collective, generation = int(rest[0]), int(rest[1])
             why = rest[2] if len(rest) > 2 else ""

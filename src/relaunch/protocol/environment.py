@@ -86,6 +86,8 @@ class Env:
     """0: every rank starts as a new Python process, none is forked from the pod's rank
     template (relaunch._template)."""
     GASP_WAIT_S: Final = "RELAUNCH_GASP_WAIT_S"
+    INTEGRITY_EVERY: Final = "RELAUNCH_INTEGRITY_EVERY"
+    """Steps between the replicas' fingerprint checks (spec.integrity_check_every; 0: none)."""
     STORE_WAIT: Final = "RELAUNCH_STORE_WAIT_S"
     """How long a rank other than 0 that relaunch starts waits for rank 0's store before its
     script runs (relaunch._rendezvous; 0: not at all)."""
@@ -173,6 +175,8 @@ class PodEnvironment:
     peer_memory_bytes: int = 0
     local_checkpoints: str = ""
     """Where on each node's own disk ranks keep checkpoint copies; "": they keep none."""
+    integrity_every: int = 10
+    """Steps between the replicas' fingerprint checks (0: none; R-45)."""
 
     def variables(self, attempt: Mapping[str, str]) -> dict[str, str]:
         """`attempt`: the attempt's variables (`AttemptEnvironment.variables`)."""
@@ -184,6 +188,7 @@ class PodEnvironment:
             Env.POD: str(self.pod),
             Env.NODE: self.node,
             Env.GENERATION: str(self.generation),
+            Env.INTEGRITY_EVERY: str(self.integrity_every),
         }
         if self.peer_memory and self.peer_memory_bytes > 0:
             env[Env.PEER_MEMORY] = self.peer_memory

@@ -8,7 +8,8 @@ line on the wire is `{"t": KIND, ...fields}`, its kind first). Who sends what:
                              ForgetCopies, Shutdown, and to an agent that hosts its node's
                              pods: StartPod, Crash
     launcher -> controller   LauncherHello, Started, Output, ProgressBatch, Exited, Stopped,
-                             Usage, Injected, Stacks, CollectiveFailed, Restored
+                             Usage, Injected, Stacks, CollectiveFailed, Restored,
+                             CorruptionFound
     controller -> launcher   Start, Stop, Shutdown, InjectProcessFault, MembershipUpdate, Assume,
                              CaptureStacks, Lease
 
@@ -36,7 +37,8 @@ from relaunch.protocol.codec import from_data
 from relaunch.protocol.plans import LaunchPlan, Membership
 
 __all__ = [
-    "AgentHello", "Assume", "CaptureStacks", "ChipReport", "CollectiveFailed", "Crash", "Exited",
+    "AgentHello", "Assume", "CaptureStacks", "ChipReport", "CollectiveFailed", "CorruptionFound",
+    "Crash", "Exited",
     "ForgetCopies", "Heal", "Healed", "Heartbeat", "InjectChipFault", "InjectCopyCorruption",
     "InjectNetworkFault", "InjectProcessFault", "Injected", "LauncherHello", "Lease", "LinkReport",
     "MembershipUpdate", "Message", "Output", "ProcReport", "Progress", "ProgressBatch",
@@ -365,12 +367,13 @@ class InjectProcessFault(Message):
     KIND = "inject-process-fault"
     index: int
     kind: str
-    """"exit" (the process exits with `exit_code`), "hang" (SIGSTOP) or "slow" (every process
-    of the pod runs 1/`factor` of the time, for `duration_s` or until it ends)."""
+    """"exit" (it exits `exit_code`), "hang" (SIGSTOP), "slow" (the pod runs 1/`factor` of the
+    time, `duration_s` or to its end), "corrupt" (its SDK flips what `corruption` says)."""
     rank: int
     exit_code: int = 1
     factor: float = 1.0
     duration_s: float | None = None
+    corruption: str = ""  # protocol.integrity.Corruption, as JSON
 
 
 @dataclass(frozen=True)
@@ -399,6 +402,21 @@ class CollectiveFailed(Message):
     collective: int
     generation: int
     why: str
+    at: float
+
+
+@dataclass(frozen=True)
+class CorruptionFound(Message):
+    """A rank found the replicas' parameters apart at `step` (R-45): the ranks the majority
+    names (none where it names none), the last step they agreed (None: none), what was seen."""
+
+    KIND = "corruption-found"
+    rank: int
+    attempt: int
+    step: int
+    clean_step: int | None
+    culprits: tuple[int, ...]
+    fingerprints: tuple[str, ...]
     at: float
 
 
@@ -433,7 +451,7 @@ _KINDS: Final[dict[str, type[Message]]] = {
         Heal, Injected,
         Shutdown, ForgetCopies, LauncherHello, Started, Output, ProgressBatch, Exited, Stopped,
         Usage, Start, Stop, InjectProcessFault, MembershipUpdate, Assume, CaptureStacks, Stacks,
-        Lease, CollectiveFailed, StartPod, Crash, Restored,
+        Lease, CollectiveFailed, StartPod, Crash, Restored, CorruptionFound,
     )
 }  # fmt: skip
 

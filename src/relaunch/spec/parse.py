@@ -87,6 +87,7 @@ def _build(parsed: File, data: Mapping[str, Any]) -> JobSpec:
         warm_spares=work.warm_spares,
         peer_memory_mb=work.peer_memory_mb,
         local_checkpoint_dir=work.local_checkpoint_dir,
+        integrity_check_every=work.integrity_check_every,
     )
 
 

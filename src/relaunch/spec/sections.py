@@ -118,6 +118,9 @@ class Workload(BaseModel):
         int, v(integer(0, 1 << 30, "MiB of the job's checkpoint copies a node keeps in memory"))
     ] = 0
     local_checkpoint_dir: Annotated[str | None, v(r.absolute_path)] = None
+    integrity_check_every: Annotated[
+        int, v(integer(0, 1_000_000, "steps between the replicas' fingerprint checks, 0: none"))
+    ] = 10
     step_rollback: Annotated[
         StepRollback,
         v(

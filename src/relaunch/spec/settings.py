@@ -98,6 +98,10 @@ class JobSpec:
     local_checkpoint_dir: str | None = None
     """Each rank's checkpoint is also copied to this directory on its node's own disk, and a
     rank that restarts on that node reads it from there (relaunch.train.local)."""
+    integrity_check_every: int = 10
+    """Every that many steps the replicas compare their parameters' fingerprints, where the
+    script checks them (relaunch.train.integrity; 0: never): a chip that computes wrong is
+    found within that many steps (R-45)."""
 
     @property
     def world_size(self) -> int:

@@ -73,16 +73,6 @@ class Checkpoint:
     path: Path
 
 
-def _read_shard(path: Path, fmt: str, expected: dict[str, Any]) -> Any:
-    """The state in one shard file, checked against its manifest entry `expected`."""
-    if fmt not in shard.FORMATS:  # 0.1.0's torch.save / pickle shards: never unpickled unchecked
-        raise ValueError(
-            f"{path.name} is in format {fmt!r}, which relaunch no longer reads (it reads "
-            f"{', '.join(shard.FORMATS)})"
-        )
-    return shard.read(path, expected["size"], expected[shard.HASH])
-
-
 def _wait_at_exit(manager: weakref.ref[CheckpointManager]) -> None:
     live = manager()
     if live is None:
@@ -365,7 +355,7 @@ class CheckpointManager:
             ours = warn and manifest.get("format") in shard.FORMATS  # else never sent to memory
             state, served = self._from_copies(step, rank, manifest) if ours else (None, None)
             if served is None:
-                state = _read_shard(directory / name, manifest["format"], expected)
+                state = shard.read_entry(directory / name, manifest["format"], expected)
                 served = (RestoreTier.STORAGE, "")
             if warn:
                 self._restored(step, rank, *served)
@@ -422,6 +412,10 @@ class CheckpointManager:
         for the step to end; a step that fails leaves the last completed step's state, saved."""
         self._gasp = state
         signal.signal(signal.SIGTERM, self._on_term)
+
+    def forget_gasp(self) -> None:
+        """No dying gasp from now on: the state it would save cannot be trusted (R-45)."""
+        self._gasp = None
 
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[None]:

@@ -14,6 +14,7 @@ from relaunch.protocol.datagrams import (
     RestoreTier,
     SdkPhase,
     collective_failure_datagram,
+    corruption_datagram,
     phase_datagram,
     progress_datagram,
     restored_datagram,
@@ -27,6 +28,7 @@ __all__ = [
     "env",
     "flush_progress",
     "report_collective_failure",
+    "report_corruption",
     "report_phase",
     "report_progress",
     "report_restore",
@@ -135,6 +137,15 @@ def report_restore(step: int, tier: RestoreTier, holder: str = "", rank: int | N
     rank, that held the bytes; none for storage): it goes in the job's record."""
     datagram = restored_datagram(_rank() if rank is None else rank, step, tier.value, holder)
     _send(datagram, urgent=True)
+
+
+def report_corruption(
+    step: int, clean_step: int | None, culprits: tuple[int, ...], seen: tuple[str, ...]
+) -> None:
+    """Tell relaunch that the replicas' parameters differ at `step` (R-45): the ranks the
+    majority names, the last step they all agreed, each fingerprint seen and how often."""
+    _send_newest()
+    _send(corruption_datagram(_rank(), step, clean_step, culprits, seen), urgent=True)
 
 
 def flush_progress() -> None:

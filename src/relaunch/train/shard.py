@@ -41,6 +41,7 @@ import struct
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO, Any
 
 import xxhash
@@ -287,6 +288,16 @@ class _Unpickler(pickle.Unpickler):
             raise ShardError(
                 f"the state refers to tensor {index!r}, which is not stored"
             ) from error
+
+
+def read_entry(path: Path, fmt: str, expected: dict[str, Any]) -> Any:
+    """The state in one shard file, checked against its manifest entry `expected`."""
+    if fmt not in FORMATS:  # 0.1.0's torch.save / pickle shards: never unpickled unchecked
+        raise ValueError(
+            f"{path.name} is in format {fmt!r}, which relaunch no longer reads (it reads "
+            f"{', '.join(FORMATS)})"
+        )
+    return read(path, expected["size"], expected[HASH])
 
 
 def read(path: str | os.PathLike[str], size: int, expected: str) -> Any:
