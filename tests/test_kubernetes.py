@@ -68,6 +68,21 @@ def until(what: str, check: Any, seconds: float = 120) -> Any:
     return found
 
 
+
+def bring_back(trial: TrialKubernetes, lost: str) -> None:
+    """The lost node back for the tests after this one: its agent again, relaunch's taint
+    removed, and Ready with no taint left (the node controller's `unreachable`, NoExecute, goes
+    a moment after Ready: a pod made on the node before then is evicted before it runs)."""
+    trial.start_agent(lost)
+    trial.plane.kubectl("taint", "nodes", lost, "relaunch.io/isolated-")
+    core = core_of(trial)
+
+    def back() -> bool:
+        node = core.read_node(lost)
+        return node_seen(node) is None and not node.spec.taints
+
+    until(f"{lost} Ready again, untainted", back)
+
 def test_every_identity_has_the_rights_it_uses_and_no_more(trial: TrialKubernetes) -> None:
     def can(verb: str, what: str, *identity: str) -> bool:
         said = trial.plane.kubectl("auth", "can-i", verb, what, *identity, check=False)
@@ -270,10 +285,7 @@ def test_the_toy_job_comes_through_the_demos_three_faults_on_kubernetes(
             ("RelaunchInPlace", "toy-1-pod-0"), ("RelaunchPodReschedule", "toy-1-pod-1")} <= events, events  # fmt: skip
     leases = client.CoordinationV1Api(api_client(str(trial.plane.admin_kubeconfig)))
     assert not leases.list_lease_for_all_namespaces(label_selector="relaunch.io/role").items
-    # the node back for the tests after this one: its agent again, relaunch's taint removed
-    trial.start_agent(lost)
-    trial.plane.kubectl("taint", "nodes", lost, "relaunch.io/isolated-")
-    until(f"{lost} Ready again", lambda: node_seen(core.read_node(lost)) is None)
+    bring_back(trial, lost)
 
 
 def test_a_volcano_job_with_mindclusters_labels_runs_with_those_settings(
@@ -305,10 +317,7 @@ def test_a_volcano_job_with_mindclusters_labels_runs_with_those_settings(
     assert "SIGKILL at once" in said or "SIGKILL" in said, said  # fault-scheduling: force
     assert summary["budgets_left"]["job"] == 3, summary["budgets_left"]  # 4, one used
     lost = summary["recoveries"][1]["fault"]["node"]
-    trial.start_agent(lost)
-    trial.plane.kubectl("taint", "nodes", lost, "relaunch.io/isolated-")
-    core = core_of(trial)
-    until(f"{lost} Ready again", lambda: node_seen(core.read_node(lost)) is None)
+    bring_back(trial, lost)
 
 
 def test_the_controller_killed_and_resumed_keeps_the_job_and_its_records(
@@ -389,10 +398,7 @@ def test_the_ddp_example_ends_bit_identical_through_a_crash_a_chip_fault_a_lost_
     assert all(r["outcome"] == "succeeded" for r in summary["recoveries"]), said
     assert out.read_text().strip() == unbroken, said
     lost = summary["recoveries"][2]["fault"]["node"]
-    trial.start_agent(lost)
-    trial.plane.kubectl("taint", "nodes", lost, "relaunch.io/isolated-")
-    core = core_of(trial)
-    until(f"{lost} Ready again", lambda: node_seen(core.read_node(lost)) is None)
+    bring_back(trial, lost)
 
 
 def test_a_list_watch_lists_again_when_its_version_has_expired() -> None:
