@@ -68,7 +68,6 @@ def until(what: str, check: Any, seconds: float = 120) -> Any:
     return found
 
 
-
 def bring_back(trial: TrialKubernetes, lost: str) -> None:
     """The lost node back for the tests after this one: its agent again, relaunch's taint
     removed, and Ready with no taint left (the node controller's `unreachable`, NoExecute, goes
@@ -82,6 +81,7 @@ def bring_back(trial: TrialKubernetes, lost: str) -> None:
         return node_seen(node) is None and not node.spec.taints
 
     until(f"{lost} Ready again, untainted", back)
+
 
 def test_every_identity_has_the_rights_it_uses_and_no_more(trial: TrialKubernetes) -> None:
     def can(verb: str, what: str, *identity: str) -> bool:
