@@ -648,7 +648,7 @@ def test_fsdp2_process_reschedule_keeps_the_healthy_rank_and_takes_the_moved_sha
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.actions == ["process-reschedule"], result.stdout[-3000:]
     took = [(e.fields["pod"], e.fields["node"]) for e in result.said(EventKind.STANDBY_TAKEN)]
-    took_spare = took == [(1, "node-2")]
+    took_spare = (1, "node-2") in took
     assert took_spare == bool(warm_spares), result.stdout[-3000:]
     moved = (cluster.state / "jobs" / "1" / "pods" / "pod-1-g2" / "logs" / "rank-1.log").read_text()
     spare = re.findall(r"warm spare pid (\d+) ---", moved)

