@@ -7,14 +7,19 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 
 from relaunch.controller.detectors import active_at, hang_fault, rank_active
 from relaunch.controller.peers import LauncherLink, Rank
+from relaunch.diagnosis import Frame, RankStack, culprits, in_rendezvous
+from relaunch.events import EventKind
 from relaunch.launcher.processes import NotStarted, Worker, sample_busy
 from relaunch.protocol.datagrams import SdkPhase
+from relaunch.protocol.messages import Output
+from tests.controller_sim import Sim, job_spec, waiting_stack
 from tests.runtime import AUTO, Cluster, asleep, toy_job, wait_status
 
 HANG_S, STARTUP_S = 4.0, 30.0
@@ -177,3 +182,68 @@ def test_r25_a_save_longer_than_the_hang_window_is_no_hang_end_to_end(cluster: C
     result = cluster.run(job, timeout=180, startup_s=60)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.report["recoveries"] == []
+
+
+def rendezvous_stack(rank: int, state: str = "sleeping") -> RankStack:
+    """As py-spy reads a rank that waits in `init_process_group` for its store's peers."""
+    frames = (
+        Frame("_create_c10d_store", "site-packages/torch/distributed/rendezvous.py", 199),
+        Frame("_env_rendezvous_handler", "site-packages/torch/distributed/rendezvous.py", 280),
+        Frame("init_process_group", "site-packages/torch/distributed/distributed_c10d.py", 1892),
+        Frame("<module>", "<string>", 6),
+    )
+    return RankStack(rank, 5000 + rank, state, frames, "\n".join(map(str, frames)))
+
+
+def test_r25_a_stack_in_init_process_group_is_a_rendezvous_and_only_torchs_counts() -> None:
+    assert in_rendezvous(rendezvous_stack(0).frames)
+    assert not in_rendezvous(waiting_stack(0).frames)
+    assert not in_rendezvous((Frame("init_process_group", "my_launcher.py", 3),))
+    forming = culprits([rendezvous_stack(0), rendezvous_stack(1, "running")])
+    assert forming.forming and forming.culprits == ()
+    mixed = culprits([rendezvous_stack(0), waiting_stack(1)])
+    assert not mixed.forming
+    stopped = culprits([rendezvous_stack(0), rendezvous_stack(1, "stopped")])
+    assert stopped.culprits == (1,) and not stopped.forming
+    unread = culprits([rendezvous_stack(0), RankStack(1, 5001, "sleeping", error="py-spy: gone")])
+    assert not unread.forming, "a rank whose stack is unknown may be anywhere"
+
+
+def _printed_then_silent(tmp_path: Path, stack: Callable[[int], RankStack]) -> Sim:
+    """A job whose ranks each print a line (a c10d warning as the store's client retries) and
+    then wait, silent, where `stack` says, before any step."""
+    sim = Sim(tmp_path, job_spec({**AUTO, "fault-tolerance/hang-retry": "true"}), nodes=4)
+    sim.boot()
+    sim.tick()
+    c = sim.controller
+    for rank in range(4):
+        sim.stacks[rank] = stack(rank)
+        c.receive(sim.link_peer(rank // 2), Output(rank, c.job.attempt, "[W socket.cpp] retry"))
+    return sim
+
+
+def test_r25_ranks_read_in_their_rendezvous_after_a_line_are_in_their_startup_not_hung(
+    tmp_path: Path,
+) -> None:
+    """Before: a rank that printed a line (ending its startup allowance) and then waited in
+    init_process_group for a peer still importing torch was hung after the hang window (CI,
+    under load). Its stack says it builds its group: no hang until the startup allowance runs
+    out, and then one (a rendezvous that never completes is a hang)."""
+    sim = _printed_then_silent(tmp_path, rendezvous_stack)
+    hang_s, startup_s = 2.0, 10.0  # the sim's job
+    sim.run(hang_s + sim.cluster.stack_capture_s + 1.0)
+    assert sim.records() == [] and sim.said(EventKind.HANG_FORMING)
+    sim.run(startup_s - sim.cluster.stack_capture_s - 2.0)
+    assert sim.records() == [], "within the startup allowance"
+    sim.run(sim.cluster.stack_capture_s + 3.0)
+    (record,) = sim.records()
+    assert record.fault.kind.value == "hang" and len(sim.said(EventKind.HANG_FORMING)) == 1
+
+
+def test_r25_ranks_read_in_a_collective_after_a_line_are_hung_after_the_hang_window(
+    tmp_path: Path,
+) -> None:
+    sim = _printed_then_silent(tmp_path, waiting_stack)
+    sim.run(2.0 + sim.cluster.stack_capture_s + 1.0)
+    (record,) = sim.records()
+    assert record.fault.kind.value == "hang" and not sim.said(EventKind.HANG_FORMING)

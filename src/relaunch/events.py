@@ -51,6 +51,10 @@ class EventKind(StrEnum):
         "hang-dropped",
         "hang: dropped, another fault came while its stacks were captured",
     )
+    HANG_FORMING = (
+        "hang-forming",
+        "hang: none, {reason}: their startup allowance applies",
+    )
     HANG_FOUND = (
         "hang-found",
         "hang: {reason} (stacks of {ranks} rank(s), {unlike} unlike, in {took_s:.2f} s)",

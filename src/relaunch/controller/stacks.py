@@ -5,7 +5,9 @@ the stacks are stored with the fault.
     hang detected ──CaptureStacks to each launcher──> capturing
     capturing ──every launcher answered, or stack_capture_s passed──> the hang fault, naming the
         culprit, with the stacks (HangFound: the caller stores and decides it); dropped if
-        another fault came meanwhile
+        another fault came meanwhile; no hang if every rank was read in its rendezvous while
+        one of them had ended its startup allowance (a line printed while it waited for peers
+        still starting): they are back in that allowance (R-25)
 """
 
 from __future__ import annotations
@@ -92,6 +94,9 @@ def finish(c: ControllerContext, now: float) -> HangFound | None:
         return None
     groups = group_stacks(capture.stacks)
     finding = culprits(groups)
+    if finding.forming and _back_to_startup(c, [r for g in groups for r in g.ranks]):
+        c.event(EventKind.HANG_FORMING, reason=finding.reason)
+        return None
     fault = capture.found.fault
     if finding.culprits:
         rank = finding.culprits[0]
@@ -125,3 +130,22 @@ def finish(c: ControllerContext, now: float) -> HangFound | None:
         took_s=now - capture.began,
     )
     return HangFound(fault, capture.found.source, evidence, capture.began)
+
+
+def _back_to_startup(c: ControllerContext, ranks: list[int]) -> bool:
+    """The ranks, read in their rendezvous, are in their startup allowance again, if one of them
+    had ended it (a line printed as it waited, a c10d warning: the hang window applied); False
+    if none had (the allowance itself ran out: a rendezvous that never completes is a hang)."""
+    observed = [
+        rank
+        for pod in c.pods.values()
+        if pod.link is not None
+        for index, rank in pod.link.ranks.items()
+        if index in ranks and rank.attempt == c.job.attempt
+    ]
+    if not any(rank.progressed for rank in observed):
+        return False
+    for rank in observed:
+        rank.progressed = False
+    c.hang_watch.stale()
+    return True

@@ -11,6 +11,7 @@ from relaunch.diagnosis.hang import (
     StackGroup,
     culprits,
     group_stacks,
+    in_rendezvous,
     ranks_text,
     waits_in_collective,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "failure_time",
     "goodput",
     "group_stacks",
+    "in_rendezvous",
     "is_collateral",
     "look_interval_s",
     "ranks_text",

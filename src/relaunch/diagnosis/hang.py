@@ -21,6 +21,7 @@ __all__ = [
     "StackGroup",
     "culprits",
     "group_stacks",
+    "in_rendezvous",
     "ranks_text",
     "waits_in_collective",
 ]
@@ -35,6 +36,15 @@ COLLECTIVES: Final = frozenset(
     }
 )  # fmt: skip
 """torch.distributed functions in which a rank waits for its peers."""
+RENDEZVOUS: Final = frozenset(
+    {
+        "init_process_group", "_create_c10d_store", "_env_rendezvous_handler",
+        "_tcp_rendezvous_handler", "_file_rendezvous_handler", "rendezvous",
+        "_store_based_barrier",
+    }
+)  # fmt: skip
+"""torch.distributed functions in which a rank builds its group: it waits for peers that may
+still start (import, connect), which is its startup, not a hang."""
 _BACKWARD: Final = frozenset({"backward", "_engine_run_backward", "run_backward"})
 """Autograd's backward, where DDP and FSDP hooks run their collectives."""
 _DISTRIBUTED_FILES: Final = ("torch/distributed/", "torch/nn/parallel/", "torch/autograd/")
@@ -97,6 +107,18 @@ def group_stacks(stacks: Iterable[RankStack | StackGroup]) -> tuple[StackGroup, 
 class HangFinding:
     culprits: tuple[int, ...]
     reason: str
+    forming: bool = False
+    """Every rank was read building its group (`in_rendezvous`): they wait for peers that still
+    start, which is the startup allowance's to time, not the hang window's."""
+
+
+def in_rendezvous(frames: Sequence[Frame]) -> bool:
+    """torch.distributed's rendezvous (`init_process_group` and the store it connects) is on the
+    stack."""
+    return any(
+        frame.function in RENDEZVOUS and "torch/distributed/" in frame.file.replace("\\", "/")
+        for frame in frames
+    )
 
 
 def waits_in_collective(frames: Sequence[Frame]) -> bool:
@@ -112,7 +134,8 @@ def waits_in_collective(frames: Sequence[Frame]) -> bool:
 
 
 def culprits(stacks: Sequence[RankStack | StackGroup]) -> HangFinding:
-    """The ranks the others wait for: the stopped ones; else those not waiting in a collective
+    """The ranks the others wait for: the stopped ones; else none if every rank was read in its
+    rendezvous (`forming`: waiting for peers to start); else those not waiting in a collective
     while others are; else none can be named (every rank waits: a peer outside the job, the
     network, or ranks that called different collectives)."""
     groups = [
@@ -130,6 +153,13 @@ def culprits(stacks: Sequence[RankStack | StackGroup]) -> HangFinding:
             f"{ranks_text(stopped)} stopped (SIGSTOP or a debugger); the others wait for it",
         )
     read = [g for g in groups if g.frames]
+    if len(read) == len(groups) and all(in_rendezvous(g.frames) for g in read):
+        return HangFinding(
+            (),
+            "every rank builds its group (init_process_group): they wait for peers that still "
+            "start",
+            forming=True,
+        )
     waiting = [g for g in read if waits_in_collective(g.frames)]
     others = [g for g in read if not waits_in_collective(g.frames)]
     if waiting and others:
