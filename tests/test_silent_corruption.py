@@ -235,11 +235,14 @@ def test_r45_the_ddp_example_through_a_flipped_bit_ends_bit_identical_its_culpri
     reported, a check every 10 steps (the default): found at the next check, rank 1's node
     isolated, its pod moved, every rank back at the newest checkpoint the replicas agreed on
     (the one of the last check that agreed), and the final parameters bit for bit those of the
-    run without the fault."""
+    run without the fault. The same for a bad chip (`repeat`: a bit flipped at every step from
+    step 50 on): isolated at its first detection, so one rollback, never a second."""
     runs = {}
+    corruption = {"kind": "silent-corruption", "at_step": 50, "pod": 1}
     for name, faults in (
         ("fault-free", None),
-        ("corrupted", [{"kind": "silent-corruption", "at_step": 50, "pod": 1}]),
+        ("corrupted", [corruption]),
+        ("bad-chip", [{**corruption, "repeat": True}]),
     ):
         (tmp_path / name).mkdir()
         out = tmp_path / name / "hash.txt"
@@ -248,14 +251,15 @@ def test_r45_the_ddp_example_through_a_flipped_bit_ends_bit_identical_its_culpri
         result = Cluster(tmp_path / name).run(job, faults, DDP_CLUSTER, timeout=300, startup_s=60)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         runs[name] = (result, out.read_text().strip())
-    result, digest = runs["corrupted"]
-    assert digest == runs["fault-free"][1]
-    (record,) = result.report["recoveries"]
-    assert record["fault"]["kind"] == "silent-corruption", record
-    assert (record["fault"]["node"], record["fault"]["rank"]) == ("node-1", 1), record
-    assert record["action"] == "pod-reschedule" and record["isolated_nodes"] == ["node-1"]
-    (found,) = result.said(EventKind.CORRUPTION_FOUND)
-    step, clean = found.fields["step"], found.fields["clean_step"]
-    assert found.fields["culprits"] == [1] and step == clean + 10 and clean >= 50, found.fields
-    resumed = sorted({int(s) for s in re.findall(r"resume_step=(\d+)", result.logs())})
-    assert resumed == [0, clean], resumed  # every rank back where the replicas last agreed
+    for name in ("corrupted", "bad-chip"):
+        result, digest = runs[name]
+        assert digest == runs["fault-free"][1], name
+        (record,) = result.report["recoveries"]
+        assert record["fault"]["kind"] == "silent-corruption", record
+        assert (record["fault"]["node"], record["fault"]["rank"]) == ("node-1", 1), record
+        assert record["action"] == "pod-reschedule" and record["isolated_nodes"] == ["node-1"]
+        (found,) = result.said(EventKind.CORRUPTION_FOUND)
+        step, clean = found.fields["step"], found.fields["clean_step"]
+        assert found.fields["culprits"] == [1] and step == clean + 10 and clean >= 50, found.fields
+        resumed = sorted({int(s) for s in re.findall(r"resume_step=(\d+)", result.logs())})
+        assert resumed == [0, clean], (name, resumed)  # every rank back where they last agreed
