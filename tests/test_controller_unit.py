@@ -745,8 +745,9 @@ def test_exits_after_a_job_level_decision_are_its_collateral_not_new_faults(
     assert len(sim.store.faults(sim.job_id)) == 1, "collateral is not decided"
 
 
-def feed_looks(sim: Sim, seconds: float, busy: dict[int, float]) -> None:
-    """Every tick, each running rank's launcher reports 10 more looks, `busy[pod]` of them busy."""
+def feed_looks(sim: Sim, seconds: float, busy: dict[int, float], train: bool = True) -> None:
+    """Every tick, each running rank's launcher reports 10 more looks, `busy[pod]` of them busy;
+    the job makes progress (`train`) or its ranks are still starting."""
     c = sim.controller
     counts: dict[int, list[int]] = sim.__dict__.setdefault("looks", {})  # cumulative, as sent
     step = c.progress.step or 1
@@ -765,7 +766,8 @@ def feed_looks(sim: Sim, seconds: float, busy: dict[int, float]) -> None:
                     report[rank] = (seen[0], seen[1])
             c.receive(sim.link_peer(pod.index), ProgressBatch((), (), report))
         step += 1
-        sim.train(step)  # the job makes progress: it is slow, not hung
+        if train:
+            sim.train(step)  # the job makes progress: it is slow, not hung
         sim.tick()
 
 
@@ -828,6 +830,35 @@ def test_a_slow_link_is_judged_only_a_window_after_every_rank_made_progress(
     (record,) = sim.records()
     assert (record.fault.kind.value, record.fault.pod) == ("slow", 1)
     assert "data link is slow" in record.fault.detail
+
+
+def test_a_pod_moved_off_a_slow_link_is_judged_on_its_new_node_only_after_it_trained_a_window(
+    tmp_path: Path,
+) -> None:
+    """CI: a pod moved off a degraded link was found slow again on its new node. Its new ranks
+    import and restore, busy, while its peer's ranks wait for them; that start is no slowness:
+    the pods are compared from a window after every rank, on the nodes its pods hold now, made
+    progress, as after the attempt's start."""
+    sim = Sim(tmp_path, job_spec(POD_LEVEL, labels={"pod-rescheduling": "on"}), nodes=4)
+    sim.boot()
+    c = sim.controller
+    c.cluster = replace(sim.cluster, slow_window_s=2.0)
+    degraded = c.pods[1].row.node
+    sim.link_rtt_ms.update({node: 6.0 if node == degraded else 0.4 for node in c.agents})
+    step = 1
+    while not sim.records() and step < 20:
+        sim.train(step)
+        sim.run(0.5)
+        step += 1
+    (record,) = sim.records()
+    assert (record.fault.kind.value, record.action) == ("slow", Action.POD_RESCHEDULE)
+    sim.link_rtt_ms[degraded] = 0.4  # out of the job (its probes no longer count)
+    sim.run(2.0)  # the move: the new pod's launcher says hello, its ranks start
+    moved = c.pods[1].row.node
+    assert moved != degraded and c.pods[1].link is not None
+    feed_looks(sim, 2.5, {0: 0.2, 1: 0.9}, train=False)  # pod 1 imports; pod 0 waits for it
+    feed_looks(sim, 6.0, {0: 0.5, 1: 0.5})  # both train alike
+    assert len(sim.records()) == 1, [(r.fault.node, r.fault.detail) for r in sim.records()]
 
 
 def test_a_standby_launchers_node_is_judged_alone_as_the_whole_set_judges_it(

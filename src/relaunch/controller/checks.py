@@ -168,9 +168,11 @@ def slow(c: ControllerContext, now: float) -> None:
         return
     parked = c.membership.parked()
     pods = [p for p in c.pods.values() if p.index not in parked]
-    rtts = _link_rtts(c, pods) if _trained_a_window(c, pods, now) else {}
-    found: dict[int, str] = {link.pod: link.describe() for link in slow_links(rtts)}
-    shares = _busy_shares(c, pods, now - window)
+    trained = _trained_a_window(c, pods, now)
+    found: dict[int, str] = {}
+    if trained:
+        found = {link.pod: link.describe() for link in slow_links(_link_rtts(c, pods))}
+    shares = _busy_shares(c, pods, now - window) if trained else None
     if shares is not None:
         # busier than its peers is the cause where both are seen: a slow link makes its ranks
         # wait, not compute (a machine beside a CPU hog and a disk writer answered a throttled
@@ -198,18 +200,22 @@ def slow(c: ControllerContext, now: float) -> None:
 
 
 def _trained_a_window(c: ControllerContext, pods: list[Pod], now: float) -> bool:
-    """Every rank of the attempt made progress, a slow window ago or more. Before, the data
-    links carry no training traffic (a degraded link queues no probe) and a start's load
-    (thousands of imports on shared cores) only delays the probes' answers: a busy machine's
-    link looked 15 times slower than its peers' (6 ms against 0.4) while its ranks imported."""
+    """Every rank of the attempt, on the nodes its pods hold now, made progress a slow window
+    ago or more. Before, the data links carry no training traffic (a degraded link queues no
+    probe) and a start's load (thousands of imports on shared cores) only delays the probes'
+    answers: a busy machine's link looked 15 times slower than its peers' (6 ms against 0.4)
+    while its ranks imported. A pod moved within the attempt starts anew too: its ranks'
+    imports and restore are no slowness (a pod moved off a degraded link was found slow again
+    on its new node, in CI)."""
     watch, attempt = c.slow, c.job.attempt
     for pod in pods:
         ranks = pod.link.ranks.values() if pod.link is not None else ()
         running = [r for r in ranks if r.attempt == attempt and r.running]
         if not running or not all(r.progressed for r in running):
             return False
-    if watch.training[0] != attempt:
-        watch.training = (attempt, now)
+    placed = (attempt, tuple(sorted((p.index, p.row.node, p.row.generation) for p in pods)))
+    if watch.training[0] != placed:
+        watch.training = (placed, now)
     return now - watch.training[1] >= c.cluster.slow_window_s
 
 

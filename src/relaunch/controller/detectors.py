@@ -99,9 +99,9 @@ class SlowWatch:
 
     checked_at: float = 0.0
     since: dict[int, float] = field(default_factory=dict)
-    training: tuple[int, float] = (0, 0.0)
-    """(attempt, since when every rank of it made progress): the links are compared from a
-    window after that."""
+    training: tuple[object, float] = (None, 0.0)
+    """(the attempt and its pods' placements, since when every rank of them made progress):
+    the pods are compared from a window after that."""
 
 
 def exit_fault(
