@@ -86,10 +86,22 @@ $(SSHFS):
 	    --no-install-recommends openssh-server sshfs >/dev/null; \
 	else echo "note: not root with apt: the peer-memory benchmark measures no shared storage (it needs Debian's openssh-server, sshfs)"; fi
 
+# MindSpore's own venv (tests/test_mindspore.py): its wheel is built against numpy 1.x and pins
+# what torch's stack does not, so it lives apart, as a MindSpore user's would, with relaunch
+# installed into it (relaunch's core needs no torch). About 800 MB, once.
+MINDSPORE := .mindspore
+MINDSPORE_STAMP := $(MINDSPORE)/.installed
+.PHONY: mindspore
+mindspore: $(MINDSPORE_STAMP)
+$(MINDSPORE_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(MINDSPORE)
+	$(MINDSPORE)/bin/python -m pip install --quiet mindspore==2.10.0 'numpy<2' -e .
+	@touch $@
+
 # Two workers, a test file to each at a time (a file's module fixtures, such as its fault-free
 # baseline, run once); every test's duration is kept in build/test-report/durations.txt.
 # `pytest -m "not real"` runs the tier that starts no real run, cluster or server.
-unit: $(STAMP) $(CHROMIUM) $(SLURMD) $(SSHFS) $(K8S_STAMP)
+unit: $(STAMP) $(CHROMIUM) $(SLURMD) $(SSHFS) $(K8S_STAMP) $(MINDSPORE_STAMP)
 	@# relaunch's own bytecode, ahead: where PYTHONDONTWRITEBYTECODE is set, each of the
 	@# suite's thousands of processes (agents, launchers, controllers) compiled it again
 	$(BIN)/python -m compileall -q -j 0 src

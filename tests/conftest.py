@@ -97,7 +97,8 @@ REAL_MODULES = frozenset(
     {
         "test_agents_engine", "test_api_fuzz", "test_bench", "test_bench_series",
         "test_controller_restart", "test_dashboard", "test_ddp_exactly_once", "test_diagnosis",
-        "test_disk_full", "test_frameworks", "test_gpu_nccl", "test_kubernetes", "test_networks",
+        "test_disk_full", "test_frameworks", "test_gpu_nccl", "test_kubernetes", "test_mindspore",
+        "test_networks",
         "test_operator_retry", "test_overlapped_save", "test_process_recovery",
         "test_ray_engine", "test_runner_soak", "test_runtime_cli", "test_runtime_e2e",
         "test_runtime_robustness", "test_scale", "test_sdk_bit_identical", "test_sdk_promises",

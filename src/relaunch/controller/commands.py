@@ -443,4 +443,5 @@ def launch_plan(c: ControllerContext, row: PodRow) -> LaunchPlan:
         termination_grace_s=c.recovery.termination_grace_s,
         activity_interval_s=min(30.0, max(0.2, c.hang_s / 5)),
         lease_s=c.cluster.lease_s,
+        framework=c.recovery.framework.value,
     )

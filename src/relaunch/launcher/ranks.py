@@ -25,6 +25,7 @@ from relaunch.diagnosis.errors import (
     error_from_output,
 )
 from relaunch.faults.kinds import ErrorReport
+from relaunch.launcher.mindspore import worker_environment
 from relaunch.launcher.processes import NotStarted, RankLog, RankProcess, Worker, in_container
 from relaunch.launcher.spares import SparePool
 from relaunch.launcher.template import RankTemplate
@@ -167,7 +168,8 @@ def _new_process(
 def _rank_environment(
     pod: Pod, pod_env: dict[str, str], rank: int, local_rank: int
 ) -> dict[str, str]:
-    """The pod's environment with the rank's own variables, as torchrun gives them."""
+    """The pod's environment with the rank's own variables, as torchrun gives them (and msrun,
+    for a MindSpore job)."""
     error_file = pod.dir.error_file(rank)
     error_file.parent.mkdir(exist_ok=True)
     error_file.unlink(missing_ok=True)  # what an earlier process of this rank wrote
@@ -178,6 +180,7 @@ def _rank_environment(
         Env.LOCAL_RANK: str(local_rank),
         Env.ERROR_FILE: str(error_file),
     }
+    child_env.update(worker_environment(pod.plan, pod_env, rank, local_rank))  # msrun's
     child_env.setdefault(Env.NCCL_ASYNC_ERROR_HANDLING, "1")  # torchrun's defaults
     # NCCL takes ranks with one host identity and one GPU for a mistake ("Duplicate GPU
     # detected"); ranks of different nodes sharing the machine's GPU are different hosts

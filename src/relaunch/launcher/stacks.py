@@ -9,6 +9,8 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ import psutil
 from relaunch.diagnosis import Frame, RankStack, StackGroup, group_stacks
 from relaunch.launcher.processes import python_process
 
-__all__ = ["capture", "py_spy"]
+__all__ = ["capture", "capture_aside", "py_spy"]
 
 
 def py_spy() -> str | None:
@@ -37,6 +39,14 @@ def capture(ranks: dict[int, int], timeout_s: float) -> tuple[StackGroup, ...]:
         return group_stacks(
             pool.map(lambda item: _one(item[0], item[1], tool, timeout_s), ranks.items())
         )
+
+
+def capture_aside(
+    ranks: dict[int, int], timeout_s: float, then: Callable[[tuple[StackGroup, ...]], None]
+) -> None:
+    """`capture` on a thread of its own, its stacks handed to `then` (py-spy takes tens of ms a
+    rank: the launcher's loop keeps serving meanwhile)."""
+    threading.Thread(target=lambda: then(capture(ranks, timeout_s)), daemon=True).start()
 
 
 def _one(rank: int, pid: int, tool: str | None, timeout_s: float) -> RankStack:

@@ -33,6 +33,7 @@ from pathlib import Path
 from relaunch.containers import Cgroup, step_out
 from relaunch.launcher.injection import inject
 from relaunch.launcher.link import ControllerLink
+from relaunch.launcher.mindspore import Scheduler
 from relaunch.launcher.processes import (
     Worker,
     cgroup_usage,
@@ -46,7 +47,7 @@ from relaunch.launcher.processes import (
 )
 from relaunch.launcher.ranks import INJECT_DIR, Pod, pod_environment, rank_error, start_rank
 from relaunch.launcher.relay import ProgressRelay
-from relaunch.launcher.stacks import capture
+from relaunch.launcher.stacks import capture_aside
 from relaunch.protocol.layout import PodDir
 from relaunch.protocol.messages import (
     Assume,
@@ -90,6 +91,7 @@ class Launcher:
         self.dir.inject.mkdir(exist_ok=True)
         self.pod = Pod.of(plan, self.dir, container, lambda: self.wake())
         self.spares, self.template = self.pod.spares, self.pod.template
+        self.scheduler = Scheduler(plan, self.dir, container)  # MindSpore's, in its pod 0
         self.commands: queue.Queue[Message] = queue.Queue()
         self.workers: dict[int, Worker] = {}
         self.attempt = 0
@@ -169,6 +171,8 @@ class Launcher:
             old = self.workers.get(rank)
             if old is not None and old.proc.poll() is None:
                 continue
+            if rank == 0:  # MindSpore's cluster forms anew around a scheduler of its own
+                self.scheduler.start(attempt, self._child_env(env))
             worker = start_rank(self.pod, self._child_env(env), attempt, rank, local_rank)
             self.workers[rank] = worker
             pids[rank] = worker.proc.pid
@@ -214,6 +218,7 @@ class Launcher:
         cgroups removed, the pod's own too (with the node's and the cluster's, if they are then empty)."""
         if self.container is None:
             return
+        self.scheduler.stop(0.0)
         for name in ["spares", *(f"rank-{rank}" for rank in self.workers)]:
             cgroup = self.container.child(name)
             cgroup.kill()
@@ -348,6 +353,8 @@ class Launcher:
             group_alive(w.proc) for w in targets
         ):
             time.sleep(0.02)
+        if any(w.rank == 0 for w in chosen):
+            self.scheduler.stop(max(0.0, min(deadline, self.link.kill_by()) - time.time()))
         for worker in targets:
             signal_group(worker.proc.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -481,12 +488,9 @@ class Launcher:
                     if w.started and w.proc.poll() is None and w.attempt == self.attempt
                 }
                 attempt = self.attempt
-                threading.Thread(  # py-spy takes tens of ms a rank: the loop keeps serving
-                    target=lambda: self.link.send(
-                        Stacks(request, attempt, capture(pids, timeout_s))
-                    ),
-                    daemon=True,
-                ).start()
+                capture_aside(
+                    pids, timeout_s, lambda s: self.link.send(Stacks(request, attempt, s))
+                )
             case MembershipUpdate(membership=membership):
                 write_atomically(self.dir.membership, membership.to_json())
             case Assume(plan=plan):

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
-__all__ = ["AttemptEnvironment", "Env", "PodEnvironment"]
+__all__ = ["AttemptEnvironment", "Env", "PodEnvironment", "mindspore_environment"]
 
 
 class Env:
@@ -47,6 +47,18 @@ class Env:
     """What NCCL takes for the host's identity: a pod's node (each node of the embedded cluster
     is a host of its own, though they share one machine and its GPUs)."""
     SIGNALS_TO_HANDLE: Final = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+    # MindSpore's contract (msrun's variables: the scheduler and the workers of dynamic networking)
+    MS_ROLE: Final = "MS_ROLE"
+    MS_NODE_ID: Final = "MS_NODE_ID"
+    MS_WORKER_NUM: Final = "MS_WORKER_NUM"
+    MS_SCHED_HOST: Final = "MS_SCHED_HOST"
+    MS_SCHED_PORT: Final = "MS_SCHED_PORT"
+    MS_TOPO_TIMEOUT: Final = "MS_TOPO_TIMEOUT"
+    """Seconds the scheduler and workers wait for the cluster to form (msrun's
+    --cluster_time_out)."""
+    MS_RANK_ID: Final = "RANK_ID"
+    MS_RANK_SIZE: Final = "RANK_SIZE"
+    MS_DEVICE_ID: Final = "DEVICE_ID"
     # ModelArts' counters (R-04, R-05)
     SCHEDULE_CNT: Final = "MA_SCHEDULE_CNT"
     PROC_START_CNT: Final = "MA_PROC_START_CNT"
@@ -199,3 +211,35 @@ class PodEnvironment:
             env[Env.MEMBERSHIP] = self.membership_file
             env[Env.POD_GENERATION] = str(self.generation)
         return env
+
+
+MS_SCHEDULER: Final = "MS_SCHED"
+MS_WORKER: Final = "MS_WORKER"
+MS_TOPO_TIMEOUT_S: Final = 600
+"""msrun's --cluster_time_out default."""
+
+
+def mindspore_environment(
+    rank: int | None, local_rank: int, world_size: int, scheduler: tuple[str, int], timeout_s: int
+) -> dict[str, str]:
+    """The variables msrun gives a process of a MindSpore job: the scheduler's (`rank` None)
+    or worker `rank`'s, `local_rank` on its node, the scheduler at `scheduler` (an address,
+    msrun's --master_addr resolved, and a port). Where msrun leaves a worker's rank to the
+    cluster (several nodes, no --node_rank), relaunch knows it and sets it, as msrun does with
+    --node_rank."""
+    env = {
+        Env.MS_RANK_SIZE: str(world_size),
+        Env.MS_WORKER_NUM: str(world_size),
+        Env.MS_SCHED_HOST: scheduler[0],
+        Env.MS_SCHED_PORT: str(scheduler[1]),
+        Env.MS_TOPO_TIMEOUT: str(timeout_s),
+    }
+    if rank is None:
+        return {**env, Env.MS_RANK_ID: "0", Env.MS_ROLE: MS_SCHEDULER}
+    return {
+        **env,
+        Env.MS_DEVICE_ID: str(local_rank),
+        Env.MS_RANK_ID: str(rank),
+        Env.MS_NODE_ID: str(rank),
+        Env.MS_ROLE: MS_WORKER,
+    }

@@ -12,11 +12,14 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from relaunch.protocol.codec import from_data, to_data
 
-__all__ = ["LaunchPlan", "Membership", "read_membership", "write_atomically"]
+__all__ = ["FRAMEWORK_MINDSPORE", "LaunchPlan", "Membership", "read_membership", "write_atomically"]
+
+
+FRAMEWORK_MINDSPORE: Final = "mindspore"
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,9 @@ class LaunchPlan:
     `adopt_grace_s`. None: only a closed connection counts."""
     job_name: str = ""
     """The job's name (a Kubernetes Pod's name and its `relaunch.io/job` label)."""
+    framework: str = "pytorch"
+    """The job's framework (the spec's `framework` label): FRAMEWORK_MINDSPORE gives each rank
+    msrun's variables and pod 0's launcher MindSpore's scheduler (launcher.mindspore)."""
     standby: bool = False
     """A launcher on a standby node that runs no rank yet: it keeps `warm_spares` processes
     ready and becomes a pod's launcher when the controller moves a pod to its node ("assume")."""

@@ -1,0 +1,155 @@
+"""MindSpore jobs unmodified, in MindSpore's own venv (`make mindspore`: relaunch installed beside
+mindspore, no torch): the variables every process sees beside msrun's own, and a data-parallel
+script written from MindSpore's docs (examples/frameworks/mindspore_dp.py) launched in msrun's
+form through a crash, a hang and a lost node, ending bit-identical to its fault-free run under
+msrun. Real MindSpore (the CPU `mccl` backend, its scheduler and workers)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV = ROOT / ".mindspore" / "bin"
+SCRIPT = ROOT / "examples" / "frameworks" / "mindspore_dp.py"
+DUMP = ROOT / "tests" / "scripts" / "dump_mindspore_env.py"
+MIN_STEP_S = 0.045
+AFTER_S = 10.0
+"""When each fault fires from its attempt's start: MindSpore's init (the scheduler, the
+workers' handshake) takes 4-6 s, then the workers train."""
+STEPS = 700
+"""More than three faulted attempts can train (3 * AFTER_S / MIN_STEP_S): the last one trains
+to the end."""
+
+
+@pytest.fixture(scope="module")
+def venv() -> Path:
+    assert (VENV / ".." / ".installed").exists(), "MindSpore's venv is built by `make mindspore`"
+    return VENV
+
+
+def environment(venv: Path) -> dict[str, str]:
+    """The MindSpore venv first on PATH: `python` in a command is its Python, as for its user."""
+    return {**os.environ, "PATH": f"{venv}{os.pathsep}{os.environ['PATH']}"}
+
+
+def msrun(venv: Path, cwd: Path, *args: str, timeout: float = 300) -> str:
+    done = subprocess.run(
+        [str(venv / "msrun"), "--join=True", "--log_dir=msrun-logs", *args],
+        cwd=cwd,
+        env=environment(venv),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    logs = "".join(p.read_text() for p in sorted((cwd / "msrun-logs").glob("*.log")))
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:] + logs[-3000:]
+    return logs
+
+
+def relaunch(venv: Path, cwd: Path, *args: str, timeout: float = 600) -> tuple[str, dict]:
+    report = cwd / "report.json"
+    done = subprocess.run(
+        [str(venv / "relaunch"), "run", "--state-dir", str(cwd / "state"), "--report",
+         str(report), *args],
+        cwd=cwd, env=environment(venv), capture_output=True, text=True, timeout=timeout,
+        check=False,
+    )  # fmt: skip
+    said = done.stdout + done.stderr
+    assert done.returncode == 0, said[-5000:]
+    return said, json.loads(report.read_text())
+
+
+def test_every_process_sees_the_variables_msrun_gives_for_the_same_flags(
+    venv: Path, tmp_path: Path
+) -> None:
+    """Four workers, two a node: relaunch's two pods beside msrun run once a node (its
+    --node_rank 0 and 1). Names and values equal, but the scheduler's address: msrun's is its
+    --master_addr, relaunch's the address of rank 0's node (an IP address, as msrun's)."""
+    ours = tmp_path / "relaunch"
+    ours.mkdir()
+    _, report = relaunch(
+        venv, ours, "--worker_num=4", "--local_worker_num=2", str(DUMP), str(ours / "env")
+    )
+    assert report["left_behind"] == 0, report["left_behind"]
+    seen = {p.stem: json.loads(p.read_text()) for p in (ours / "env").glob("*.json")}
+    assert sorted(seen) == ["MS_SCHED-0", *(f"MS_WORKER-{r}" for r in range(4))], sorted(seen)
+    host, port = seen["MS_SCHED-0"]["MS_SCHED_HOST"], seen["MS_SCHED-0"]["MS_SCHED_PORT"]
+    socket.inet_aton(host)  # an IP address
+    theirs = tmp_path / "msrun"
+    theirs.mkdir()
+    for node in (0, 1):
+        msrun(
+            venv, theirs, "--worker_num=4", "--local_worker_num=2", f"--node_rank={node}",
+            "--master_addr=127.0.0.1", f"--master_port={port}", str(DUMP), str(theirs / "env"),
+            f"n{node}-",
+        )  # fmt: skip
+    given = {p.stem: json.loads(p.read_text()) for p in (theirs / "env").glob("*.json")}
+    expected = {
+        "MS_SCHED-0": given["n0-MS_SCHED-0"],
+        **{f"MS_WORKER-{r}": given[f"n{r // 2}-MS_WORKER-{r}"] for r in range(4)},
+    }
+    for name, env in expected.items():
+        assert env.pop("MS_SCHED_HOST") == "127.0.0.1"
+        assert seen[name].pop("MS_SCHED_HOST") == host
+        assert seen[name] == env, name
+
+
+@pytest.fixture(scope="module")
+def msrun_digest(venv: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The script's final parameters, fault-free under msrun (unpaced: pacing changes no
+    number)."""
+    cwd = tmp_path_factory.mktemp("msrun")
+    logs = msrun(venv, cwd, "--worker_num=2", "--local_worker_num=2", "--master_port=18119",
+                 str(SCRIPT), "--steps", str(STEPS))  # fmt: skip
+    found = re.search(rf"done: step={STEPS} digest=(\w+)", logs)
+    assert found, logs[-3000:]
+    return found.group(1)
+
+
+def test_a_mindspore_script_comes_through_a_crash_a_hang_and_a_lost_node_bit_identical(
+    venv: Path, msrun_digest: str, tmp_path: Path
+) -> None:
+    """msrun's form, one word changed: each fault found at once (an exit, a silence, a node's),
+    the survivors stopped, the cluster formed anew around a new scheduler, every worker
+    resumed from the newest step all saved; one record per recovery, nothing left behind."""
+    assert STEPS > 3 * AFTER_S / MIN_STEP_S, "three faulted attempts could end the job"
+    plan = tmp_path / "faults.yaml"
+    plan.write_text(
+        yaml.safe_dump(
+            {
+                "faults": [
+                    {"kind": "process-exit", "after_s": AFTER_S, "pod": 1, "rank": 1},
+                    {"kind": "hang", "after_s": AFTER_S, "pod": 0, "rank": 0},
+                    {"kind": "node-down", "after_s": AFTER_S, "pod": 1},
+                ]
+            }
+        )
+    )
+    said, report = relaunch(
+        venv, tmp_path, "--faults", str(plan), "--hang-detect-seconds", "8",
+        "--monitor-interval", "0.2", "--worker_num=2", "--local_worker_num=1",
+        "--master_port=8118", "--join=True", str(SCRIPT), "--steps", str(STEPS),
+        "--min-step-seconds", str(MIN_STEP_S),
+    )  # fmt: skip
+    assert "msrun's --master_port is not used" in said
+    assert [e["state"] for e in report["fault_plan"]] == ["fired"] * 3, report["fault_plan"]
+    assert [(r["action"], r["outcome"]) for r in report["recoveries"]] == [
+        ("job-reschedule", "succeeded"),
+        ("hang-restart", "succeeded"),
+        ("isolated-job-reschedule", "succeeded"),
+    ], report["recoveries"]
+    assert report["left_behind"] == 0, report["left_behind"]
+    resumed = [int(n) for n in re.findall(r"\] start: rank=\d+ size=2 step=(\d+)", said)]
+    assert resumed == sorted(resumed) and resumed[-1] > 0, resumed
+    found = re.search(rf"done: step={STEPS} digest=(\w+)", said)
+    assert found, said[-3000:]
+    assert found.group(1) == msrun_digest
