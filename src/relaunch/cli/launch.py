@@ -14,6 +14,7 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperCommand
 
+from relaunch.cli.msrun import from_msrun, msrun_form
 from relaunch.cluster.nvml import gpu_count
 from relaunch.errors import Problem, SpecError
 from relaunch.spec import parse_job
@@ -65,11 +66,23 @@ class TorchrunForm(TyperCommand):
             for name in (*param.opts, *param.secondary_opts)
         )
         args = dashed(args, flags)
+        if msrun_form(args):
+            args = _msrun_as_torchrun(args, flags)
         if torchrun_form(args):
             args = _defaults_dropped(args, flags)
             ctx.allow_interspersed_args = False
             ctx.allow_extra_args = True
         return super().parse_args(ctx, args)
+
+
+def _msrun_as_torchrun(args: list[str], flags: frozenset[str]) -> list[str]:
+    """msrun's form written as torchrun's, its notes said; BadParameter for what it refuses."""
+    written = from_msrun(args, _script_at(args, flags | frozenset(DEFAULT_SWITCHES)))
+    if written.problem is not None:
+        raise typer.BadParameter(f"msrun's form: {written.problem}")
+    for note in written.notes:
+        typer.echo(f"note: {note}", err=True)
+    return written.args
 
 
 DEFAULT_SWITCHES = {
