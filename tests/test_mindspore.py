@@ -13,6 +13,7 @@ import socket
 import subprocess
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -153,3 +154,40 @@ def test_a_mindspore_script_comes_through_a_crash_a_hang_and_a_lost_node_bit_ide
     found = re.search(rf"done: step={STEPS} digest=(\w+)", said)
     assert found, said[-3000:]
     assert found.group(1) == msrun_digest
+
+
+def test_a_lost_scheduler_is_a_job_level_fault_found_at_once_not_at_mindspores_time_out(
+    venv: Path, msrun_digest: str, tmp_path: Path
+) -> None:
+    """The scheduler killed while the workers train: its launcher ends rank 0 at once, saying
+    why (MindSpore's workers would notice after their 30 s heartbeat time-out), the job restarts
+    around a new scheduler and ends with msrun's digest."""
+    report = tmp_path / "report.json"
+    proc = subprocess.Popen(
+        [str(venv / "relaunch"), "run", "--state-dir", str(tmp_path / "state"), "--report",
+         str(report), "--monitor-interval", "0.2", "--worker_num=2", "--local_worker_num=1",
+         str(SCRIPT), "--steps", str(STEPS), "--min-step-seconds", str(MIN_STEP_S)],
+        cwd=tmp_path, env=environment(venv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    said = []
+    for line in proc.stdout:
+        said.append(line)
+        if "[pod 0 rank 0] step 30 " in line:
+            break
+    (scheduler,) = [
+        p
+        for p in psutil.process_iter(["environ", "cwd"])
+        if (p.info["environ"] or {}).get("MS_ROLE") == "MS_SCHED" and p.info["cwd"] == str(tmp_path)
+    ]
+    scheduler.kill()
+    said.extend(proc.stdout)
+    assert proc.wait(timeout=600) == 0, "".join(said)[-5000:]
+    summary = json.loads(report.read_text())
+    (record,) = summary["recoveries"]
+    assert (record["action"], record["outcome"]) == ("job-reschedule", "succeeded"), record
+    assert "MindSpore's scheduler" in record["fault"]["detail"], record["fault"]
+    assert summary["left_behind"] == 0
+    found = re.search(rf"done: step={STEPS} digest=(\w+)", "".join(said))
+    assert found and found.group(1) == msrun_digest

@@ -10,6 +10,8 @@ its cluster anew), in the pod's `scheduler` cgroup, its output to the pod's sche
 from __future__ import annotations
 
 import contextlib
+import os
+import selectors
 import signal
 import socket
 import subprocess
@@ -58,6 +60,46 @@ class Scheduler:
         self.wanted = plan.framework == FRAMEWORK_MINDSPORE and plan.first_rank == 0
         self.cgroup = container.child("scheduler") if container is not None else None
         self.proc: subprocess.Popen[bytes] | None = None
+        self.log = pod_dir.logs / "scheduler.log"
+        self.events: selectors.BaseSelector | None = None
+        self.pidfd: int | None = None
+
+    def watch(self, events: selectors.BaseSelector) -> None:
+        """The launcher's loop wakes when the scheduler exits (its pidfd), as for a rank's exit;
+        where there are no pidfds, its process checks find it."""
+        self._unwatch()
+        if self.proc is None:
+            return
+        with contextlib.suppress(OSError):
+            self.pidfd = os.pidfd_open(self.proc.pid)
+            events.register(self.pidfd, selectors.EVENT_READ, "scheduler")
+            self.events = events
+
+    def _unwatch(self) -> None:
+        if self.pidfd is None:
+            return
+        if self.events is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self.events.unregister(self.pidfd)
+        with contextlib.suppress(OSError):
+            os.close(self.pidfd)
+        self.pidfd = None
+
+    def failed(self) -> str | None:
+        """Why the workers cannot go on, said once: the scheduler ended on its own, not with
+        the job (which ends it with code 0); None while it runs or after it ended well."""
+        code = self.proc.poll() if self.proc is not None else None
+        if self.proc is None or code is None:
+            return None
+        pid, self.proc = self.proc.pid, None
+        self._unwatch()
+        if code == 0:
+            return None
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        return (
+            f"MindSpore's scheduler (pid {pid}) {how}: the workers cannot keep their cluster "
+            f"without it (its output: {self.log})"
+        )
 
     def start(self, attempt: int, pod_env: Mapping[str, str]) -> None:
         """The attempt's scheduler, started (an earlier one ended first)."""
@@ -73,7 +115,7 @@ class Scheduler:
             with contextlib.suppress(OSError):
                 self.cgroup.make()
         cgroup = self.cgroup if self.cgroup is not None and self.cgroup.exists() else None
-        with open(self.dir.logs / "scheduler.log", "ab") as log:
+        with open(self.log, "ab") as log:
             log.write(f"--- relaunch: MindSpore's scheduler, attempt {attempt} ---\n".encode())
             log.flush()
             try:
@@ -94,6 +136,7 @@ class Scheduler:
     def stop(self, grace: float) -> None:
         """The scheduler ended: SIGTERM, SIGKILL after `grace`, and whatever it started."""
         proc, self.proc = self.proc, None
+        self._unwatch()
         if proc is not None and proc.poll() is None:
             if grace > 0:
                 terminate(proc.pid)

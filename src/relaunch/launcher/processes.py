@@ -38,6 +38,7 @@ __all__ = [
     "signal_group",
     "terminate",
     "tree_usage",
+    "usage_changes",
 ]
 
 SHELLS = {"sh", "dash", "bash", "zsh", "ksh"}
@@ -181,6 +182,8 @@ class Worker:
     reported: bool = False
     start_error: str | None = None
     """Why the command could not be started, if it could not."""
+    ended_by: str | None = None
+    """Why the launcher ended it on its own account (MindSpore's scheduler it needs is gone)."""
     usage: tuple[float, int] = (0.0, 0)
     """CPU seconds and I/O bytes of the rank's processes, as last sent."""
     started_at: float = field(default_factory=time.time)
@@ -382,3 +385,32 @@ def tree_usage(pid: int, children: dict[int, list[int]]) -> tuple[float, int] | 
         except (psutil.Error, AttributeError):
             continue
     return (round(cpu, 2), io) if seen else None
+
+
+def usage_changes(
+    silent: list[Worker], rank_cgroup: Callable[[int], Cgroup | None], by_tree: bool
+) -> tuple[dict[int, tuple[float, int]], dict[int, int], dict[int, int]]:
+    """What changed of each silent rank since the last sample: its CPU time and I/O (its
+    cgroup's, or, `by_tree`, its whole process tree's), how many looks found it working and
+    how many stopped; ranks where nothing changed are left out."""
+    children = children_by_parent() if by_tree else {}
+    ranks: dict[int, tuple[float, int]] = {}
+    working: dict[int, int] = {}
+    stopped: dict[int, int] = {}
+    for worker in silent:
+        cgroup = rank_cgroup(worker.rank)
+        usage = (
+            cgroup_usage(cgroup) if cgroup is not None else tree_usage(worker.proc.pid, children)
+        )
+        looks = worker.working - worker.working_sent
+        worker.working_sent = worker.working
+        halted = worker.stopped - worker.stopped_sent
+        worker.stopped_sent = worker.stopped
+        if usage is not None and (usage != worker.usage or looks or halted):
+            worker.usage = usage
+            ranks[worker.rank] = usage
+            if looks:
+                working[worker.rank] = looks
+            if halted:
+                stopped[worker.rank] = halted
+    return ranks, working, stopped

@@ -36,14 +36,12 @@ from relaunch.launcher.link import ControllerLink
 from relaunch.launcher.mindspore import Scheduler
 from relaunch.launcher.processes import (
     Worker,
-    cgroup_usage,
-    children_by_parent,
     forget_stat,
     group_alive,
     sample_busy,
     signal_group,
     terminate,
-    tree_usage,
+    usage_changes,
 )
 from relaunch.launcher.ranks import INJECT_DIR, Pod, pod_environment, rank_error, start_rank
 from relaunch.launcher.relay import ProgressRelay
@@ -173,6 +171,7 @@ class Launcher:
                 continue
             if rank == 0:  # MindSpore's cluster forms anew around a scheduler of its own
                 self.scheduler.start(attempt, self._child_env(env))
+                self.scheduler.watch(self.events)
             worker = start_rank(self.pod, self._child_env(env), attempt, rank, local_rank)
             self.workers[rank] = worker
             pids[rank] = worker.proc.pid
@@ -245,6 +244,13 @@ class Launcher:
             self.link.send(Output(worker.rank, worker.attempt, line[:2000]))
 
     def monitor(self) -> None:
+        lost = self.scheduler.failed()
+        rank_0 = self.workers.get(0)
+        if lost is not None and rank_0 is not None and rank_0.proc.poll() is None:
+            rank_0.ended_by = lost  # its exit says why: found now, not at MindSpore's time-out
+            signal_group(rank_0.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                rank_0.proc.wait(timeout=5)
         drained = False
         for worker in list(self.workers.values()):
             code = worker.proc.poll()
@@ -283,7 +289,7 @@ class Launcher:
                     code=None if signum else code,
                     signal=signum,
                     at=time.time(),
-                    detail=worker.start_error or "",
+                    detail=worker.start_error or worker.ended_by or "",
                     error=error,
                 )
             )
@@ -303,28 +309,7 @@ class Launcher:
             worker.alive_since_sample = False
         if not silent:
             return
-        children = children_by_parent() if self.container is None else {}
-        ranks: dict[int, tuple[float, int]] = {}
-        working: dict[int, int] = {}
-        stopped: dict[int, int] = {}
-        for worker in silent:
-            cgroup = self.rank_cgroup(worker.rank)
-            usage = (
-                cgroup_usage(cgroup)
-                if cgroup is not None
-                else tree_usage(worker.proc.pid, children)
-            )
-            looks = worker.working - worker.working_sent
-            worker.working_sent = worker.working
-            halted = worker.stopped - worker.stopped_sent
-            worker.stopped_sent = worker.stopped
-            if usage is not None and (usage != worker.usage or looks or halted):
-                worker.usage = usage
-                ranks[worker.rank] = usage
-                if looks:
-                    working[worker.rank] = looks
-                if halted:
-                    stopped[worker.rank] = halted
+        ranks, working, stopped = usage_changes(silent, self.rank_cgroup, self.container is None)
         if ranks:
             self.link.send(Usage(self.attempt, time.time(), ranks, working, stopped))
 
