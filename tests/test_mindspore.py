@@ -191,3 +191,57 @@ def test_a_lost_scheduler_is_a_job_level_fault_found_at_once_not_at_mindspores_t
     assert summary["left_behind"] == 0
     found = re.search(rf"done: step={STEPS} digest=(\w+)", "".join(said))
     assert found and found.group(1) == msrun_digest
+
+
+SDK_SCRIPT = ROOT / "examples" / "frameworks" / "mindspore_sdk.py"
+SDK_STEPS = 120
+
+
+@pytest.fixture(scope="module")
+def sdk_digests(venv: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The SDK example's final parameters under msrun, fault-free, with each API."""
+    digests = {}
+    for port, api in enumerate(("loop", "model"), start=18120):
+        cwd = tmp_path_factory.mktemp(f"msrun-sdk-{api}")
+        logs = msrun(venv, cwd, "--worker_num=2", "--local_worker_num=2", f"--master_port={port}",
+                     str(SDK_SCRIPT), "--api", api, "--steps", str(SDK_STEPS))  # fmt: skip
+        found = re.search(rf"done: step={SDK_STEPS} digest=(\w+)", logs)
+        assert found, logs[-3000:]
+        digests[api] = found.group(1)
+    return digests
+
+
+@pytest.mark.parametrize("api", ["loop", "model"])
+def test_the_sdks_reports_and_checkpoints_carry_a_mindspore_job_through_faults_at_steps(
+    venv: Path, sdk_digests: dict[str, str], tmp_path: Path, api: str
+) -> None:
+    """relaunch.train.mindspore in a hand-written loop and in Model.train: its step reports
+    are what a fault plan's `at_step` and hang detection by steps read; its checkpoints (the
+    SDK's, verified) bring every worker back to one step; the job ends with msrun's digest."""
+    plan = tmp_path / "faults.yaml"
+    plan.write_text(
+        yaml.safe_dump(
+            {
+                "faults": [
+                    {"kind": "process-exit", "at_step": 35, "pod": 1, "rank": 1},
+                    {"kind": "hang", "at_step": 75, "pod": 0, "rank": 0},
+                ]
+            }
+        )
+    )
+    said, report = relaunch(
+        venv, tmp_path, "--faults", str(plan), "--hang-detect-seconds", "8",
+        "--monitor-interval", "0.2", "--worker_num=2", "--local_worker_num=1", str(SDK_SCRIPT),
+        "--api", api, "--steps", str(SDK_STEPS), "--min-step-seconds", "0.05",
+    )  # fmt: skip
+    assert [e["state"] for e in report["fault_plan"]] == ["fired"] * 2, report["fault_plan"]
+    assert [(r["action"], r["outcome"]) for r in report["recoveries"]] == [
+        ("job-reschedule", "succeeded"),
+        ("hang-restart", "succeeded"),
+    ], report["recoveries"]
+    resumed = [int(n) for n in re.findall(r"\] start: rank=\d+ size=2 step=(\d+)", said)]
+    assert resumed[:2] == [0, 0] and len(resumed) == 6 and resumed[-1] >= 60, resumed
+    if api == "model":  # Model.train resumes at an epoch's start
+        assert all(step % 10 == 0 for step in resumed), resumed
+    found = re.search(rf"done: step={SDK_STEPS} digest=(\w+)", said)
+    assert found and found.group(1) == sdk_digests[api], said[-3000:]

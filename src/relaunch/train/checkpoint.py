@@ -123,7 +123,8 @@ class CheckpointManager:
             raise ValueError("every must be at least 1 (or None)")
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.rank = int(os.environ.get(Env.RANK, "0")) if rank is None else rank
+        said = os.environ.get(Env.RANK, os.environ.get(Env.MS_RANK_ID, "0"))  # torch's, msrun's
+        self.rank = int(said) if rank is None else rank
         self.every = every
         self.keep = keep
         self.async_save = async_save
