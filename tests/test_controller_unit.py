@@ -745,6 +745,19 @@ def test_exits_after_a_job_level_decision_are_its_collateral_not_new_faults(
     assert len(sim.store.faults(sim.job_id)) == 1, "collateral is not decided"
 
 
+def test_r46_a_crash_in_a_mindspore_job_that_asks_for_process_level_goes_a_level_down(
+    tmp_path: Path,
+) -> None:
+    """The same spec as PyTorch's process-level tests, the framework MindSpore: a crashed rank is
+    a job-level restart (unconditional retry), not a process-level replacement."""
+    labels = {**PROCESS_LABELS, "framework": "mindspore"}
+    sim = booted(tmp_path, {**PROCESS, **UNCONDITIONAL}, labels=labels)
+    sim.crash(1)
+    sim.tick()
+    (record,) = sim.records()
+    assert record.action is Action.JOB_RESCHEDULE, record
+
+
 def feed_looks(sim: Sim, seconds: float, busy: dict[int, float], train: bool = True) -> None:
     """Every tick, each running rank's launcher reports 10 more looks, `busy[pod]` of them busy;
     the job makes progress (`train`) or its ranks are still starting."""

@@ -355,6 +355,17 @@ def test_r07_mindspore_pod_rescheduling_sets_rsc() -> None:
     assert process_recovery_env(recovery) == {"MS_ENABLE_TFT": "{RSC:1}"}
 
 
+def test_r46_a_mindspore_jobs_process_level_is_asked_for_mindio_not_carried_out() -> None:
+    """R-07's variables are set (MindIO reads them on Ascend), but relaunch's process level is
+    off for it: its keeper re-forms torch.distributed's groups, not MindSpore's communicator."""
+    labels = {**PROCESS_LABELS, "framework": "mindspore"}
+    recovery = settings({"recover-strategy": "retry,recover"}, labels)
+    assert recovery.process_level_asked and not recovery.process_level
+    assert process_recovery_env(recovery)["MS_ENABLE_TFT"] == "{UCE:1,HCCE:1,ARF:1}"
+    torch_job = settings({"recover-strategy": "retry,recover"}, PROCESS_LABELS)
+    assert torch_job.process_level_asked and torch_job.process_level
+
+
 def test_r07_several_strategies_merge() -> None:
     recovery = settings({"recover-strategy": "retry,recover-in-place,dump"}, PROCESS_LABELS)
     env = process_recovery_env(recovery)

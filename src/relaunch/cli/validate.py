@@ -196,7 +196,14 @@ def _levels(r: RecoverySettings) -> Table:
     levels.add_row(
         "process level (R-30..R-36)",
         on if r.process_level else (f"[yellow]{r.process_recovery.value}[/]"),
-        process or "-",
+        process
+        or (
+            "a MindSpore job: MindIO rebuilds its communicator (Ascend); relaunch's keeper "
+            "rebuilds torch.distributed's only, so its faults go a level down (R-46); "
+            "R-07's variables are set"
+            if r.process_level_asked
+            else "-"
+        ),
     )
     levels.add_row(
         "in-place recovery (R-20)", on if r.auto_restart else off, "does not consume restarts"

@@ -55,7 +55,7 @@ _MINDSPORE_TFT: Final[Mapping[RecoverStrategy, tuple[str, ...]]] = {
 def process_recovery_env(recovery: RecoverySettings) -> dict[str, str]:
     """The variables of seed 004 Table 3 for this job's strategies and pod-rescheduling (R-07)."""
     env: dict[str, str] = {}
-    strategies = recovery.recover_strategies if recovery.process_level else ()
+    strategies = recovery.recover_strategies if recovery.process_level_asked else ()
     if recovery.framework is Framework.PYTORCH:
         ha: list[str] = []
         for strategy in strategies:

@@ -69,8 +69,16 @@ class RecoverySettings:
         return self.unconditional_retry or self.fault_retry_times > 0
 
     @property
-    def process_level(self) -> bool:
+    def process_level_asked(self) -> bool:
+        """The job asks for process-level recovery: R-07's variables are set for it."""
         return self.process_recovery is ProcessRecoverEnable.ON and bool(self.recover_strategies)
+
+    @property
+    def process_level(self) -> bool:
+        """relaunch carries process-level recovery out: asked, for a PyTorch job. Its keeper
+        re-forms torch.distributed's groups; a MindSpore job's communicator is MindIO's to
+        rebuild (Ascend), so its faults go to the next level down (R-46)."""
+        return self.process_level_asked and self.framework is Framework.PYTORCH
 
 
 @dataclass(frozen=True)
