@@ -1,7 +1,7 @@
 """MindSpore data parallelism with relaunch's training SDK (relaunch.train.mindspore): steps
 reported to relaunch, checkpoints saved and loaded through the SDK's CheckpointManager (atomic,
-verified, a dying gasp on relaunch's SIGTERM), in `Model.train` (--api model) or in a
-hand-written loop (--api loop). Runs under msrun too, where the reports go nowhere.
+verified), in `Model.train` (--api model) or in a hand-written loop (--api loop). Runs under
+msrun too, where the reports go nowhere.
 
     relaunch run --worker_num=2 --local_worker_num=1 mindspore_sdk.py --api model --steps 200
 
@@ -74,7 +74,7 @@ def main() -> None:
     saves = Checkpoints(manager, optimizer)  # the optimizer holds the network's parameters too
     if args.api == "model":  # Model.train resumes at an epoch's start
         start = saves.restore(world_size=size)
-    else:  # any step, with a dying gasp
+    else:  # any step
         start = restore(manager, optimizer, world_size=size)
     print(f"start: rank={rank} size={size} step={start} api={args.api}", flush=True)
     x, y = rows(rank)

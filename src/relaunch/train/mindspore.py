@@ -1,7 +1,7 @@
 """The training SDK for MindSpore: steps reported to relaunch, and checkpoints saved and loaded
 through the SDK's guarantees (atomic, verified with a fallback to the one before, optionally
-asynchronous, a dying gasp on relaunch's SIGTERM), for a `Model.train` script and for a
-hand-written loop. Imports MindSpore (its own venv: `make mindspore`); not torch.
+asynchronous; a dying gasp on relaunch's SIGTERM where asked), for a `Model.train` script and
+for a hand-written loop. Imports MindSpore (its own venv: `make mindspore`); not torch.
 
 `Model.train`, with MindSpore's own callbacks beside relaunch's::
 
@@ -60,11 +60,15 @@ def restore(
     *,
     world_size: int | None = None,
     replicated: bool = True,
-    gasp: bool = True,
+    gasp: bool = False,
 ) -> int:
     """The newest step every rank can resume from loaded into `cell`, so that the workers
-    resume together; its step (0: none), and (`gasp`) the dying gasp armed to save `cell` on
-    relaunch's SIGTERM (call `manager.step(step)` around each step). `replicated` (data parallelism: every worker holds the same parameters): the
+    resume together; its step (0: none). `gasp`: the dying gasp armed to save `cell` on
+    relaunch's SIGTERM (call `manager.step(step)` around each step); off by default: a worker
+    blocked in a collective whose peer died cannot run Python's SIGTERM handler (MindSpore's
+    CPU collective returns at its 30 s heartbeat time-out), so an armed gasp held relaunch's
+    stop of the survivors of a crash 30 s (without a handler, SIGTERM ends them at once).
+    `replicated` (data parallelism: every worker holds the same parameters): the
     newest step any worker saved, a replica's shard where this worker has none (a worker that
     died saved no gasp, its peers did); else the newest all saved. Read from the checkpoints'
     shared storage (the job's `shared_dir`), not through a collective: every worker restores
@@ -117,7 +121,7 @@ class Checkpoints(Callback):  # type: ignore[misc]
         self.manager, self.cell = manager, cell
 
     def restore(self, *, world_size: int | None = None) -> int:
-        return restore(self.manager, self.cell, world_size=world_size, gasp=False)
+        return restore(self.manager, self.cell, world_size=world_size)
 
     def on_train_begin(self, run_context: Any) -> None:
         steps = int(run_context.original_args().batch_num)
