@@ -152,9 +152,8 @@ def run(
     env: EnvOption = None,
 ) -> None:
     """Run a job to its end (exit 0 / 1; 2 for bad input) on the embedded cluster, Ray, Slurm,
-    Kubernetes or agents started by hand (--engine), from a job file or as torchrun runs a
-    script: `relaunch run --nnodes 2 train.py --epochs 3`, or `-m pkg.train` (the rest is theirs),
-    or as msrun runs a MindSpore one: `relaunch run --worker_num=4 --local_worker_num=2 train.py`."""
+    Kubernetes or agents (--engine), from a job file or as torchrun (or msrun) runs a script:
+    `relaunch run --nnodes 2 train.py --epochs 3`, or `-m pkg.train` (the rest is theirs)."""
     kind = _engine_checked(engine, address, ray_select, simulate_chips)
     where = engines.Where(address, ray_select, cluster_file, kubeconfig, namespace)
     held = _lock(directory := state_dir_of(state_dir))

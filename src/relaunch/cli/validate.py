@@ -172,6 +172,12 @@ def _print_settings(file: Path, job: JobSpec) -> None:
         out.print("  injected: " + " ".join(f"{k}={v}" for k, v in env.items()), markup=False)
 
 
+_MINDIO_ONLY = (
+    "a MindSpore job: MindIO rebuilds its communicator (Ascend); relaunch's keeper rebuilds "
+    "torch.distributed's only, so its faults go a level down (R-46); R-07's variables are set"
+)
+
+
 def _levels(r: RecoverySettings) -> Table:
     """Which recovery levels the job has on, with each one's budget or setting."""
     levels = Table(title="Recovery levels", title_justify="left", show_edge=False)
@@ -179,7 +185,10 @@ def _levels(r: RecoverySettings) -> Table:
     levels.add_column("state")
     levels.add_column("budget / setting")
     on, off = "[green]on[/]", "[dim]off[/]"
-    process = ", ".join(s.value for s in r.recover_strategies) if r.process_level else ""
+    process = ", ".join(s.value for s in r.recover_strategies) if r.process_level else "-"
+    state = r.process_recovery.value
+    if r.process_level_asked and not r.process_level:
+        process, state = _MINDIO_ONLY, "MindIO's"
     retry = r.operator_retry
     levels.add_row(
         "operator level (R-29)",
@@ -195,15 +204,8 @@ def _levels(r: RecoverySettings) -> Table:
     )
     levels.add_row(
         "process level (R-30..R-36)",
-        on if r.process_level else (f"[yellow]{r.process_recovery.value}[/]"),
-        process
-        or (
-            "a MindSpore job: MindIO rebuilds its communicator (Ascend); relaunch's keeper "
-            "rebuilds torch.distributed's only, so its faults go a level down (R-46); "
-            "R-07's variables are set"
-            if r.process_level_asked
-            else "-"
-        ),
+        on if r.process_level else f"[yellow]{state}[/]",
+        process,
     )
     levels.add_row(
         "in-place recovery (R-20)", on if r.auto_restart else off, "does not consume restarts"
