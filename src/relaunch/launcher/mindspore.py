@@ -18,7 +18,13 @@ import subprocess
 from collections.abc import Mapping
 
 from relaunch.containers import Cgroup
-from relaunch.launcher.processes import group_alive, in_container, signal_group, terminate
+from relaunch.launcher.processes import (
+    SPAWN_ERRORS,
+    group_alive,
+    signal_group,
+    spawn,
+    terminate,
+)
 from relaunch.protocol.environment import MS_TOPO_TIMEOUT_S, Env, mindspore_environment
 from relaunch.protocol.layout import PodDir
 from relaunch.protocol.plans import FRAMEWORK_MINDSPORE, LaunchPlan
@@ -119,17 +125,9 @@ class Scheduler:
             log.write(f"--- relaunch: MindSpore's scheduler, attempt {attempt} ---\n".encode())
             log.flush()
             try:
-                self.proc = subprocess.Popen(
-                    list(self.plan.command),
-                    cwd=self.plan.working_dir or str(self.dir.path),
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                    preexec_fn=in_container(cgroup),
-                )
-            except (OSError, ValueError, subprocess.SubprocessError) as error:
+                cwd = self.plan.working_dir or str(self.dir.path)
+                self.proc = spawn(self.plan.command, env, cwd, cgroup, log)
+            except SPAWN_ERRORS as error:
                 log.write(f"relaunch: the scheduler could not start: {error}\n".encode())
                 self.proc = None
 

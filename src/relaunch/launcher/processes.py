@@ -6,12 +6,13 @@ import contextlib
 import ctypes
 import os
 import signal
+import subprocess
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final, Protocol
+from typing import BinaryIO, Final, Protocol
 
 import psutil
 
@@ -20,6 +21,7 @@ from relaunch.diagnosis.errors import TAIL_LINES
 
 __all__ = [
     "BUSY_STATES",
+    "SPAWN_ERRORS",
     "STOPPED_STATES",
     "WORKING_STATES",
     "NotStarted",
@@ -36,6 +38,7 @@ __all__ = [
     "python_process",
     "sample_busy",
     "signal_group",
+    "spawn",
     "terminate",
     "tree_usage",
     "usage_changes",
@@ -62,6 +65,27 @@ def in_container(cgroup: Cgroup | None) -> Callable[[], None]:
             cgroup.join()
 
     return prepare
+
+
+SPAWN_ERRORS = (OSError, ValueError, subprocess.SubprocessError)
+"""What starting a command raises where it cannot be started."""
+
+
+def spawn(
+    command: Sequence[str], env: dict[str, str], cwd: str, cgroup: Cgroup | None, log: BinaryIO
+) -> subprocess.Popen[bytes]:
+    """`command` started as a new process of a session of its own, in `cgroup` (None: none),
+    its output to `log`, nothing on its input. Raises one of SPAWN_ERRORS where it cannot be."""
+    return subprocess.Popen(
+        list(command),
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=in_container(cgroup),
+    )
 
 
 class RankProcess(Protocol):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -26,7 +25,14 @@ from relaunch.diagnosis.errors import (
 )
 from relaunch.faults.kinds import ErrorReport
 from relaunch.launcher.mindspore import worker_environment
-from relaunch.launcher.processes import NotStarted, RankLog, RankProcess, Worker, in_container
+from relaunch.launcher.processes import (
+    SPAWN_ERRORS,
+    NotStarted,
+    RankLog,
+    RankProcess,
+    Worker,
+    spawn,
+)
 from relaunch.launcher.spares import SparePool
 from relaunch.launcher.template import RankTemplate
 from relaunch.protocol.environment import Env
@@ -148,17 +154,8 @@ def _new_process(
     """The rank's command started as a new process (its output to `log`); or, where it cannot
     be, a NotStarted and why."""
     try:
-        proc = subprocess.Popen(
-            list(pod.plan.command),
-            cwd=cwd,
-            env=child_env,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=in_container(cgroup),
-        )
-    except (OSError, ValueError, subprocess.SubprocessError) as error:
+        proc = spawn(pod.plan.command, child_env, cwd, cgroup, log)
+    except SPAWN_ERRORS as error:
         start_error = f"could not start {pod.plan.command[0]!r} in {cwd}: {error}"
         log.write(f"relaunch: {start_error}\n".encode())
         return NotStarted(126 if isinstance(error, PermissionError) else 127), start_error
