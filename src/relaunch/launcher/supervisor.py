@@ -215,9 +215,9 @@ class Launcher:
     def close_container(self) -> None:
         """The launcher exits: every process of its ranks and spares is killed and their
         cgroups removed, the pod's own too (with the node's and the cluster's, if they are then empty)."""
+        self.scheduler.stop(0.0)  # in its own session: it would outlive the launcher
         if self.container is None:
             return
-        self.scheduler.stop(0.0)
         for name in ["spares", *(f"rank-{rank}" for rank in self.workers)]:
             cgroup = self.container.child(name)
             cgroup.kill()
