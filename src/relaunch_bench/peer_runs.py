@@ -297,9 +297,13 @@ def dlrover_run(
             agent.wait()
 
 
-def _launcher_sample(path: Path, fault: str, finished: bool) -> PeerSample:
+def _launcher_sample(
+    path: Path, fault: str, finished: bool, parts: bool = False, detect_s: float | None = None
+) -> PeerSample:
     """A launcher that restarts every rank, read off rank 0's timeline: the stall is the fault
-    to the first step after it (of the restarted ranks)."""
+    to the first step after it (of the restarted ranks); with `parts`, where it went
+    (timeline.PHASES; `detect_s` where the system says when it detected the fault, else the
+    detection is counted in the stop)."""
     events = timeline.read(path)
     struck = next(((s, t) for e, s, t in events if e in ("crash", "hang")), None)
     if struck is None:
@@ -318,4 +322,6 @@ def _launcher_sample(path: Path, fault: str, finished: bool) -> PeerSample:
         lost_steps=max(0, before - resumed),
         ranks_restarted=2,
         detected=True,
+        detect_s=detect_s,
+        phases=timeline.phases_of(events, struck[1], detect_s) if parts else None,
     )

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from relaunch_bench.goals import GOAL_COLUMNS, goal_rows
 from relaunch_bench.mttr import Row
 from relaunch_bench.timeline import PHASES
 
@@ -137,6 +138,7 @@ SLURM_COLUMNS = {
     "fault": "fault",
     "ok": "recovered",
     "stall_s": "stall s (fault to the next step)",
+    "detect_s": "detect s",
     "lost_steps": "steps lost",
     "note": "note",
 }
@@ -210,19 +212,21 @@ def phase_rows(mttr: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
-def peer_phase_lines(peers: list[dict[str, Any]]) -> list[str]:
-    """relaunch's restarts beside the peers, part by part (rank 0's timeline, medians): where
-    the floor of each warm restart is."""
+def phase_lines(
+    measured: list[dict[str, Any]],
+    title: str = "Where relaunch's restarts' time goes (rank 0's timeline, medians):",
+) -> list[str]:
+    """Restarts part by part (rank 0's timeline): where the floor of each restart is, relaunch's
+    beside the peers' (a section's rows that have their parts)."""
     rows = [
         {"system": r["system"], "fault": r["fault"], "stall_s": r["stall_s"], **r["phases"]}
-        for r in peers
+        for r in measured
         if r.get("phases")
     ]
     if not rows:
         return []
     columns = {"system": "system", "fault": "fault", "stall_s": "stall s"}
     columns.update({k: k.replace("_", " ") + " s" for k in PHASES})
-    title = "Where relaunch's restarts' time goes (rank 0's timeline, medians):"
     return ["", title, "", *table(rows, columns)]
 
 
@@ -247,6 +251,8 @@ def markdown(result: dict[str, Any]) -> str:
             lines += ["", f"{title}:", "", *table(result[key], columns)]
         if key == "slurm" and result.get("slurm"):
             lines += ["", "relaunch / NVRx inside Slurm (stall): " + stall_ratios(result["slurm"])]
+            title = "Where a restart's time goes inside Slurm (rank 0's timeline):"
+            lines += phase_lines(result["slurm"], title)
         if key == "kubernetes" and result.get("kubernetes"):
             said = stall_ratios(result["kubernetes"], "Indexed Job")
             lines += ["", "relaunch / the Indexed Job on Kubernetes (stall): " + said]
@@ -265,9 +271,12 @@ def markdown(result: dict[str, Any]) -> str:
         if key == "peers" and result.get("peer_unmatched"):
             lines += ["", "No peer restores the job: " + ", ".join(result["peer_unmatched"])]
         if key == "peers":
-            lines += peer_phase_lines(result.get("peers") or [])
+            lines += phase_lines(result.get("peers") or [])
     if result.get("overhead"):
         lines += ["", "Controller overhead:", "", *table(result["overhead"], OVERHEAD_COLUMNS)]
+    goals = goal_rows(result)
+    if goals:
+        lines += ["", "Costs beside their goals:", "", *table(goals, GOAL_COLUMNS)]
     return "\n".join(lines) + "\n"
 
 

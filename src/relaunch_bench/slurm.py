@@ -44,7 +44,10 @@ CLUSTER = {
     "heartbeat_interval_s": 0.2,
     "heartbeat_timeout_s": 1.5,
     "adopt_grace_s": 10,
+    "pod_lease_s": 1.5,
 }
+"""A silent node's pods stop once they have heard nothing from the controller for a few
+heartbeats (`pod_lease_s`, R-14), not the 10 s a resumed controller has to adopt them."""
 
 
 def slurm_rows(say: Progress) -> list[dict[str, Any]]:
@@ -106,7 +109,23 @@ def _once(trial: TrialSlurm, system: str, fault: str, tmp: Path, nvrx: Path | st
             trial.slurm(["scancel", job_id], check=False)
             return PeerSample(False, note=f"did not end within {TIMEOUT_S:g} s")
         time.sleep(0.05)
-    return _launcher_sample(line, "crash", _state(trial, job_id) == "COMPLETED")
+    finished = _state(trial, job_id) == "COMPLETED"
+    if system != "relaunch":
+        return _launcher_sample(line, "crash", finished, parts=True)
+    recoveries = _recoveries(tmp / "report.json")
+    detect = recoveries[0].get("detect_s") if recoveries else None
+    sample = _launcher_sample(line, "crash", finished, parts=True, detect_s=detect)
+    sample.note = ", ".join(f"{r['action']} {r['outcome']}" for r in recoveries)
+    return sample
+
+
+def _recoveries(report: Path) -> list[dict[str, Any]]:
+    """relaunch's records of the run (its --report), empty where it wrote none."""
+    try:
+        found: list[dict[str, Any]] = json.loads(report.read_text())["recoveries"]
+    except (OSError, ValueError, KeyError):
+        return []
+    return found
 
 
 def _relaunch_body(tmp: Path, script: list[str]) -> str:
@@ -115,7 +134,8 @@ def _relaunch_body(tmp: Path, script: list[str]) -> str:
     (tmp / "cluster.json").write_text(json.dumps(CLUSTER))
     return (
         f"{sys.executable} -m relaunch run --engine slurm {tmp / 'job.json'} --cluster "
-        f"{tmp / 'cluster.json'} --state-dir {tmp / 'state'} --startup-seconds 60 --quiet"
+        f"{tmp / 'cluster.json'} --state-dir {tmp / 'state'} --report {tmp / 'report.json'} "
+        "--startup-seconds 60 --quiet"
     )
 
 
