@@ -171,6 +171,7 @@ def test_quick_bench_writes_json_markdown_and_chart(tmp_path: Path) -> None:
     for title in (
         "Where the time goes", "Controller overhead", "Checkpoints",
         "Save stalls in a training loop", "Restart", "Restores from a peer's memory",
+        "Costs beside their goals", "cold job-level restart: stop and spawn",
     ):  # fmt: skip
         assert title in markdown
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -287,6 +288,14 @@ def test_bench_refuses_unknown_levels_sections_and_devices(tmp_path: Path) -> No
         )  # fmt: skip
         assert done.returncode == 2, done.stdout + done.stderr
         assert value.split(",")[1] in done.stderr and "choose from" in done.stderr
+    for pods in ("4096,many", "1", "64,-2"):
+        done = subprocess.run(
+            [sys.executable, "-m", "relaunch", "bench", "--simulation-pods", pods, "--out",
+             str(tmp_path)],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert "--simulation-pods" in done.stderr and "a number of pods" in done.stderr
 
 
 def test_the_bench_faults_land_between_checkpoints_and_the_save_rows_on_one() -> None:
@@ -358,6 +367,37 @@ def test_a_failed_bench_run_keeps_its_state_and_says_its_last_lines(
     assert "last lines:" in said and "no-such-program-here" in said, said
     assert (kept / "state" / "relaunch.db").is_file() and (kept / "run.log").is_file()
     assert list((kept / "state" / "jobs").glob("*/pods/*/logs/rank-0.log"))
+
+
+def test_a_restart_inside_slurm_is_told_part_by_part_from_rank_0s_timeline(tmp_path: Path) -> None:
+    """Where a Slurm restart's time goes: the stall cut at the script's own marks, the detection
+    apart where the system says when it detected the fault (relaunch's record), and a markdown
+    table of the parts under the section."""
+    from relaunch_bench.peer_runs import _launcher_sample
+    from relaunch_bench.report import phase_lines
+
+    line = tmp_path / "timeline.txt"
+    marks = [("step", 21, 99.0), ("crash", 22, 100.0), ("launched", 0, 102.0),
+             ("imported", 0, 103.5), ("group", 0, 104.0), ("ddp", 0, 104.2),
+             ("loaded", 20, 104.3), ("start", 20, 104.3), ("step", 21, 104.5)]  # fmt: skip
+    line.write_text("".join(f"{e} {s} {t:.6f}\n" for e, s, t in marks))
+    plain = _launcher_sample(line, "crash", True)
+    assert plain.ok and plain.stall_s == 4.5 and plain.phases is None
+    ours = _launcher_sample(line, "crash", True, parts=True, detect_s=0.5)
+    assert ours.detect_s == 0.5 and ours.phases is not None
+    assert ours.phases["detect"] == 0.5 and ours.phases["stop_spawn"] == 1.5
+    assert (ours.phases["import"], ours.phases["rendezvous"], ours.phases["load"]) == (
+        1.5,
+        0.5,
+        0.1,
+    )
+    assert round(sum(ours.phases.values()), 3) == ours.stall_s
+    theirs = _launcher_sample(line, "crash", True, parts=True)
+    assert theirs.phases is not None and theirs.phases["stop_spawn"] == 2.0  # detection in it
+    rows = [{"system": "relaunch", "fault": "crash", **ours.__dict__}]
+    table = phase_lines(rows, "Where a restart's time goes inside Slurm:")
+    assert table[1] == "Where a restart's time goes inside Slurm:"
+    assert "| relaunch | crash | 4.5 | 0.5 | 1.5 | 1.5 |" in "\n".join(table)
 
 
 def test_the_slurm_sections_ratio_is_relaunchs_stall_over_nvrxs_where_both_recovered() -> None:

@@ -52,6 +52,8 @@ class BenchOptions:
     """cuda: the MTTR table's DDP rows (relaunch's and torchrun's) on the GPUs, over NCCL."""
     series_systems: tuple[str, ...] = ()
     """Only these runs of the goodput series (series.RUNS; all when empty)."""
+    simulation_sizes: tuple[int, ...] = ()
+    """The simulation's jobs, in pods (simulation.SIZES when empty)."""
 
 
 def run_bench(options: BenchOptions) -> dict[str, Any]:
@@ -138,7 +140,8 @@ def _sections(
         measured["scale"] = scale_rows(sizes, 1 if quick else min(3, repeats), say, options.levels)
     if "simulation" in sections:
         levels = tuple(lv for lv in options.levels if lv in SIM_LEVELS)
-        rows = simulation_rows((64,) if quick else SIM_SIZES, levels, say)
+        pods = (64,) if quick else options.simulation_sizes or SIM_SIZES
+        rows = simulation_rows(pods, levels, say)
         measured["simulation"], measured["simulation_growth"] = rows, growth(rows)
     if "sizes" in sections:
         levels = ("process-in-place",) if quick else options.levels

@@ -23,6 +23,32 @@ SeriesSystemsOption = Annotated[
 ]
 
 
+LevelsOption = Annotated[
+    str | None,
+    typer.Option(
+        "--levels", help="Comma-separated levels for the MTTR table (default: every level)."
+    ),
+]
+OnlyOption = Annotated[
+    str | None,
+    typer.Option("--only", help="Comma-separated sections to run (default: all of them)."),
+]
+DeviceOption = Annotated[
+    str,
+    typer.Option(
+        "--device",
+        help="cpu, or cuda: the MTTR table's DDP rows on the GPUs over NCCL (relaunch and torchrun).",
+    ),
+]
+SimulationPodsOption = Annotated[
+    str | None,
+    typer.Option(
+        "--simulation-pods",
+        help="Comma-separated job sizes of the simulation, in pods (default: 64,256,1024,4096).",
+    ),
+]
+
+
 @app.command()
 def bench(
     out: Annotated[
@@ -33,57 +59,49 @@ def bench(
         bool, typer.Option("--quick", help="One repeat, light workload + DDP crash only.")
     ] = False,
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Repetitions per level.")] = 5,
-    levels: Annotated[
-        str | None,
-        typer.Option(
-            "--levels", help="Comma-separated levels for the MTTR table (default: every level)."
-        ),
-    ] = None,
-    only: Annotated[
-        str | None,
-        typer.Option("--only", help="Comma-separated sections to run (default: all of them)."),
-    ] = None,
-    device: Annotated[
-        str,
-        typer.Option(
-            "--device",
-            help="cpu, or cuda: the MTTR table's DDP rows on the GPUs over NCCL (relaunch and torchrun).",
-        ),
-    ] = "cpu",
+    levels: LevelsOption = None,
+    only: OnlyOption = None,
+    device: DeviceOption = "cpu",
     series_systems: SeriesSystemsOption = None,
+    simulation_pods: SimulationPodsOption = None,
 ) -> None:
     """Measure recovery time by level on this machine beside torchrun, torchft, NVRx, DLRover."""
     _needs("torch", "matplotlib")
     # the benchmarks live outside the core package; imported only when asked for
     from relaunch_bench import LEVELS, SECTIONS, SERIES_SYSTEMS, BenchOptions, run_bench
 
-    chosen = _choices("--levels", levels, LEVELS)
-    sections = _choices("--only", only, SECTIONS)
-    device = _one("--device", device, ("cpu", "cuda"))
-    runs = _choices("--series-systems", series_systems, SERIES_SYSTEMS)
-    _stopped_as_by_ctrl_c()
-
-    def progress(text: str) -> None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        err.print(text, highlight=False, markup=False)
-
-    result = run_bench(
-        BenchOptions(
-            out=out,
-            quick=quick,
-            repeats=repeats,
-            progress=progress,
-            levels=chosen,
-            sections=sections,
-            device=device,
-            series_systems=runs,
-        )
+    options = BenchOptions(
+        out=out,
+        quick=quick,
+        repeats=repeats,
+        progress=lambda text: err.print(text, highlight=False, markup=False),
+        levels=_choices("--levels", levels, LEVELS),
+        sections=_choices("--only", only, SECTIONS),
+        device=_one("--device", device, ("cpu", "cuda")),
+        series_systems=_choices("--series-systems", series_systems, SERIES_SYSTEMS),
+        simulation_sizes=_pods("--simulation-pods", simulation_pods),
     )
+    _stopped_as_by_ctrl_c()
+    result = run_bench(options)
     sys.stdout.write((out / "bench.md").read_text())
     failed = sum(r["failures"] for r in result["mttr"] if r["system"] == "relaunch")
     if failed:
         err.print(f"[bold red]{failed} relaunch recovery(ies) failed[/]", highlight=False)
         raise typer.Exit(1)
+
+
+def _pods(option: str, given: str | None) -> tuple[int, ...]:
+    """A comma-separated option of job sizes, each a whole number of pods from 2 (exit 2
+    otherwise)."""
+    words = [x.strip() for x in (given or "").split(",") if x.strip()]
+    wrong = [w for w in words if not w.isdigit() or int(w) < 2]
+    if wrong:
+        err.print(
+            f"[bold red]error:[/] {option}: {', '.join(wrong)}: a number of pods, 2 or more",
+            highlight=False,
+        )
+        raise typer.Exit(2)
+    return tuple(int(w) for w in words)
 
 
 def _stopped_as_by_ctrl_c() -> None:
