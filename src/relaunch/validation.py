@@ -13,7 +13,12 @@ from pydantic_core import PydanticCustomError
 
 from relaunch.errors import MISSING, Problem
 
+MAX_PODS = 4096
+"""The largest job, in pods, a job file or a fault plan may name: the size the simulation
+measures every level at (relaunch_bench.simulation, docs/scale.md)."""
+
 __all__ = [
+    "MAX_PODS",
     "boolean",
     "choice",
     "integer",

@@ -53,7 +53,16 @@ from relaunch.errors import FaultPlanError, Problem
 from relaunch.faults import normalize_code
 from relaunch.protocol.integrity import Corruption, CorruptionTarget
 from relaunch.protocol.links import Cut
-from relaunch.validation import boolean, choice, integer, problems_from, reject, seconds, v
+from relaunch.validation import (
+    MAX_PODS,
+    boolean,
+    choice,
+    integer,
+    problems_from,
+    reject,
+    seconds,
+    v,
+)
 
 if TYPE_CHECKING:
     from relaunch.spec import JobSpec
@@ -170,9 +179,9 @@ class _Entry(BaseModel):
     kind: Annotated[PlannedFaultKind, v(choice(PlannedFaultKind))]
     at_step: Annotated[int | None, v(integer(0, _MAX_STEP, "steps"))] = None
     after_s: Annotated[float | None, v(seconds(-1e-9, _MAX_AFTER_S))] = None
-    pod: Annotated[int | None, v(integer(0, 4095, "pod index"))] = None
+    pod: Annotated[int | None, v(integer(0, MAX_PODS - 1, "pod index"))] = None
     node: Annotated[str | None, v(_node_name)] = None
-    rank: Annotated[int | None, v(integer(0, 4096 * 1024, "global rank"))] = None
+    rank: Annotated[int | None, v(integer(0, MAX_PODS * 1024, "global rank"))] = None
     local_rank: Annotated[int | None, v(integer(0, 1023, "rank within the pod"))] = None
     chip: Annotated[int | None, v(integer(0, 64, "chip index"))] = None
     exit_code: Annotated[int, v(integer(1, 255, "exit code"))] = 1

@@ -33,7 +33,16 @@ from relaunch.spec.vocabulary import (
     ProcessRecoverEnable,
     RecoverStrategy,
 )
-from relaunch.validation import boolean, choice, integer, raise_, reject, seconds, v
+from relaunch.validation import (
+    MAX_PODS,
+    boolean,
+    choice,
+    integer,
+    raise_,
+    reject,
+    seconds,
+    v,
+)
 
 __all__ = ["Annotations", "File", "Labels", "Metadata", "Workload"]
 
@@ -101,7 +110,7 @@ class Workload(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     command: Annotated[tuple[str, ...], v(r.command)]
-    replicas: Annotated[int, v(integer(1, 4096, "pods"))] = 1
+    replicas: Annotated[int, v(integer(1, MAX_PODS, "pods"))] = 1
     procs_per_pod: Annotated[int, v(integer(1, 1024, "processes per pod"))] = 1
     chips_per_pod: Annotated[int | None, v(integer(0, 1024, "chips per pod"))] = None
     env: Annotated[dict[str, str], v(r.env)] = Field(default_factory=dict)

@@ -170,9 +170,15 @@ def _instrument() -> None:
 
 @contextmanager
 def _more_descriptors() -> Iterator[None]:
-    """Thousands of connections: the soft limit of open files raised to the hard one."""
+    """Thousands of connections (two a node: its agent's and its launcher's, in the controller
+    and in the peers, which inherit it): the limit of open files raised to the kernel's
+    (`fs.nr_open`) where this process may raise it (root), else the soft limit to the hard."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    try:
+        most = int(Path("/proc/sys/fs/nr_open").read_text())
+        resource.setrlimit(resource.RLIMIT_NOFILE, (most, most))
+    except (OSError, ValueError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     try:
         yield
     finally:
