@@ -37,6 +37,13 @@ def _row(cost: str, figure: str, goal: str, met: bool | None) -> dict[str, Any]:
     return {"cost": cost, "figure": figure, "goal": goal, "met": "-" if met is None else met}
 
 
+def _at_most(
+    cost: str, figure: str, value: float | None, goal: float, unit: str = ""
+) -> dict[str, Any]:
+    """A goal that is a bound: met where the value is at most it (not known where unmeasured)."""
+    return _row(cost, figure, f"{goal}{unit}", None if value is None else value <= goal)
+
+
 def _restart(mttr: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A cold job-level restart of the DDP example: the stop and the spawn (detection to rank 0's
     new interpreter) beside torchrun's, which stops and spawns the same processes. relaunch's
@@ -84,14 +91,8 @@ def _overhead(overhead: list[dict[str, Any]]) -> list[dict[str, Any]]:
             f"{r.get('launchers_ms_per_proc_s')}, agents {r.get('agents_ms_per_proc_s')}"
         )
         figure = "not measured" if ms is None else f"{ms} ms ({parts})"
-        rows.append(
-            _row(
-                f"supervision's CPU per supervised process-second, heartbeat {r['heartbeat_s']:g} s",
-                figure,
-                f"{OVERHEAD_GOAL_MS} ms",
-                None if ms is None else ms <= OVERHEAD_GOAL_MS,
-            )
-        )
+        cost = f"supervision's CPU per supervised process-second, heartbeat {r['heartbeat_s']:g} s"
+        rows.append(_at_most(cost, figure, ms, OVERHEAD_GOAL_MS, " ms"))
     return rows
 
 
@@ -105,14 +106,8 @@ def _async_save(checkpoint: list[dict[str, Any]]) -> list[dict[str, Any]]:
             f"{ratio} (the loop: {r.get('loop_async_vs_sync')}; overlapped: "
             f"{r.get('loop_overlap_vs_sync')})"
         )
-        rows.append(
-            _row(
-                f"an asynchronous save's stall / a synchronous one's, {r['size_mb']} MB",
-                figure,
-                f"{ASYNC_GOAL}",
-                None if ratio is None else ratio <= ASYNC_GOAL,
-            )
-        )
+        cost = f"an asynchronous save's stall / a synchronous one's, {r['size_mb']} MB"
+        rows.append(_at_most(cost, figure, ratio, ASYNC_GOAL))
     return rows
 
 
