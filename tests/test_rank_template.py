@@ -206,3 +206,52 @@ def test_a_job_that_turns_the_template_off_starts_no_template(tmp_path: Path) ->
     template.start(cwd, {**env, "RELAUNCH_RANK_TEMPLATE": "0"})
     assert template.proc is None and not template.usable()
     assert template.fork(env, str(cwd), str(tmp_path / "a"), None) is None
+
+
+def test_a_rank_is_forked_from_a_ready_template_not_kept_waiting_for_a_spare_still_importing(
+    tmp_path: Path,
+    pod: tuple[RankTemplate, Path, dict[str, str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fault moments after a refill: the pool's one spare is importing (its gate shut), the
+    template is ready. The rank is forked from the template at once; the spare is not waited
+    for (a wait hurries it to the launcher's priority first). Without a template the rank waits
+    for that spare, the quickest left."""
+    import threading
+
+    from relaunch.launcher import spares as spares_module
+    from relaunch.launcher.ranks import rank_source
+    from relaunch.launcher.spares import SparePool
+
+    template, cwd, env = pod
+    assert template.ready.wait(timeout=60)
+    gate = tmp_path / "gate"
+    (tmp_path / "lib" / "slow_import.py").write_text(
+        "import pathlib, time\n"
+        f"while not pathlib.Path({str(gate)!r}).exists():\n"
+        "    time.sleep(0.01)\n"
+    )
+    hurried: list[int] = []
+    real_hurry = spares_module._hurry
+    monkeypatch.setattr(
+        spares_module, "_hurry", lambda spare: (hurried.append(spare.proc.pid), real_hurry(spare))
+    )
+    pool = SparePool(1, COMMAND)
+    pool.refill(cwd, {**env, "RELAUNCH_SPARE_PRELOAD": "slow_import"})
+    (importing,) = pool.spares
+    try:
+        assert rank_source(pool, template, None) == (None, template)
+        assert hurried == [] and pool.spares == [importing]
+        assert not importing.ready.is_set()
+        opener = threading.Timer(0.3, gate.write_text, args=("open",))
+        opener.start()
+        try:
+            without_template = RankTemplate(("/bin/sh", "-c", "exit 0"))  # never started
+            assert rank_source(pool, without_template, None) == (importing, None)
+        finally:
+            opener.join()
+        assert hurried and set(hurried) == {importing.proc.pid}
+    finally:
+        pool.retire()
+        importing.proc.kill()
+        importing.proc.wait()

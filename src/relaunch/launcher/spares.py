@@ -108,15 +108,15 @@ class SparePool:
             return False
         return sum(1 for sp in self.spares if sp.proc.poll() is None) < self.size
 
-    def take(self, visible: str | None = None) -> Spare | None:
+    def take(self, visible: str | None = None, wait: bool = True) -> Spare | None:
         """A spare that is ready and can be a rank that sees the GPUs `visible` (its
         CUDA_VISIBLE_DEVICES), or None. A ready spare that started CUDA on other GPUs is retired
         (the pod's GPUs changed since it started; a refill starts one on the new ones).
 
         Where none is ready but one is still importing (a fault soon after the pod or its
-        refill started), that one is waited for, at the launcher's priority again: it is
-        further along than a new process would be (a bench run whose standby launcher's spare
-        was still importing started its rank cold: 3.7 s against 0.4)."""
+        refill started) and `wait`, that one is waited for, at the launcher's priority again:
+        it is further along than a new process would be (a bench run whose standby launcher's
+        spare was still importing started its rank cold: 3.7 s against 0.4)."""
         for spare in list(self.spares):
             if not spare.ready.is_set() or spare.proc.poll() is not None:
                 continue
@@ -125,6 +125,8 @@ class SparePool:
                 return spare
             _end(spare)
         importing = next((sp for sp in self.spares if sp.proc.poll() is None), None)
+        if not wait:
+            return None
         if importing is None:
             return None
         deadline = time.monotonic() + READY_WAIT_S
