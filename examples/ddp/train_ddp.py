@@ -300,7 +300,16 @@ def process_level(args: argparse.Namespace) -> None:
     if job.rank == 0:
         print(f"backend: {dist.get_backend()} on {args.where}", flush=True)
 
+    # benchmarks: the rank exits by itself before a step, as a peer's script does (a
+    # replacement joined after it and never crashes)
+    crash_step = args.crash_at_step if not joined and job.proc_start_cnt == 1 else None
+
     def train_step(step: int) -> torch.Tensor:
+        if step == crash_step and job.rank == args.crash_rank:
+            if args.timeline:
+                with open(args.timeline, "a") as timeline:
+                    timeline.write(f"crash {step} {time.time():.6f}\n")
+            os._exit(1)
         x, y = (t.to(args.where) for t in shard(step, keeper.rank, keeper.world_size))
         optimizer.zero_grad()
         loss = nn.functional.mse_loss(keeper.module(x), y)
