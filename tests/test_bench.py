@@ -324,6 +324,15 @@ def test_the_bench_faults_land_between_checkpoints_and_the_save_rows_on_one() ->
         job = mttr._job("ddp", level, None)
         assert job["metadata"]["labels"]["process-recover-enable"] == "on", level
         assert "--slow-save-at" in job["spec"]["command"] or not level.endswith("@save")
+    for level in mttr.LEVELS:  # a crash row's rank exits by itself, timed on the script's clock
+        command = mttr._job("ddp", level, Path("timeline.txt"))["spec"]["command"]
+        scripted = mttr.handled_by(level) in ("job-reschedule", "process-in-place")
+        assert mttr.scripts_its_crash("ddp", level) is scripted, level
+        assert (f"--crash-at-step {FAULT_STEP}" in command) is scripted, (level, command)
+        assert ("--timeline timeline.txt" in command) is (
+            scripted or level not in mttr.PROCESS_LEVELS
+        )
+        assert not mttr.scripts_its_crash("light", level)
 
 
 def test_the_stall_ratios_interval_is_the_medians_order_statistics() -> None:

@@ -151,15 +151,15 @@ def _job(
     step_s: float | None = None,
 ) -> dict[str, Any]:
     annotations, _ = LEVELS[level]
+    crash = (
+        f" --crash-at-step {FAULT_STEP} --crash-rank {pods * procs - 1}"
+        if scripts_its_crash(workload, level)
+        else ""
+    )
     if workload == "light":
         command = f"python {TOY} --steps 60 --step-seconds 0.03 --ckpt-every 5"
         hang_s, grace = 2, 1
     else:
-        crash = (
-            f" --crash-at-step {FAULT_STEP} --crash-rank {pods * procs - 1}"
-            if scripts_its_crash(workload, level)
-            else ""
-        )
         command = f"python {DDP} --steps 60 --ckpt-every 5 --timeline {timeline_path}{crash}"
         hang_s, grace = 4, 3
     labels = {"fault-scheduling": "grace", "grace-over-time": str(grace)}
