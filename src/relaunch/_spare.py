@@ -4,7 +4,8 @@ for an identity and then runs a training script as if it had been started for it
 The launcher starts it as ``python -m relaunch._spare`` (stdin and stdout piped). It imports the
 modules of ``RELAUNCH_SPARE_PRELOAD`` (default: torch, torch.distributed, DDP and
 torch._dynamo, which torch.optim imports on first use: 1.7 s on our CI machines; torchrun's
-``record`` and relaunch's training SDK), writes ``ready``, and reads one JSON line: ``{"env": {...}, "argv": [script, args...], "cwd": dir, "log": path}``. It waits at a lower
+``record`` and relaunch's training SDK), writes ``ready``, and reads one JSON line:
+``{"env": {...}, "argv": [script, args...], "cwd": dir, "log": path}``. It waits at a lower
 CPU priority (SPARE_NICENESS) where it can raise it back, so that a refill does not slow the
 ranks training beside it, and trains at the launcher's. (``ready cuda GPUS`` where it also started
 CUDA on those GPUs: see below.) Then it becomes

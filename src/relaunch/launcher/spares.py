@@ -124,9 +124,9 @@ class SparePool:
             if spare.can_be(visible):
                 return spare
             _end(spare)
-        importing = next((sp for sp in self.spares if sp.proc.poll() is None), None)
         if not wait:
             return None
+        importing = next((sp for sp in self.spares if sp.proc.poll() is None), None)
         if importing is None:
             return None
         deadline = time.monotonic() + READY_WAIT_S
