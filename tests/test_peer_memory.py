@@ -640,6 +640,8 @@ def test_fsdp2_process_reschedule_keeps_the_healthy_rank_and_takes_the_moved_sha
             "peer_memory_mb": 16, "warm_spares": warm_spares,
         },
     }  # fmt: skip
+    if warm_spares:  # the spare, not a ready template, takes the moved rank (rank_source)
+        job["spec"]["env"] = {"RELAUNCH_RANK_TEMPLATE": "0"}
     if local:
         job["spec"]["local_checkpoint_dir"] = str(cluster.dir / "node-disks")
     result = cluster.run(

@@ -278,10 +278,13 @@ def test_r31_r32_warm_spares_replace_a_crashed_rank_then_a_lost_nodes_pod(
     """spec.warm_spares: 2 keeps two spare processes (torch imported) in each pod and on each
     standby node. A crashed rank becomes a pod spare; a pod moved off a lost node is taken by the
     standby node's launcher, whose spares become both its ranks. Three nodes: one standby (each
-    spare imports torch; a fourth node's would be two more on the tests' two cores)."""
+    spare imports torch; a fourth node's would be two more on the tests' two cores). No rank
+    template: where a pod's spare is still importing at the crash (a busy machine), a ready
+    template would fork the rank instead (launcher.ranks.rank_source, tested on its own)."""
     out = cluster.dir / "hash.txt"
     job = process_job(out)
     job["spec"]["warm_spares"] = 2
+    job["spec"]["env"] = {**job["spec"].get("env", {}), "RELAUNCH_RANK_TEMPLATE": "0"}
     faults = [
         {"kind": "process-exit", "at_step": 40, "pod": 1, "rank": 3, "exit_code": 1},
         {"kind": "node-down", "at_step": 80, "pod": 1},
